@@ -1,0 +1,20 @@
+"""aserve: an LLM inference server with paged KV cache, prefix sharing and continuous batching."""
+
+from aserve.config import EngineArgs
+from aserve.engine.async_engine import AsyncEngine
+from aserve.engine.llm_engine import LLMEngine
+from aserve.entrypoints.llm import LLM
+from aserve.outputs import CompletionOutput, Logprob, RequestOutput
+from aserve.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLM",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,91 @@
+"""Engine arguments (vLLM's names) and what they resolve to once the model's config is known."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF directory or .gguf file; None = the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 8192 on GPU, 2048 on CPU
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float | None = None  # KV budget; default on CPU: 2 GiB (capped to what can be used)
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests, experiments)
+    load_format: str = "auto"  # auto | dummy
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    debug_invariants: bool = False  # check block/queue invariants after every step (slow)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype.removeprefix("torch."), torch.float32)
+    if config_dtype is None:
+        config_dtype = torch.float32
+    if config_dtype == torch.float32 and device.type == "cuda":
+        return torch.bfloat16  # fp32 checkpoints run in bf16 on GPU, as in vLLM
+    return config_dtype
+
+
+def resolve_max_model_len(requested: int | None, hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    use_window = getattr(hf_config, "use_sliding_window", True)
+    if window and use_window:
+        limit = min(limit, window)  # no sliding-window attention: stay inside the window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len {requested} exceeds what the model supports ({limit}, from max_position_embeddings / "
+            "sliding_window); lower --max-model-len"
+        )
+    return requested

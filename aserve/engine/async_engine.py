@@ -1,0 +1,140 @@
+"""AsyncEngine: the engine driven by a step coroutine on the event loop.
+
+    event loop thread                          step worker thread
+    ─────────────────                          ──────────────────
+    schedule()  ──── SchedulerOutput ────────▶  execute(): model forward + sampling
+       ▲                                              │
+    process(): tokens, stop strings, text  ◀── RunnerOutput
+    → per-request asyncio.Queue → generate() iterators → HTTP streams
+
+Scheduler and request state are only touched on the loop thread, so they need no locks. An abort frees a
+request's blocks at once even while a step that uses them is running: blocks are only handed out again by the next
+schedule(), which waits for that step to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from aserve.config import EngineArgs
+from aserve.engine.llm_engine import LLMEngine, PromptType
+from aserve.outputs import RequestOutput
+from aserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("aserve")
+
+_INLINE_TOKENIZE_CHARS = 20_000  # longer prompts are tokenised in a thread, off the event loop
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-step")
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
+        return cls(LLMEngine(args))
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._step_loop(), name="aserve-step-loop")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for request_id in list(self._queues):
+            self.abort(request_id)
+        self._executor.shutdown(wait=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        request_id: str,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams deltas of one request. Closing the iterator early (a client that went away) aborts it.
+        Raises ValueError for bad input before anything is queued."""
+        self.start()
+        if not self.is_running:
+            raise EngineDeadError("the engine's step loop is not running")
+        if prompt_token_ids is None:
+            if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
+                prompt, prompt_token_ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
+            else:
+                prompt, prompt_token_ids = self.engine.tokenize_prompt(prompt)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.engine.add_request(request_id, prompt, params, delta=True, prompt_token_ids=prompt_token_ids)
+        self._queues[request_id] = queue
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort_request(request_id)
+
+    def abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        queue = self._queues.get(request_id)
+        if out is not None and queue is not None:
+            queue.put_nowait(out)
+
+    # -- the step loop ----------------------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            sched = engine.schedule()
+            if sched.is_empty:
+                await asyncio.sleep(0.001)
+                continue
+            try:
+                result = await loop.run_in_executor(self._executor, engine.execute, sched)
+                outputs = engine.process(sched, result)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failed step ends its requests, never the loop
+                outputs = engine.fail_step(sched, e)
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)  # let handlers send what just arrived

@@ -1,0 +1,127 @@
+"""Maps requests to KV cache blocks: prefix-cache lookups, slot allocation, freeing.
+
+A request's blocks cover its tokens in order (block i holds tokens [i*bs, (i+1)*bs)). Its first blocks may be
+shared with other requests through the prefix cache; blocks are registered in the cache as soon as they are fully
+scheduled, so a request scheduled later in the same step can already share them: each layer writes the step's new
+K/V into the cache before any attention reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aserve.engine.block_pool import BlockPool, KVCacheBlock
+from aserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered by hash
+        self.stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of `request`, as (blocks, number of tokens). The last token of the request is
+        never served from the cache: its logits are needed."""
+        if request.hasher is None:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        if request.num_preemptions == 0:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Makes room for `num_new_tokens` more tokens after the computed ones (plus the prefix hits in
+        `new_computed_blocks`, which the request takes references on). Returns the newly allocated blocks, or None
+        when the pool cannot supply them — then nothing has changed."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(num_required - len(blocks) - len(new_computed_blocks), 0)
+        # Reviving a cached-evictable prefix block also takes it out of the free list.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return None
+
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+
+        if request.hasher is not None:
+            # Register the blocks that become full of known tokens once this step is computed.
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+            num_cached = self.num_cached_blocks.get(request.request_id, 0)
+            if num_full > num_cached:
+                self.pool.cache_blocks(blocks[num_cached:num_full], request.block_hashes[num_cached:num_full])
+                self.num_cached_blocks[request.request_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, tail first: its last blocks are the first to be evicted."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def forget_uncomputed(self, request: Request, num_valid_tokens: int) -> None:
+        """A step that was to compute `request` failed: only its first `num_valid_tokens` tokens have KV. Drop the
+        cache entries of the blocks after them."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        first_uncomputed = num_valid_tokens // self.block_size
+        self.pool.uncache_blocks(blocks[first_uncomputed:])
+        self.num_cached_blocks[request.request_id] = min(
+            self.num_cached_blocks.get(request.request_id, 0), first_uncomputed
+        )
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def check_invariants(self, live_requests: list[Request]) -> None:
+        """Every block's ref count equals the number of live requests holding it; free-list membership matches."""
+        expected = [0] * self.pool.num_blocks
+        live_ids = {r.request_id for r in live_requests}
+        assert set(self.req_to_blocks) <= live_ids, f"blocks held by dead requests: {set(self.req_to_blocks) - live_ids}"
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                expected[b.block_id] += 1
+        in_free = {b.block_id for b in self.pool.free_block_queue}
+        assert len(in_free) == self.pool.num_free_blocks
+        for block in self.pool.blocks:
+            assert block.ref_cnt == expected[block.block_id], f"{block}: expected ref_cnt {expected[block.block_id]}"
+            assert (block.ref_cnt == 0) == (block.block_id in in_free), f"{block} free-list membership is wrong"
+        for h, block in self.pool.cached_blocks.items():
+            assert block.block_hash == h

@@ -1,0 +1,365 @@
+"""The engine: requests in, RequestOutputs out. One step = schedule -> execute (model) -> process (tokens, stop
+conditions, text).
+
+`execute` touches only the model and the KV tensors, so AsyncEngine runs it in a worker thread while `schedule` and
+`process` stay on the event loop; `step` does all three in a row for the offline API.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
+from aserve.engine.block_hash import BlockHasher
+from aserve.engine.detokenizer import IncrementalDetokenizer
+from aserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from aserve.engine.model_runner import ModelRunner, RunnerOutput
+from aserve.engine.request import Request, RequestStatus
+from aserve.engine.scheduler import Scheduler, SchedulerOutput
+from aserve.engine.stats import EngineStats
+from aserve.model.loader import resolve_model
+from aserve.outputs import CompletionOutput, Logprob, RequestOutput
+from aserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("aserve")
+
+PromptType = str | dict
+
+_CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One client request: its `n` child Requests (one sequence each) and what has been reported so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    delta: bool  # stream deltas (AsyncEngine) or report once, cumulatively, when finished (LLM.generate)
+    logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
+    sent_text: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    finish_sent: list[bool] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        args.validate()
+        self.args = args
+        t0 = time.perf_counter()
+        model_dir, default_name = resolve_model(args.model)
+        self.model_dir = model_dir
+        self.served_model_name = args.served_model_name or default_name
+        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.hf_config, self.device)
+        self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
+        self.block_size = args.block_size
+        max_num_batched_tokens = args.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
+        self.eos_token_id = _eos_token_id(self.hf_config, self.tokenizer)
+        self.vocab_size = self.hf_config.vocab_size
+
+        self.runner = ModelRunner(
+            self.hf_config,
+            model_dir,
+            self.dtype,
+            self.device,
+            max_model_len=self.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=self.block_size,
+            load_format=args.load_format,
+            seed=args.seed,
+        )
+        num_blocks = self._num_kv_blocks()
+        min_blocks = cdiv(self.max_model_len, self.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len "
+                f"({self.max_model_len}): one long request could never run. Give the cache more memory "
+                "(gpu_memory_utilization / kv_cache_memory_gb) or lower max_model_len."
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.num_kv_blocks = num_blocks
+        self.kv_manager = KVCacheManager(num_blocks, self.block_size)
+        self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.states: dict[str, RequestState] = {}
+        self.child_to_state: dict[str, tuple[RequestState, int]] = {}
+        self.stats = EngineStats()
+        self.startup_time = time.perf_counter() - t0
+        logger.info(
+            "Loaded %s (%s, %.1fM params, %s on %s) in %.1f s; KV cache: %d blocks x %d = %d tokens; "
+            "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
+            self.served_model_name,
+            (getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0],
+            self.runner.num_params / 1e6,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            self.startup_time,
+            num_blocks,
+            self.block_size,
+            self.kv_capacity_tokens,
+            self.max_model_len,
+            args.max_num_seqs,
+            max_num_batched_tokens,
+            "on" if args.enable_prefix_caching else "off",
+        )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def _num_kv_blocks(self) -> int:
+        args = self.args
+        per_block = self.runner.kv_bytes_per_block
+        if args.num_gpu_blocks_override is not None:
+            return args.num_gpu_blocks_override
+        if args.kv_cache_memory_gb is not None:
+            return int(args.kv_cache_memory_gb * (1 << 30)) // per_block
+        if self.device.type == "cuda":
+            return self.runner.profile_num_kv_blocks(args.gpu_memory_utilization)
+        # CPU: a fixed budget, but no more than every sequence at full length could use.
+        useful = args.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        return min(_CPU_DEFAULT_KV_BYTES // per_block, useful)
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids' or 'prompt', got {type(prompt)}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        delta: bool = False,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> RequestState:
+        """Validates and queues a request. Raises ValueError (bad input) without changing any state."""
+        params = params or SamplingParams()
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self.states or any(c in self.scheduler.requests for c in child_ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        else:
+            prompt_text = prompt if isinstance(prompt, str) else None
+        self.validate_prompt(prompt_token_ids)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
+
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if self.args.enable_prefix_caching:
+            hasher = BlockHasher(self.block_size, params.cache_salt)
+        elif params.n > 1:  # siblings still share the prompt's blocks, with nobody else
+            hasher = BlockHasher(self.block_size, f"group:{id(params)}:{request_id}")
+        else:
+            hasher = None
+        children = []
+        detokenizers = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            children.append(Request(child_ids[i], prompt_token_ids, child_params, self.eos_token_id, hasher, arrival_time))
+            detokenizers.append(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    params.stop_strings,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                )
+            )
+        state = RequestState(
+            request_id,
+            prompt_text,
+            prompt_token_ids,
+            params,
+            children,
+            detokenizers,
+            delta,
+            logprobs=[[] for _ in children],
+            sent_text=[0] * params.n,
+            sent_tokens=[0] * params.n,
+            finish_sent=[False] * params.n,
+        )
+        self.states[request_id] = state
+        for i, child in enumerate(children):
+            self.child_to_state[child.request_id] = (state, i)
+            self.scheduler.add_request(child)
+        self.stats.on_request_added(len(prompt_token_ids))
+        return state
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, more than max_model_len ({self.max_model_len}); shorten it"
+            )
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is out of range [0, {self.vocab_size})")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort")."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for child in state.children:
+            if not child.is_finished:
+                self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+        return self._finalize(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.schedule()
+        if sched.is_empty:
+            return []
+        return self.process(sched, self.execute(sched))
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def fail_step(self, sched: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
+        """The model step raised: end the requests it carried with an error; everything else goes on."""
+        logger.exception("model step failed; ending its %d requests", len(sched.scheduled), exc_info=error)
+        self.scheduler.rollback_failed_step(sched)
+        touched = []
+        for s in sched.scheduled:
+            if s.request.is_finished:  # aborted while the step ran
+                continue
+            self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ERROR)
+            state, _ = self.child_to_state[s.request.request_id]
+            state.error = f"internal error while running the model: {type(error).__name__}"
+            if state not in touched:
+                touched.append(state)
+        return [out for st in touched if (out := self._finalize(st)) is not None]
+
+    def process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        now = time.monotonic()
+        changed: list[RequestState] = []
+        tokens = result.sampler_output.token_ids
+        logprobs = result.sampler_output.logprobs
+        for s, token_id, lp in zip(result.sampled, tokens, logprobs):
+            request = s.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            state, index = self.child_to_state[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            finished = self.scheduler.append_token(request, token_id)
+            stop = state.detokenizers[index].add_token(token_id)
+            if stop is not None:
+                request.stop_reason = stop
+                if finished:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if lp is not None:
+                state.logprobs[index].append(self._logprob_dict(lp))
+            if not changed or changed[-1] is not state:
+                changed.append(state)
+        self.stats.on_step(sched, len(tokens), self.scheduler, self.kv_manager)
+        if self.args.debug_invariants:
+            self.scheduler.check_invariants()
+
+        outputs = []
+        for state in dict.fromkeys(changed):
+            out = self._finalize(state) if state.finished else (self._make_output(state) if state.delta else None)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _logprob_dict(self, lp) -> dict[int, Logprob]:
+        texts = self.tokenizer.batch_decode([[t] for t in lp.token_ids])
+        out = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.sampled_rank, texts[0])}
+        for rank, (tid, value, text) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:], texts[1:]), start=1):
+            out.setdefault(tid, Logprob(value, rank, text))
+        return out
+
+    def _finalize(self, state: RequestState) -> RequestOutput | None:
+        if self.states.pop(state.request_id, None) is None:
+            return None  # already reported
+        for child in state.children:
+            self.child_to_state.pop(child.request_id, None)
+        self.stats.on_request_finished(state)
+        return self._make_output(state)
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        completions = []
+        for i, (child, detok) in enumerate(zip(state.children, state.detokenizers)):
+            finished = child.is_finished
+            text_end = detok.streamable_len(finished)
+            n_tokens = child.num_output_tokens
+            if state.delta:
+                if text_end == state.sent_text[i] and n_tokens == state.sent_tokens[i] and (
+                    not finished or state.finish_sent[i]
+                ):
+                    continue
+                text = detok.text[state.sent_text[i] : text_end]
+                token_ids = child.output_token_ids[state.sent_tokens[i] :]
+                logprobs = state.logprobs[i][state.sent_tokens[i] :] if state.params.logprobs is not None else None
+            else:
+                text, token_ids = detok.text[:text_end], child.output_token_ids
+                logprobs = state.logprobs[i] if state.params.logprobs is not None else None
+            state.sent_text[i], state.sent_tokens[i] = text_end, n_tokens
+            state.finish_sent[i] = finished
+            completions.append(
+                CompletionOutput(i, text, token_ids, child.status.finish_reason, child.stop_reason, logprobs)
+            )
+        if not completions:
+            return None
+        first = state.children[0]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=max(0, first.num_cached_tokens),
+            error=state.error,
+        )
+
+    # -- misc -------------------------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_manager.reset_prefix_cache()
+
+
+def _eos_token_id(hf_config, tokenizer) -> int | None:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+    return eos
+

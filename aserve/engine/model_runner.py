@@ -1,0 +1,234 @@
+"""Owns the model, the KV cache tensor and the step's input buffers; turns a SchedulerOutput into sampled tokens.
+
+Inputs live in preallocated buffers of the largest size a step can have (max_num_batched_tokens tokens,
+max_num_seqs requests): a step fills a prefix of them on the host and copies that prefix to the device, so the
+device tensors have stable addresses (what CUDA graphs need).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from aserve.engine.kv_cache_manager import cdiv
+from aserve.engine.sampler import Sampler, SamplerOutput
+from aserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from aserve.model.llama import ARCHITECTURES
+from aserve.model.loader import load_weights
+
+logger = logging.getLogger("aserve")
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Sampled tokens of the requests that sample this step, in `SchedulerOutput.scheduled` order."""
+
+    sampled: list[ScheduledRequest]
+    sampler_output: SamplerOutput
+
+
+class InputBuffers:
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+
+        def host(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
+        self.host = {
+            "input_ids": host(max_tokens, dtype=torch.int64),
+            "positions": host(max_tokens, dtype=torch.int64),
+            "slot_mapping": host(max_tokens, dtype=torch.int64),
+            "query_start_loc": host(max_reqs + 1, dtype=torch.int32),
+            "seq_lens": host(max_reqs, dtype=torch.int32),
+            "block_tables": host(max_reqs, max_blocks, dtype=torch.int32),
+            "logits_indices": host(max_reqs, dtype=torch.int64),
+        }
+        self.np = {k: v.numpy() for k, v in self.host.items()}
+        self.device = {k: v.to(device) for k, v in self.host.items()} if device.type != "cpu" else self.host
+
+    def to_device(self, name: str, n: int, cols: int | None = None) -> torch.Tensor:
+        src, dst = self.host[name], self.device[name]
+        if cols is not None:
+            src, dst = src[:n, :cols], dst[:n, :cols]
+        else:
+            src, dst = src[:n], dst[:n]
+        if dst is not src:
+            dst.copy_(src, non_blocking=True)
+        return dst
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        hf_config,
+        model_dir: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        load_format: str,
+        seed: int,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.backend = backend or TorchAttentionBackend()
+
+        t0 = time.perf_counter()
+        torch.manual_seed(seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = ARCHITECTURES[arch](hf_config, self.backend, max_position=max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.to_empty(device=device)
+        model.rotary.materialize(device)
+        load_weights(model, model_dir, load_format, seed, show_progress=True)
+        self.model = model.eval()
+        self.load_time = time.perf_counter() - t0
+        self.num_params = sum(p.numel() for p in model.parameters())
+
+        attn = model.layers[0].self_attn
+        self.num_layers = len(model.layers)
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
+        self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq, device)
+        self.sampler = Sampler(device, seed)
+        self.kv_caches: torch.Tensor | None = None
+
+    # -- KV cache ---------------------------------------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """[num_layers, 2 (K/V), num_blocks, block_size, num_kv_heads, head_dim], zeroed: padded attention reads
+        of never-written slots must see finite values."""
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def profile_num_kv_blocks(self, utilization: float) -> int:
+        """GPU: run the largest step once (one prompt of max_num_batched_tokens tokens) to measure peak activation
+        memory, then give the KV cache what `utilization` of the device leaves."""
+        n = min(self.max_num_batched_tokens, self.max_model_len)
+        num_blocks = cdiv(n, self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        positions = torch.arange(n, device=self.device)
+        meta = AttentionMetadata(
+            num_tokens=n,
+            num_decodes=0,
+            slot_mapping=positions,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            query_start_loc_cpu=[0, n],
+            seq_lens_cpu=[n],
+            max_seq_len=n,
+        )
+        self.backend.prepare(meta, self.block_size)
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[: min(n, self.buffers.np["logits_indices"].shape[0])])
+        torch.cuda.synchronize()
+        activation_peak = torch.cuda.max_memory_allocated() - baseline
+        self.kv_caches = None
+        del hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = int(total * utilization) - (total - free) - activation_peak
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization} "
+                f"({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB, activations need "
+                f"{activation_peak / 2**30:.1f} GiB); raise it or lower max_num_batched_tokens"
+            )
+        return budget // self.kv_bytes_per_block
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        # Single-token requests first: attention backends batch them.
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        meta, logits_indices, sampled = self._prepare(order)
+        self.backend.prepare(meta, self.block_size)
+        input_ids = self.buffers.to_device("input_ids", meta.num_tokens)
+        positions = self.buffers.to_device("positions", meta.num_tokens)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sampled:
+            return RunnerOutput([], SamplerOutput([], []))
+        logits = self.model.compute_logits(hidden[logits_indices])
+        # The sampler wants scheduler order; `order` may differ.
+        rank = {id(s): i for i, s in enumerate(sampled)}
+        sampled_in_order = [s for s in sched.scheduled if s.samples]
+        perm = [rank[id(s)] for s in sampled_in_order]
+        if perm != list(range(len(perm))):
+            logits = logits[torch.tensor(perm, device=logits.device)]
+        out = self.sampler(logits, [s.request for s in sampled_in_order])
+        return RunnerOutput(sampled_in_order, out)
+
+    def _prepare(self, order: list[ScheduledRequest]):
+        buf = self.buffers.np
+        bs = self.block_size
+        num_reqs = len(order)
+        query_start = [0]
+        seq_lens = []
+        sampled = []
+        logits_indices = []
+        max_blocks = 1
+        t = 0
+        for i, s in enumerate(order):
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            end = start + n
+            buf["input_ids"][t : t + n] = s.request.all_token_ids[start:end]
+            buf["positions"][t : t + n] = np.arange(start, end)
+            block_ids = np.asarray(s.block_ids, dtype=np.int64)
+            pos = buf["positions"][t : t + n]
+            buf["slot_mapping"][t : t + n] = block_ids[pos // bs] * bs + pos % bs
+            # Entries past a request's own blocks keep stale (valid) block ids; nothing reads them unmasked.
+            buf["block_tables"][i, : len(block_ids)] = block_ids
+            max_blocks = max(max_blocks, len(block_ids))
+            t += n
+            query_start.append(t)
+            seq_lens.append(end)
+            if s.samples:
+                sampled.append(s)
+                logits_indices.append(t - 1)
+        buf["query_start_loc"][: num_reqs + 1] = query_start
+        buf["seq_lens"][:num_reqs] = seq_lens
+        buf["logits_indices"][: len(logits_indices)] = logits_indices
+        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
+        meta = AttentionMetadata(
+            num_tokens=t,
+            num_decodes=num_decodes,
+            slot_mapping=self.buffers.to_device("slot_mapping", t),
+            query_start_loc=self.buffers.to_device("query_start_loc", num_reqs + 1),
+            seq_lens=self.buffers.to_device("seq_lens", num_reqs),
+            block_tables=self.buffers.to_device("block_tables", num_reqs, max_blocks),
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+            max_seq_len=max(seq_lens),
+        )
+        logits_indices_t = self.buffers.to_device("logits_indices", len(logits_indices))
+        return meta, logits_indices_t, sampled

@@ -1,0 +1,193 @@
+"""One token budget per step, no prefill/decode phases (vLLM v1's model).
+
+Each step: running requests first (in arrival order), then waiting ones FCFS, each given up to
+`num_tokens - num_computed_tokens` tokens from the shared budget. A prompt longer than what is left is chunked; the
+rest comes in later steps, mixed with other requests' decodes. When the pool runs out of blocks, the newest running
+request is preempted: its blocks are freed and it is recomputed later (prefix caching usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from aserve.engine.kv_cache_manager import KVCacheManager
+from aserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Does this step produce a new token for the request (is its last known token computed)?"""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request wherever it is (abort, stop string) and frees its blocks. Unknown ids are ignored."""
+        assert status.finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step --------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"{request} has nothing to compute"
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # preempted itself: everything after it already was
+            self._schedule(out, request, num_new)
+            budget -= num_new
+            i += 1
+
+        now = time.monotonic()
+        # Admitting new work right after a preemption would just preempt again.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit, budget)
+            if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens += num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.scheduled_time is None:
+                request.scheduled_time = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule(out, request, num_new)
+            budget -= num_new
+        return out
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.scheduled.append(
+            ScheduledRequest(request, request.num_computed_tokens, num_new, self.kv.get_block_ids(request.request_id))
+        )
+        request.num_computed_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the step --------------------------------------------------------------------------------------
+
+    def append_token(self, request: Request, token_id: int) -> bool:
+        """Adds a sampled token; finishes the request (freeing its blocks) if a stop condition is met.
+        Returns whether it finished."""
+        request.append_token(token_id)
+        params = request.sampling_params
+        status = None
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+        if status is None and (
+            (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
+            or request.num_tokens >= self.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        self.finish_request(request.request_id, status)
+        return True
+
+    def rollback_failed_step(self, out: SchedulerOutput) -> None:
+        """The model step for `out` failed: nothing it scheduled was computed."""
+        for s in out.scheduled:
+            if s.request.status == RequestStatus.RUNNING:
+                s.request.num_computed_tokens = s.num_computed_tokens
+                self.kv.forget_uncomputed(s.request, s.num_computed_tokens)
+
+    def check_invariants(self) -> None:
+        live = list(self.running) + list(self.waiting)
+        assert len(live) == len(self.requests) and all(self.requests[r.request_id] is r for r in live)
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
+        assert len(self.running) <= self.max_num_seqs
+        for r in self.waiting:
+            if r.status == RequestStatus.PREEMPTED:
+                assert r.num_computed_tokens == 0 and r.request_id not in self.kv.req_to_blocks
+        self.kv.check_invariants(live)

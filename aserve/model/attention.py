@@ -1,0 +1,142 @@
+"""Attention over a flat batch with a paged KV cache.
+
+Layout of one layer's cache (vLLM's flash layout), shared by every backend:
+
+    kv_cache[layer]  [2, num_blocks, block_size, num_kv_heads, head_dim]     (0 = K, 1 = V)
+    slot s           = block_id * block_size + offset   (one token's K/V)
+
+A step's batch is flat: the query tokens of all requests are concatenated (no padding). Requests with a single query
+token ("decodes") come first, so a backend can treat them as one batch.
+
+    tokens     | r0 | r1 | r2 r2 r2 r2 | r3 r3 |        query_start_loc = [0, 1, 2, 6, 8], num_decodes = 2
+    seq_lens   | 37 | 12 |     4      |  130  |        (tokens in the cache after this step, incl. new ones)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    num_decodes: int  # the first `num_decodes` requests have exactly one query token
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    # Host copies, so backends that loop over requests need no device sync.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_seq_len: int
+    backend_data: dict = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Writes the step's new K/V into the paged cache and computes causal attention for every query token."""
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Per-step work shared by all layers (called once before the forward)."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D] -> out [T, H, D]."""
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Pure-torch reference for the cache write: kv_cache[:, slot] = (k, v)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend in plain torch (CPU, or any device): decodes as one padded SDPA call, every other request
+    with its own SDPA call over its gathered context."""
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        device = meta.slot_mapping.device
+        offsets = torch.arange(block_size, device=device)
+        data = meta.backend_data
+        nd = meta.num_decodes
+        if nd:
+            seq_lens = meta.seq_lens[:nd].long()
+            max_len = max(meta.seq_lens_cpu[:nd])
+            num_blocks = -(-max_len // block_size)
+            tables = meta.block_tables[:nd, :num_blocks].long()
+            slots = (tables.unsqueeze(-1) * block_size + offsets).flatten(1)[:, :max_len]
+            data["decode_slots"] = slots
+            positions = torch.arange(max_len, device=device)
+            data["decode_mask"] = (positions < seq_lens.unsqueeze(1)).view(nd, 1, 1, max_len)
+        prefills = []
+        for i in range(nd, meta.num_reqs):
+            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            seq_len = meta.seq_lens_cpu[i]
+            q_len = end - start
+            if seq_len == q_len:  # no context in the cache: attend to the fresh k/v
+                prefills.append((start, end, None, None))
+                continue
+            num_blocks = -(-seq_len // block_size)
+            table = meta.block_tables[i, :num_blocks].long()
+            slots = (table.unsqueeze(-1) * block_size + offsets).flatten()[:seq_len]
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            mask = q_pos.unsqueeze(1) >= torch.arange(seq_len, device=device).unsqueeze(0)  # [q_len, seq_len]
+            prefills.append((start, end, slots, mask))
+        data["prefills"] = prefills
+
+    def forward(self, q, k, v, kv_cache, meta):
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        out = torch.empty_like(q)
+        data = meta.backend_data
+        nd = meta.num_decodes
+        if nd:
+            slots = data["decode_slots"]
+            kd = k_flat[slots].transpose(1, 2)  # [nd, Hkv, S, D]
+            vd = v_flat[slots].transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=data["decode_mask"], enable_gqa=True)
+            out[:nd] = o.squeeze(2)
+        for start, end, slots, mask in data["prefills"]:
+            qp = q[start:end].transpose(0, 1)  # [H, q_len, D]
+            if slots is None:
+                kp, vp = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+            else:
+                kp, vp = k_flat[slots].transpose(0, 1), v_flat[slots].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+
+def reference_paged_attention(q, kv_cache, meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """The slowest, most obvious implementation (after the cache write): a loop over requests with an explicit
+    softmax in float32. Kernels are tested against this."""
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    for i in range(meta.num_reqs):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        seq_len = meta.seq_lens_cpu[i]
+        pos = torch.arange(seq_len, device=q.device)
+        slots = meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+        k = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        v = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        qi = q[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * head_dim**-0.5
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        scores.masked_fill_(q_pos[None, :, None] < pos[None, None, :], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,115 @@
+"""Tiny random models with real tokenizers, written to disk like any HF checkpoint, for exact-parity tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB_SIZE = 384
+EOS_ID = 1
+BOS_ID = 0
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in blocks of sixteen "
+    "tokens. Prefix caching shares blocks between requests that start with the same tokens. Continuous batching "
+    "adds and removes requests at every step. Chunked prefill splits long prompts. Hello world! 0123456789 "
+)
+
+
+def build_tokenizer(path: str):
+    """A byte-level BPE trained on a small corpus: every byte decodes, merges make multi-byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 20, trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    hf_tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    hf_tok.save_pretrained(path)
+    return hf_tok
+
+
+def make_config(variant: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        initializer_range=0.25,  # peaked logits: argmax is not decided by float rounding
+        tie_word_embeddings=False,
+    )
+    if variant == "mha":
+        return LlamaConfig(**common)
+    if variant == "gqa":
+        return LlamaConfig(**{**common, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16})
+    if variant == "tied":
+        return LlamaConfig(**{**common, "num_key_value_heads": 2, "tie_word_embeddings": True})
+    if variant == "llama3_rope":
+        return LlamaConfig(
+            **{**common, "num_key_value_heads": 2},
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if variant == "qwen2":
+        return Qwen2Config(**{**common, "num_key_value_heads": 2, "use_sliding_window": False})
+    raise ValueError(variant)
+
+
+def make_tiny_model(path: str, variant: str, seed: int = 0) -> str:
+    """Writes config.json + model.safetensors + tokenizer to `path` (once) and returns it."""
+    from transformers import AutoModelForCausalLM
+
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(variant), dtype=torch.float32)
+    model.save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time; output tokens up to and including EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            gen = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )[0, len(ids) :].tolist()
+            if EOS_ID in gen:
+                gen = gen[: gen.index(EOS_ID) + 1]
+            outs.append(gen)
+    return outs
