@@ -65,7 +65,7 @@ class KVCacheManager:
         `new_computed_blocks`, which the request takes references on). Returns the newly allocated blocks, or None
         when the pool cannot supply them — then nothing has changed."""
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(num_required - len(blocks) - len(new_computed_blocks), 0)
@@ -74,6 +74,7 @@ class KVCacheManager:
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return None
 
+        self.req_to_blocks[request.request_id] = blocks
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)

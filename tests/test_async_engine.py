@@ -1,0 +1,149 @@
+"""AsyncEngine: streamed deltas, concurrent requests, aborts, failed steps, a free event loop."""
+
+import asyncio
+import random
+
+import pytest
+
+from aserve import LLM, AsyncEngine, EngineArgs, SamplingParams
+
+
+def prompt(n, seed=0):
+    rng = random.Random(seed)
+    return {"prompt_token_ids": [rng.randrange(2, 384) for _ in range(n)]}
+
+
+@pytest.fixture
+def engine(tiny_model):
+    return AsyncEngine.from_engine_args(
+        EngineArgs(model=tiny_model, dtype="float32", max_num_batched_tokens=32, debug_invariants=True)
+    )
+
+
+async def collect(engine, p, params, request_id):
+    chunks = []
+    async for out in engine.generate(p, params, request_id):
+        chunks.append(out)
+    return chunks
+
+
+def assert_all_blocks_free(core):
+    assert core.kv_manager.pool.num_free_blocks == core.num_kv_blocks
+    assert not core.kv_manager.req_to_blocks and not core.scheduler.has_unfinished() and not core.states
+
+
+async def test_streamed_deltas_equal_offline_output(engine, tiny_model):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [prompt(n, seed=n) for n in (5, 40, 70)]
+    results = await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
+    offline = LLM(tiny_model, dtype="float32").generate(prompts, params)
+    for chunks, ref in zip(results, offline):
+        assert len(chunks) > 1 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+        tokens = [t for c in chunks for t in c.outputs[0].token_ids]
+        text = "".join(c.outputs[0].text for c in chunks)
+        assert tokens == ref.outputs[0].token_ids and text == ref.outputs[0].text
+        assert chunks[-1].outputs[0].finish_reason == "length"
+    assert_all_blocks_free(engine.engine)
+    await engine.shutdown()
+
+
+async def test_n2_stream_reports_each_index(engine):
+    chunks = await collect(engine, prompt(10), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8), "n2")
+    per_index = {0: [], 1: []}
+    finishes = {}
+    for c in chunks:
+        for comp in c.outputs:
+            per_index[comp.index] += comp.token_ids
+            if comp.finish_reason:
+                assert comp.index not in finishes
+                finishes[comp.index] = comp.finish_reason
+    assert all(len(v) <= 8 and v for v in per_index.values()) and set(finishes) == {0, 1}
+    await engine.shutdown()
+
+
+async def test_client_going_away_aborts_and_frees_blocks(engine):
+    gen = engine.generate(prompt(50), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), "leaver")
+    received = 0
+    async for _ in gen:
+        received += 1
+        if received == 3:
+            break
+    await gen.aclose()
+    assert_all_blocks_free(engine.engine)
+    assert engine.engine.stats.finished_total["abort"] == 1
+    # The engine keeps serving.
+    chunks = await collect(engine, prompt(8), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "next")
+    assert chunks[-1].finished
+    await engine.shutdown()
+
+
+async def test_cancelled_handler_task_aborts(engine):
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in engine.generate(prompt(30), SamplingParams(max_tokens=500, ignore_eos=True), "cancel-me"):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert_all_blocks_free(engine.engine)
+    await engine.shutdown()
+
+
+async def test_bad_input_raises_and_engine_keeps_serving(engine):
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        async for _ in engine.generate({"prompt_token_ids": [3] * 10_000}, SamplingParams(), "too-long"):
+            pass
+    with pytest.raises(ValueError, match="out of range"):
+        async for _ in engine.generate({"prompt_token_ids": [1, 999_999]}, SamplingParams(), "bad-id"):
+            pass
+    with pytest.raises(ValueError, match="empty"):
+        async for _ in engine.generate("", SamplingParams(), "empty"):
+            pass
+    chunks = await collect(engine, "Hello world", SamplingParams(max_tokens=3, ignore_eos=True), "ok")
+    assert chunks[-1].finished
+    assert_all_blocks_free(engine.engine)
+    await engine.shutdown()
+
+
+async def test_failed_step_ends_its_requests_only(engine, monkeypatch):
+    core = engine.engine
+    real_execute = core.runner.execute
+    calls = {"n": 0}
+
+    def flaky(sched):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault")
+        return real_execute(sched)
+
+    monkeypatch.setattr(core.runner, "execute", flaky)
+    chunks = await collect(engine, prompt(12), SamplingParams(max_tokens=10, ignore_eos=True), "victim")
+    assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "error"
+    assert "injected" not in (chunks[-1].error or "") and chunks[-1].error
+    assert_all_blocks_free(core)
+    ok = await collect(engine, prompt(12), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "after")
+    assert ok[-1].outputs[0].finish_reason == "length"
+    await engine.shutdown()
+
+
+async def test_event_loop_runs_while_the_model_steps(engine):
+    """Model steps run in a worker thread: other coroutines keep running between (and during) steps."""
+    ticks = []
+
+    async def ticker():
+        while True:
+            ticks.append(len(outputs))
+            await asyncio.sleep(0)
+
+    outputs = []
+    task = asyncio.create_task(ticker())
+    async for out in engine.generate(prompt(60), SamplingParams(max_tokens=30, ignore_eos=True), "long"):
+        outputs.append(out)
+    task.cancel()
+    # The ticker ran while every one of the 30 outputs was being produced.
+    assert set(range(len(outputs))) <= set(ticks)
+    await engine.shutdown()

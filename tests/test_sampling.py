@@ -1,0 +1,165 @@
+"""Sampling parameters checked on real output of a tiny model (references computed with transformers)."""
+
+import random
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from tiny_models import EOS_ID
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model, dtype="float32", max_model_len=256, debug_invariants=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def prompt(n, seed=0):
+    rng = random.Random(seed)
+    return {"prompt_token_ids": [rng.randrange(2, 384) for _ in range(n)]}
+
+
+def gen1(llm, p, **kw):
+    return llm.generate(p, SamplingParams(**kw))[0].outputs[0]
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(prompt(10), params)[0].outputs[0].token_ids
+    others = [prompt(5 + i, seed=i + 10) for i in range(5)]
+    noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(others[:2] + [prompt(10)] + others[2:], [noise, noise, params, noise, noise, noise])
+    assert batch[2].outputs[0].token_ids == alone
+    other_seed = gen1(llm, prompt(10), temperature=1.0, seed=99, max_tokens=20, ignore_eos=True).token_ids
+    assert other_seed != alone
+
+
+def test_n_samples(llm):
+    out = llm.generate(prompt(12), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 16 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert llm.engine.kv_manager.pool.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_n_samples_share_prompt_blocks_without_prefix_caching(tiny_model):
+    llm = LLM(tiny_model, dtype="float32", enable_prefix_caching=False, debug_invariants=True)
+    engine = llm.engine
+    engine.add_request("r", prompt(40), SamplingParams(n=3, temperature=1.0, max_tokens=4))
+    engine.step()
+    # 40 prompt tokens: blocks 0 and 1 (full) are shared by all three samples; each has its own third block.
+    blocks = [engine.kv_manager.get_block_ids(f"r#{i}") for i in range(3)]
+    assert blocks[0][:2] == blocks[1][:2] == blocks[2][:2]
+    assert len({b[2] for b in blocks}) == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_manager.stats.hits == 2 * 32  # the second and third sample hit two blocks each
+    # An unrelated request with the same prompt does not hit those blocks.
+    engine.add_request("s", prompt(40), SamplingParams(max_tokens=1))
+    engine.step()
+    assert engine.kv_manager.stats.hits == 2 * 32
+
+
+def test_greedy_equivalents(llm):
+    p = prompt(20, seed=3)
+    greedy = gen1(llm, p, temperature=0, max_tokens=12, ignore_eos=True).token_ids
+    assert gen1(llm, p, temperature=0.8, top_k=1, max_tokens=12, ignore_eos=True, seed=1).token_ids == greedy
+    assert gen1(llm, p, temperature=0.8, top_p=1e-6, max_tokens=12, ignore_eos=True, seed=2).token_ids == greedy
+    assert gen1(llm, p, temperature=0.8, min_p=1.0, max_tokens=12, ignore_eos=True, seed=3).token_ids == greedy
+
+
+def test_top_k_restricts_support(llm, hf_model):
+    p = prompt(15, seed=4)
+    logits = hf_model(torch.tensor([p["prompt_token_ids"]])).logits[0, -1]
+    top2 = set(logits.topk(2).indices.tolist())
+    outs = llm.generate([p] * 40, SamplingParams(temperature=5.0, top_k=2, max_tokens=1))
+    seen = {o.outputs[0].token_ids[0] for o in outs}
+    assert seen <= top2 and len(seen) == 2
+
+
+def test_logprobs_match_transformers(llm, hf_model):
+    p = prompt(9, seed=5)
+    out = gen1(llm, p, temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    ids = list(p["prompt_token_ids"])
+    assert len(out.logprobs) == 6
+    for token_id, lp in zip(out.token_ids, out.logprobs):
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        top = ref.topk(3)
+        assert token_id in lp and lp[token_id].rank == 1  # greedy: the sampled token is the most likely
+        assert abs(lp[token_id].logprob - ref[token_id].item()) < 1e-4
+        assert len(lp) == 3  # the sampled token is also the top-1
+        for rank, (tid, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+            assert lp[tid].rank == rank and abs(lp[tid].logprob - value) < 1e-4
+            assert lp[tid].decoded_token == llm.get_tokenizer().decode([tid])
+        ids.append(token_id)
+
+
+def test_penalties_match_reference_loop(llm, hf_model):
+    p = prompt(60, seed=6)
+    kw = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4)
+    got = gen1(llm, p, temperature=0, max_tokens=15, ignore_eos=True, **kw).token_ids
+    prompt_ids = list(p["prompt_token_ids"])
+    out: list[int] = []
+    for _ in range(15):
+        logits = hf_model(torch.tensor([prompt_ids + out])).logits[0, -1].float()
+        seen = set(prompt_ids) | set(out)
+        for t in seen:
+            logits[t] = logits[t] / 1.3 if logits[t] > 0 else logits[t] * 1.3
+        for t in set(out):
+            logits[t] -= 0.4 * out.count(t) + 0.5
+        out.append(int(logits.argmax()))
+    assert got == out
+    assert got != gen1(llm, p, temperature=0, max_tokens=15, ignore_eos=True).token_ids
+
+
+def test_eos_min_tokens_ignore_eos_stop_token_ids(llm):
+    # This prompt makes the tiny model emit EOS after 8 tokens (see the parity references).
+    p = {"prompt_token_ids": prompt(3)["prompt_token_ids"]}
+    plain = gen1(llm, p, temperature=0, max_tokens=24)
+    assert plain.token_ids[-1] == EOS_ID and plain.finish_reason == "stop" and len(plain.token_ids) == 8
+    longer = gen1(llm, p, temperature=0, max_tokens=24, min_tokens=12)
+    assert len(longer.token_ids) >= 12 and EOS_ID not in longer.token_ids[:12]
+    assert longer.token_ids[:7] == plain.token_ids[:7]
+    ignored = gen1(llm, p, temperature=0, max_tokens=24, ignore_eos=True)
+    assert len(ignored.token_ids) == 24 and ignored.finish_reason == "length"
+    stop_id = plain.token_ids[3]
+    stopped = gen1(llm, p, temperature=0, max_tokens=24, stop_token_ids=[stop_id])
+    assert stopped.token_ids == plain.token_ids[: plain.token_ids.index(stop_id) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+
+
+def test_stop_strings(llm):
+    p = prompt(8, seed=8)
+    full = gen1(llm, p, temperature=0, max_tokens=30, ignore_eos=True)
+    text = full.text
+    assert len(text) > 10
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = gen1(llm, p, temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "zzzz-never"])
+    assert cut.text == text[: text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert len(cut.token_ids) < len(full.token_ids)
+    kept = gen1(llm, p, temperature=0, max_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_max_tokens_defaults_to_context_left(tiny_model):
+    llm = LLM(tiny_model, dtype="float32", max_model_len=40)
+    out = gen1(llm, prompt(30), temperature=0, max_tokens=None, ignore_eos=True)
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-3), dict(max_tokens=0), dict(min_p=2),
+     dict(stop=[""]), dict(logprobs=-1), dict(min_tokens=5, max_tokens=2), dict(presence_penalty=3)],
+)
+def test_invalid_sampling_params(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)

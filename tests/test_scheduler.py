@@ -1,0 +1,149 @@
+"""Scheduler and KV cache manager on CPU with exact block ids (no model involved)."""
+
+from aserve.engine.block_hash import BlockHasher
+from aserve.engine.kv_cache_manager import KVCacheManager
+from aserve.engine.request import Request, RequestStatus
+from aserve.engine.scheduler import Scheduler
+from aserve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_scheduler(num_blocks=16, max_num_seqs=8, budget=64, max_model_len=64):
+    kv = KVCacheManager(num_blocks, BS)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len)
+
+
+def req(rid, tokens, hasher=None, max_tokens=8):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, hasher)
+
+
+def run_step(sched, token=7):
+    """Schedules a step and 'samples' `token` for every request that samples."""
+    out = sched.schedule()
+    for s in out.scheduled:
+        if s.samples and not s.request.is_finished:
+            sched.append_token(s.request, token)
+    sched.check_invariants()
+    return out
+
+
+def summary(out):
+    return [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens, s.block_ids) for s in out.scheduled]
+
+
+def test_chunked_prefill_and_mixed_decode_in_one_budget():
+    sched = make_scheduler(budget=8)
+    sched.add_request(req("a", range(10)))
+    sched.add_request(req("b", range(100, 103)))
+    assert summary(run_step(sched)) == [("a", 0, 8, [0, 1])]
+    # a's last 2 prompt tokens, then b fits in the rest of the budget.
+    assert summary(run_step(sched)) == [("a", 8, 2, [0, 1, 2]), ("b", 0, 3, [3])]
+    # Both decode one token each.
+    assert summary(run_step(sched)) == [("a", 10, 1, [0, 1, 2]), ("b", 3, 1, [3])]
+    assert sched.requests["a"].num_tokens == 12 and sched.requests["b"].num_tokens == 5
+
+
+def test_running_before_waiting_and_max_num_seqs():
+    sched = make_scheduler(max_num_seqs=2, budget=100)
+    for i in range(3):
+        sched.add_request(req(f"r{i}", range(5)))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert sched.num_waiting == 1
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1"]
+
+
+def test_preempts_newest_and_recomputes():
+    # 4 blocks of 4 tokens. Two requests of 7 tokens take 2 blocks each; the first decode that needs a third
+    # block forces a preemption of the newest request.
+    sched = make_scheduler(num_blocks=4, budget=100, max_model_len=16)
+    sched.add_request(req("old", range(7)))
+    sched.add_request(req("new", range(10, 17)))
+    assert summary(run_step(sched)) == [("old", 0, 7, [0, 1]), ("new", 0, 7, [2, 3])]
+    # Each now has 8 tokens (7 + 1 sampled), 7 computed: decoding token 8 still fits in 2 blocks.
+    assert summary(run_step(sched)) == [("old", 7, 1, [0, 1]), ("new", 7, 1, [2, 3])]
+    # Token 9 needs a third block: "new" is preempted, its blocks go to "old".
+    out = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert summary(out) == [("old", 8, 1, [0, 1, 3])]
+    new = sched.requests["new"]
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and sched.num_preemptions == 1
+    assert list(sched.waiting) == [new]
+    # "old" finishes at max_tokens=8 after 6 more tokens; then "new" recomputes all 9 known tokens.
+    while not sched.requests["old"].num_output_tokens == 7:
+        run_step(sched)
+    out = run_step(sched)
+    assert "old" not in sched.requests
+    while "new" in sched.requests and sched.requests["new"].status != RequestStatus.RUNNING:
+        out = run_step(sched)
+    assert summary(out)[0][:3] == ("new", 0, 9)
+
+
+def test_finished_and_aborted_requests_free_everything():
+    sched = make_scheduler(num_blocks=8)
+    sched.add_request(req("a", range(9), max_tokens=2))
+    sched.add_request(req("b", range(9)))
+    run_step(sched)
+    sched.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.kv.pool.num_free_blocks == 8 and not sched.kv.req_to_blocks
+    assert sched.finish_request("unknown", RequestStatus.FINISHED_ABORTED) is None
+
+
+def test_prefix_hits_exact_blocks_and_last_token_recomputed():
+    sched = make_scheduler(num_blocks=16)
+    hasher = BlockHasher(BS)
+    sched.add_request(req("a", range(12), hasher, max_tokens=1))
+    assert summary(run_step(sched)) == [("a", 0, 12, [0, 1, 2])]
+    assert "a" not in sched.requests  # finished after one token; its 3 full blocks stay cached
+    # Same 12-token prompt: blocks 0 and 1 hit; block 2 would cover the last token, which must be recomputed.
+    b = req("b", range(12), hasher, max_tokens=1)
+    sched.add_request(b)
+    assert summary(run_step(sched)) == [("b", 8, 4, [0, 1, 3])]
+    assert b.num_cached_tokens == 8
+    # A longer prompt sharing 12 tokens hits all three blocks.
+    c = req("c", list(range(12)) + [50, 51], hasher, max_tokens=1)
+    sched.add_request(c)
+    out = run_step(sched)
+    assert summary(out) == [("c", 12, 2, [0, 1, 2, 4])]
+    stats = sched.kv.stats
+    assert (stats.queries, stats.hits) == (12 + 12 + 14, 0 + 8 + 12)
+
+
+def test_different_salts_do_not_share():
+    sched = make_scheduler(num_blocks=16)
+    sched.add_request(req("a", range(9), BlockHasher(BS, "tenant-a"), max_tokens=1))
+    run_step(sched)
+    b = req("b", range(9), BlockHasher(BS, "tenant-b"), max_tokens=1)
+    sched.add_request(b)
+    run_step(sched)
+    assert b.num_cached_tokens == 0
+
+
+def test_same_step_sharing_between_siblings():
+    """n > 1: siblings scheduled in the same step share the prompt's full blocks at once."""
+    sched = make_scheduler(num_blocks=16)
+    hasher = BlockHasher(BS)
+    for i in range(3):
+        sched.add_request(req(f"p#{i}", range(10), hasher, max_tokens=2))
+    out = run_step(sched)
+    assert summary(out) == [("p#0", 0, 10, [0, 1, 2]), ("p#1", 8, 2, [0, 1, 3]), ("p#2", 8, 2, [0, 1, 4])]
+    assert [sched.kv.pool.blocks[i].ref_cnt for i in range(5)] == [3, 3, 1, 1, 1]
+
+
+def test_lru_eviction_of_freed_cached_blocks():
+    sched = make_scheduler(num_blocks=4, max_model_len=16)
+    hasher = BlockHasher(BS)
+    sched.add_request(req("a", range(8), hasher, max_tokens=1))
+    run_step(sched)  # blocks 0,1 cached; freed tail-first: free list 2 3 1 0
+    assert [b.block_id for b in sched.kv.pool.free_block_queue] == [2, 3, 1, 0]
+    sched.add_request(req("b", range(100, 112), None, max_tokens=1))  # needs 3 blocks: 2, 3, then evicts 1
+    out = run_step(sched)
+    assert summary(out) == [("b", 0, 12, [2, 3, 1])]
+    c = req("c", list(range(8)) + [9], hasher, max_tokens=1)
+    sched.add_request(c)
+    run_step(sched)
+    assert c.num_cached_tokens == 4  # block 0 survived, block 1 was evicted
