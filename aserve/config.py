@@ -35,6 +35,7 @@ class EngineArgs:
     load_format: str = "auto"  # auto | dummy
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    enforce_eager: bool = False  # CPU: skip torch.compile of the layers' element-wise work (faster start)
     debug_invariants: bool = False  # check block/queue invariants after every step (slow)
 
     @classmethod

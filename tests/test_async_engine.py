@@ -16,7 +16,7 @@ def prompt(n, seed=0):
 @pytest.fixture
 def engine(tiny_model):
     return AsyncEngine.from_engine_args(
-        EngineArgs(model=tiny_model, dtype="float32", max_num_batched_tokens=32, debug_invariants=True)
+        EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_num_batched_tokens=32, debug_invariants=True)
     )
 
 
@@ -36,7 +36,7 @@ async def test_streamed_deltas_equal_offline_output(engine, tiny_model):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [prompt(n, seed=n) for n in (5, 40, 70)]
     results = await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
-    offline = LLM(tiny_model, dtype="float32").generate(prompts, params)
+    offline = LLM(tiny_model, dtype="float32", enforce_eager=True).generate(prompts, params)
     for chunks, ref in zip(results, offline):
         assert len(chunks) > 1 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
         tokens = [t for c in chunks for t in c.outputs[0].token_ids]

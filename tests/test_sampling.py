@@ -11,7 +11,7 @@ from tiny_models import EOS_ID
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    return LLM(tiny_model, dtype="float32", max_model_len=256, debug_invariants=True)
+    return LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=256, debug_invariants=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_n_samples(llm):
 
 
 def test_n_samples_share_prompt_blocks_without_prefix_caching(tiny_model):
-    llm = LLM(tiny_model, dtype="float32", enable_prefix_caching=False, debug_invariants=True)
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, debug_invariants=True)
     engine = llm.engine
     engine.add_request("r", prompt(40), SamplingParams(n=3, temperature=1.0, max_tokens=4))
     engine.step()
@@ -150,7 +150,7 @@ def test_stop_strings(llm):
 
 
 def test_max_tokens_defaults_to_context_left(tiny_model):
-    llm = LLM(tiny_model, dtype="float32", max_model_len=40)
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=40)
     out = gen1(llm, prompt(30), temperature=0, max_tokens=None, ignore_eos=True)
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
 
@@ -163,3 +163,38 @@ def test_max_tokens_defaults_to_context_left(tiny_model):
 def test_invalid_sampling_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+class _FakeRequest:
+    def __init__(self, params):
+        self.sampling_params = params
+        self.generator = None
+        self.num_output_tokens = 0
+        self.eos_token_id = None
+
+
+def test_sampler_frequencies_follow_the_distribution():
+    """Temperature, top-k and top-p reshape the distribution exactly as specified (20,000 draws)."""
+    from aserve.engine.sampler import Sampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 20_000
+    sampler = Sampler(torch.device("cpu"), seed=0)
+
+    def freqs(params, expected):
+        reqs = [_FakeRequest(params) for _ in range(n)]
+        tokens = torch.tensor(sampler(logits.expand(n, -1).clone(), reqs).token_ids)
+        got = torch.bincount(tokens, minlength=6).double() / n
+        sigma = (expected * (1 - expected) / n).sqrt()
+        assert torch.all((got - expected).abs() <= 4 * sigma + 1e-9), (got, expected)
+
+    p = torch.softmax(logits[0].double() / 0.7, -1)
+    freqs(SamplingParams(temperature=0.7), p)
+    top3 = torch.softmax(logits[0].double(), -1)
+    top3[3:] = 0
+    freqs(SamplingParams(temperature=1.0, top_k=3), top3 / top3.sum())
+    # top_p=0.8: the smallest set of most likely tokens whose mass reaches 0.8.
+    full = torch.softmax(logits[0].double(), -1)
+    keep = (full.cumsum(0) - full) < 0.8
+    nucleus = torch.where(keep, full, torch.zeros_like(full))
+    freqs(SamplingParams(temperature=1.0, top_p=0.8), nucleus / nucleus.sum())

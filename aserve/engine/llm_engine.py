@@ -83,6 +83,7 @@ class LLMEngine:
             block_size=self.block_size,
             load_format=args.load_format,
             seed=args.seed,
+            compile_model=self.device.type == "cpu" and not args.enforce_eager,
         )
         num_blocks = self._num_kv_blocks()
         min_blocks = cdiv(self.max_model_len, self.block_size)
@@ -93,6 +94,8 @@ class LLMEngine:
                 "(gpu_memory_utilization / kv_cache_memory_gb) or lower max_model_len."
             )
         self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.compiled:
+            self.runner.warmup()
         self.num_kv_blocks = num_blocks
         self.kv_manager = KVCacheManager(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, max_num_batched_tokens, self.max_model_len)

@@ -75,6 +75,7 @@ class ModelRunner:
         block_size: int,
         load_format: str,
         seed: int,
+        compile_model: bool = False,
         backend: AttentionBackend | None = None,
     ) -> None:
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
@@ -98,9 +99,13 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.to_empty(device=device)
+        model.tie_weights()
         model.rotary.materialize(device)
         load_weights(model, model_dir, load_format, seed, show_progress=True)
         self.model = model.eval()
+        if device.type == "cpu":
+            model.optimize_for_cpu(compile_elementwise=compile_model)
+        self.compiled = model.ops.compiled
         self.load_time = time.perf_counter() - t0
         self.num_params = sum(p.numel() for p in model.parameters())
 
@@ -124,36 +129,66 @@ class ModelRunner:
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def _synthetic_step(self, q_lens: list[int]) -> torch.Tensor:
+        """Runs the model on made-up requests (query lengths `q_lens`, no context, decodes first) whose KV goes to
+        the first blocks of the cache. For profiling and warm-up only: those blocks hold garbage afterwards, which
+        is fine while no request owns them."""
+        bs, dev = self.block_size, self.device
+        num_decodes = sum(1 for n in q_lens if n == 1)
+        assert q_lens[:num_decodes] == [1] * num_decodes
+        tables, slots, qsl, first_block = [], [], [0], 0
+        for n in q_lens:
+            nb = cdiv(n, bs)
+            tables.append(list(range(first_block, first_block + nb)))
+            slots.extend(first_block * bs + i for i in range(n))
+            first_block += nb
+            qsl.append(qsl[-1] + n)
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            num_tokens=qsl[-1],
+            num_decodes=num_decodes,
+            slot_mapping=torch.tensor(slots, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=list(q_lens),
+            max_seq_len=max(q_lens),
+        )
+        self.backend.prepare(meta, bs)
+        # Inputs come from the same buffers as in execute(): compiled code is specialised on their kind.
+        self.buffers.np["input_ids"][: qsl[-1]] = 0
+        self.buffers.np["positions"][: qsl[-1]] = [i for n in q_lens for i in range(n)]
+        input_ids = self.buffers.to_device("input_ids", qsl[-1])
+        positions = self.buffers.to_device("positions", qsl[-1])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=dev) - 1])
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Triggers compilation (for steps of 32+ tokens, with and without a residual) so that the first requests
+        do not wait for it."""
+        n = self.model.ops.min_tokens
+        if n > min(self.max_num_batched_tokens, self.max_model_len):
+            return  # steps never get big enough to use the compiled code
+        t0 = time.perf_counter()
+        self._synthetic_step([n])
+        logger.info("Warm-up (compilation) took %.1f s", time.perf_counter() - t0)
+
     @torch.inference_mode()
     def profile_num_kv_blocks(self, utilization: float) -> int:
         """GPU: run the largest step once (one prompt of max_num_batched_tokens tokens) to measure peak activation
         memory, then give the KV cache what `utilization` of the device leaves."""
         n = min(self.max_num_batched_tokens, self.max_model_len)
-        num_blocks = cdiv(n, self.block_size)
-        self.allocate_kv_cache(num_blocks)
+        self.allocate_kv_cache(cdiv(n, self.block_size))
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-        positions = torch.arange(n, device=self.device)
-        meta = AttentionMetadata(
-            num_tokens=n,
-            num_decodes=0,
-            slot_mapping=positions,
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
-            query_start_loc_cpu=[0, n],
-            seq_lens_cpu=[n],
-            max_seq_len=n,
-        )
-        self.backend.prepare(meta, self.block_size)
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[: min(n, self.buffers.np["logits_indices"].shape[0])])
+        self._synthetic_step([n])
         torch.cuda.synchronize()
         activation_peak = torch.cuda.max_memory_allocated() - baseline
         self.kv_caches = None
-        del hidden
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         budget = int(total * utilization) - (total - free) - activation_peak

@@ -1,9 +1,9 @@
 """Turns the logits of the positions that sample into tokens.
 
 Order (as vLLM v1): raw logprobs (if asked) -> min_tokens masking -> repetition/presence/frequency penalties ->
-greedy argmax, or temperature -> min-p -> top-k -> top-p -> sample. Sampling draws with the exponential trick
-(argmax p/q, q ~ Exp(1)) so a seeded request draws its noise from its own generator: its samples do not depend on
-what else is in the batch. One host sync per step: reading the chosen tokens (and logprobs when asked).
+greedy argmax, or temperature -> min-p -> top-k -> top-p -> sample. Sampling inverts the CDF with one uniform
+number per request; a seeded request draws it from its own generator, so its samples do not depend on what else is
+in the batch. One host sync per step: reading the chosen tokens (and logprobs when asked).
 """
 
 from __future__ import annotations
@@ -117,16 +117,18 @@ class Sampler:
             drop[:, -1] = False  # always keep the most likely token
             logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
+        # Inverse-CDF sampling: one uniform number per row (cheap, unlike per-token noise on CPU); a seeded
+        # request draws its number from its own generator.
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
+        cdf = probs.cumsum(dim=-1)
+        u = torch.rand(len(requests), 1, generator=self.generator, device=dev)
         for i, r in enumerate(requests):
             if r.sampling_params.seed is not None:
                 if r.generator is None:
                     r.generator = torch.Generator(device=dev)
                     r.generator.manual_seed(r.sampling_params.seed)
-                noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=r.generator, device=dev)
+        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
         return torch.where(greedy, argmax, sampled)
 
     # -- logprobs ---------------------------------------------------------------------------------------------

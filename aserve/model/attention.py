@@ -62,22 +62,20 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
 class TorchAttentionBackend(AttentionBackend):
     """Reference backend in plain torch (CPU, or any device): decodes as one padded SDPA call, every other request
-    with its own SDPA call over its gathered context."""
+    with its own SDPA call over its gathered context. K/V are gathered whole blocks at a time with index_select
+    (several times faster than per-slot indexing on CPU), and SDPA gets 4-D inputs (its fused CPU kernel)."""
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.slot_mapping.device
-        offsets = torch.arange(block_size, device=device)
         data = meta.backend_data
         nd = meta.num_decodes
         if nd:
-            seq_lens = meta.seq_lens[:nd].long()
             max_len = max(meta.seq_lens_cpu[:nd])
             num_blocks = -(-max_len // block_size)
-            tables = meta.block_tables[:nd, :num_blocks].long()
-            slots = (tables.unsqueeze(-1) * block_size + offsets).flatten(1)[:, :max_len]
-            data["decode_slots"] = slots
-            positions = torch.arange(max_len, device=device)
-            data["decode_mask"] = (positions < seq_lens.unsqueeze(1)).view(nd, 1, 1, max_len)
+            data["decode_blocks"] = meta.block_tables[:nd, :num_blocks].flatten().long()
+            data["decode_len"] = num_blocks * block_size
+            positions = torch.arange(num_blocks * block_size, device=device)
+            data["decode_mask"] = (positions < meta.seq_lens[:nd].long().unsqueeze(1)).view(nd, 1, 1, -1)
         prefills = []
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
@@ -87,37 +85,38 @@ class TorchAttentionBackend(AttentionBackend):
                 prefills.append((start, end, None, None))
                 continue
             num_blocks = -(-seq_len // block_size)
-            table = meta.block_tables[i, :num_blocks].long()
-            slots = (table.unsqueeze(-1) * block_size + offsets).flatten()[:seq_len]
+            blocks = meta.block_tables[i, :num_blocks].long()
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            mask = q_pos.unsqueeze(1) >= torch.arange(seq_len, device=device).unsqueeze(0)  # [q_len, seq_len]
-            prefills.append((start, end, slots, mask))
+            k_pos = torch.arange(num_blocks * block_size, device=device)
+            mask = q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)  # [q_len, padded seq_len]
+            prefills.append((start, end, blocks, mask))
         data["prefills"] = prefills
 
     def forward(self, q, k, v, kv_cache, meta):
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
         out = torch.empty_like(q)
         data = meta.backend_data
         nd = meta.num_decodes
         if nd:
-            slots = data["decode_slots"]
-            kd = k_flat[slots].transpose(1, 2)  # [nd, Hkv, S, D]
-            vd = v_flat[slots].transpose(1, 2)
+            blocks, length = data["decode_blocks"], data["decode_len"]
+            kd = k_cache.index_select(0, blocks).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
+            vd = v_cache.index_select(0, blocks).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=data["decode_mask"], enable_gqa=True)
             out[:nd] = o.squeeze(2)
-        for start, end, slots, mask in data["prefills"]:
-            qp = q[start:end].transpose(0, 1)  # [H, q_len, D]
-            if slots is None:
-                kp, vp = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        for start, end, blocks, mask in data["prefills"]:
+            qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            if blocks is None:
+                kp = k[start:end].transpose(0, 1).unsqueeze(0)
+                vp = v[start:end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
-                kp, vp = k_flat[slots].transpose(0, 1), v_flat[slots].transpose(0, 1)
+                kp = k_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+                vp = v_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = o[0].transpose(0, 1)
         return out
 
 

@@ -9,28 +9,102 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+class Linear(nn.Linear):
+    """nn.Linear that, on CPU in bf16, runs on a weight copy prepacked once for oneDNN's blocked (AMX) layout:
+    1.3-2x faster than F.linear, which reorders the weight on every call."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x) — or, with a residual, (norm(x + residual), x + residual): the fused add-and-norm of each
-        decoder sub-layer."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return out if residual is None else (out, residual)
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> bool:
+        if not (self.weight.is_cpu and self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()):
+            return False
+        try:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        except (RuntimeError, AttributeError):  # a torch build without it: plain F.linear
+            return False
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(norm(x + residual), x + residual) — or (norm(x), x) without a residual: the add-and-norm that opens each
+    decoder sub-layer. Computed in float32, as in HF."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
+def split_rotate_qkv(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Fused q/k/v projection output [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D], with neox-style rotary
+    (rotate halves) applied to q and k; cos/sin [T, 1, D] come from RotaryEmbedding (once per step)."""
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    q = rotate(q.view(-1, num_heads, head_dim))
+    k = rotate(k.view(-1, num_kv_heads, head_dim))
+    return q, k, v.view(-1, num_kv_heads, head_dim)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class ElementwiseOps:
+    """The element-wise work of a layer (add + RMSNorm, rotary, SiLU·mul), shared by all layers of a model.
+
+    In eager torch each of these is several passes over memory; `compile()` swaps in torch.compile'd versions
+    (one fused loop each) for steps of at least `min_tokens` tokens. Small steps stay eager: there the cost of
+    entering a compiled region exceeds what fusion saves."""
+
+    def __init__(self) -> None:
+        self._compiled: dict | None = None
+        self.min_tokens = 0
+
+    def compile(self, min_tokens: int = 32) -> None:
+        self._compiled = {
+            fn.__name__: torch.compile(fn, dynamic=True) for fn in (add_rms_norm, split_rotate_qkv, silu_and_mul)
+        }
+        self.min_tokens = min_tokens
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    def _pick(self, fn, num_tokens: int):
+        if self._compiled is not None and num_tokens >= self.min_tokens:
+            return self._compiled[fn.__name__]
+        return fn
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._pick(add_rms_norm, x.shape[0])(x, residual, weight, eps)
+
+    def split_rotate_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        return self._pick(split_rotate_qkv, qkv.shape[0])(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+    def silu_and_mul(self, gate_up):
+        return self._pick(silu_and_mul, gate_up.shape[0])(gate_up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops: ElementwiseOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> (norm(x + residual), x + residual), or (norm(x), x) without a residual."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_parameters(hf_config) -> tuple[float, dict]:
@@ -66,8 +140,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), as in HF Llama. cos/sin for every position are precomputed in
-    float32 by `materialize` (models are built on the meta device); a step just indexes them by position."""
+    """cos/sin of every position for neox-style rotary embedding, precomputed in float32 by `materialize` (models
+    are built on the meta device); a step looks its positions up once, for all layers."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict) -> None:
         super().__init__()
@@ -80,12 +154,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos_sin = torch.cat([emb.cos(), emb.sin()], dim=-1).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T], q [T, H, D], k [T, Hkv, D]."""
-        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> cos, sin [T, 1, head_dim] in `dtype` (as HF, which rotates in the model's dtype)."""
+        cos, sin = self.cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin

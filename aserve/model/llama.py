@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from aserve.model.attention import AttentionBackend, AttentionMetadata
-from aserve.model.layers import RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
+from aserve.model.layers import ElementwiseOps, Linear, RMSNorm, RotaryEmbedding, rope_parameters
 
 # HF name fragment -> (fused parameter fragment, shard id)
 _STACKED = {
@@ -25,26 +25,23 @@ _STACKED = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, backend: AttentionBackend, qkv_bias: bool) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, qkv_bias: bool, ops) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
-        self.rotary = rotary
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
         self.backend = backend
+        self.ops = ops
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta)
+    def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
+        q, k, v = self.ops.split_rotate_qkv(
+            self.qkv_proj(x), *rotary_cos_sin, self.num_heads, self.num_kv_heads, self.head_dim
+        )
+        out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.view(-1, self.q_size))
 
     def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
@@ -54,17 +51,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, ops) -> None:
         super().__init__()
+        self.ops = ops
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         bias = getattr(cfg, "mlp_bias", False)
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
     def load_shard(self, param: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
         n = self.intermediate_size
@@ -72,20 +70,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary, backend, qkv_bias: bool) -> None:
+    def __init__(self, cfg, backend, qkv_bias: bool, ops: ElementwiseOps) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend, qkv_bias)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend, qkv_bias, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, positions, x, residual, kv_cache, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+    def forward(self, rotary_cos_sin, x, residual, kv_cache, meta):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rotary_cos_sin, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -99,26 +93,44 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         theta, scaling = rope_parameters(cfg)
+        self.ops = ElementwiseOps()
         self.rotary = RotaryEmbedding(head_dim, max_position, theta, scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, backend, qkv_bias) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, qkv_bias, self.ops) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """lm_head shares the embedding matrix when the config says so (again after moving off the meta device,
+        which unties parameters)."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids/positions [T]; kv_caches [num_layers, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]
         (before the final norm)."""
         x = self.embed_tokens(input_ids)
+        rotary_cos_sin = self.rotary(positions, x.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(positions, x, residual, kv_caches[i], meta)
+            x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
         return x + residual
+
+    def optimize_for_cpu(self, compile_elementwise: bool) -> None:
+        """CPU: prepack bf16 linear weights for oneDNN; optionally torch.compile the element-wise work."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        if compile_elementwise:
+            self.ops.compile()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] of the positions that sample -> float32 logits [N, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(self.norm(hidden), weight).float()
+        return self.lm_head(self.norm(hidden)[0]).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named tensors into the (fused) parameters. Returns the names of parameters it filled."""
@@ -128,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied to the embedding
             for fragment, (fused, shard) in _STACKED.items():
                 if fragment in name:

@@ -1,0 +1,177 @@
+"""Offline throughput and batch-1 latency: aserve vs transformers on the same random-token workload.
+
+    python bench/offline_throughput.py --num-requests 64 --input-len 256 --output-len 128
+    python bench/offline_throughput.py --backend transformers --hf-batch-size 64
+    python bench/offline_throughput.py --latency --input-len 128 --output-len 256     # batch 1, ms/token
+
+Prompts are random token ids (seeded), EOS is ignored, so every request produces exactly --output-len tokens.
+Model load and a small warm-up are excluded from the timings. Prints a table; --json appends a JSON line to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    hi = min(vocab, 40000)
+    return [[rng.randrange(100, hi) for _ in range(input_len)] for _ in range(num)]
+
+
+def run_aserve(args, prompts):
+    from aserve import LLM, SamplingParams
+
+    kw = dict(dtype=args.dtype, seed=args.seed, load_format=args.load_format)
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    llm = LLM(args.model, **kw)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    warm = make_prompts(2, 16, llm.engine.vocab_size, args.seed + 1)
+    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.reset_prefix_cache()
+
+    def timed(batch):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        elapsed = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+        return elapsed
+
+    def ttft(batch):
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(max_tokens=1, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    return llm.engine, timed, ttft
+
+
+def run_transformers(args, prompts):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from aserve.config import _DTYPES
+    from aserve.model.loader import resolve_model
+
+    model_dir, _ = resolve_model(args.model)
+    dtype = _DTYPES.get(args.dtype, torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def generate(batch, max_new):
+        for i in range(0, len(batch), args.hf_batch_size):
+            ids = torch.tensor(batch[i : i + args.hf_batch_size])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            assert out.shape[1] == ids.shape[1] + max_new
+
+    generate(make_prompts(2, 16, model.config.vocab_size, args.seed + 1), 4)
+
+    def timed(batch):
+        t0 = time.perf_counter()
+        generate(batch, args.output_len)
+        return time.perf_counter() - t0
+
+    def ttft(batch):
+        t0 = time.perf_counter()
+        generate(batch, 1)
+        return time.perf_counter() - t0
+
+    return model, timed, ttft
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", choices=["aserve", "transformers"], default="aserve")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--latency", action="store_true", help="batch 1: ms per output token (median of --iters)")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--hf-batch-size", type=int, default=64, help="transformers static batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="append the result as a JSON line to this file")
+    args = p.parse_args()
+
+    import torch
+
+    runner = run_aserve if args.backend == "aserve" else run_transformers
+    vocab_probe = 40000
+    result = {
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+    }
+    if args.latency:
+        prompts = make_prompts(args.iters, args.input_len, vocab_probe, args.seed)
+        _, timed, ttft = runner(args, prompts)
+        # Fresh prompts for every measurement, so the prefix cache cannot help.
+        e2e = [timed([p]) for p in prompts]
+        first = [ttft([q]) for q in make_prompts(args.iters, args.input_len, vocab_probe, args.seed + 7)]
+        e2e_s, ttft_s = statistics.median(e2e), statistics.median(first)
+        result.update(
+            mode="latency",
+            e2e_s=round(e2e_s, 3),
+            ttft_ms=round(ttft_s * 1e3, 1),
+            ms_per_token=round(e2e_s * 1e3 / args.output_len, 2),
+            decode_ms_per_token=round((e2e_s - ttft_s) * 1e3 / (args.output_len - 1), 2),
+        )
+        rows = [
+            ("e2e (s)", result["e2e_s"]),
+            ("TTFT (ms)", result["ttft_ms"]),
+            ("ms / output token (e2e / n)", result["ms_per_token"]),
+            ("decode ms / token ((e2e - TTFT) / (n - 1))", result["decode_ms_per_token"]),
+        ]
+    else:
+        prompts = make_prompts(args.num_requests, args.input_len, vocab_probe, args.seed)
+        _, timed, _ = runner(args, prompts)
+        elapsed = timed(prompts)
+        n_out = args.num_requests * args.output_len
+        n_in = args.num_requests * args.input_len
+        result.update(
+            mode="throughput",
+            num_requests=args.num_requests,
+            elapsed_s=round(elapsed, 2),
+            output_tok_s=round(n_out / elapsed, 1),
+            total_tok_s=round((n_out + n_in) / elapsed, 1),
+        )
+        rows = [
+            ("elapsed (s)", result["elapsed_s"]),
+            ("output tok/s", result["output_tok_s"]),
+            ("total tok/s (prompt + output)", result["total_tok_s"]),
+        ]
+    title = f"{args.backend} {result['mode']}: " + (
+        f"batch 1, {args.input_len} in / {args.output_len} out"
+        if args.latency
+        else f"{args.num_requests} req x {args.input_len} in / {args.output_len} out"
+    )
+    print(f"\n{title} ({args.dtype}, {result['threads']} threads)")
+    print("| metric | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
