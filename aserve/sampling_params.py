@@ -7,6 +7,14 @@ from dataclasses import dataclass, field, replace
 _GREEDY_EPS = 1e-5
 
 
+class ParamError(ValueError):
+    """An invalid request parameter; `param` names it (for OpenAI-style error bodies)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -41,8 +49,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str) -> ParamError:
+            return ParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

@@ -33,6 +33,40 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestStream:
+    """The outputs of one request, as an async iterator. aclose() before the end aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self.queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            await self.aclose()
+            raise
+        if isinstance(out, BaseException):
+            await self.aclose()
+            raise out
+        if out.finished:
+            self.finished = True
+            self.engine._release(self.request_id)
+        return out
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._release(self.request_id)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -51,6 +85,20 @@ class AsyncEngine:
         if self._task is None:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._step_loop(), name="aserve-step-loop")
+            self._task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            logger.error("the engine step loop died", exc_info=error)
+            for queue in self._queues.values():
+                queue.put_nowait(EngineDeadError(f"the engine stopped: {type(error).__name__}"))
+
+    @property
+    def has_started(self) -> bool:
+        return self._task is not None
 
     async def shutdown(self) -> None:
         if self._task is not None:
@@ -70,15 +118,15 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
-    async def generate(
+    async def add_request(
         self,
         prompt: PromptType,
         params: SamplingParams | None,
         request_id: str,
         prompt_token_ids: list[int] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Streams deltas of one request. Closing the iterator early (a client that went away) aborts it.
-        Raises ValueError for bad input before anything is queued."""
+    ) -> RequestStream:
+        """Validates and queues a request (ValueError for bad input, before anything is queued). The caller must
+        iterate the returned stream to its end or aclose() it: closing early aborts the request."""
         self.start()
         if not self.is_running:
             raise EngineDeadError("the engine's step loop is not running")
@@ -87,30 +135,36 @@ class AsyncEngine:
                 prompt, prompt_token_ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
             else:
                 prompt, prompt_token_ids = self.engine.tokenize_prompt(prompt)
-        queue: asyncio.Queue = asyncio.Queue()
         self.engine.add_request(request_id, prompt, params, delta=True, prompt_token_ids=prompt_token_ids)
-        self._queues[request_id] = queue
+        stream = RequestStream(self, request_id)
+        self._queues[request_id] = stream.queue
         self._wakeup.set()
-        finished = False
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        request_id: str,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams deltas of one request. Leaving the loop early (a client that went away) aborts it."""
+        stream = await self.add_request(prompt, params, request_id, prompt_token_ids)
         try:
-            while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
+            async for out in stream:
                 yield out
-                if finished:
-                    return
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.engine.abort_request(request_id)
+            await stream.aclose()
 
     def abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         queue = self._queues.get(request_id)
         if out is not None and queue is not None:
             queue.put_nowait(out)
+
+    def _release(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self.engine.abort_request(request_id)  # no-op if it already finished
 
     # -- the step loop ----------------------------------------------------------------------------------------
 

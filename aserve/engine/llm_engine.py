@@ -21,7 +21,7 @@ from aserve.engine.scheduler import Scheduler, SchedulerOutput
 from aserve.engine.stats import EngineStats
 from aserve.model.loader import resolve_model
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("aserve")
 
@@ -163,7 +163,7 @@ class LLMEngine:
         params = params or SamplingParams()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self.states or any(c in self.scheduler.requests for c in child_ids):
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise ParamError("request_id", f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
             prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         else:
@@ -210,29 +210,33 @@ class LLMEngine:
         for i, child in enumerate(children):
             self.child_to_state[child.request_id] = (state, i)
             self.scheduler.add_request(child)
-        self.stats.on_request_added(len(prompt_token_ids))
         return state
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         n = len(prompt_token_ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise ParamError("prompt", "the prompt is empty")
         if n > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, more than max_model_len ({self.max_model_len}); shorten it"
+            raise ParamError(
+                "prompt",
+                f"the prompt has {n} tokens, more than this model's maximum context length (max_model_len "
+                f"{self.max_model_len}); shorten it",
             )
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is out of range [0, {self.vocab_size})")
+            raise ParamError("prompt", f"prompt token id {bad!r} is out of range [0, {self.vocab_size})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort")."""
         state = self.states.get(request_id)
         if state is None:
             return None
+        now = time.monotonic()
         for child in state.children:
             if not child.is_finished:
                 self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+                self.stats.on_request_finished(child, now)
+        self.stats.flush(self.scheduler, self.kv_manager)  # gauges reflect the abort even if no step follows
         return self._finalize(state)
 
     def has_unfinished_requests(self) -> bool:
@@ -256,15 +260,20 @@ class LLMEngine:
         """The model step raised: end the requests it carried with an error; everything else goes on."""
         logger.exception("model step failed; ending its %d requests", len(sched.scheduled), exc_info=error)
         self.scheduler.rollback_failed_step(sched)
+        now = time.monotonic()
         touched = []
         for s in sched.scheduled:
-            if s.request.is_finished:  # aborted while the step ran
+            entry = self.child_to_state.get(s.request.request_id)
+            if entry is None or entry[0] in touched:  # aborted while the step ran, or already handled
                 continue
-            self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ERROR)
-            state, _ = self.child_to_state[s.request.request_id]
+            state = entry[0]
             state.error = f"internal error while running the model: {type(error).__name__}"
-            if state not in touched:
-                touched.append(state)
+            for child in state.children:  # the whole request fails, siblings included
+                if not child.is_finished:
+                    self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ERROR)
+                    self.stats.on_request_finished(child, now)
+            touched.append(state)
+        self.stats.flush(self.scheduler, self.kv_manager)
         return [out for st in touched if (out := self._finalize(st)) is not None]
 
     def process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
@@ -277,8 +286,7 @@ class LLMEngine:
             if request.is_finished:  # aborted while the step ran
                 continue
             state, index = self.child_to_state[request.request_id]
-            if request.first_token_time is None:
-                request.first_token_time = now
+            self.stats.on_token(request, now)
             finished = self.scheduler.append_token(request, token_id)
             stop = state.detokenizers[index].add_token(token_id)
             if stop is not None:
@@ -289,9 +297,11 @@ class LLMEngine:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             if lp is not None:
                 state.logprobs[index].append(self._logprob_dict(lp))
+            if request.is_finished:
+                self.stats.on_request_finished(request, now)
             if not changed or changed[-1] is not state:
                 changed.append(state)
-        self.stats.on_step(sched, len(tokens), self.scheduler, self.kv_manager)
+        self.stats.on_step(sched.num_tokens, self.scheduler, self.kv_manager)
         if self.args.debug_invariants:
             self.scheduler.check_invariants()
 
@@ -314,7 +324,6 @@ class LLMEngine:
             return None  # already reported
         for child in state.children:
             self.child_to_state.pop(child.request_id, None)
-        self.stats.on_request_finished(state)
         return self._make_output(state)
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:

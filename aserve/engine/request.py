@@ -79,6 +79,7 @@ class Request:
         # Timestamps (monotonic) for metrics.
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,3 @@
+from aserve.cli import main
+
+main()

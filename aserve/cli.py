@@ -1,0 +1,125 @@
+"""`aserve serve`: the OpenAI-compatible server. Every engine argument is a flag with vLLM's name."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+import time
+import typing
+
+from aserve.config import EngineArgs
+
+logger = logging.getLogger("aserve")
+
+_HELP = {
+    "model": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "dtype": "auto | bfloat16 | float16 | float32",
+    "load_format": "auto | dummy (random weights at the model's real shapes)",
+    "kv_cache_memory_gb": "KV cache budget in GiB (CPU default: 2)",
+    "device": "auto | cpu | cuda",
+    "enforce_eager": "CPU: do not torch.compile element-wise ops (faster start)",
+    "debug_invariants": "check KV-block and queue invariants after every step (slow)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field: --max-num-seqs, --enable-prefix-caching/--no-enable-prefix-caching, ..."""
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        help_text = _HELP.get(f.name, "") + f" (default: {f.default})"
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            continue
+        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        parser.add_argument(flag, type=base, default=f.default, help=help_text)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aserve", description="aserve: an OpenAI-compatible LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--log-level", default="info")
+    add_engine_args(serve)
+    return parser
+
+
+def serve(ns: argparse.Namespace) -> None:
+    from aserve.engine.async_engine import AsyncEngine
+
+    args = engine_args_from(ns)
+    if ns.model_tag is not None:
+        args.model = ns.model_tag
+    t0 = time.perf_counter()
+    print(f"aserve: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
+    engine = AsyncEngine.from_engine_args(args)
+    core = engine.engine
+    print(
+        f"aserve: loaded {core.served_model_name} ({core.runner.num_params / 1e6:.1f}M params, "
+        f"{str(core.dtype).removeprefix('torch.')}, {core.device}) in {time.perf_counter() - t0:.1f} s; "
+        f"KV cache capacity {core.kv_capacity_tokens} tokens; max_model_len {core.max_model_len}",
+        flush=True,
+    )
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:  # e.g. Windows
+        run = asyncio.run
+    run(_serve(engine, core.served_model_name, ns.host, ns.port, ns.api_key))
+
+
+async def _serve(engine, served_model_name: str, host: str, port: int, api_key: str | None) -> None:
+    from aiohttp import web
+
+    from aserve.engine.stats import PeriodicLogger
+    from aserve.entrypoints.openai.server import build_app
+
+    app = build_app(engine, served_model_name, api_key)
+    engine.engine.stats.add_listener(PeriodicLogger(logger.info))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    print(f"aserve: serving {served_model_name} at http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:
+            pass
+    await stop.wait()
+    print("aserve: shutting down", flush=True)
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if ns.command == "serve":
+        try:
+            serve(ns)
+        except ValueError as e:  # bad model path, impossible KV budget, ...
+            print(f"aserve: error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""OpenAI API request types (msgspec) and their translation to SamplingParams."""
+
+from __future__ import annotations
+
+import msgspec
+
+from aserve.sampling_params import ParamError, SamplingParams
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _GenerationRequest(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return None
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.num_logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            cache_salt=self.cache_salt,
+        )
+
+
+class CompletionRequest(_GenerationRequest, kw_only=True):
+    prompt: str | list  # a string, token ids, or a list of either (validated by prompts())
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list of strings / token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ParamError("prompt", "prompt must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return [list(p)]
+        prompts = []
+        for item in p:
+            if isinstance(item, str):
+                prompts.append(item)
+            elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                prompts.append(list(item))
+            else:
+                raise ParamError(
+                    "prompt", "prompt must be a string, a list of token ids, or a list of strings / token-id lists"
+                )
+        return prompts
+
+
+class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+    messages: list[dict]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+            return None
+        return self.top_logprobs or 0
+
+    def conversation(self) -> list[dict]:
+        """Messages in the shape chat templates expect; content parts are joined into one string."""
+        if not self.messages:
+            raise ParamError("messages", "messages must not be empty")
+        out = []
+        for i, msg in enumerate(self.messages):
+            role = msg.get("role")
+            if not isinstance(role, str):
+                raise ParamError(f"messages[{i}].role", "every message needs a string role")
+            content = msg.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ParamError(f"messages[{i}].content", "only text content parts are supported")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            elif content is not None and not isinstance(content, str):
+                raise ParamError(f"messages[{i}].content", "content must be a string or a list of text parts")
+            out.append({**msg, "role": role, "content": content or ""})
+        return out
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,372 @@
+"""The OpenAI-compatible HTTP server (aiohttp): completions, chat completions (SSE streaming), models, tokenize,
+health, metrics. Handlers only parse, tokenize and format; the AsyncEngine's step coroutine does the work on the
+same event loop (model execution itself runs in the engine's worker thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from aiohttp import web
+
+from aserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from aserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _GenerationRequest,
+)
+from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, usage
+from aserve.metrics import PrometheusMetrics
+from aserve.outputs import RequestOutput
+from aserve.sampling_params import ParamError
+
+logger = logging.getLogger("aserve")
+
+ENGINE_KEY = web.AppKey("engine", AsyncEngine)
+STATE_KEY = web.AppKey("server_state", object)
+
+_encode = msgspec.json.encode
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_="invalid_request_error", param=None, code=None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return web.Response(status=status, body=_encode(body), content_type="application/json")
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_encode(obj), content_type="application/json")
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None) -> None:
+        self.engine = engine
+        self.core = engine.engine
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.created = int(time.time())
+        self.metrics = PrometheusMetrics(served_model_name)
+        self.core.stats.add_listener(self.metrics)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def tokenize(self, prompt: str) -> list[int]:
+        tokenizer = self.core.tokenizer
+        if len(prompt) > 20_000:  # long prompts: off the event loop
+            return await asyncio.to_thread(tokenizer.encode, prompt)
+        return tokenizer.encode(prompt)
+
+    async def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool, template_kwargs) -> list[int]:
+        tokenizer = self.core.tokenizer
+        if tokenizer.chat_template is None:
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
+            )
+        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        if len(text) > 20_000:
+            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling_params(self, req: _GenerationRequest, prompt_len: int, default_max_tokens: int | None):
+        max_model_len = self.core.max_model_len
+        if prompt_len > max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"{prompt_len} tokens. Please reduce the length of the prompt.",
+                param="prompt" if isinstance(req, CompletionRequest) else "messages",
+                code="context_length_exceeded",
+            )
+        requested = req.requested_max_tokens()
+        max_tokens = requested if requested is not None else default_max_tokens
+        if max_tokens is None:
+            max_tokens = max_model_len - prompt_len
+        if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return req.to_sampling_params(max(max_tokens, 1) if requested is None else max_tokens)
+
+
+async def parse_body(request: web.Request, struct_type):
+    body = await request.read()
+    try:
+        return msgspec.json.decode(body, type=struct_type)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = msg.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in msg else None
+        raise APIError(400, f"invalid request: {msg}", param=param) from e
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+# -- handlers ---------------------------------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not engine.is_running and engine.has_started:
+        return error_response(503, "the engine has stopped", type_="service_unavailable")
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "aserve",
+        "root": state.core.model_dir,
+        "max_model_len": state.core.max_model_len,
+    }
+    return json_response({"object": "list", "data": [card]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    req = await parse_body(request, TokenizeRequest)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    if req.prompt is not None:
+        tokenizer = state.core.tokenizer
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        conv = ChatCompletionRequest(messages=req.messages).conversation()
+        ids = await state.chat_prompt_ids(conv, req.add_generation_prompt, None)
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": state.core.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE_KEY]
+    req = await parse_body(request, DetokenizeRequest)
+    state.check_model(req.model)
+    vocab = state.core.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return json_response({"prompt": state.core.tokenizer.decode(req.tokens)})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app[STATE_KEY]
+    req = await parse_body(request, CompletionRequest)
+    state.check_model(req.model)
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    prompts = []
+    for p in req.prompts():
+        ids = await state.tokenize(p) if isinstance(p, str) else p
+        text = p if isinstance(p, str) else None
+        prompts.append((text, ids, state.sampling_params(req, len(ids), default_max_tokens=16)))
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    return await _generate(request, state, req, request_id, prompts, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state: ServerState = request.app[STATE_KEY]
+    req = await parse_body(request, ChatCompletionRequest)
+    state.check_model(req.model)
+    ids = await state.chat_prompt_ids(req.conversation(), req.add_generation_prompt, req.chat_template_kwargs)
+    params = state.sampling_params(req, len(ids), default_max_tokens=None)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True)
+
+
+async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool):
+    """Runs every (text, ids, params) prompt; choice index = prompt index * n + sample index."""
+    n = req.n
+    created = int(time.time())
+    streams = []
+    try:
+        for i, (text, ids, params) in enumerate(prompts):
+            streams.append(await state.engine.add_request(text, params, f"{request_id}-{i}", prompt_token_ids=ids))
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()
+        raise
+    num_top = req.num_logprobs()
+    choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
+    prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
+    merged = _merge(streams)
+    if req.stream:
+        return await _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat)
+    async for i, out in merged:
+        _absorb(choices, i, n, out)
+    if any(c.error for c in choices):
+        raise APIError(500, next(c.error for c in choices if c.error), type_="server_error")
+    builder = chat_chunk if chat else completion_chunk
+    body = builder(request_id, created, state.model_name, choices, final=True)
+    body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices))
+    return json_response(body)
+
+
+def _absorb(choices: list[ChoiceState], prompt_index: int, n: int, out: RequestOutput) -> list[ChoiceState]:
+    touched = []
+    for comp in out.outputs:
+        choice = choices[prompt_index * n + comp.index]
+        choice.add(comp, out.error)
+        touched.append(choice)
+    return touched
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves the outputs of several generate() streams; closing it closes (aborts) them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:  # surfaced to the consumer
+            await queue.put((i, e))
+        finally:
+            await stream.aclose()
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat):
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    builder = chat_chunk if chat else completion_chunk
+    include_usage = req.include_usage
+    try:
+        if chat:  # OpenAI opens each choice with the assistant role
+            for choice in choices:
+                chunk = builder(request_id, created, state.model_name, [choice], role_only=True)
+                if include_usage:
+                    chunk["usage"] = None
+                await response.write(sse(chunk))
+        async for i, out in merged:
+            touched = _absorb(choices, i, req.n, out)
+            errors = [c.error for c in touched if c.error]
+            if errors:
+                await response.write(sse({"error": {"message": errors[0], "type": "server_error", "param": None,
+                                                    "code": 500}}))
+                break
+            chunk = builder(request_id, created, state.model_name, touched, final=False)
+            if include_usage:
+                chunk["usage"] = None
+            await response.write(sse(chunk))
+        if include_usage:
+            await response.write(
+                sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": created, "model": state.model_name, "choices": [],
+                     "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices))})
+            )
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    finally:
+        await merged.aclose()  # a client that went away aborts its requests here
+    return response
+
+
+# -- app --------------------------------------------------------------------------------------------------------
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler):
+    state: ServerState = request.app[STATE_KEY]
+    if state.api_key is not None and request.path.startswith("/v1"):
+        if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
+            return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+    except ParamError as e:
+        return error_response(400, str(e), param=e.param)
+    except EngineDeadError as e:
+        return error_response(503, str(e), type_="service_unavailable")
+    except ValueError as e:
+        return error_response(400, str(e))
+    except web.HTTPException as e:
+        if e.status == 404:
+            return error_response(404, f"no route {request.method} {request.path}", code="not_found")
+        if e.status == 405:
+            return error_response(405, f"method {request.method} not allowed on {request.path}")
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error", type_="server_error")
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=32 * 1024 * 1024)
+    app[ENGINE_KEY] = engine
+    app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+
+    async def on_startup(app):
+        engine.start()
+
+    async def on_cleanup(app):
+        await engine.shutdown()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

@@ -1,0 +1,104 @@
+"""`aserve serve` as a subprocess with the embedded default model, driven by the official openai client."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aserve", "serve", "--port", str(port), "--max-model-len", "2048",
+         "--kv-cache-memory-gb", "0.25"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"aserve serve exited early:\n{proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("aserve serve did not become healthy")
+            time.sleep(0.5)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models(server):
+    assert [m.id for m in server.models.list().data] == [MODEL]
+
+
+def test_chat_paris(server):
+    resp = server.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens > 0 and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_stream_with_usage(server):
+    stream = server.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+                                            stream=True, stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert "Paris" in text and finish == "stop"
+    assert usage.completion_tokens > 0
+
+
+def test_completions_n2_stop_logprobs(server):
+    resp = server.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, n=2,
+                                     temperature=0.8, seed=1, logprobs=2, stop=["\n"])
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    for c in resp.choices:
+        assert "\n" not in c.text and c.finish_reason in ("stop", "length")
+        assert len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) >= 1
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in resp.choices)
+
+
+def test_completions_stream(server):
+    stream = server.completions.create(model=MODEL, prompt="Paris is", max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = server.completions.create(model=MODEL, prompt="Paris is", max_tokens=10, temperature=0)
+    assert text == whole.choices[0].text and text
+
+
+def test_errors_reach_the_client(server):
+    with pytest.raises(openai.NotFoundError):
+        server.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        server.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+    assert server.completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].text is not None

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible app, driven over HTTP (aiohttp test server) with a tiny model."""
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from aserve import EngineArgs, LLMEngine
+from aserve.engine.async_engine import AsyncEngine
+from aserve.entrypoints.openai.server import build_app
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model):
+    return LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=256,
+                                served_model_name=MODEL, debug_invariants=True))
+
+
+async def make_client(core, api_key=None):
+    app = build_app(AsyncEngine(core), MODEL, api_key)
+    client = TestClient(TestServer(app, handler_cancellation=True))
+    await client.start_server()
+    return client
+
+
+@pytest.fixture
+async def client(core):
+    client = await make_client(core)
+    yield client
+    await client.close()
+
+
+def assert_idle(core):
+    assert not core.states and not core.scheduler.has_unfinished()
+    assert core.kv_manager.pool.num_free_blocks == core.num_kv_blocks
+
+
+async def sse_events(resp):
+    """Parses an SSE body into JSON events (and the final [DONE] marker)."""
+    text = await resp.text()
+    assert text.endswith("data: [DONE]\n\n")
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+async def test_completion_and_usage(client, core):
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 7,
+                                                        "temperature": 0, "ignore_eos": True})
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["text"]
+    prompt_tokens = len(core.tokenizer.encode("Hello"))
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 7, "total_tokens": prompt_tokens + 7}
+    assert_idle(core)
+
+
+async def test_streamed_completion_equals_non_streamed(client, core):
+    req = {"prompt": "The cache", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = await (await client.post("/v1/completions", json=req)).json()
+    resp = await client.post("/v1/completions", json={**req, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = await sse_events(resp)
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == whole["choices"][0]["text"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+    assert [c["finish_reason"] for e in events[:-1] for c in e["choices"]][-1] == "length"
+    assert_idle(core)
+
+
+async def test_prompt_forms_and_n(client, core):
+    ids = core.tokenizer.encode("blocks")
+    resp = await client.post("/v1/completions", json={"prompt": ["one", ids], "n": 2, "max_tokens": 3,
+                                                        "temperature": 1.0, "seed": 5, "ignore_eos": True})
+    body = await resp.json()
+    assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["prompt_tokens"] == len(core.tokenizer.encode("one")) + len(ids)
+
+
+async def test_chat_completion_stream_shapes(client, core):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}]
+    req = {"model": MODEL, "messages": msgs, "max_completion_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = await (await client.post("/v1/chat/completions", json=req)).json()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["role"] == "assistant"
+    prompt_ids = core.tokenizer.encode("user: Hi there\nassistant:", add_special_tokens=False)
+    assert whole["usage"]["prompt_tokens"] == len(prompt_ids)
+    events = await sse_events(await client.post("/v1/chat/completions", json={**req, "stream": True}))
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stop_and_logprobs(client, core):
+    base = {"prompt": "Prefix caching", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    full = (await (await client.post("/v1/completions", json=base)).json())["choices"][0]["text"]
+    stop = full[8:10]
+    cut = (await (await client.post("/v1/completions", json={**base, "stop": stop})).json())["choices"][0]
+    assert cut["text"] == full[: full.index(stop)] and cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    lp = (await (await client.post("/v1/completions", json={**base, "max_tokens": 4, "logprobs": 2})).json())
+    logprobs = lp["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 4 and len(logprobs["token_logprobs"]) == 4
+    assert all(len(t) == 2 for t in logprobs["top_logprobs"])
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"])
+    chat = await (await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 3,
+        "temperature": 0})).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in content)
+    assert content[0]["top_logprobs"][0]["logprob"] >= content[0]["top_logprobs"][1]["logprob"]
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [1] * 300}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/nope", {}, 404, None),
+    ],
+)
+async def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, core, path, body, status, param):
+    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+    resp = await client.post(path, **kwargs)
+    assert resp.status == status
+    error = (await resp.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    ok = await client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+    assert ok.status == 200
+    assert_idle(core)
+
+
+async def test_wrong_method_and_models(client):
+    resp = await client.get("/v1/completions")
+    assert resp.status == 405 and "error" in await resp.json()
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 256
+    assert (await client.get("/health")).status == 200
+
+
+async def test_api_key(core):
+    client = await make_client(core, api_key="sekrit")
+    try:
+        resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+        resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                 headers={"Authorization": "Bearer sekrit"})
+        assert resp.status == 200
+        assert (await client.get("/health")).status == 200  # health is not behind the key
+    finally:
+        await client.close()
+
+
+async def test_tokenize_detokenize(client, core):
+    tok = await (await client.post("/tokenize", json={"prompt": "Hello world"})).json()
+    assert tok["tokens"] == core.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
+    detok = await (await client.post("/detokenize", json={"tokens": tok["tokens"]})).json()
+    assert detok["prompt"] == "Hello world"
+    chat = await (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})).json()
+    assert chat["tokens"] == core.tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False)
+    bad = await client.post("/detokenize", json={"tokens": [-1]})
+    assert bad.status == 400
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+async def test_disconnect_mid_stream_aborts_and_frees_kv(client, core):
+    resp = await client.post("/v1/completions", json={"prompt": "x" * 50, "max_tokens": 200, "stream": True,
+                                                        "ignore_eos": True})
+    await resp.content.readuntil(b"\n\n")  # first event
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "aserve:num_requests_running") == 1
+    assert metric(text, "aserve:kv_cache_usage_perc") > 0
+    resp.close()  # the client goes away
+    for _ in range(200):
+        text = await (await client.get("/metrics")).text()
+        if metric(text, "aserve:num_requests_running") == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert metric(text, "aserve:num_requests_running") == 0
+    assert metric(text, "aserve:kv_cache_usage_perc") == 0
+    assert metric(text, 'aserve:request_success_total{finished_reason="abort",model_name="tiny"}') >= 1
+    assert_idle(core)
+
+
+async def test_metrics_names(client):
+    await client.post("/v1/completions", json={"prompt": "metrics please", "max_tokens": 3, "ignore_eos": True})
+    text = await (await client.get("/metrics")).text()
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
+                 "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count", "iteration_tokens_total_count"]:
+        assert f"aserve:{name}{{" in text, name
+    assert 'model_name="tiny"' in text
+    assert metric(text, "aserve:generation_tokens_total") >= 3
+    assert metric(text, "aserve:time_to_first_token_seconds_count") >= 1
