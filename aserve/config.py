@@ -35,7 +35,8 @@ class EngineArgs:
     load_format: str = "auto"  # auto | dummy
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    enforce_eager: bool = False  # CPU: skip torch.compile of the layers' element-wise work (faster start)
+    attention_backend: str = "auto"  # auto (triton on GPU, torch on CPU) | torch | triton
+    enforce_eager: bool = False  # no CUDA graphs (GPU) / no torch.compile of element-wise work (CPU)
     debug_invariants: bool = False  # check block/queue invariants after every step (slow)
 
     @classmethod
@@ -53,6 +54,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
 

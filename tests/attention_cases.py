@@ -45,5 +45,6 @@ def random_batch(
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
         max_seq_len=max(seq_lens),
+        max_query_len=max(q_lens),
     )
     return q.to(device), k.to(device), v.to(device), kv_cache.to(device), meta

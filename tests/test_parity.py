@@ -76,3 +76,12 @@ def test_compiled_cpu_path_matches_transformers(references):
     assert llm.engine.runner.compiled
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("config", ["chunked-7", "preemption"])
+def test_triton_backend_parity(references, config):
+    """The Triton attention backend inside the engine (Triton's interpreter on CPU): same greedy tokens."""
+    path, expected = references("gqa")
+    llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", **ENGINE_CONFIGS[config])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -84,6 +84,7 @@ class LLMEngine:
             load_format=args.load_format,
             seed=args.seed,
             compile_model=self.device.type == "cpu" and not args.enforce_eager,
+            attention_backend=args.attention_backend,
         )
         num_blocks = self._num_kv_blocks()
         min_blocks = cdiv(self.max_model_len, self.block_size)
@@ -96,6 +97,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         if self.runner.compiled:
             self.runner.warmup()
+        if self.device.type == "cuda" and not args.enforce_eager:
+            self.runner.capture_cuda_graphs()
         self.num_kv_blocks = num_blocks
         self.kv_manager = KVCacheManager(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, max_num_batched_tokens, self.max_model_len)

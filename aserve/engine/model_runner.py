@@ -7,13 +7,15 @@ device tensors have stable addresses (what CUDA graphs need).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from aserve.engine.cuda_graphs import DecodeGraphs
 from aserve.engine.kv_cache_manager import cdiv
 from aserve.engine.sampler import Sampler, SamplerOutput
 from aserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -22,6 +24,24 @@ from aserve.model.llama import ARCHITECTURES
 from aserve.model.loader import load_weights
 
 logger = logging.getLogger("aserve")
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """Shape of a step's flat batch, as written into the host buffers."""
+
+    num_reqs: int
+    num_tokens: int = 0
+    num_decodes: int = 0
+    max_blocks: int = 1
+    max_query_len: int = 0
+    query_start: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    sampled: list[ScheduledRequest] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_tokens == self.num_reqs
 
 
 @dataclass(slots=True)
@@ -76,7 +96,7 @@ class ModelRunner:
         load_format: str,
         seed: int,
         compile_model: bool = False,
-        backend: AttentionBackend | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
@@ -87,7 +107,12 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.backend = backend or TorchAttentionBackend()
+        self.max_num_seqs = max_num_seqs
+        self.backend = self._make_backend(attention_backend, hf_config, max_num_seqs, device)
+        # GPU: every step runs on a dedicated stream (its host sync, reading the sampled tokens, happens in the
+        # engine's worker thread, never on the event loop).
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.graphs: DecodeGraphs | None = None
 
         t0 = time.perf_counter()
         torch.manual_seed(seed)
@@ -105,6 +130,8 @@ class ModelRunner:
         self.model = model.eval()
         if device.type == "cpu":
             model.optimize_for_cpu(compile_elementwise=compile_model)
+        elif device.type == "cuda":
+            model.ops.use_triton()
         self.compiled = model.ops.compiled
         self.load_time = time.perf_counter() - t0
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -116,6 +143,20 @@ class ModelRunner:
         self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq, device)
         self.sampler = Sampler(device, seed)
         self.kv_caches: torch.Tensor | None = None
+
+    @staticmethod
+    def _make_backend(name: str, hf_config, max_num_seqs: int, device: torch.device) -> AttentionBackend:
+        if name == "torch" or (name == "auto" and device.type != "cuda"):
+            return TorchAttentionBackend()
+        from aserve.model.triton_attention import TritonAttentionBackend
+
+        num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, max_num_seqs, device)
+
+    def capture_cuda_graphs(self) -> None:
+        self.graphs = DecodeGraphs(self, self.max_num_seqs)
+        self.graphs.capture()
 
     # -- KV cache ---------------------------------------------------------------------------------------------
 
@@ -154,6 +195,7 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(q_lens),
             max_seq_len=max(q_lens),
+            max_query_len=max(q_lens),
         )
         self.backend.prepare(meta, bs)
         # Inputs come from the same buffers as in execute(): compiled code is specialised on their kind.
@@ -206,32 +248,38 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Single-token requests first: attention backends batch them.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        meta, logits_indices, sampled = self._prepare(order)
-        self.backend.prepare(meta, self.block_size)
-        input_ids = self.buffers.to_device("input_ids", meta.num_tokens)
-        positions = self.buffers.to_device("positions", meta.num_tokens)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not sampled:
-            return RunnerOutput([], SamplerOutput([], []))
-        logits = self.model.compute_logits(hidden[logits_indices])
-        # The sampler wants scheduler order; `order` may differ.
-        rank = {id(s): i for i, s in enumerate(sampled)}
-        sampled_in_order = [s for s in sched.scheduled if s.samples]
-        perm = [rank[id(s)] for s in sampled_in_order]
-        if perm != list(range(len(perm))):
-            logits = logits[torch.tensor(perm, device=logits.device)]
-        out = self.sampler(logits, [s.request for s in sampled_in_order])
+        layout = self._fill_host(order)
+        with self._stream():
+            bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+            if bucket is not None:
+                hidden = self.graphs.replay(layout, bucket)
+            else:
+                meta = self._device_meta(layout)
+                self.backend.prepare(meta, self.block_size)
+                input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
+                positions = self.buffers.to_device("positions", layout.num_tokens)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if not layout.sampled:
+                return RunnerOutput([], SamplerOutput([], []))
+            logits_indices = self.buffers.to_device("logits_indices", len(layout.sampled))
+            logits = self.model.compute_logits(hidden[logits_indices])
+            # The sampler wants scheduler order; `order` may differ.
+            rank = {id(s): i for i, s in enumerate(layout.sampled)}
+            sampled_in_order = [s for s in sched.scheduled if s.samples]
+            perm = [rank[id(s)] for s in sampled_in_order]
+            if perm != list(range(len(perm))):
+                logits = logits[torch.tensor(perm, device=logits.device)]
+            out = self.sampler(logits, [s.request for s in sampled_in_order])
         return RunnerOutput(sampled_in_order, out)
 
-    def _prepare(self, order: list[ScheduledRequest]):
+    def _stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _fill_host(self, order: list[ScheduledRequest]) -> StepLayout:
+        """Writes the flat batch into the host buffers (token ids, positions, slots, block tables, lengths)."""
         buf = self.buffers.np
         bs = self.block_size
-        num_reqs = len(order)
-        query_start = [0]
-        seq_lens = []
-        sampled = []
-        logits_indices = []
-        max_blocks = 1
+        layout = StepLayout(num_reqs=len(order))
         t = 0
         for i, s in enumerate(order):
             start, n = s.num_computed_tokens, s.num_new_tokens
@@ -243,27 +291,31 @@ class ModelRunner:
             buf["slot_mapping"][t : t + n] = block_ids[pos // bs] * bs + pos % bs
             # Entries past a request's own blocks keep stale (valid) block ids; nothing reads them unmasked.
             buf["block_tables"][i, : len(block_ids)] = block_ids
-            max_blocks = max(max_blocks, len(block_ids))
+            layout.max_blocks = max(layout.max_blocks, len(block_ids))
+            layout.max_query_len = max(layout.max_query_len, n)
             t += n
-            query_start.append(t)
-            seq_lens.append(end)
+            layout.query_start.append(t)
+            layout.seq_lens.append(end)
             if s.samples:
-                sampled.append(s)
-                logits_indices.append(t - 1)
-        buf["query_start_loc"][: num_reqs + 1] = query_start
-        buf["seq_lens"][:num_reqs] = seq_lens
-        buf["logits_indices"][: len(logits_indices)] = logits_indices
-        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
-        meta = AttentionMetadata(
+                layout.sampled.append(s)
+                buf["logits_indices"][len(layout.sampled) - 1] = t - 1
+        layout.num_tokens = t
+        layout.num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
+        buf["query_start_loc"][: layout.num_reqs + 1] = layout.query_start
+        buf["seq_lens"][: layout.num_reqs] = layout.seq_lens
+        return layout
+
+    def _device_meta(self, layout: StepLayout) -> AttentionMetadata:
+        n, t = layout.num_reqs, layout.num_tokens
+        return AttentionMetadata(
             num_tokens=t,
-            num_decodes=num_decodes,
+            num_decodes=layout.num_decodes,
             slot_mapping=self.buffers.to_device("slot_mapping", t),
-            query_start_loc=self.buffers.to_device("query_start_loc", num_reqs + 1),
-            seq_lens=self.buffers.to_device("seq_lens", num_reqs),
-            block_tables=self.buffers.to_device("block_tables", num_reqs, max_blocks),
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-            max_seq_len=max(seq_lens),
+            query_start_loc=self.buffers.to_device("query_start_loc", n + 1),
+            seq_lens=self.buffers.to_device("seq_lens", n),
+            block_tables=self.buffers.to_device("block_tables", n, layout.max_blocks),
+            query_start_loc_cpu=layout.query_start,
+            seq_lens_cpu=layout.seq_lens,
+            max_seq_len=max(layout.seq_lens),
+            max_query_len=layout.max_query_len,
         )
-        logits_indices_t = self.buffers.to_device("logits_indices", len(logits_indices))
-        return meta, logits_indices_t, sampled

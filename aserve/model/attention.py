@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import write_kv_cache
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -33,6 +35,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     max_seq_len: int
+    max_query_len: int
     backend_data: dict = field(default_factory=dict)
 
     @property
@@ -51,13 +54,6 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D] -> out [T, H, D]."""
-
-
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Pure-torch reference for the cache write: kv_cache[:, slot] = (k, v)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -118,24 +114,3 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out
-
-
-def reference_paged_attention(q, kv_cache, meta: AttentionMetadata, block_size: int) -> torch.Tensor:
-    """The slowest, most obvious implementation (after the cache write): a loop over requests with an explicit
-    softmax in float32. Kernels are tested against this."""
-    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    group = q.shape[1] // num_kv_heads
-    out = torch.empty_like(q)
-    for i in range(meta.num_reqs):
-        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        seq_len = meta.seq_lens_cpu[i]
-        pos = torch.arange(seq_len, device=q.device)
-        slots = meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
-        k = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
-        v = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
-        qi = q[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", qi, k) * head_dim**-0.5
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        scores.masked_fill_(q_pos[None, :, None] < pos[None, None, :], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
-    return out

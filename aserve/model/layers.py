@@ -62,27 +62,41 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class ElementwiseOps:
     """The element-wise work of a layer (add + RMSNorm, rotary, SiLU·mul), shared by all layers of a model.
 
-    In eager torch each of these is several passes over memory; `compile()` swaps in torch.compile'd versions
-    (one fused loop each) for steps of at least `min_tokens` tokens. Small steps stay eager: there the cost of
-    entering a compiled region exceeds what fusion saves."""
+    Eager torch runs each as several passes over memory (and, on a GPU, several kernel launches). Two faster
+    implementations replace it: `use_triton()` (GPU) swaps in the fused Triton kernels of kernels/fused.py;
+    `compile()` (CPU) swaps in torch.compile'd versions for steps of at least `min_tokens` tokens — smaller steps
+    stay eager, since entering a compiled region costs more than fusion saves there."""
 
     def __init__(self) -> None:
-        self._compiled: dict | None = None
+        self._fast: dict | None = None
         self.min_tokens = 0
+        self.kind = "eager"
 
     def compile(self, min_tokens: int = 32) -> None:
-        self._compiled = {
+        self._fast = {
             fn.__name__: torch.compile(fn, dynamic=True) for fn in (add_rms_norm, split_rotate_qkv, silu_and_mul)
         }
         self.min_tokens = min_tokens
+        self.kind = "compiled"
+
+    def use_triton(self) -> None:
+        from kernels import fused
+
+        self._fast = {
+            "add_rms_norm": fused.add_rms_norm,
+            "split_rotate_qkv": fused.rotary_split,
+            "silu_and_mul": fused.silu_and_mul,
+        }
+        self.min_tokens = 0
+        self.kind = "triton"
 
     @property
     def compiled(self) -> bool:
-        return self._compiled is not None
+        return self.kind == "compiled"
 
     def _pick(self, fn, num_tokens: int):
-        if self._compiled is not None and num_tokens >= self.min_tokens:
-            return self._compiled[fn.__name__]
+        if self._fast is not None and num_tokens >= self.min_tokens:
+            return self._fast[fn.__name__]
         return fn
 
     def add_rms_norm(self, x, residual, weight, eps):

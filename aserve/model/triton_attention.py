@@ -1,0 +1,60 @@
+"""The GPU attention backend: Triton kernels for the cache write and for paged attention over the mixed batch.
+Nothing per step on the host, so a decode step can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+
+from aserve.model.attention import AttentionBackend, AttentionMetadata
+from kernels.cache_write import write_kv
+from kernels.paged_attention import paged_attention
+
+_MAX_SEGMENTS = 16
+
+
+def num_kv_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-KV for decode batches too small to fill the GPU: enough segments that there are about two programs
+    per multiprocessor, each over at least ~512 keys."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms or max_seq_len < 1024:
+        return 1
+    segments = 1
+    while segments < _MAX_SEGMENTS and programs * segments < 2 * num_sms and max_seq_len // (2 * segments) >= 512:
+        segments *= 2
+    return segments
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, device) -> None:
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        # (On CPU, for Triton's interpreter in tests, assume an H100/H200-sized GPU.)
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        self.head_dim_pad = 1 << (head_dim - 1).bit_length()
+        # Split-KV partials for decode batches, preallocated flat (CUDA graphs need fixed addresses) and viewed as
+        # contiguous [num_tokens, H, segments, D] / [..., 2] for each launch.
+        n = max_num_seqs * num_heads * _MAX_SEGMENTS
+        self.part_acc = torch.empty(n * self.head_dim_pad, dtype=torch.float32, device=device)
+        self.part_stats = torch.empty(n * 2, dtype=torch.float32, device=device)
+
+    def segments_for(self, num_seqs: int, max_seq_len: int) -> int:
+        return num_kv_segments(num_seqs, self.num_kv_heads, max_seq_len, self.num_sms)
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        if "num_segments" not in meta.backend_data:
+            decode_only = meta.max_query_len == 1
+            meta.backend_data["num_segments"] = self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1
+
+    def forward(self, q, k, v, kv_cache, meta):
+        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        segments = meta.backend_data.get("num_segments", 1)
+        partials = None
+        if segments > 1:
+            n = q.shape[0] * self.num_heads * segments
+            partials = (
+                self.part_acc[: n * self.head_dim_pad].view(q.shape[0], self.num_heads, segments, self.head_dim_pad),
+                self.part_stats[: n * 2].view(q.shape[0], self.num_heads, segments, 2),
+            )
+        return paged_attention(
+            q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, num_segments=segments, partials=partials,
+        )  # fmt: skip

@@ -1,0 +1,360 @@
+"""GPU benchmarks for a Llama-3-8B-shaped model with random weights (bf16), in one command:
+
+    python bench/gpu_bench.py --out DIR [--sections ceilings,kernels,parity,decode,throughput,hf]
+
+ceilings    device-to-device copy bandwidth and bf16 matmul rate (the two roofs everything is judged against)
+kernels     decode attention (batch 64, 4096-token contexts) vs copy bandwidth; prefill attention (4096 causal)
+            vs torch SDPA (flash) on the same shape
+parity      a tiny random Llama in bf16 and fp32 on the GPU: aserve's greedy tokens vs transformers'
+decode      batch-1 decode, 128 prompt tokens, 256 generated: ms/token vs weights_bytes / copy bandwidth
+throughput  256 requests x 512 prompt / 256 output tokens (EOS ignored): aserve output tok/s
+hf          the same workload with transformers generate (static batches of 64) and generate_batch
+
+Prints a table last; writes results.json (and logs) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+LLAMA3_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=128000,
+    eos_token_id=128001, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)  # fmt: skip
+
+RESULTS: dict = {}
+
+
+def record(key: str, value, unit: str = "", note: str = "") -> None:
+    RESULTS[key] = {"value": value, "unit": unit, "note": note}
+    print(f"  {key}: {value} {unit} {note}", flush=True)
+
+
+def bench_ms(fn, warmup_ms=50, rep_ms=300) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def dummy_model_dir(root: str, config: dict) -> str:
+    """config.json of the given shape plus a small real tokenizer: enough for load_format=dummy."""
+    from tiny_models import build_tokenizer
+    from transformers import LlamaConfig
+
+    path = os.path.join(root, "llama3-8b-shape")
+    LlamaConfig(**config).save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+# -- sections ---------------------------------------------------------------------------------------------------
+
+
+def ceilings() -> None:
+    n = 2 << 30
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    record("copy_bandwidth", round(2 * n / ms / 1e9, 2), "TB/s", "(bytes read + written)")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = bench_ms(lambda: a @ b)
+    record("bf16_matmul", round(2 * 8192**3 / ms / 1e9, 1), "TFLOP/s", "(8192^3, random data)")
+
+
+def kernels() -> None:
+    import torch.nn.functional as F
+
+    from kernels.paged_attention import paged_attention
+
+    torch.manual_seed(0)
+    H, Hkv, D, bs = 32, 8, 128, 16
+    bw = RESULTS.get("copy_bandwidth", {}).get("value", 4.3)
+    # Decode: 64 sequences x 4096 context, blocks scattered over the pool.
+    B, ctx = 64, 4096
+    nblk = B * ctx // bs
+    k_cache = torch.randn(nblk, bs, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(nblk, device="cuda").view(B, ctx // bs).int()
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
+    kv_bytes = 2 * B * ctx * Hkv * D * 2
+    for tile_n in (32, 64, 128):
+        for stages in (2, 3, 4):
+            cfg = dict(BLOCK_M=16, TILE_N=tile_n, num_warps=4, num_stages=stages)
+            try:
+                ms = bench_ms(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1, config=cfg),
+                              25, 100)
+                print(f"   decode config {cfg}: {kv_bytes / ms / 1e9:.2f} TB/s", flush=True)
+            except Exception as e:
+                print("   config failed", cfg, type(e).__name__)
+    for segments in (1, 2, 4):
+        ms = bench_ms(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1, num_segments=segments))
+        record(f"decode_attn_b64_ctx4096_seg{segments}", round(kv_bytes / ms / 1e9, 2), "TB/s",
+               f"({ms * 1e3:.0f} us, {100 * kv_bytes / ms / 1e9 / bw:.0f}% of copy bandwidth)")
+    # Correctness at full shape against SDPA on the same (gathered) data.
+    kg = k_cache[tables.long()].view(B, ctx, Hkv, D).transpose(1, 2)
+    vg = v_cache[tables.long()].view(B, ctx, Hkv, D).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q.unsqueeze(2), kg, vg, enable_gqa=True).squeeze(2)
+    out = paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1)
+    record("decode_attn_rel_err", f"{((out.float() - ref.float()).norm() / ref.float().norm()).item():.2e}")
+    del k_cache, v_cache, kg, vg
+
+    # Prefill: one 4096-token causal sequence.
+    T = 4096
+    k_cache = torch.randn(T // bs, bs, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    table = torch.arange(T // bs, dtype=torch.int32, device="cuda").view(1, -1)
+    q = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
+    seq = torch.tensor([T], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    flops = 4 * T * T * D * H / 2
+    ms_tri = bench_ms(lambda: paged_attention(q, k_cache, v_cache, table, seq, qsl, T))
+    qs = q.transpose(0, 1).unsqueeze(0)
+    ks = k_cache.view(T, Hkv, D).transpose(0, 1).unsqueeze(0)
+    vs = v_cache.view(T, Hkv, D).transpose(0, 1).unsqueeze(0)
+    ms_sdpa = bench_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
+    ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    out = paged_attention(q, k_cache, v_cache, table, seq, qsl, T)
+    record("prefill_attn_4096_triton", round(flops / ms_tri / 1e9, 1), "TFLOP/s", f"({ms_tri * 1e3:.0f} us)")
+    tuning = []
+    for block_m in (64, 128):
+        for tile_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    cfg = dict(BLOCK_M=block_m, TILE_N=tile_n, num_warps=warps, num_stages=stages)
+                    try:
+                        t = bench_ms(lambda: paged_attention(q, k_cache, v_cache, table, seq, qsl, T, config=cfg),
+                                     25, 100)
+                        tuning.append((t, cfg))
+                    except Exception as e:  # out of shared memory etc.
+                        print("   config failed", cfg, type(e).__name__)
+    tuning.sort(key=lambda x: x[0])
+    for t, cfg in tuning[:5]:
+        print(f"   prefill config {cfg}: {flops / t / 1e9:.1f} TFLOP/s", flush=True)
+    record("prefill_attn_4096_best", round(flops / tuning[0][0] / 1e9, 1), "TFLOP/s", str(tuning[0][1]))
+    record("prefill_attn_4096_sdpa", round(flops / ms_sdpa / 1e9, 1), "TFLOP/s", f"({ms_sdpa * 1e3:.0f} us)")
+    record("prefill_attn_vs_sdpa", round(ms_sdpa / ms_tri, 3), "x", "(target >= 0.70)")
+    record("prefill_attn_rel_err", f"{((out.float() - ref.float()).norm() / ref.float().norm()).item():.2e}")
+
+
+def parity(root: str) -> None:
+    from tiny_models import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from aserve import LLM, SamplingParams
+
+    path = make_tiny_model(os.path.join(root, "tiny"), "gqa")
+    prompts = [[(7 * i + 3 * j) % 380 + 2 for j in range(n)] for i, n in enumerate((5, 17, 40, 64))]
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(path, dtype=dtype, max_model_len=512, gpu_memory_utilization=0.2)
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32, min_tokens=32))]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).cuda().eval()
+        agree, notes = 0, []
+        for p, toks in zip(prompts, got):
+            with torch.no_grad():
+                out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False,
+                                     min_new_tokens=32)[0, len(p):].tolist()
+            if out == toks:
+                agree += 1
+                continue
+            i = next(i for i, (a, b) in enumerate(zip(out, toks)) if a != b)
+            with torch.no_grad():
+                logits = model(torch.tensor([p + toks[:i]], device="cuda")).logits[0, -1].float()
+            top = logits.topk(2)
+            notes.append(f"diverged at {i}: hf top-2 logit gap {float(top.values[0] - top.values[1]):.4f}")
+        record(f"parity_{dtype}_32_tokens", f"{agree}/{len(prompts)} identical", "", "; ".join(notes))
+        del llm, model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def top_kernels(fn, key: str, n: int = 10) -> None:
+    """GPU time by kernel over 20 calls of fn (CUPTI via torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 20, e.count // 20) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    lines = [f"{t / 1e3:.3f} ms x{c} {name[:70]}" for name, t, c in rows[:n]]
+    record(key, f"{total / 1e3:.3f} ms total", "", " | ".join(lines))
+
+
+def decode(model_dir: str) -> None:
+    from aserve import LLM, SamplingParams
+
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
+    engine = llm.engine
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    bw = RESULTS.get("copy_bandwidth", {}).get("value", 4.3)
+    floor_ms = weight_bytes / (bw * 1e12) * 1e3
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    gen = torch.Generator().manual_seed(1)
+    prompt = lambda: {"prompt_token_ids": torch.randint(100, 100000, (128,), generator=gen).tolist()}  # noqa: E731
+    llm.generate(prompt(), SamplingParams(max_tokens=8, ignore_eos=True))
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        llm.generate(prompt(), params)
+        e2e = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm.generate(prompt(), SamplingParams(max_tokens=1))
+        ttft = time.perf_counter() - t0
+        times.append((e2e - ttft) / 255 * 1e3)
+    ms = sorted(times)[1]
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        graph, _ = graphs.graphs[1]
+        fwd = bench_ms(graph.replay)
+        record("decode_b1_graph_forward", round(fwd, 3), "ms", f"(GPU time of the captured forward; "
+               f"{100 * floor_ms / fwd:.0f}% of floor)")
+    if graphs is not None:
+        top_kernels(lambda: graphs.graphs[1][0].replay(), "decode_b1_kernels")
+    record("decode_b1_ms_per_token", round(ms, 3), "ms", f"(floor {floor_ms:.2f} ms = {weight_bytes / 1e9:.2f} GB "
+           f"/ {bw} TB/s; {100 * floor_ms / ms:.0f}% of floor; target <= 4.15)")
+    record("kv_capacity_tokens", engine.kv_capacity_tokens)
+    return llm
+
+
+def throughput(model_dir: str, llm=None) -> None:
+    from aserve import LLM, SamplingParams
+
+    if llm is None:
+        llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(100, 100000, (512,), generator=gen).tolist()} for _ in range(256)]
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.reset_prefix_cache()
+    engine = llm.engine
+    phases = {"schedule": [], "execute": [], "process": []}
+
+    def timed(name, fn):
+        def wrapper(*a):
+            t = time.perf_counter()
+            r = fn(*a)
+            phases[name].append((time.perf_counter() - t, a[0].num_tokens if name != "schedule" else 0))
+            return r
+        return wrapper
+
+    orig = engine.schedule, engine.execute, engine.process
+    engine.schedule, engine.execute, engine.process = (timed("schedule", orig[0]), timed("execute", orig[1]),
+                                                       timed("process", orig[2]))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    engine.schedule, engine.execute, engine.process = orig
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        top_kernels(lambda: graphs.graphs[256][0].replay(), "decode_b256_kernels")
+    decode_steps = [i for i, (_, n) in enumerate(phases["execute"]) if n == 256]
+    prefill_steps = [i for i, (_, n) in enumerate(phases["execute"]) if n > 256]
+    for name, values in phases.items():
+        d = [values[i][0] for i in decode_steps]
+        p_ = [values[i][0] for i in prefill_steps]
+        record(f"step_{name}_ms", f"decode {1e3 * sum(d) / max(len(d), 1):.2f} x {len(d)}, "
+               f"prefill {1e3 * sum(p_) / max(len(p_), 1):.2f} x {len(p_)}", "ms")
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    record("throughput_aserve", round(n_out / elapsed, 1), "out tok/s",
+           f"({elapsed:.2f} s; roofline ~5.3 s = 12.4k tok/s: {100 * 5.3 / elapsed:.0f}%)")
+
+
+def hf(model_dir: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(100, 100000, (256, 512), generator=gen)
+    with torch.no_grad():
+        model.generate(prompts[:2].cuda(), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(0, 256, 64):
+            ids = prompts[i : i + 64].cuda()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=256, min_new_tokens=256,
+                           do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    record("throughput_hf_static64", round(256 * 256 / elapsed, 1), "out tok/s", f"({elapsed:.1f} s)")
+    aserve = RESULTS.get("throughput_aserve", {}).get("value")
+    if aserve:
+        record("aserve_vs_hf_static", round(aserve / (256 * 256 / elapsed), 2), "x", "(target >= 5.5)")
+    try:
+        gc = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=prompts.tolist(), generation_config=gc)
+        elapsed = time.perf_counter() - t0
+        n = sum(len(o.generated_tokens) for o in out.values())
+        record("throughput_hf_generate_batch", round(n / elapsed, 1), "out tok/s", f"({elapsed:.1f} s, {n} tokens)")
+    except Exception as e:  # API differences between transformers versions
+        record("throughput_hf_generate_batch", "failed", "", f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default="ceilings,kernels,parity,decode,throughput,hf")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    sections = args.sections.split(",")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    root = tempfile.mkdtemp()
+    model_dir = dummy_model_dir(root, LLAMA3_8B)
+    llm = None
+    for name in sections:
+        print(f"== {name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            if name == "ceilings":
+                ceilings()
+            elif name == "kernels":
+                kernels()
+            elif name == "parity":
+                parity(root)
+            elif name == "decode":
+                llm = decode(model_dir)
+            elif name == "throughput":
+                throughput(model_dir, llm)
+                llm = None
+            elif name == "hf":
+                hf(model_dir)
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            record(f"{name}_error", f"{type(e).__name__}: {str(e)[:300]}")
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    print("\n| result | value | note |\n|---|---|---|")
+    for key, r in RESULTS.items():
+        print(f"| {key} | {r['value']} {r['unit']} | {r['note']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Fused element-wise kernels of a Llama layer (one launch instead of 5-10 small ones each):
+
+    add_rms_norm     x + residual -> (RMSNorm(x + residual) * weight, x + residual)
+    rotary_split     fused qkv row -> rotated q, rotated k, v (each contiguous)
+    silu_and_mul     [gate | up] -> silu(gate) * up
+
+Each rounds to the model dtype where HF's eager code does, so bf16 results match HF's op by op, not just closely.
+References: aserve.model.layers (add_rms_norm, split_rotate_qkv, silu_and_mul).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, eps, stride_x, stride_r, stride_o, stride_ro,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    y = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """-> (norm(x + residual) * weight, x + residual); without a residual, (norm(x) * weight, x)."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_kernel[(rows,)](
+        x, res, weight, out, res_out, n, eps, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+    )  # fmt: skip
+    return out, res_out
+
+
+@triton.jit
+def _rotary_split_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_cos, stride_sin,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    j = tl.arange(0, HALF)
+    # cos/sin of the token's position, already in the model dtype (as HF); each half repeats the other.
+    c = tl.load(cos_ptr + tok * stride_cos + j).to(tl.float32)
+    s = tl.load(sin_ptr + tok * stride_sin + j).to(tl.float32)
+    # q and k heads are consecutive rows of HEAD_DIM in the fused row: rotate them together.
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < NUM_HEADS + NUM_KV_HEADS
+    row = qkv_ptr + tok * stride_qkv + h[:, None] * HEAD_DIM
+    x1 = tl.load(row + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product rounded like HF's
+    o1 = ((x1 * c[None, :]).to(dtype).to(tl.float32) + (-x2 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c[None, :]).to(dtype).to(tl.float32) + (x1 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    is_q = h < NUM_HEADS
+    q_off = tok * NUM_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + j[None, :]
+    tl.store(q_ptr + q_off, o1, mask=is_q[:, None])
+    tl.store(q_ptr + q_off + HALF, o2, mask=is_q[:, None])
+    is_k = (h >= NUM_HEADS) & h_ok
+    k_off = tok * NUM_KV_HEADS * HEAD_DIM + (h - NUM_HEADS)[:, None] * HEAD_DIM + j[None, :]
+    tl.store(k_ptr + k_off, o1, mask=is_k[:, None])
+    tl.store(k_ptr + k_off + HALF, o2, mask=is_k[:, None])
+    d = tl.arange(0, BLOCK_KV)
+    d_ok = d < NUM_KV_HEADS * HEAD_DIM
+    v = tl.load(qkv_ptr + tok * stride_qkv + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + d, mask=d_ok)
+    tl.store(v_ptr + tok * NUM_KV_HEADS * HEAD_DIM + d, v, mask=d_ok)
+
+
+def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):
+    """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D]."""
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty_like(k)
+    _rotary_split_kernel[(t,)](
+        qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0), sin.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), HALF=head_dim // 2,
+    )  # fmt: skip
+    return q, k, v
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + n + offs, mask=ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (act * u).to(dtype), mask=ok)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, n2 = gate_up.shape
+    n = n2 // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out

@@ -1,0 +1,297 @@
+"""Triton paged attention for a flat mixed batch: decodes (1 query token), prefill chunks and speculative
+verification (k+1 tokens) of many requests in one launch, each attending causally to its own paged KV cache.
+
+Layout (see aserve/model/attention.py): q [T, H, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D];
+block_tables [num_seqs, max_blocks]; seq_lens [num_seqs] (context + new tokens); query_start_loc [num_seqs + 1].
+
+One program computes a tile of BLOCK_M query rows against one KV head. GQA is packed into the rows: a tile holds
+BLOCK_Q tokens x G query heads (G = H / Hkv), so the G heads that share a KV head read its K/V once:
+
+    rows:  tok0/h0 tok0/h1 .. tok0/hG-1 | tok1/h0 .. | ...        (BLOCK_Q = BLOCK_M // G tokens)
+
+Programs are numbered over "q blocks" of all requests; each finds its request by binary search in query_start_loc,
+so the host computes nothing per step and the grid depends only on (num_tokens, num_seqs): CUDA-graph friendly.
+K/V are read TILE_N keys at a time straight from the pages (no gather copy), with an online softmax in float32.
+
+Split-KV (flash-decoding): with NUM_SEGMENTS > 1 the keys of a tile row are divided among NUM_SEGMENTS programs
+that write partial (acc, max, sum) results; a second kernel combines them. This fills the GPU when a few long
+sequences decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The request owning global q block `q_block`: request i owns blocks starting at
+    query_start_loc[i] // BLOCK_Q + i (each request starts a fresh block)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+    stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One TILE_N-key tile of the online softmax: keys read straight from their pages. Unmasked tiles (all keys
+    valid and visible to every row) load without masks."""
+    k_idx = t * TILE_N + offs_n
+    if MASKED:
+        k_ok = k_idx < num_keys
+        page = tl.load(bt_row + k_idx // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + k_idx // BLOCK_SIZE).to(tl.int64)
+    slot = page * stride_c_blk + (k_idx % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
+    kv_ptrs = slot[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_cache_ptr + kv_ptrs)
+    else:
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=d_ok[None, :], other=0.0)
+    k = tl.trans(k)
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale_log2
+    if MASKED:
+        visible = (k_idx[None, :] <= q_pos[:, None]) & (k_idx < num_keys)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    else:
+        m_new_safe = m_new
+    p = tl.math.exp2(s - m_new_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_cache_ptr + kv_ptrs)
+    else:
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=d_ok[None, :], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_acc_ptr,
+    part_stats_ptr,
+    scale_log2,
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, TILE_N)
+    tok = q_block_local * BLOCK_Q + offs_m // G  # token index within the request
+    head = kv_head * G + offs_m % G
+    row_ok = (tok < q_len) & (offs_m < BLOCK_Q * G)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q_pos = context_len + tok  # absolute position of each row's token
+
+    # Keys this tile can see: up to its last token's position (causal).
+    last_tok = tl.minimum((q_block_local + 1) * BLOCK_Q, q_len) - 1
+    num_keys = context_len + last_tok + 1
+    num_tiles = tl.cdiv(num_keys, TILE_N)
+    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+    tile_lo = segment * tiles_per_segment
+    tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Tiles entirely at or before the block's first query position need no causal mask.
+    first_pos = context_len + q_block_local * BLOCK_Q
+    unmasked_hi = tl.minimum(tile_hi, (first_pos + 1) // TILE_N)
+    for t in range(tile_lo, unmasked_hi):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
+            HEAD_DIM == HEAD_DIM_PAD, False,
+        )  # fmt: skip
+    for t in range(tl.maximum(tile_lo, unmasked_hi), tile_hi):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
+            HEAD_DIM == HEAD_DIM_PAD, True,
+        )  # fmt: skip
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # partials: acc [T, H, S, HEAD_DIM_PAD], stats [T, H, S, 2] (max, sum)
+        base = (q_rows * NUM_HEADS + head) * NUM_SEGMENTS + segment
+        tl.store(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_stats_ptr + base * 2, m_i, mask=row_ok)
+        tl.store(part_stats_ptr + base * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_segments_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_stats_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    stride_o_tok,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding (CUDA-graph bucket larger than the batch)
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    base = (tok * NUM_HEADS + head) * NUM_SEGMENTS + offs_s
+    m = tl.load(part_stats_ptr + base * 2)
+    l = tl.load(part_stats_ptr + base * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # segments that saw no keys have m = -inf: weight 0
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+    total = tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int) -> dict:
+    """Launch configuration: decode-only batches get the smallest tile that holds the G heads of one token;
+    batches with longer queries get bigger tiles."""
+    g = num_heads // num_kv_heads
+    if max_query_len <= 1:
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=64, num_warps=8, num_stages=2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    num_segments: int = 1,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale: float | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention of every query token to its request's paged K/V (which must already hold the step's new
+    tokens). `max_query_len` only picks the tile shape (any upper bound works). With num_segments > 1 (split-KV),
+    `partials` may pass preallocated buffers (CUDA graphs): acc [T, H, S, Dpad] and stats [T, H, S, 2], float32.
+    `config` overrides tile_config (BLOCK_M, TILE_N, num_warps, num_stages), for tuning."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert num_heads % num_kv_heads == 0
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q) if out is None else out
+    cfg = config or tile_config(num_heads, num_kv_heads, max_query_len)
+    block_m = cfg["BLOCK_M"]
+    block_q = block_m // (num_heads // num_kv_heads)
+    assert block_q >= 1, f"BLOCK_M {block_m} is smaller than the GQA group {num_heads // num_kv_heads}"
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    scale = head_dim**-0.5 if scale is None else scale
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_segments > 1:
+        assert num_segments == triton.next_power_of_2(num_segments)
+        if partials is None:
+            partials = (
+                torch.empty(num_tokens, num_heads, num_segments, head_dim_pad, dtype=torch.float32, device=q.device),
+                torch.empty(num_tokens, num_heads, num_segments, 2, dtype=torch.float32, device=q.device),
+            )
+        part_acc, part_stats = partials
+    else:
+        part_acc = part_stats = out  # unused
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_acc, part_stats,
+        scale * 1.4426950408889634, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        NUM_HEADS=num_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg["TILE_N"], NUM_SEGMENTS=num_segments,
+        IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if num_segments > 1:
+        _combine_segments_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_stats, query_start_loc, num_seqs, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,94 @@
+"""Triton kernels against their pure-torch references, on random ragged paged batches (Triton's interpreter on CPU;
+the same tests run on a GPU at the same shapes)."""
+
+import pytest
+import torch
+
+from attention_cases import random_batch
+from kernels import reference
+from kernels.cache_write import write_kv
+from kernels.paged_attention import paged_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = {
+    "decode-only": ([1, 1, 1, 1, 1], [0, 5, 31, 47, 90]),
+    "prefill-no-context": ([7, 16, 33], [0, 0, 0]),
+    "mixed-with-context": ([1, 1, 9, 20, 4], [17, 64, 0, 13, 40]),
+    "spec-verify-k+1": ([5, 5, 5], [30, 3, 77]),
+    "long-context-chunks": ([1, 40, 70], [150, 200, 130]),
+}
+
+
+def run_case(case, heads, head_dim, dtype, num_segments=1, block_size=16):
+    q_lens, ctx_lens = CASES[case]
+    num_heads, num_kv_heads = heads
+    q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, 64,
+                                           dtype, device=DEVICE)
+    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    ref = reference.paged_attention(q, kv_cache, meta, block_size)
+    out = paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                          max(q_lens), num_segments=num_segments)
+    return out.float(), ref.float()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3)])
+def test_paged_attention_matches_reference(case, heads):
+    out, ref = run_case(case, heads, 32, torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_attention_head_dims_fp16(head_dim):
+    out, ref = run_case("mixed-with-context", (8, 2), head_dim, torch.float16)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("case", ["decode-only", "mixed-with-context"])
+def test_split_kv_segments_match(case):
+    out, ref = run_case(case, (8, 2), 32, torch.float32, num_segments=4)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_write_matches_reference_and_skips_padding():
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(6, 2, 32, generator=gen).to(DEVICE)
+    v = torch.randn(6, 2, 32, generator=gen).to(DEVICE)
+    cache = torch.randn(2, 8, 16, 2, 32, generator=gen).to(DEVICE)
+    slots = torch.tensor([5, 17, 40, 127, -1, 3], device=DEVICE)
+    expected = cache.clone()
+    reference.write_kv_cache(k[[0, 1, 2, 3, 5]], v[[0, 1, 2, 3, 5]], expected, slots[[0, 1, 2, 3, 5]])
+    write_kv(k, v, cache[0], cache[1], slots)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_elementwise_kernels_match_torch(dtype):
+    from aserve.model import layers
+    from kernels import fused
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
+    r = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(96, generator=gen).to(DEVICE, dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    for residual in (None, r):
+        out, res = fused.add_rms_norm(x, residual, w, 1e-5)
+        ref_out, ref_res = layers.add_rms_norm(x, residual, w, 1e-5)
+        torch.testing.assert_close(out, ref_out, **tol)
+        torch.testing.assert_close(res, ref_res, **tol)
+
+    H, Hkv, D = 6, 2, 16
+    qkv = torch.randn(7, (H + 2 * Hkv) * D, generator=gen).to(DEVICE, dtype)
+    from aserve.model.layers import RotaryEmbedding
+
+    rot = RotaryEmbedding(D, 64, 10000.0, {"rope_type": "default"})
+    rot.materialize(torch.device(DEVICE))
+    cos, sin = rot(torch.tensor([0, 3, 5, 9, 17, 33, 63], device=DEVICE), dtype)
+    for got, want in zip(fused.rotary_split(qkv, cos, sin, H, Hkv, D), layers.split_rotate_qkv(qkv, cos, sin, H, Hkv, D)):
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want, **tol)
+
+    gu = torch.randn(4, 2 * 80, generator=gen).to(DEVICE, dtype)
+    torch.testing.assert_close(fused.silu_and_mul(gu), layers.silu_and_mul(gu), **tol)
