@@ -236,7 +236,7 @@ def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int) -> dict:
     g = num_heads // num_kv_heads
     if max_query_len <= 1:
         return dict(BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=128, num_warps=8, num_stages=3)
 
 
 def paged_attention(

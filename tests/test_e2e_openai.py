@@ -1,52 +1,15 @@
 """`aserve serve` as a subprocess with the embedded default model, driven by the official openai client."""
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
+from aserve_server import running_server
 
 openai = pytest.importorskip("openai")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve", "serve", "--port", str(port), "--max-model-len", "2048",
-         "--kv-cache-memory-gb", "0.25"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"aserve serve exited early:\n{proc.stdout.read()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("aserve serve did not become healthy")
-            time.sleep(0.5)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with running_server() as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -3,58 +3,24 @@ rate, then shared prefixes and multi-turn chat over the chat endpoint. Short req
 
 import asyncio
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
+from aserve_server import running_server
 from loadgen.bench import run_benchmark
 from loadgen.config import RunConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve", "serve", "--port", str(port), "--max-model-len", "2048",
-         "--kv-cache-memory-gb", "0.25"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"aserve serve exited early:\n{proc.stdout.read()}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("aserve serve did not become healthy")
-            time.sleep(0.5)
+    with running_server() as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def server_ttft_histogram(url: str) -> tuple[float, float]:

@@ -29,6 +29,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}  # the same, as ids, kept in step (read every step)
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered by hash
         self.stats = PrefixCacheStats()
 
@@ -79,6 +80,9 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
+        block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
+        block_ids.extend(b.block_id for b in new_computed_blocks)
+        block_ids.extend(b.block_id for b in new_blocks)
 
         if request.hasher is not None:
             # Register the blocks that become full of known tokens once this step is computed.
@@ -92,6 +96,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first: its last blocks are the first to be evicted."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
@@ -106,7 +111,9 @@ class KVCacheManager:
         )
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """The request's block ids in order. The live list (appended to as the request grows): read it before the
+        next allocation."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
@@ -116,7 +123,8 @@ class KVCacheManager:
         expected = [0] * self.pool.num_blocks
         live_ids = {r.request_id for r in live_requests}
         assert set(self.req_to_blocks) <= live_ids, f"blocks held by dead requests: {set(self.req_to_blocks) - live_ids}"
-        for blocks in self.req_to_blocks.values():
+        for request_id, blocks in self.req_to_blocks.items():
+            assert self.req_to_block_ids[request_id] == [b.block_id for b in blocks]
             for b in blocks:
                 expected[b.block_id] += 1
         in_free = {b.block_id for b in self.pool.free_block_queue}

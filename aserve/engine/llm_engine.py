@@ -7,6 +7,8 @@ conditions, text).
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -105,6 +107,11 @@ class LLMEngine:
         self.states: dict[str, RequestState] = {}
         self.child_to_state: dict[str, tuple[RequestState, int]] = {}
         self.stats = EngineStats()
+        # Everything allocated so far (model, tokenizer, pools) lives as long as the engine: keep it out of the
+        # cyclic GC's scans, which otherwise stall steps at random.
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # let interpreter shutdown collect them (native extensions check for leaks)
         self.startup_time = time.perf_counter() - t0
         logger.info(
             "Loaded %s (%s, %.1fM params, %s on %s) in %.1f s; KV cache: %d blocks x %d = %d tokens; "

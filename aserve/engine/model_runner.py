@@ -8,6 +8,7 @@ device tensors have stable addresses (what CUDA graphs need).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -276,33 +277,57 @@ class ModelRunner:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _fill_host(self, order: list[ScheduledRequest]) -> StepLayout:
-        """Writes the flat batch into the host buffers (token ids, positions, slots, block tables, lengths)."""
+        """Writes the flat batch into the host buffers (token ids, positions, slots, block tables, lengths), with
+        numpy over whole arrays: at a few hundred requests per step, per-request Python work shows up."""
         buf = self.buffers.np
         bs = self.block_size
-        layout = StepLayout(num_reqs=len(order))
-        t = 0
+        n = len(order)
+        q_lens = np.fromiter((s.num_new_tokens for s in order), np.int64, n)
+        starts = np.fromiter((s.num_computed_tokens for s in order), np.int64, n)
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        if num_tokens == n:  # decode-only: one token each
+            buf["input_ids"][:n] = [s.request.all_token_ids[s.num_computed_tokens] for s in order]
+            positions = starts
+        else:
+            buf["input_ids"][:num_tokens] = list(
+                itertools.chain.from_iterable(
+                    s.request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
+                    for s in order
+                )
+            )
+            req_of_token = np.repeat(np.arange(n), q_lens)
+            positions = np.arange(num_tokens) - query_start[req_of_token] + starts[req_of_token]
+        buf["positions"][:num_tokens] = positions
+        # Block tables: all requests' block ids in one scatter. Entries past a request's own blocks keep stale
+        # (valid) block ids; nothing reads them unmasked.
+        num_blocks = np.fromiter((len(s.block_ids) for s in order), np.int64, n)
+        block_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_blocks, out=block_start[1:])
+        flat = np.fromiter(itertools.chain.from_iterable(s.block_ids for s in order), np.int32, int(block_start[-1]))
+        rows = np.repeat(np.arange(n), num_blocks)
+        buf["block_tables"][rows, np.arange(flat.shape[0]) - block_start[rows]] = flat
+        req_of_token = np.arange(n) if num_tokens == n else np.repeat(np.arange(n), q_lens)
+        block_of_token = buf["block_tables"][req_of_token, positions // bs].astype(np.int64)
+        buf["slot_mapping"][:num_tokens] = block_of_token * bs + positions % bs
+        seq_lens = starts + q_lens
+        buf["query_start_loc"][: n + 1] = query_start
+        buf["seq_lens"][:n] = seq_lens
+
+        layout = StepLayout(
+            num_reqs=n,
+            num_tokens=num_tokens,
+            num_decodes=int((q_lens == 1).sum()),
+            max_blocks=max(int(num_blocks.max()), 1),
+            max_query_len=int(q_lens.max()),
+            query_start=query_start.tolist(),
+            seq_lens=seq_lens.tolist(),
+        )
         for i, s in enumerate(order):
-            start, n = s.num_computed_tokens, s.num_new_tokens
-            end = start + n
-            buf["input_ids"][t : t + n] = s.request.all_token_ids[start:end]
-            buf["positions"][t : t + n] = np.arange(start, end)
-            block_ids = np.asarray(s.block_ids, dtype=np.int64)
-            pos = buf["positions"][t : t + n]
-            buf["slot_mapping"][t : t + n] = block_ids[pos // bs] * bs + pos % bs
-            # Entries past a request's own blocks keep stale (valid) block ids; nothing reads them unmasked.
-            buf["block_tables"][i, : len(block_ids)] = block_ids
-            layout.max_blocks = max(layout.max_blocks, len(block_ids))
-            layout.max_query_len = max(layout.max_query_len, n)
-            t += n
-            layout.query_start.append(t)
-            layout.seq_lens.append(end)
             if s.samples:
+                buf["logits_indices"][len(layout.sampled)] = layout.query_start[i + 1] - 1
                 layout.sampled.append(s)
-                buf["logits_indices"][len(layout.sampled) - 1] = t - 1
-        layout.num_tokens = t
-        layout.num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
-        buf["query_start_loc"][: layout.num_reqs + 1] = layout.query_start
-        buf["seq_lens"][: layout.num_reqs] = layout.seq_lens
         return layout
 
     def _device_meta(self, layout: StepLayout) -> AttentionMetadata:

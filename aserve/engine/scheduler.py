@@ -21,6 +21,7 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step
     num_new_tokens: int
+    # The request's live block-id list (no per-step copy): valid until the next schedule() allocates.
     block_ids: list[int]
 
     @property
