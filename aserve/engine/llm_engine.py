@@ -31,6 +31,10 @@ PromptType = str | dict
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
+# Engines gc.freeze() what they load; unfreeze at exit so that interpreter shutdown collects it (native extensions
+# report anything left over as a leak).
+atexit.register(gc.unfreeze)
+
 
 @dataclass(eq=False)
 class RequestState:
@@ -111,7 +115,6 @@ class LLMEngine:
         # cyclic GC's scans, which otherwise stall steps at random.
         gc.collect()
         gc.freeze()
-        atexit.register(gc.unfreeze)  # let interpreter shutdown collect them (native extensions check for leaks)
         self.startup_time = time.perf_counter() - t0
         logger.info(
             "Loaded %s (%s, %.1fM params, %s on %s) in %.1f s; KV cache: %d blocks x %d = %d tokens; "
