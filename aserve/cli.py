@@ -23,6 +23,7 @@ _HELP = {
     "device": "auto | cpu | cuda",
     "enforce_eager": "CPU: do not torch.compile element-wise ops (faster start)",
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
+    "quantization": "awq: require an AWQ int4 checkpoint (AWQ is detected from the checkpoint either way)",
 }
 
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--log-level", default="info")
     add_engine_args(serve)
+    from aserve.quantization.quantize import add_quantize_parser
+
+    add_quantize_parser(sub)
     return parser
 
 
@@ -117,6 +121,14 @@ def main(argv: list[str] | None = None) -> None:
         try:
             serve(ns)
         except ValueError as e:  # bad model path, impossible KV budget, ...
+            print(f"aserve: error: {e}", file=sys.stderr)
+            sys.exit(2)
+    elif ns.command == "quantize":
+        from aserve.quantization.quantize import run_quantize
+
+        try:
+            run_quantize(ns)
+        except ValueError as e:  # bad model, group size that does not divide the layers, ...
             print(f"aserve: error: {e}", file=sys.stderr)
             sys.exit(2)
 

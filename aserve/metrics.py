@@ -51,6 +51,13 @@ class PrometheusMetrics:
                                             _LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           _TOKEN_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (requests x steps).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_by_position = Counter(
+            "aserve:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft.",
+            ["model_name", "position"], registry=r,
+        )
         self._last_queries = self._last_hits = 0
 
     def __call__(self, step: StepStats, stats: EngineStats) -> None:
@@ -64,6 +71,11 @@ class PrometheusMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries_total - self._last_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits_total - self._last_hits)
         self._last_queries, self._last_hits = stats.prefix_cache_queries_total, stats.prefix_cache_hits_total
+        self.spec_drafts.inc(step.spec_drafts)
+        self.spec_draft_tokens.inc(step.spec_draft_tokens)
+        self.spec_accepted_tokens.inc(step.spec_accepted_tokens)
+        for position, count in enumerate(step.spec_accepted_by_position):
+            self._spec_by_position.labels(self.model_name, str(position)).inc(count)
         for reason in step.finished_reasons:
             self._success.labels(self.model_name, reason).inc()
         for value in step.time_to_first_token:

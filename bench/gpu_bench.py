@@ -9,6 +9,7 @@ parity      a tiny random Llama in bf16 and fp32 on the GPU: aserve's greedy tok
 decode      batch-1 decode, 128 prompt tokens, 256 generated: ms/token vs weights_bytes / copy bandwidth
 throughput  256 requests x 512 prompt / 256 output tokens (EOS ignored): aserve output tok/s
 hf          the same workload with transformers generate (static batches of 64) and generate_batch
+verify_cost step time with B requests of k+1 tokens vs 1 (speculative verification), B = 1..256, k = 0..4
 
 Prints a table last; writes results.json (and logs) under --out.
 """
@@ -280,6 +281,25 @@ def throughput(model_dir: str, llm=None) -> None:
            f"({elapsed:.2f} s; roofline ~5.3 s = 12.4k tok/s: {100 * 5.3 / elapsed:.0f}%)")
 
 
+def verify_cost(model_dir: str) -> None:
+    """Step time with B requests of k+1 query tokens each (speculative verification) relative to k = 0: the
+    input the adaptive speculation policy needs. Eager steps (graphs only cover k = 0), requests without context."""
+    from aserve import LLM
+
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
+              enforce_eager=True)  # fmt: skip
+    runner = llm.engine.runner
+    rows = []
+    for batch in (1, 4, 16, 64, 256):
+        times = []
+        for k in range(5):
+            fn = lambda: runner._synthetic_step([k + 1] * batch)  # noqa: E731
+            times.append(bench_ms(fn, 20, 100))
+        rows.append(f"B={batch}: " + " ".join(f"k{k}={t / times[0]:.2f}" for k, t in enumerate(times))
+                    + f" (k0 {times[0]:.2f} ms)")
+    record("verify_cost_relative", "see note", "", " | ".join(rows))
+
+
 def hf(model_dir: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -340,6 +360,8 @@ def main() -> None:
                 llm = None
             elif name == "hf":
                 hf(model_dir)
+            elif name == "verify_cost":
+                verify_cost(model_dir)
         except Exception as e:
             import traceback
 

@@ -12,6 +12,8 @@ CASES = {
     "prefill-only-no-context": ([7, 16, 33], [0, 0, 0]),
     "mixed-with-context": ([1, 1, 9, 20, 4], [17, 64, 0, 13, 40]),
     "single-long-chunk": ([50], [30]),
+    # Short queries (decodes, speculative verification) batched, then a longer chunk.
+    "short-queries-batched": ([1, 1, 3, 5, 5, 12], [17, 64, 30, 3, 77, 5]),
 }
 
 

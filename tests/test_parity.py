@@ -85,3 +85,17 @@ def test_triton_backend_parity(references, config):
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", **ENGINE_CONFIGS[config])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_deleted_llm_is_freed(tiny_model):
+    """`del llm; gc.collect()` frees the engine with its weights and KV cache (on a GPU: its memory), so one process
+    can load several models in turn."""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
+    llm.generate("hello", SamplingParams(max_tokens=4))
+    engine, kv = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_caches)
+    del llm
+    gc.collect()
+    assert engine() is None and kv() is None

@@ -170,6 +170,8 @@ class _FakeRequest:
         self.sampling_params = params
         self.generator = None
         self.num_output_tokens = 0
+        self.output_token_ids = []
+        self.prompt_token_ids = [0]
         self.eos_token_id = None
 
 
@@ -183,7 +185,7 @@ def test_sampler_frequencies_follow_the_distribution():
 
     def freqs(params, expected):
         reqs = [_FakeRequest(params) for _ in range(n)]
-        tokens = torch.tensor(sampler(logits.expand(n, -1).clone(), reqs).token_ids)
+        tokens = torch.tensor([t for (t,) in sampler(logits.expand(n, -1).clone(), reqs).token_ids])
         got = torch.bincount(tokens, minlength=6).double() / n
         sigma = (expected * (1 - expected) / n).sqrt()
         assert torch.all((got - expected).abs() <= 4 * sigma + 1e-9), (got, expected)

@@ -76,6 +76,8 @@ def make_config(variant: str):
                 "original_max_position_embeddings": 64,
             },
         )
+    if variant == "vocab8":  # for statistical tests of sampling: every next-token distribution is spread out
+        return LlamaConfig(**{**common, "vocab_size": 8, "num_key_value_heads": 2, "initializer_range": 0.08})
     if variant == "qwen2":
         return Qwen2Config(**{**common, "num_key_value_heads": 2, "use_sliding_window": False})
     raise ValueError(variant)

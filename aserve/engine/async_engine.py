@@ -77,7 +77,11 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
-        return cls(LLMEngine(args))
+        from aserve.engine.llm_engine import freeze_for_serving
+
+        engine = LLMEngine(args)
+        freeze_for_serving()
+        return cls(engine)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 

@@ -24,6 +24,10 @@ from aserve.engine.stats import EngineStats
 from aserve.model.loader import resolve_model
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
+from aserve.spec.config import SpeculativeConfig
+from aserve.spec.ngram import propose_ngram
+from aserve.spec.drafter import ModelDrafter
+from aserve.spec.policy import SpecPolicy, StepCostModel
 
 logger = logging.getLogger("aserve")
 
@@ -31,9 +35,18 @@ PromptType = str | dict
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
-# Engines gc.freeze() what they load; unfreeze at exit so that interpreter shutdown collects it (native extensions
-# report anything left over as a leak).
+# A serving process gc.freeze()s what its engine loads (freeze_for_serving); unfreeze at exit so that interpreter
+# shutdown collects it (native extensions report anything left over as a leak).
 atexit.register(gc.unfreeze)
+
+
+def freeze_for_serving() -> None:
+    """Moves everything allocated so far (model, tokenizer, pools) out of the cyclic GC's scans, which otherwise stall
+    steps at random. Only for an engine that lives as long as the process: frozen cycles are never collected, so an
+    offline `LLM` (which `del llm` must free, GPU memory included) does not freeze; it pauses the cyclic GC while
+    generating instead (`LLM._run`)."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass(eq=False)
@@ -92,6 +105,9 @@ class LLMEngine:
             compile_model=self.device.type == "cpu" and not args.enforce_eager,
             attention_backend=args.attention_backend,
         )
+        self.spec_config = SpeculativeConfig.parse(args.speculative_config)
+        if self.spec_config is not None and self.spec_config.needs_kv:
+            self.runner.drafter = ModelDrafter(self.runner, self.spec_config, args.seed)
         num_blocks = self._num_kv_blocks()
         min_blocks = cdiv(self.max_model_len, self.block_size)
         if num_blocks < min_blocks:
@@ -106,15 +122,14 @@ class LLMEngine:
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_cuda_graphs()
         self.num_kv_blocks = num_blocks
+        self.spec_policy = self._spec_policy()
         self.kv_manager = KVCacheManager(num_blocks, self.block_size)
-        self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.kv_manager, args.max_num_seqs, max_num_batched_tokens, self.max_model_len, self.spec_policy
+        )
         self.states: dict[str, RequestState] = {}
         self.child_to_state: dict[str, tuple[RequestState, int]] = {}
         self.stats = EngineStats()
-        # Everything allocated so far (model, tokenizer, pools) lives as long as the engine: keep it out of the
-        # cyclic GC's scans, which otherwise stall steps at random.
-        gc.collect()
-        gc.freeze()
         self.startup_time = time.perf_counter() - t0
         logger.info(
             "Loaded %s (%s, %.1fM params, %s on %s) in %.1f s; KV cache: %d blocks x %d = %d tokens; "
@@ -133,6 +148,17 @@ class LLMEngine:
             max_num_batched_tokens,
             "on" if args.enable_prefix_caching else "off",
         )
+
+    def _spec_policy(self) -> SpecPolicy | None:
+        cfg = self.spec_config
+        if cfg is None:
+            return None
+        cost = None
+        if cfg.adaptive:
+            drafter = self.runner.drafter
+            cost = StepCostModel(self.runner.measure_step_times(), drafter.cost_fraction if drafter else 0.0)
+            logger.info("Speculation cost model (step seconds by tokens): %s", dict(zip(cost.sizes, cost.times)))
+        return SpecPolicy(cfg, cost)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -292,26 +318,27 @@ class LLMEngine:
     def process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         now = time.monotonic()
         changed: list[RequestState] = []
-        tokens = result.sampler_output.token_ids
-        logprobs = result.sampler_output.logprobs
-        for s, token_id, lp in zip(result.sampled, tokens, logprobs):
+        out = result.sampler_output
+        next_drafts = result.next_drafts or [None] * len(result.sampled)
+        next_probs = result.next_draft_probs or [None] * len(result.sampled)
+        for s, token_ids, lps, drafts, probs in zip(result.sampled, out.token_ids, out.logprobs, next_drafts,
+                                                    next_probs):  # fmt: skip
             request = s.request
             if request.is_finished:  # aborted while the step ran
                 continue
             state, index = self.child_to_state[request.request_id]
-            self.stats.on_token(request, now)
-            finished = self.scheduler.append_token(request, token_id)
-            stop = state.detokenizers[index].add_token(token_id)
-            if stop is not None:
-                request.stop_reason = stop
-                if finished:
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            if lp is not None:
-                state.logprobs[index].append(self._logprob_dict(lp))
-            if request.is_finished:
-                self.stats.on_request_finished(request, now)
+            if s.spec_token_ids:
+                num_accepted = len(token_ids) - 1
+                self.scheduler.accept_drafts(s, num_accepted)
+                self.stats.on_drafts(len(s.spec_token_ids), num_accepted)
+                if self.spec_policy is not None:
+                    self.spec_policy.observe(request, len(s.spec_token_ids), num_accepted)
+            for i, token_id in enumerate(token_ids):
+                self._append_token(request, state, index, token_id, now, lps[i] if lps is not None else None)
+                if request.is_finished:
+                    break
+            if not request.is_finished and s.num_draft_next > 0:
+                self._set_drafts(request, s.num_draft_next, drafts, probs)
             if not changed or changed[-1] is not state:
                 changed.append(state)
         self.stats.on_step(sched.num_tokens, self.scheduler, self.kv_manager)
@@ -324,6 +351,29 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _append_token(self, request: Request, state: RequestState, index: int, token_id: int, now: float, lp) -> None:
+        self.stats.on_token(request, now)
+        finished = self.scheduler.append_token(request, token_id)
+        stop = state.detokenizers[index].add_token(token_id)
+        if stop is not None:
+            request.stop_reason = stop
+            if finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        if lp is not None:
+            state.logprobs[index].append(self._logprob_dict(lp))
+        if request.is_finished:
+            self.stats.on_request_finished(request, now)
+
+    def _set_drafts(self, request: Request, k: int, model_drafts, model_probs) -> None:
+        """Drafts for the next step: from the model drafter (computed in the step), or n-gram lookup here."""
+        if model_drafts is not None:
+            request.spec_token_ids, request.spec_draft_probs = model_drafts[:k], model_probs
+        else:
+            cfg = self.spec_config
+            request.spec_token_ids = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def _logprob_dict(self, lp) -> dict[int, Logprob]:
         texts = self.tokenizer.batch_decode([[t] for t in lp.token_ids])

@@ -8,6 +8,7 @@ device tensors have stable addresses (what CUDA graphs need).
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import time
@@ -21,8 +22,7 @@ from aserve.engine.kv_cache_manager import cdiv
 from aserve.engine.sampler import Sampler, SamplerOutput
 from aserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from aserve.model.llama import ARCHITECTURES
-from aserve.model.loader import load_weights
+from aserve.model.loader import build_model
 
 logger = logging.getLogger("aserve")
 
@@ -38,7 +38,6 @@ class StepLayout:
     max_query_len: int = 0
     query_start: list[int] = field(default_factory=lambda: [0])
     seq_lens: list[int] = field(default_factory=list)
-    sampled: list[ScheduledRequest] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -47,10 +46,13 @@ class StepLayout:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """Sampled tokens of the requests that sample this step, in `SchedulerOutput.scheduled` order."""
+    """Tokens of the requests that sample this step (in `SchedulerOutput.scheduled` order): accepted drafts plus
+    one sampled token each; and, from a model drafter, the drafts to verify next step."""
 
     sampled: list[ScheduledRequest]
     sampler_output: SamplerOutput
+    next_drafts: list[list[int]] | None = None
+    next_draft_probs: list | None = None
 
 
 class InputBuffers:
@@ -67,7 +69,7 @@ class InputBuffers:
             "query_start_loc": host(max_reqs + 1, dtype=torch.int32),
             "seq_lens": host(max_reqs, dtype=torch.int32),
             "block_tables": host(max_reqs, max_blocks, dtype=torch.int32),
-            "logits_indices": host(max_reqs, dtype=torch.int64),
+            "logits_indices": host(max_tokens, dtype=torch.int64),
         }
         self.np = {k: v.numpy() for k, v in self.host.items()}
         self.device = {k: v.to(device) for k, v in self.host.items()} if device.type != "cpu" else self.host
@@ -81,6 +83,19 @@ class InputBuffers:
         if dst is not src:
             dst.copy_(src, non_blocking=True)
         return dst
+
+
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    attn = model.layers[0].self_attn
+    return 2 * len(model.layers) * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
+
+
+def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[num_layers, 2 (K/V), num_blocks, block_size, num_kv_heads, head_dim], zeroed: padded attention reads of
+    never-written slots must see finite values."""
+    attn = model.layers[0].self_attn
+    shape = (len(model.layers), 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class ModelRunner:
@@ -99,9 +114,6 @@ class ModelRunner:
         compile_model: bool = False,
         attention_backend: str = "auto",
     ) -> None:
-        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
         self.hf_config = hf_config
         self.dtype = dtype
         self.device = device
@@ -109,44 +121,28 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.backend = self._make_backend(attention_backend, hf_config, max_num_seqs, device)
+        self.backend = self.make_backend(attention_backend, hf_config, max_num_seqs, device)
         # GPU: every step runs on a dedicated stream (its host sync, reading the sampled tokens, happens in the
         # engine's worker thread, never on the event loop).
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
+        self.drafter = None  # a model-based speculative proposer (aserve.spec.drafter), set by the engine
 
         t0 = time.perf_counter()
-        torch.manual_seed(seed)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device("meta"):
-                model = ARCHITECTURES[arch](hf_config, self.backend, max_position=max_model_len)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        model.to_empty(device=device)
-        model.tie_weights()
-        model.rotary.materialize(device)
-        load_weights(model, model_dir, load_format, seed, show_progress=True)
-        self.model = model.eval()
-        if device.type == "cpu":
-            model.optimize_for_cpu(compile_elementwise=compile_model)
-        elif device.type == "cuda":
-            model.ops.use_triton()
+        self.model = model = build_model(
+            hf_config, model_dir, dtype, device, max_model_len, self.backend, load_format, seed, compile_model
+        )
         self.compiled = model.ops.compiled
+        self.attention_backend = attention_backend
         self.load_time = time.perf_counter() - t0
         self.num_params = sum(p.numel() for p in model.parameters())
-
-        attn = model.layers[0].self_attn
-        self.num_layers = len(model.layers)
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq, device)
         self.sampler = Sampler(device, seed)
         self.kv_caches: torch.Tensor | None = None
 
     @staticmethod
-    def _make_backend(name: str, hf_config, max_num_seqs: int, device: torch.device) -> AttentionBackend:
+    def make_backend(name: str, hf_config, max_num_seqs: int, device: torch.device) -> AttentionBackend:
         if name == "torch" or (name == "auto" and device.type != "cuda"):
             return TorchAttentionBackend()
         from aserve.model.triton_attention import TritonAttentionBackend
@@ -163,13 +159,13 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        own = kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        return own + (self.drafter.kv_bytes_per_block if self.drafter is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """[num_layers, 2 (K/V), num_blocks, block_size, num_kv_heads, head_dim], zeroed: padded attention reads
-        of never-written slots must see finite values."""
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
 
     def _synthetic_step(self, q_lens: list[int]) -> torch.Tensor:
         """Runs the model on made-up requests (query lengths `q_lens`, no context, decodes first) whose KV goes to
@@ -219,9 +215,30 @@ class ModelRunner:
         logger.info("Warm-up (compilation) took %.1f s", time.perf_counter() - t0)
 
     @torch.inference_mode()
+    def measure_step_times(self, reps: int = 2) -> dict[int, float]:
+        """Seconds per step by number of tokens (1, 2, 4, ... up to the budget): the speculation policy's cost
+        model. A step of n tokens is timed as one n-token request; decode batches of n tokens cost about the same."""
+        sizes = [1 << i for i in range(12) if (1 << i) <= min(self.max_num_batched_tokens, self.max_model_len, 1024)]
+        out = {}
+        for n in sizes:
+            self._synthetic_step([n])  # warm-up (kernel selection, compilation)
+            self._sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                self._synthetic_step([n])
+            self._sync()
+            out[n] = (time.perf_counter() - t0) / reps
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @torch.inference_mode()
     def profile_num_kv_blocks(self, utilization: float) -> int:
         """GPU: run the largest step once (one prompt of max_num_batched_tokens tokens) to measure peak activation
         memory, then give the KV cache what `utilization` of the device leaves."""
+        gc.collect()  # engines dropped earlier in this process (runner <-> CUDA graphs is a cycle) free their memory
         n = min(self.max_num_batched_tokens, self.max_model_len)
         self.allocate_kv_cache(cdiv(n, self.block_size))
         torch.cuda.synchronize()
@@ -247,11 +264,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # Single-token requests first: attention backends batch them.
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Shortest queries first (decodes, then speculative verification, then prompts): backends batch them.
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens)
         layout = self._fill_host(order)
         with self._stream():
             bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+            meta = None
             if bucket is not None:
                 hidden = self.graphs.replay(layout, bucket)
             else:
@@ -260,18 +278,36 @@ class ModelRunner:
                 input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
                 positions = self.buffers.to_device("positions", layout.num_tokens)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if not layout.sampled:
-                return RunnerOutput([], SamplerOutput([], []))
-            logits_indices = self.buffers.to_device("logits_indices", len(layout.sampled))
-            logits = self.model.compute_logits(hidden[logits_indices])
-            # The sampler wants scheduler order; `order` may differ.
-            rank = {id(s): i for i, s in enumerate(layout.sampled)}
-            sampled_in_order = [s for s in sched.scheduled if s.samples]
-            perm = [rank[id(s)] for s in sampled_in_order]
-            if perm != list(range(len(perm))):
-                logits = logits[torch.tensor(perm, device=logits.device)]
-            out = self.sampler(logits, [s.request for s in sampled_in_order])
-        return RunnerOutput(sampled_in_order, out)
+            if self.drafter is not None and self.drafter.needs_mirror:
+                # A draft model computes its own KV for every token the target just computed.
+                if meta is None:
+                    meta = self._device_meta(layout)
+                n = layout.num_tokens
+                self.drafter.mirror(self.buffers.device["input_ids"][:n], self.buffers.device["positions"][:n], meta)
+            sampled = [s for s in sched.scheduled if s.samples]
+            if not sampled:
+                return RunnerOutput([], SamplerOutput.empty())
+            # Logits rows, in scheduler order: each sampling request's last known token, then its drafts.
+            where = {id(s): i for i, s in enumerate(order)}
+            rows = []
+            for s in sampled:
+                end = layout.query_start[where[id(s)] + 1]
+                rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+            self.buffers.np["logits_indices"][: len(rows)] = rows
+            logits = self.model.compute_logits(hidden[self.buffers.to_device("logits_indices", len(rows))])
+            requests = [s.request for s in sampled]
+            drafts = [s.spec_token_ids for s in sampled]
+            draft_probs = None
+            if any(s.request.spec_draft_probs is not None for s in sampled):
+                draft_probs = [
+                    None if s.request.spec_draft_probs is None else s.request.spec_draft_probs[: len(s.spec_token_ids)]
+                    for s in sampled
+                ]
+            out = self.sampler(logits, requests, drafts if any(drafts) else None, draft_probs)
+            result = RunnerOutput(sampled, out)
+            if self.drafter is not None:
+                result.next_drafts, result.next_draft_probs = self.drafter.propose(sampled, out.token_ids)
+        return result
 
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -291,9 +327,15 @@ class ModelRunner:
             buf["input_ids"][:n] = [s.request.all_token_ids[s.num_computed_tokens] for s in order]
             positions = starts
         else:
+            # Known tokens not yet computed, then any drafts being verified.
             buf["input_ids"][:num_tokens] = list(
                 itertools.chain.from_iterable(
-                    s.request.all_token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
+                    itertools.chain(
+                        s.request.all_token_ids[
+                            s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
+                        ],
+                        s.spec_token_ids,
+                    )
                     for s in order
                 )
             )
@@ -324,10 +366,6 @@ class ModelRunner:
             query_start=query_start.tolist(),
             seq_lens=seq_lens.tolist(),
         )
-        for i, s in enumerate(order):
-            if s.samples:
-                buf["logits_indices"][len(layout.sampled)] = layout.query_start[i + 1] - 1
-                layout.sampled.append(s)
         return layout
 
     def _device_meta(self, layout: StepLayout) -> AttentionMetadata:

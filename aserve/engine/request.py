@@ -73,6 +73,13 @@ class Request:
         if hasher is not None:
             hasher.extend(self.block_hashes, self.all_token_ids)
 
+        # Speculative decoding: drafts to verify in the next step (and, from a draft model, the distributions they
+        # were sampled from), and the running acceptance counts of the adaptive policy.
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs = None
+        self.spec_accepted = 0.0
+        self.spec_trials = 0.0
+
         # The request's own random stream when it has a seed (created by the sampler on its device).
         self.generator: torch.Generator | None = None
 

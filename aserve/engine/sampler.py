@@ -1,9 +1,18 @@
-"""Turns the logits of the positions that sample into tokens.
+"""Turns logits into tokens, and verifies speculative drafts.
 
-Order (as vLLM v1): raw logprobs (if asked) -> min_tokens masking -> repetition/presence/frequency penalties ->
-greedy argmax, or temperature -> min-p -> top-k -> top-p -> sample. Sampling inverts the CDF with one uniform
-number per request; a seeded request draws it from its own generator, so its samples do not depend on what else is
-in the batch. One host sync per step: reading the chosen tokens (and logprobs when asked).
+A logits row is one position to sample at: a request, plus (when verifying) the draft tokens assumed before that
+position, which count as generated tokens for penalties and min_tokens. Order of processing (as vLLM v1): raw
+logprobs (if asked) -> min_tokens masking -> repetition/presence/frequency penalties -> greedy argmax, or
+temperature -> min-p -> top-k -> top-p -> probabilities.
+
+Verification of k drafts d_1..d_k of one request (rows 0..k) is lossless rejection sampling: accept d_j with
+probability min(1, p_j(d_j) / q_j(d_j)) while they are accepted; at the first rejection emit a token drawn from
+normalize(max(0, p_j - q_j)); if all are accepted emit a bonus token drawn from p_k. q is the draft distribution
+(one-hot for n-gram drafts). Greedy requests accept while d_j is the argmax. Every row's candidate token is drawn in
+one vectorised pass and the host picks the one after the accepted prefix: one host sync per step.
+
+Draws use inverse-CDF sampling with one uniform per draw; a seeded request draws from its own generator, so its
+samples do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -15,9 +24,31 @@ import torch
 from aserve.engine.request import Request
 
 
+class SampleRow:
+    """A request at the position after `prefix` (draft tokens not yet accepted)."""
+
+    __slots__ = ("request", "prefix")
+
+    def __init__(self, request: Request, prefix: list[int]) -> None:
+        self.request = request
+        self.prefix = prefix
+
+    @property
+    def params(self):
+        return self.request.sampling_params
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.prefix)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.prefix
+
+
 @dataclass(slots=True)
 class SampledLogprobs:
-    """For one sampled token: the ids and logprobs of the sampled token (first) and the top-n alternatives."""
+    """For one emitted token: the ids and logprobs of the token (first) and the top-n alternatives."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -26,8 +57,13 @@ class SampledLogprobs:
 
 @dataclass(slots=True)
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[SampledLogprobs | None]
+    token_ids: list[list[int]]  # per request: accepted drafts, then one sampled token
+    logprobs: list[list[SampledLogprobs] | None]
+    num_drafts: list[int]
+
+    @staticmethod
+    def empty() -> SamplerOutput:
+        return SamplerOutput([], [], [])
 
 
 class Sampler:
@@ -36,68 +72,85 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        params = [r.sampling_params for r in requests]
-        want_logprobs = any(p.logprobs is not None for p in params)
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        drafts: list[list[int]] | None = None,
+        draft_probs: list[torch.Tensor | None] | None = None,
+    ) -> SamplerOutput:
+        """logits: len(drafts[i]) + 1 rows per request, in request order. draft_probs[i] (optional) holds the draft
+        distributions [k, vocab] the drafts were sampled from; None means one-hot (n-gram)."""
+        drafts = drafts or [[] for _ in requests]
+        rows = [SampleRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
+        want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        logits = self._mask_min_tokens(logits, requests)
-        if any(p.needs_penalties for p in params):
-            logits = self._apply_penalties(logits, requests)
+        logits = self._mask_min_tokens(logits, rows)
+        if any(row.params.needs_penalties for row in rows):
+            logits = self._apply_penalties(logits, rows)
+        candidates, accepted = self._candidates(logits, rows, drafts, draft_probs)
 
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, requests)
-
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return SamplerOutput(token_list, [None] * len(requests))
-        return SamplerOutput(token_list, self._gather_logprobs(raw_logprobs, tokens, token_list, params))
+        # One sync: per row, whether its draft is accepted, and the token to emit if the run stops there.
+        candidate_list = candidates.tolist()
+        accepted_list = accepted.tolist() if accepted is not None else None
+        token_ids: list[list[int]] = []
+        emitted_rows: list[list[int]] = []
+        base = 0
+        for d in drafts:
+            n = 0
+            while n < len(d) and accepted_list[base + n]:
+                n += 1
+            token_ids.append(list(d[:n]) + [candidate_list[base + n]])
+            emitted_rows.append(list(range(base, base + n + 1)))
+            base += len(d) + 1
+        logprobs: list[list[SampledLogprobs] | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            logprobs = self._gather_logprobs(raw_logprobs, requests, token_ids, emitted_rows)
+        return SamplerOutput(token_ids, logprobs, [len(d) for d in drafts])
 
     # -- logits processing ------------------------------------------------------------------------------------
 
-    def _mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows, cols = [], []
-        for i, r in enumerate(requests):
-            p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
+    def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        row_idx, cols = [], []
+        for i, row in enumerate(rows):
+            p = row.params
+            if row.num_output_tokens < p.min_tokens:
                 stop_ids = list(p.stop_token_ids)
-                if r.eos_token_id is not None and not p.ignore_eos:
-                    stop_ids.append(r.eos_token_id)
-                rows += [i] * len(stop_ids)
+                if row.request.eos_token_id is not None and not p.ignore_eos:
+                    stop_ids.append(row.request.eos_token_id)
+                row_idx += [i] * len(stop_ids)
                 cols += stop_ids
-        if rows:
+        if row_idx:
             logits = logits.clone()
-            logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+            logits[torch.tensor(row_idx), torch.tensor(cols)] = float("-inf")
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         logits = logits.clone()
         vocab = logits.shape[1]
-        for i, r in enumerate(requests):
-            p = r.sampling_params
+        for i, row_spec in enumerate(rows):
+            p = row_spec.params
             if not p.needs_penalties:
                 continue
             row = logits[i]
-            output_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+            output_ids = torch.tensor(row_spec.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(output_ids, minlength=vocab)[:vocab].to(row.dtype)
             if p.repetition_penalty != 1:
                 seen = counts > 0
-                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
+                prompt_ids = row_spec.request.prompt_token_ids
+                seen[torch.tensor(prompt_ids, dtype=torch.long, device=logits.device)] = True
                 penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 row.copy_(torch.where(seen, penalised, row))
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
+    def probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Temperature, min-p, top-k, top-p -> the distribution each (non-greedy) row samples from."""
+        params = [row.params for row in rows]
         dev = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-        argmax = logits.argmax(dim=-1)
         logits = logits / temperature.unsqueeze(1)
-
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev)
             probs = logits.softmax(dim=-1)
@@ -116,38 +169,100 @@ class Sampler:
             drop = cum <= (1 - top_p).unsqueeze(1)
             drop[:, -1] = False  # always keep the most likely token
             logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        return logits.softmax(dim=-1)
 
-        # Inverse-CDF sampling: one uniform number per row (cheap, unlike per-token noise on CPU); a seeded
-        # request draws its number from its own generator.
-        probs = logits.softmax(dim=-1)
+    def uniforms(self, rows: list[SampleRow], per_row: int = 1) -> torch.Tensor:
+        """[len(rows), per_row] uniforms in [0, 1); seeded requests draw theirs from their own generator."""
+        u = torch.rand(len(rows), per_row, generator=self.generator, device=self.device)
+        for i, row in enumerate(rows):
+            request = row.request
+            if request.sampling_params.seed is not None:
+                if request.generator is None:
+                    request.generator = torch.Generator(device=self.device)
+                    request.generator.manual_seed(request.sampling_params.seed)
+                u[i] = torch.rand(per_row, generator=request.generator, device=self.device)
+        return u
+
+    @staticmethod
+    def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF: one token per row of probs (need not be normalised) for uniforms u [rows]."""
         cdf = probs.cumsum(dim=-1)
-        u = torch.rand(len(requests), 1, generator=self.generator, device=dev)
-        for i, r in enumerate(requests):
-            if r.sampling_params.seed is not None:
-                if r.generator is None:
-                    r.generator = torch.Generator(device=dev)
-                    r.generator.manual_seed(r.sampling_params.seed)
-                u[i] = torch.rand(1, generator=r.generator, device=dev)
-        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
-        return torch.where(greedy, argmax, sampled)
+        idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        return idx.clamp_(max=probs.shape[1] - 1)
+
+    def _candidates(self, logits, rows, drafts, draft_probs):
+        """-> (candidate token per row, whether each row's draft is accepted (None without drafts))."""
+        greedy = [row.params.greedy for row in rows]
+        argmax = logits.argmax(dim=-1)
+        has_drafts = any(drafts)
+        if all(greedy):
+            if not has_drafts:
+                return argmax, None
+            draft_ids = self._draft_ids(drafts, logits.device)
+            return argmax, argmax == draft_ids
+        dev = logits.device
+        greedy_t = torch.tensor(greedy, device=dev)
+        p = self.probs(logits, rows)
+        u = self.uniforms(rows, 2 if has_drafts else 1)
+        if not has_drafts:
+            return torch.where(greedy_t, argmax, self.draw(p, u[:, 0])), None
+        # Draft rows: q is one-hot (n-gram) or the draft model's distribution; the last row of each request has
+        # no draft and samples from p itself (the bonus token).
+        draft_ids = self._draft_ids(drafts, dev)
+        is_draft = draft_ids >= 0
+        safe_ids = draft_ids.clamp(min=0).unsqueeze(1)
+        q = torch.zeros_like(p)
+        q.scatter_(1, safe_ids, 1.0)
+        if draft_probs is not None and any(dp is not None for dp in draft_probs):
+            base = 0
+            for d, dp in zip(drafts, draft_probs):
+                if dp is not None and len(d):
+                    q[base : base + len(d)] = dp
+                base += len(d) + 1
+        q = q * is_draft.unsqueeze(1)
+        p_d = p.gather(1, safe_ids).squeeze(1)
+        q_d = q.gather(1, safe_ids).squeeze(1)
+        accept_sampled = u[:, 0] * q_d < p_d
+        residual = torch.where(is_draft.unsqueeze(1), (p - q).clamp_(min=0.0), p)
+        sampled = self.draw(residual, u[:, 1])
+        candidates = torch.where(greedy_t, argmax, sampled)
+        accepted = torch.where(greedy_t, argmax == draft_ids, accept_sampled) & is_draft
+        return candidates, accepted
+
+    @staticmethod
+    def _draft_ids(drafts: list[list[int]], device) -> torch.Tensor:
+        """The draft token each row verifies (-1 for the bonus rows)."""
+        flat = [t for d in drafts for t in (*d, -1)]
+        return torch.tensor(flat, dtype=torch.long, device=device)
 
     # -- logprobs ---------------------------------------------------------------------------------------------
 
-    def _gather_logprobs(self, raw_logprobs, tokens, token_list, params) -> list[SampledLogprobs | None]:
-        max_n = max(p.logprobs or 0 for p in params)
-        sampled_lp = raw_logprobs.gather(1, tokens.unsqueeze(1))
-        ranks = (raw_logprobs > sampled_lp).sum(dim=1) + 1
-        top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-        sampled_lp, ranks = sampled_lp.squeeze(1).tolist(), ranks.tolist()
+    def _gather_logprobs(self, raw_logprobs, requests, token_ids, emitted_rows) -> list:
+        max_n = max(r.sampling_params.logprobs or 0 for r in requests)
+        flat_rows = [row for rows in emitted_rows for row in rows]
+        flat_tokens = [t for tokens in token_ids for t in tokens]
+        rows_t = torch.tensor(flat_rows, device=raw_logprobs.device)
+        lp = raw_logprobs[rows_t]
+        tok = torch.tensor(flat_tokens, device=lp.device).unsqueeze(1)
+        chosen = lp.gather(1, tok)
+        ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+        chosen = chosen.squeeze(1).tolist()
+        top_lp, top_ids = lp.topk(max_n, dim=-1) if max_n else (None, None)
         top_lp = top_lp.tolist() if max_n else None
         top_ids = top_ids.tolist() if max_n else None
-        out: list[SampledLogprobs | None] = []
-        for i, p in enumerate(params):
-            if p.logprobs is None:
+        out: list = []
+        i = 0
+        for r, tokens in zip(requests, token_ids):
+            n = r.sampling_params.logprobs
+            if n is None:
                 out.append(None)
+                i += len(tokens)
                 continue
-            n = p.logprobs
-            ids = [token_list[i]] + (top_ids[i][:n] if n else [])
-            lps = [sampled_lp[i]] + (top_lp[i][:n] if n else [])
-            out.append(SampledLogprobs(ids, lps, ranks[i]))
+            entries = []
+            for t in tokens:
+                ids = [t] + (top_ids[i][:n] if n else [])
+                lps = [chosen[i]] + (top_lp[i][:n] if n else [])
+                entries.append(SampledLogprobs(ids, lps, ranks[i]))
+                i += 1
+            out.append(entries)
         return out

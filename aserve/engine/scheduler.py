@@ -23,11 +23,13 @@ class ScheduledRequest:
     num_new_tokens: int
     # The request's live block-id list (no per-step copy): valid until the next schedule() allocates.
     block_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step (the last query tokens)
+    num_draft_next: int = 0  # drafts to propose after this step (the speculative policy's choice)
 
     @property
     def samples(self) -> bool:
         """Does this step produce a new token for the request (is its last known token computed)?"""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -51,8 +53,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        spec_policy=None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.spec_policy = spec_policy  # None: no speculative decoding
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -102,9 +106,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Known tokens not yet computed, then the drafts to verify; never past max_model_len.
+            num_new = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+            num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
             assert num_new > 0, f"{request} has nothing to compute"
-            while self.kv.allocate_slots(request, num_new) is None:
+            k_next, lookahead = self._drafts_next(request, num_new)
+            while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -112,7 +119,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # preempted itself: everything after it already was
-            self._schedule(out, request, num_new)
+            self._schedule(out, request, num_new, k_next)
             budget -= num_new
             i += 1
 
@@ -124,7 +131,8 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - request.num_computed_tokens - num_hit, budget)
-            if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+            k_next, lookahead = self._drafts_next(request, num_hit + num_new)
+            if self.kv.allocate_slots(request, num_new, hit_blocks, num_lookahead_tokens=lookahead) is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens += num_hit
@@ -134,18 +142,36 @@ class Scheduler:
                 request.scheduled_time = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._schedule(out, request, num_new)
+            self._schedule(out, request, num_new, k_next)
             budget -= num_new
         return out
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _drafts_next(self, request: Request, num_new: int) -> tuple[int, int]:
+        """-> (drafts to propose after this step, KV lookahead slots to allocate for drafting them)."""
+        if self.spec_policy is None or request.num_computed_tokens + num_new < request.num_tokens:
+            return 0, 0  # mid-prompt: nothing to draft from yet
+        k = self.spec_policy.num_drafts(request, len(self.running))
+        # Drafting writes KV up to position (computed + new) + k - 1: stay inside max_model_len.
+        k = max(0, min(k, self.max_model_len - (request.num_computed_tokens + num_new) - 1))
+        return k, (k if self.spec_policy.config.needs_kv else 0)
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, k_next: int) -> None:
+        num_drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
         out.scheduled.append(
-            ScheduledRequest(request, request.num_computed_tokens, num_new, self.kv.get_block_ids(request.request_id))
+            ScheduledRequest(
+                request,
+                request.num_computed_tokens,
+                num_new,
+                self.kv.get_block_ids(request.request_id),
+                request.spec_token_ids[:num_drafts],
+                k_next,
+            )
         )
         request.num_computed_tokens += num_new
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids, request.spec_draft_probs = [], None
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -174,6 +200,13 @@ class Scheduler:
             return False
         self.finish_request(request.request_id, status)
         return True
+
+    def accept_drafts(self, scheduled: ScheduledRequest, num_accepted: int) -> None:
+        """After verification: KV past the accepted drafts is garbage, so those positions count as uncomputed
+        again (the blocks stay with the request). The drafts are spent."""
+        request = scheduled.request
+        request.num_computed_tokens -= len(scheduled.spec_token_ids) - num_accepted
+        request.spec_token_ids, request.spec_draft_probs = [], None
 
     def rollback_failed_step(self, out: SchedulerOutput) -> None:
         """The model step for `out` failed: nothing it scheduled was computed."""

@@ -23,6 +23,11 @@ class StepStats:
     queue_time: list[float] = field(default_factory=list)
     e2e_latency: list[float] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)
+    # Speculative decoding: draft runs verified, their tokens, accepted tokens by draft position.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_by_position: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -36,6 +41,9 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     # Gauges, refreshed after every step.
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -60,6 +68,16 @@ class EngineStats:
             step.inter_token_latency.append(now - request.last_token_time)
         request.last_token_time = now
 
+    def on_drafts(self, num_drafted: int, num_accepted: int) -> None:
+        step = self._pending
+        step.spec_drafts += 1
+        step.spec_draft_tokens += num_drafted
+        step.spec_accepted_tokens += num_accepted
+        if len(step.spec_accepted_by_position) < num_accepted:
+            step.spec_accepted_by_position += [0] * (num_accepted - len(step.spec_accepted_by_position))
+        for i in range(num_accepted):
+            step.spec_accepted_by_position[i] += 1
+
     def on_request_finished(self, request, now: float) -> None:
         reason = request.status.finish_reason
         self._pending.finished_reasons.append(reason)
@@ -79,6 +97,9 @@ class EngineStats:
         self.prompt_tokens_total += step.prompt_tokens
         self.generation_tokens_total += step.generation_tokens
         self.finished_total.update(step.finished_reasons)
+        self.spec_drafts_total += step.spec_drafts
+        self.spec_draft_tokens_total += step.spec_draft_tokens
+        self.spec_accepted_tokens_total += step.spec_accepted_tokens
         self.num_preemptions_total = scheduler.num_preemptions
         self.prefix_cache_queries_total = kv_manager.stats.queries
         self.prefix_cache_hits_total = kv_manager.stats.hits
@@ -98,6 +119,7 @@ class PeriodicLogger:
         self._last_time = time.monotonic()
         self._last_prompt = self._last_gen = 0
         self._last_queries = self._last_hits = 0
+        self._last_drafts = self._last_accepted = 0
 
     def __call__(self, step: StepStats, stats: EngineStats) -> None:
         now = time.monotonic()
@@ -108,14 +130,18 @@ class PeriodicLogger:
         gen = stats.generation_tokens_total - self._last_gen
         queries = stats.prefix_cache_queries_total - self._last_queries
         hits = stats.prefix_cache_hits_total - self._last_hits
+        drafts = stats.spec_drafts_total - self._last_drafts
+        accepted = stats.spec_accepted_tokens_total - self._last_accepted
         if prompt or gen or stats.num_running or stats.num_waiting:
+            spec = f", Mean acceptance length: {1 + accepted / drafts:.2f}" if drafts else ""
             self.log(
                 f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {gen / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
-                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%{spec}"
             )
         self._last_time = now
         self._last_prompt, self._last_gen = stats.prompt_tokens_total, stats.generation_tokens_total
         self._last_queries, self._last_hits = stats.prefix_cache_queries_total, stats.prefix_cache_hits_total
+        self._last_drafts, self._last_accepted = stats.spec_drafts_total, stats.spec_accepted_tokens_total

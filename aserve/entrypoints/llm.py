@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence
 
@@ -70,6 +71,8 @@ class LLM:
         pending = set(request_ids)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # no cyclic-GC pauses between steps; what accumulates is collected after the call
         try:
             while pending:
                 for out in self.engine.step():
@@ -83,4 +86,6 @@ class LLM:
             raise
         finally:
             bar.close()
+            if gc_was_enabled:
+                gc.enable()
         return [results[r] for r in request_ids]

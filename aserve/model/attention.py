@@ -57,24 +57,43 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend in plain torch (CPU, or any device): decodes as one padded SDPA call, every other request
-    with its own SDPA call over its gathered context. K/V are gathered whole blocks at a time with index_select
-    (several times faster than per-slot indexing on CPU), and SDPA gets 4-D inputs (its fused CPU kernel)."""
+    """Reference backend in plain torch (CPU, or any device). Requests with short queries (decodes, speculative
+    verification: up to SHORT_QUERY tokens) come first in the batch and go through one padded SDPA call; every
+    other request gets its own SDPA call over its gathered context. K/V are gathered whole blocks at a time with
+    index_select (several times faster than per-slot indexing on CPU), and SDPA gets 4-D inputs (its fused CPU
+    kernel)."""
+
+    SHORT_QUERY = 8
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.slot_mapping.device
         data = meta.backend_data
-        nd = meta.num_decodes
-        if nd:
-            max_len = max(meta.seq_lens_cpu[:nd])
+        qsl = meta.query_start_loc_cpu
+        num_short = 0
+        while num_short < meta.num_reqs and qsl[num_short + 1] - qsl[num_short] <= self.SHORT_QUERY:
+            num_short += 1
+        data["num_short"] = num_short
+        if num_short:
+            q_lens = [qsl[i + 1] - qsl[i] for i in range(num_short)]
+            max_q = max(q_lens)
+            max_len = max(meta.seq_lens_cpu[:num_short])
             num_blocks = -(-max_len // block_size)
-            data["decode_blocks"] = meta.block_tables[:nd, :num_blocks].flatten().long()
-            data["decode_len"] = num_blocks * block_size
-            positions = torch.arange(num_blocks * block_size, device=device)
-            data["decode_mask"] = (positions < meta.seq_lens[:nd].long().unsqueeze(1)).view(nd, 1, 1, -1)
+            data["short_blocks"] = meta.block_tables[:num_short, :num_blocks].flatten().long()
+            data["short_len"] = num_blocks * block_size
+            # Query j of request i sits at position seq_len - q_len + j and sees keys up to there. Padding rows
+            # (j >= q_len) repeat the request's last query and are dropped afterwards.
+            j = torch.arange(max_q, device=device)
+            q_len_t = torch.tensor(q_lens, device=device)
+            starts = meta.query_start_loc[:num_short].long()
+            data["short_rows"] = starts.unsqueeze(1) + torch.minimum(j, q_len_t.unsqueeze(1) - 1)
+            data["short_valid"] = (j < q_len_t.unsqueeze(1)).flatten()
+            q_pos = meta.seq_lens[:num_short].long().unsqueeze(1) - q_len_t.unsqueeze(1) + j  # [n, max_q]
+            k_pos = torch.arange(num_blocks * block_size, device=device)
+            data["short_mask"] = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [n, 1, max_q, L]
+            data["short_max_q"] = max_q
         prefills = []
-        for i in range(nd, meta.num_reqs):
-            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        for i in range(num_short, meta.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
             seq_len = meta.seq_lens_cpu[i]
             q_len = end - start
             if seq_len == q_len:  # no context in the cache: attend to the fresh k/v
@@ -90,18 +109,27 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta):
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
         out = torch.empty_like(q)
         data = meta.backend_data
-        nd = meta.num_decodes
-        if nd:
-            blocks, length = data["decode_blocks"], data["decode_len"]
-            kd = k_cache.index_select(0, blocks).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
-            vd = v_cache.index_select(0, blocks).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=data["decode_mask"], enable_gqa=True)
-            out[:nd] = o.squeeze(2)
+        n = data["num_short"]
+        if n:
+            blocks, length = data["short_blocks"], data["short_len"]
+            ks = k_cache.index_select(0, blocks).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            vs = v_cache.index_select(0, blocks).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            rows = data["short_rows"]
+            if data["short_max_q"] == 1:  # decodes only: the rows are the first n tokens
+                qs = q[:n].unsqueeze(2)
+            else:
+                qs = q[rows.flatten()].view(n, -1, q.shape[1], head_dim).transpose(1, 2)  # [n, H, max_q, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=data["short_mask"], enable_gqa=True)
+            o = o.transpose(1, 2).reshape(-1, q.shape[1], head_dim)
+            if data["short_max_q"] == 1:
+                out[:n] = o
+            else:
+                valid = data["short_valid"]
+                out[rows.flatten()[valid]] = o[valid]
         for start, end, blocks, mask in data["prefills"]:
             qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if blocks is None:

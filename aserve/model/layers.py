@@ -29,6 +29,10 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def load_output_slice(self, param: nn.Parameter, start: int, size: int, tensor: torch.Tensor) -> None:
+        """Copies one part of a fused layer (output features [start, start + size)) into `param`."""
+        param.data[start : start + size].copy_(tensor)
+
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(norm(x + residual), x + residual) — or (norm(x), x) without a residual: the add-and-norm that opens each

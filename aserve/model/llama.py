@@ -13,6 +13,8 @@ from torch import nn
 
 from aserve.model.attention import AttentionBackend, AttentionMetadata
 from aserve.model.layers import ElementwiseOps, Linear, RMSNorm, RotaryEmbedding, rope_parameters
+from aserve.quantization.awq_format import awq_config_from
+from aserve.quantization.awq_linear import AWQLinear, quantize_linears
 
 # HF name fragment -> (fused parameter fragment, shard id)
 _STACKED = {
@@ -47,7 +49,7 @@ class Attention(nn.Module):
     def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
         start = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
         size = self.q_size if shard == "q" else self.kv_size
-        param.data[start : start + size].copy_(tensor)
+        self.qkv_proj.load_output_slice(param, start, size, tensor)
 
 
 class MLP(nn.Module):
@@ -66,7 +68,7 @@ class MLP(nn.Module):
 
     def load_shard(self, param: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
         n = self.intermediate_size
-        param.data[shard * n : (shard + 1) * n].copy_(tensor)
+        self.gate_up_proj.load_output_slice(param, shard * n, n, tensor)
 
 
 class DecoderLayer(nn.Module):
@@ -103,6 +105,10 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        # AWQ checkpoints: int4 layers in place of the decoder layers' linears (aserve/quantization)
+        self.quant_config = awq_config_from(cfg)
+        if self.quant_config is not None:
+            quantize_linears(self, self.quant_config)
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config says so (again after moving off the meta device,
@@ -110,20 +116,22 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata, num_layers: int | None = None
+    ) -> torch.Tensor:
         """input_ids/positions [T]; kv_caches [num_layers, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]
-        (before the final norm)."""
+        (before the final norm). `num_layers` runs only the first layers (layer-skip self-speculation)."""
         x = self.embed_tokens(input_ids)
         rotary_cos_sin = self.rotary(positions, x.dtype)
         residual = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
         return x + residual
 
     def optimize_for_cpu(self, compile_elementwise: bool) -> None:
         """CPU: prepack bf16 linear weights for oneDNN; optionally torch.compile the element-wise work."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, AWQLinear)):
                 module.prepack()
         if compile_elementwise:
             self.ops.compile()

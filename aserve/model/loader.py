@@ -131,6 +131,36 @@ def iterate_safetensors(model_dir: str, show_progress: bool = False):
         progress.close()
 
 
+def build_model(hf_config, model_dir: str, dtype, device, max_model_len: int, backend, load_format: str, seed: int,
+                compile_model: bool = False) -> torch.nn.Module:
+    """Constructs the architecture on the meta device, materialises it on `device`, loads (or draws) weights, and
+    picks the element-wise implementation for the device (Triton kernels on GPU; prepacked weights and optional
+    torch.compile on CPU)."""
+    from aserve.model.llama import ARCHITECTURES
+
+    arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = ARCHITECTURES[arch](hf_config, backend, max_position=max_model_len)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rotary.materialize(device)
+    load_weights(model, model_dir, load_format, seed, show_progress=True)
+    model.eval()
+    if device.type == "cpu":
+        model.optimize_for_cpu(compile_elementwise=compile_model)
+    elif device.type == "cuda":
+        model.ops.use_triton()
+    return model
+
+
 def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int, show_progress: bool) -> None:
     if load_format == "dummy":
         init_dummy_weights(model, seed)
@@ -145,13 +175,18 @@ def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed:
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights at real shapes for benchmarks: N(0, 0.02) matrices, unit norms, zero biases."""
+    """Random weights at real shapes for benchmarks: N(0, 0.02) matrices, unit norms, zero biases (AWQ layers: random
+    packed weights and zero points, scales that give weights of about the same size)."""
     gen = None
     for name, param in model.named_parameters():
         if gen is None or gen.device != param.device:
             gen = torch.Generator(device=param.device)
             gen.manual_seed(seed)
-        if param.dim() == 1:
+        if not param.is_floating_point():  # packed int4 (AWQ qweight / qzeros): random nibbles
+            param.random_(-(2**31), 2**31, generator=gen)
+        elif param.dim() == 1:
             param.fill_(1.0 if "norm" in name else 0.0)
+        elif name.endswith(".scales"):  # AWQ: q - z has a std of ~6.5, so weights come out at ~N(0, 0.02)
+            param.normal_(0.0, 0.003, generator=gen).abs_()
         else:
             param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,168 @@
+"""The AutoAWQ "gemm" checkpoint format: its config (how a checkpoint says it is AWQ) and packing.
+
+Layout of the tensors (and the nibble order inside an int32): kernels/awq_reference.py. Checkpoints name them
+after the HF linear they replace: `model.layers.0.self_attn.q_proj.{qweight,qzeros,scales,bias}`.
+
+Where the config is:
+    config.json        "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                               "zero_point": true, "version": "gemm", "modules_to_not_convert": ...}
+    quant_config.json  (older AutoAWQ) {"w_bit": 4, "q_group_size": 128, "zero_point": true, "version": "GEMM"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels.awq_reference import AWQ_ORDER
+
+PACK_FACTOR = 8  # 4-bit values per int32
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    group_size: int = 128
+    bits: int = 4
+    zero_point: bool = True
+    version: str = "gemm"
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def to_hf(self) -> dict:
+        """The `quantization_config` entry of config.json (what transformers and vLLM read)."""
+        return {
+            "quant_method": "awq",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "zero_point": self.zero_point,
+            "version": self.version,
+            "modules_to_not_convert": list(self.modules_to_not_convert) or None,
+        }
+
+    def converts(self, hf_module_name: str) -> bool:
+        """Whether the linear `hf_module_name` (e.g. model.layers.0.mlp.up_proj) is quantised."""
+        return not any(skip in hf_module_name for skip in self.modules_to_not_convert)
+
+
+def parse_awq_config(raw: dict) -> AWQConfig:
+    """A `quantization_config` dict, or the legacy quant_config.json's, -> AWQConfig (clear errors for the AWQ
+    variants aserve does not run)."""
+    bits = raw.get("bits", raw.get("w_bit", 4))
+    group_size = raw.get("group_size", raw.get("q_group_size", 128))
+    version = str(raw.get("version", "gemm")).lower()
+    zero_point = raw.get("zero_point", True)
+    if bits != 4:
+        raise ValueError(f"AWQ checkpoint with {bits}-bit weights: aserve runs 4-bit AWQ only")
+    if version != "gemm":
+        raise ValueError(f"AWQ version {version!r} is not supported (only 'gemm', AutoAWQ's default; re-export it)")
+    if not zero_point:
+        raise ValueError("AWQ checkpoints without zero points are not supported (zero_point must be true)")
+    if group_size <= 0 or group_size % 16:
+        raise ValueError(f"AWQ group_size {group_size} is not supported (a multiple of 16: 32, 64, 128)")
+    skip = tuple(raw.get("modules_to_not_convert") or ())
+    return AWQConfig(group_size=group_size, bits=bits, zero_point=True, version=version, modules_to_not_convert=skip)
+
+
+def awq_config_from(hf_config) -> AWQConfig | None:
+    """The AWQ config of a loaded transformers config, or None for an unquantised model. Looks at
+    `quantization_config` first, then for a legacy quant_config.json beside config.json."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if raw is not None and not isinstance(raw, dict):
+        raw = raw.to_dict()
+    if raw is None:
+        legacy = os.path.join(getattr(hf_config, "name_or_path", "") or "", "quant_config.json")
+        if not os.path.isfile(legacy):
+            return None
+        with open(legacy) as f:
+            raw = {"quant_method": "awq", **json.load(f)}
+    method = str(raw.get("quant_method", "")).lower()
+    if method != "awq":
+        raise ValueError(f"quantization method {method!r} is not supported (aserve runs AWQ int4: 'awq')")
+    return parse_awq_config(raw)
+
+
+def check_quantization_arg(quantization: str | None, model: str | None) -> None:
+    """`--quantization awq` states what the checkpoint must be (as in vLLM); the method itself is always read from
+    the checkpoint. Raises a clear error when the two disagree."""
+    if quantization is None:
+        return
+    if quantization != "awq":
+        raise ValueError(f"quantization must be awq (or unset), got {quantization!r}")
+    from transformers import AutoConfig
+
+    from aserve.model.loader import resolve_model
+
+    model_dir, _ = resolve_model(model)
+    if awq_config_from(AutoConfig.from_pretrained(model_dir)) is None:
+        raise ValueError(
+            f"--quantization awq, but {model_dir!r} is not an AWQ checkpoint (its config.json has no "
+            "quantization_config and there is no quant_config.json); quantise it with `aserve quantize`"
+        )
+
+
+# -- packing ------------------------------------------------------------------------------------------------------
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int [..., n] of values in [0, 15] -> int32 [..., n/8] in AWQ order (inverse of kernels.awq_reference.
+    unpack_int4)."""
+    assert values.shape[-1] % PACK_FACTOR == 0, "the packed dimension must be a multiple of 8"
+    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, PACK_FACTOR)
+    packed = torch.zeros(v.shape[:-1], dtype=torch.int64, device=values.device)
+    for nibble, column in enumerate(AWQ_ORDER):
+        packed |= v[..., column] << (4 * nibble)
+    # int64 -> int32 keeps the low 32 bits once values above 2**31 are moved into the signed range
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _group_grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg [..., g] float32 -> (scale, zero) [..., 1] float32 of each group's asymmetric 4-bit grid. Scales are
+    rounded to float16 (what checkpoints store) before anything is computed with them, so the stored triple is the
+    best rounding for the stored scales."""
+    w_min, w_max = torch.aminmax(wg, dim=-1, keepdim=True)
+    # The range always includes 0, so z lands in [0, 15] and no weight of a one-signed group is clipped (AutoAWQ's
+    # own rounding clips those; for groups of both signs, which is nearly all, the two agree).
+    w_max, w_min = w_max.clamp(min=0), w_min.clamp(max=0)
+    s = ((w_max - w_min).clamp(min=1e-5) / 15).half().float()
+    z = (-w_min / s).round_().clamp_(0, 15)
+    return s, z
+
+
+def _grid_values(wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """q = clamp(round(w / s) + z, 0, 15), as float32 (in place on a fresh tensor: these run a lot in the search)."""
+    return (wg / s).round_().add_(z).clamp_(0, 15)
+
+
+def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest of W [out, in] (HF layout) per group of `group_size` inputs.
+    -> q int [out, in], z int [out, in/g], s float16 [out, in/g], with W ~= (q - z) * s."""
+    out_features, in_features = w.shape
+    wg = w.float().reshape(out_features, in_features // group_size, group_size)
+    s, z = _group_grid(wg)
+    q = _grid_values(wg, s, z)
+    return q.reshape(out_features, in_features).to(torch.int32), z[..., 0].to(torch.int32), s[..., 0].half()
+
+
+def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W [..., in] -> its int4 round trip (q - z) * s in float32, groups along the last dimension: what the
+    quantised layer computes with (bit for bit what the packed checkpoint dequantises to)."""
+    wg = w.float().reshape(-1, group_size)
+    s, z = _group_grid(wg)
+    return _grid_values(wg, s, z).sub_(z).mul_(s).reshape(w.shape)
+
+
+def pack_linear(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """W [out, in] (HF layout) -> {"qweight", "qzeros", "scales"} in the AutoAWQ gemm layout."""
+    out_features, in_features = w.shape
+    if in_features % group_size:
+        raise ValueError(f"input size {in_features} is not a multiple of group_size {group_size}")
+    if out_features % PACK_FACTOR:
+        raise ValueError(f"output size {out_features} is not a multiple of 8")
+    q, z, s = quantize_groups(w, group_size)
+    return {
+        "qweight": pack_int4(q.t().contiguous()),
+        "qzeros": pack_int4(z.t().contiguous()),
+        "scales": s.t().contiguous(),
+    }

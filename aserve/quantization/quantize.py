@@ -1,0 +1,167 @@
+"""`aserve quantize`: a model directory (or .gguf, or the default model) -> an AutoAWQ-format int4 checkpoint.
+
+    aserve quantize --model M --out DIR [--group-size 64] [--method awq|rtn] [--calib FILE]
+
+The output is a plain HF directory (config.json with `quantization_config`, model.safetensors, tokenizer) that
+aserve loads, and so does any engine that reads AutoAWQ "gemm" checkpoints. Layer by layer: the calibration
+activations go through the float layer, AWQ scales and clips its weights (awq_search.py), the weights are packed,
+and the float layer's output becomes the next layer's input (as AutoAWQ does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from importlib import resources
+
+import torch
+
+from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear
+from aserve.quantization.awq_search import awq_layer
+from aserve.quantization.dense_layer import DenseDecoderLayer
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+_SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def data_path(name: str) -> str:
+    """Text shipped with aserve: calibration.txt (AWQ calibration) or heldout.txt (perplexity); see
+    docs/quantization.md for their source."""
+    return str(resources.files("aserve.quantization") / "data" / name)
+
+
+def calibration_ids(tokenizer, text: str, num_samples: int, seq_len: int) -> torch.Tensor:
+    """-> [N, seq_len] token ids: consecutive windows of the text, spread evenly over it."""
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    available = ids.numel() // seq_len
+    if available == 0:
+        raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than one sample of {seq_len}")
+    picks = torch.linspace(0, available - 1, min(num_samples, available)).round().long().unique()
+    return torch.stack([ids[i * seq_len : (i + 1) * seq_len] for i in picks.tolist()])
+
+
+def quantize_model(
+    model: str | None,
+    out_dir: str,
+    group_size: int = 64,
+    method: str = "awq",
+    calib: str | None = None,
+    num_samples: int = 16,
+    seq_len: int = 512,
+    n_grid: int = 20,
+    clip: bool = True,
+    progress: bool = True,
+    sequential: bool = False,
+) -> dict:
+    """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "seconds"}.
+    `sequential`: each layer calibrates on the outputs of the already quantised layers before it, instead of the
+    float model's (AutoAWQ's way)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from aserve.model.loader import iterate_safetensors, resolve_model
+
+    if method not in ("awq", "rtn"):
+        raise ValueError(f"method must be awq or rtn, got {method!r}")
+    t0 = time.perf_counter()
+    model_dir, _ = resolve_model(model)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+    if arch not in _SUPPORTED:
+        raise ValueError(f"architecture {arch} cannot be quantised (supported: {', '.join(_SUPPORTED)})")
+    if getattr(cfg, "quantization_config", None) is not None:
+        raise ValueError(f"{model_dir!r} is already quantised; start from the float model")
+    for what, size in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size)):
+        if size % group_size:
+            fits = [g for g in (128, 64, 32) if size % g == 0 and cfg.hidden_size % g == 0]
+            raise ValueError(f"{what} {size} is not a multiple of group size {group_size}; use --group-size "
+                             f"{fits[0] if fits else 32}")  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    state = dict(iterate_safetensors(model_dir))
+    num_layers = cfg.num_hidden_layers
+
+    x = None
+    if method == "awq":
+        with open(calib or data_path("calibration.txt"), encoding="utf-8") as f:
+            ids = calibration_ids(tokenizer, f.read(), num_samples, seq_len)
+        seq_len = ids.shape[1]
+        x = state["model.embed_tokens.weight"].float()[ids.flatten()]  # the residual stream, [N * seq_len, hidden]
+
+    out: dict[str, torch.Tensor] = {k: v for k, v in state.items() if not k.startswith("model.layers.")}
+    report = {"layers": [], "method": method, "group_size": group_size}
+    layers = range(num_layers)
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc=f"{method.upper()} int4 g{group_size}", unit="layer")
+    for i in layers:
+        prefix = f"model.layers.{i}."
+        stored = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        weights = {k: v.float() for k, v in stored.items()}
+        if x is not None:
+            layer = DenseDecoderLayer(weights, cfg, seq_len)
+            x_next, feats = layer.forward(x, seq_len)
+            report["layers"].append(awq_layer(layer, feats, seq_len, group_size, n_grid, clip))
+            if sequential:
+                quantised = {k: fake_quantize(v, group_size) if k.removesuffix(".weight") in LINEARS else v
+                             for k, v in layer.w.items()}  # fmt: skip
+                x_next, _ = DenseDecoderLayer(quantised, cfg, seq_len).forward(x, seq_len)
+            x, feats = x_next, None
+        for name in LINEARS:
+            for key, tensor in pack_linear(weights.pop(f"{name}.weight"), group_size).items():
+                out[f"{prefix}{name}.{key}"] = tensor
+            if f"{name}.bias" in weights:
+                out[f"{prefix}{name}.bias"] = weights.pop(f"{name}.bias").to(stored[f"{name}.bias"].dtype)
+        for key, tensor in weights.items():  # norms (with AWQ scales folded in)
+            out[prefix + key] = tensor.to(stored[key].dtype)
+    write_checkpoint(model_dir, out_dir, out, AWQConfig(group_size=group_size), tokenizer)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    return report
+
+
+def write_checkpoint(src_dir: str, out_dir: str, tensors: dict, config: AWQConfig, tokenizer) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(src_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config["quantization_config"] = config.to_hf()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out_dir)
+    for extra in ("generation_config.json",):
+        if os.path.exists(os.path.join(src_dir, extra)):
+            shutil.copy(os.path.join(src_dir, extra), out_dir)
+
+
+# -- the CLI (registered by aserve/cli.py) ------------------------------------------------------------------------
+
+
+def add_quantize_parser(sub) -> None:
+    p = sub.add_parser("quantize", help="quantise a model to AWQ int4 (AutoAWQ gemm format)")
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--out", required=True, help="output directory (an HF model directory)")
+    p.add_argument("--group-size", type=int, default=64, help="inputs per scale / zero point: 32, 64 or 128")
+    p.add_argument("--method", choices=("awq", "rtn"), default="awq", help="awq, or plain round-to-nearest")
+    p.add_argument("--calib", default=None, help="calibration text file (default: the text shipped with aserve)")
+    p.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--no-clip", action="store_true", help="skip the clipping search")
+    p.add_argument("--sequential", action="store_true",
+                   help="calibrate each layer on the quantised model's activations, not the float model's")
+    p.add_argument("--log-level", default="info")
+
+
+def run_quantize(ns: argparse.Namespace) -> None:
+    report = quantize_model(ns.model, ns.out, ns.group_size, ns.method, ns.calib, ns.num_samples, ns.seq_len,
+                            clip=not ns.no_clip, sequential=ns.sequential)  # fmt: skip
+    print(f"aserve: wrote {ns.method.upper()} int4 (group {ns.group_size}) to {ns.out} in {report['seconds']} s")
+    if report["layers"]:
+        rtn = sum(sum(g["rtn"] for g in layer.values()) for layer in report["layers"])
+        awq = sum(sum(g["awq"] for g in layer.values()) for layer in report["layers"])
+        print(f"aserve: calibration block error, summed over layers: RTN {rtn:.4g} -> AWQ scales {awq:.4g}")
