@@ -23,6 +23,7 @@ _HELP = {
     "device": "auto | cpu | cuda",
     "enforce_eager": "CPU: do not torch.compile element-wise ops (faster start)",
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
+    "max_queue_len": "serving: answer 429 (with Retry-After) when more sequences than this would wait for a slot",
     "quantization": "awq: require an AWQ int4 checkpoint (AWQ is detected from the checkpoint either way)",
 }
 
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended (default: 30)",
+    )  # fmt: skip
     add_engine_args(serve)
     from aserve.quantization.quantize import add_quantize_parser
 
@@ -83,32 +88,42 @@ def serve(ns: argparse.Namespace) -> None:
         run = uvloop.run
     except ImportError:  # e.g. Windows
         run = asyncio.run
-    run(_serve(engine, core.served_model_name, ns.host, ns.port, ns.api_key))
+    run(_serve(engine, core.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout))
 
 
-async def _serve(engine, served_model_name: str, host: str, port: int, api_key: str | None) -> None:
+async def _serve(
+    engine, served_model_name: str, host: str, port: int, api_key: str | None, shutdown_timeout: float = 30.0
+) -> None:
     from aiohttp import web
 
     from aserve.engine.stats import PeriodicLogger
-    from aserve.entrypoints.openai.server import build_app
+    from aserve.entrypoints.openai.server import build_app, drain
 
     app = build_app(engine, served_model_name, api_key)
     engine.engine.stats.add_listener(PeriodicLogger(logger.info))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
+    # client that stopped reading.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     print(f"aserve: serving {served_model_name} at http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first signal drains, a second one stops waiting
+        (force if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except NotImplementedError:
             pass
     await stop.wait()
-    print("aserve: shutting down", flush=True)
+    print(f"aserve: shutting down (in-flight requests get up to {shutdown_timeout:g} s)", flush=True)
+    await drain(app, shutdown_timeout, force)
     await runner.cleanup()
+    print("aserve: stopped", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,6 +40,8 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (triton on GPU, torch on CPU) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs (GPU) / no torch.compile of element-wise work (CPU)
     debug_invariants: bool = False  # check block/queue invariants after every step (slow)
+    # Serving: at most this many sequences waiting to be scheduled; more get HTTP 429 (None: unbounded).
+    max_queue_len: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -50,6 +52,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_queue_len is not None and self.max_queue_len < 1:
+            raise ValueError(f"max_queue_len must be >= 1 (or unset for no limit), got {self.max_queue_len}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -44,6 +44,12 @@ class PrometheusMetrics:
         self.model_name = model_name
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)
+        self._rejected = Counter(
+            "aserve:request_rejected", "Requests refused before reaching the engine, by reason (HTTP 429 / 503).",
+            ["model_name", "reason"], registry=r,
+        )
+        for reason in ("queue_full", "shutting_down"):
+            self._rejected.labels(model_name, reason)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
@@ -88,6 +94,9 @@ class PrometheusMetrics:
             self.request_queue_time.observe(value)
         if step.iteration_tokens:
             self.iteration_tokens.observe(step.iteration_tokens)
+
+    def on_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

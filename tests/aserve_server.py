@@ -1,4 +1,5 @@
-"""Start `aserve serve` (the embedded default model) as a subprocess on a free port, for end-to-end tests."""
+"""Start `aserve serve` (the embedded default model, or any --model) as a subprocess on a free port, for end-to-end
+tests."""
 
 import contextlib
 import os
@@ -15,9 +16,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def running_server(*extra_args: str, timeout: float = 300):
-    """Yields the base URL once GET /health answers 200; terminates the server afterwards."""
+def start_server(*extra_args: str, timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """Starts the server and returns (process, base URL) once GET /health answers 200. Later flags override the
+    defaults given here (argparse keeps the last)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "aserve", "serve", "--port", str(port), "--max-model-len", "2048",
@@ -33,16 +34,32 @@ def running_server(*extra_args: str, timeout: float = 300):
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
                     if r.status == 200:
-                        break
+                        return proc, url
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError("aserve serve did not become healthy")
-            time.sleep(0.5)
-        yield url
-    finally:
+            time.sleep(0.2)
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(*extra_args: str, timeout: float = 300):
+    """Yields the base URL once GET /health answers 200; terminates the server afterwards."""
+    proc, url = start_server(*extra_args, timeout=timeout)
+    try:
+        yield url
+    finally:
+        stop_server(proc)

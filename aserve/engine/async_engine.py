@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aserve.config import EngineArgs
 from aserve.engine.llm_engine import LLMEngine, PromptType
 from aserve.outputs import RequestOutput
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("aserve")
 
@@ -31,6 +31,19 @@ _INLINE_TOKENIZE_CHARS = 20_000  # longer prompts are tokenised in a thread, off
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class EngineOverloadedError(RuntimeError):
+    """More sequences would wait for a slot than `max_queue_len` allows (HTTP 429). Shedding load at the door keeps
+    the latency of admitted requests bounded instead of letting the queue (and every client's wait) grow."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineClosedError(EngineDeadError):
+    """The server is shutting down and takes no more requests (HTTP 503)."""
 
 
 class RequestStream:
@@ -74,6 +87,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._closed_reason: str | None = None  # set by abort_all(): no new requests after a forced shutdown
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
@@ -122,15 +136,39 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
+    def check_queue(self, num_seqs: int) -> None:
+        """Raises EngineOverloadedError if `num_seqs` more waiting sequences would exceed `max_queue_len`, and
+        ParamError if they never could fit. Synchronous, so a caller that adds its requests right after (without an
+        await in between) cannot be overtaken."""
+        if self._closed_reason is not None:
+            raise EngineClosedError(self._closed_reason)
+        limit = self.engine.args.max_queue_len
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise ParamError(
+                "n", f"this request asks for {num_seqs} sequences (prompts x n), more than the server's queue "
+                f"limit (--max-queue-len {limit}) could ever admit; send fewer prompts or a smaller n",
+            )
+        waiting = self.engine.scheduler.num_waiting
+        if waiting + num_seqs > limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {waiting} sequences are already waiting (limit {limit}); retry later",
+                retry_after=1,
+            )
+
     async def add_request(
         self,
         prompt: PromptType,
         params: SamplingParams | None,
         request_id: str,
         prompt_token_ids: list[int] | None = None,
+        check_queue: bool = True,
     ) -> RequestStream:
-        """Validates and queues a request (ValueError for bad input, before anything is queued). The caller must
-        iterate the returned stream to its end or aclose() it: closing early aborts the request."""
+        """Validates and queues a request (ValueError for bad input, EngineOverloadedError when the waiting queue is
+        full; both before anything is queued). The caller must iterate the returned stream to its end or aclose()
+        it: closing early aborts the request. check_queue=False: the caller already called check_queue() for a
+        group of requests it adds together."""
         self.start()
         if not self.is_running:
             raise EngineDeadError("the engine's step loop is not running")
@@ -139,6 +177,10 @@ class AsyncEngine:
                 prompt, prompt_token_ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
             else:
                 prompt, prompt_token_ids = self.engine.tokenize_prompt(prompt)
+        if check_queue:
+            self.check_queue((params or SamplingParams()).n)
+        elif self._closed_reason is not None:
+            raise EngineClosedError(self._closed_reason)
         self.engine.add_request(request_id, prompt, params, delta=True, prompt_token_ids=prompt_token_ids)
         stream = RequestStream(self, request_id)
         self._queues[request_id] = stream.queue
@@ -160,11 +202,25 @@ class AsyncEngine:
         finally:
             await stream.aclose()
 
-    def abort(self, request_id: str) -> None:
-        out = self.engine.abort_request(request_id)
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Ends a request now; its stream gets a final output with finish_reason "abort" (and `error`, if given)."""
+        out = self.engine.abort_request(request_id, error)
         queue = self._queues.get(request_id)
         if out is not None and queue is not None:
             queue.put_nowait(out)
+
+    def abort_all(self, error: str) -> int:
+        """Ends every live request with `error` and refuses new ones (the last step of a graceful shutdown).
+        Returns how many were ended."""
+        self._closed_reason = error
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            self.abort(request_id, error)
+        return len(request_ids)
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._queues)
 
     def _release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
@@ -186,11 +242,21 @@ class AsyncEngine:
                 continue
             try:
                 result = await loop.run_in_executor(self._executor, engine.execute, sched)
-                outputs = engine.process(sched, result)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a failed step ends its requests, never the loop
-                outputs = engine.fail_step(sched, e)
+                if len(sched.scheduled) == 1:
+                    outputs = engine.fail_step(sched, e)
+                else:  # find the request(s) at fault: run them one at a time
+                    logger.warning("a step of %d requests failed (%r); retrying them one by one", len(sched.scheduled),
+                                   e)  # fmt: skip
+                    results = await loop.run_in_executor(self._executor, engine.execute_each, sched)
+                    outputs = engine.process_each(results)
+            else:
+                try:
+                    outputs = engine.process(sched, result)
+                except Exception as e:  # process() isolates per-request faults itself; this is a last resort
+                    outputs = engine.fail_step(sched, e)
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:

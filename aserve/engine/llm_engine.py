@@ -208,6 +208,7 @@ class LLMEngine:
         else:
             prompt_text = prompt if isinstance(prompt, str) else None
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
 
@@ -265,11 +266,22 @@ class LLMEngine:
         if bad is not None:
             raise ParamError("prompt", f"prompt token id {bad!r} is out of range [0, {self.vocab_size})")
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort")."""
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check without the model: values the step would fail on (which would end every
+        request batched with this one)."""
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ParamError("logprobs", f"logprobs must be <= the vocabulary size ({self.vocab_size})")
+        if params.seed is not None and not -(2**63) <= params.seed <= 2**63 - params.n:  # sibling i uses seed + i
+            raise ParamError("seed", "seed must be a 64-bit signed integer")
+
+    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort", with
+        `error` as its reason when the server, not the client, ended it)."""
         state = self.states.get(request_id)
         if state is None:
             return None
+        if error is not None:
+            state.error = error
         now = time.monotonic()
         for child in state.children:
             if not child.is_finished:
@@ -287,7 +299,13 @@ class LLMEngine:
         sched = self.schedule()
         if sched.is_empty:
             return []
-        return self.process(sched, self.execute(sched))
+        try:
+            result = self.execute(sched)
+        except Exception as e:
+            if len(sched.scheduled) == 1:
+                return self.fail_step(sched, e)
+            return self.process_each(self.execute_each(sched))
+        return self.process(sched, result)
 
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
@@ -306,14 +324,40 @@ class LLMEngine:
             if entry is None or entry[0] in touched:  # aborted while the step ran, or already handled
                 continue
             state = entry[0]
-            state.error = f"internal error while running the model: {type(error).__name__}"
-            for child in state.children:  # the whole request fails, siblings included
-                if not child.is_finished:
-                    self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ERROR)
-                    self.stats.on_request_finished(child, now)
+            self._fail_request(state, f"internal error while running the model: {type(error).__name__}", now)
             touched.append(state)
         self.stats.flush(self.scheduler, self.kv_manager)
         return [out for st in touched if (out := self._finalize(st)) is not None]
+
+    def execute_each(self, sched: SchedulerOutput) -> list[tuple[SchedulerOutput, RunnerOutput | Exception]]:
+        """After `sched` failed as a batch: runs its requests one at a time (same inputs, same KV slots), so that a
+        fault tied to one request (bad values, an edge case in a kernel) ends that request only. Touches only the
+        model, like execute(); a transient fault simply succeeds on the retry."""
+        results: list[tuple[SchedulerOutput, RunnerOutput | Exception]] = []
+        for s in sched.scheduled:
+            one = SchedulerOutput(scheduled=[s])
+            try:
+                results.append((one, self.execute(one)))
+            except Exception as e:
+                results.append((one, e))
+        return results
+
+    def process_each(self, results: list[tuple[SchedulerOutput, RunnerOutput | Exception]]) -> list[RequestOutput]:
+        outputs = []
+        for one, result in results:
+            if isinstance(result, Exception):
+                outputs += self.fail_step(one, result)
+            else:
+                outputs += self.process(one, result)
+        return outputs
+
+    def _fail_request(self, state: RequestState, message: str, now: float) -> None:
+        """Ends every sequence of a request with finish_reason "error"; the next output reports `message`."""
+        state.error = message
+        for child in state.children:  # the whole request fails, siblings included
+            if not child.is_finished:
+                self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ERROR)
+                self.stats.on_request_finished(child, now)
 
     def process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         now = time.monotonic()
@@ -327,18 +371,11 @@ class LLMEngine:
             if request.is_finished:  # aborted while the step ran
                 continue
             state, index = self.child_to_state[request.request_id]
-            if s.spec_token_ids:
-                num_accepted = len(token_ids) - 1
-                self.scheduler.accept_drafts(s, num_accepted)
-                self.stats.on_drafts(len(s.spec_token_ids), num_accepted)
-                if self.spec_policy is not None:
-                    self.spec_policy.observe(request, len(s.spec_token_ids), num_accepted)
-            for i, token_id in enumerate(token_ids):
-                self._append_token(request, state, index, token_id, now, lps[i] if lps is not None else None)
-                if request.is_finished:
-                    break
-            if not request.is_finished and s.num_draft_next > 0:
-                self._set_drafts(request, s.num_draft_next, drafts, probs)
+            try:
+                self._process_one(s, state, index, token_ids, lps, drafts, probs, now)
+            except Exception as e:  # a fault in one request's output (detokenizer, bad token) ends only that request
+                logger.exception("processing the output of request %s failed; ending it", state.request_id)
+                self._fail_request(state, f"internal error while processing the output: {type(e).__name__}", now)
             if not changed or changed[-1] is not state:
                 changed.append(state)
         self.stats.on_step(sched.num_tokens, self.scheduler, self.kv_manager)
@@ -351,6 +388,23 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _process_one(self, s, state: RequestState, index: int, token_ids, lps, drafts, probs, now: float) -> None:
+        request = s.request
+        if s.spec_token_ids:
+            num_accepted = len(token_ids) - 1
+            self.scheduler.accept_drafts(s, num_accepted)
+            self.stats.on_drafts(len(s.spec_token_ids), num_accepted)
+            if self.spec_policy is not None:
+                self.spec_policy.observe(request, len(s.spec_token_ids), num_accepted)
+        for i, token_id in enumerate(token_ids):
+            if not 0 <= token_id < self.vocab_size:  # e.g. NaN logits; feeding it back would fail the next step
+                raise RuntimeError(f"the model produced token id {token_id}, outside the vocabulary")
+            self._append_token(request, state, index, token_id, now, lps[i] if lps is not None else None)
+            if request.is_finished:
+                break
+        if not request.is_finished and s.num_draft_next > 0:
+            self._set_drafts(request, s.num_draft_next, drafts, probs)
 
     def _append_token(self, request: Request, state: RequestState, index: int, token_id: int, now: float, lp) -> None:
         self.stats.on_token(request, now)

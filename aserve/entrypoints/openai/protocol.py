@@ -6,6 +6,16 @@ import msgspec
 
 from aserve.sampling_params import ParamError, SamplingParams
 
+# What one API request may ask for. A client can always split work across requests; these bound what a single
+# request costs the server before any of it is checked against the model (per-token stop-string scans, fan-out).
+MAX_N = 128  # OpenAI's documented maximum for n
+MAX_SEQUENCES = 1024  # prompts x n in one /v1/completions request
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256  # also bounds how much text a stream holds back while a stop string may be forming
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs in chat
+_INT64 = (-(2**63), 2**63 - 1)
+
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
@@ -47,7 +57,29 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     def num_logprobs(self) -> int | None:
         return None
 
+    def check_limits(self) -> None:
+        """The caps above, plus integers that must fit in 64 bits (JSON integers are unbounded)."""
+        if isinstance(self.n, int) and self.n > MAX_N:
+            raise ParamError("n", f"n must be <= {MAX_N}, got {self.n}")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ParamError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in stops):
+            raise ParamError("stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ParamError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
+        num_logprobs = self.num_logprobs()
+        if num_logprobs is not None and num_logprobs > MAX_LOGPROBS:
+            raise ParamError(self.logprobs_param, f"at most {MAX_LOGPROBS} logprobs per token are allowed")
+        for name in ("seed", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if value is not None and not _INT64[0] <= value <= _INT64[1]:
+                raise ParamError(name, f"{name} must be a 64-bit integer")
+
+    logprobs_param = "logprobs"
+
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        self.check_limits()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -108,6 +140,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+
+    logprobs_param = "top_logprobs"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

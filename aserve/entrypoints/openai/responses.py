@@ -22,6 +22,7 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_status = 500  # 500: an internal fault; 503: the server ended the request (shutting down)
 
     def add(self, comp: CompletionOutput, error: str | None) -> None:
         self.delta_text, self.delta_token_ids = comp.text, comp.token_ids
@@ -34,8 +35,13 @@ class ChoiceState:
             self.finish_reason, self.stop_reason = comp.finish_reason, comp.stop_reason
             if comp.finish_reason == "error":
                 self.error = error or "the request failed"
-            elif comp.finish_reason == "abort":
-                self.error = "the request was aborted"
+            elif comp.finish_reason == "abort":  # clients never see their own aborts: the server ended it
+                self.error, self.error_status = error or "the request was aborted", 503
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
+    """OpenAI's error object, for error responses and for the last event of a stream that failed."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

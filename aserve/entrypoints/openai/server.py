@@ -5,6 +5,7 @@ same event loop (model execution itself runs in the engine's worker thread)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -13,15 +14,17 @@ from collections.abc import AsyncIterator
 import msgspec
 from aiohttp import web
 
-from aserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from aserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from aserve.entrypoints.openai.openapi import openapi_spec
 from aserve.entrypoints.openai.protocol import (
+    MAX_SEQUENCES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     _GenerationRequest,
 )
-from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, usage
+from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, error_body, usage
 from aserve.metrics import PrometheusMetrics
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError
@@ -33,6 +36,11 @@ STATE_KEY = web.AppKey("server_state", object)
 
 _encode = msgspec.json.encode
 
+MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 before any of them is parsed
+_INLINE_CHARS = 20_000  # longer texts (and token lists) are tokenised / decoded in a thread, off the event loop
+_SHUTDOWN_FLUSH_S = 5.0  # after a forced shutdown ends the last requests, how long their handlers get to say so
+SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
@@ -41,7 +49,7 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type_="invalid_request_error", param=None, code=None) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    body = error_body(message, type_, param, code)
     return web.Response(status=status, body=_encode(body), content_type="application/json")
 
 
@@ -58,16 +66,22 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = PrometheusMetrics(served_model_name)
         self.core.stats.add_listener(self.metrics)
+        self.draining = False  # graceful shutdown began: new requests get 503, in-flight ones finish
+        self.inflight = 0  # requests being handled, /health and /metrics aside
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    async def tokenize(self, prompt: str) -> list[int]:
-        tokenizer = self.core.tokenizer
-        if len(prompt) > 20_000:  # long prompts: off the event loop
-            return await asyncio.to_thread(tokenizer.encode, prompt)
-        return tokenizer.encode(prompt)
+    async def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Long prompts are tokenised in a thread: a multi-megabyte prompt takes seconds, and /health (and every
+        stream) must keep answering meanwhile."""
+        encode = self.core.tokenizer.encode
+        if len(prompt) > _INLINE_CHARS:
+            return await asyncio.to_thread(encode, prompt, add_special_tokens=add_special_tokens)
+        return encode(prompt, add_special_tokens=add_special_tokens)
 
     async def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool, template_kwargs) -> list[int]:
         tokenizer = self.core.tokenizer
@@ -79,9 +93,7 @@ class ServerState:
             )
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        if len(text) > 20_000:
-            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return await self.tokenize(text, add_special_tokens=False)
 
     def sampling_params(self, req: _GenerationRequest, prompt_len: int, default_max_tokens: int | None):
         max_model_len = self.core.max_model_len
@@ -129,7 +141,10 @@ def sse(obj) -> bytes:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Never waits on the engine: load balancers poll it while the server is busiest."""
     engine = request.app[ENGINE_KEY]
+    if request.app[STATE_KEY].draining:
+        return error_response(503, SHUTTING_DOWN, type_="service_unavailable", code="shutting_down")
     if not engine.is_running and engine.has_started:
         return error_response(503, "the engine has stopped", type_="service_unavailable")
     return web.Response(status=200)
@@ -160,8 +175,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.prompt is not None:
-        tokenizer = state.core.tokenizer
-        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await state.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         conv = ChatCompletionRequest(messages=req.messages).conversation()
         ids = await state.chat_prompt_ids(conv, req.add_generation_prompt, None)
@@ -175,7 +189,9 @@ async def detokenize(request: web.Request) -> web.Response:
     vocab = state.core.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-    return json_response({"prompt": state.core.tokenizer.decode(req.tokens)})
+    decode = state.core.tokenizer.decode
+    text = await asyncio.to_thread(decode, req.tokens) if len(req.tokens) > _INLINE_CHARS else decode(req.tokens)
+    return json_response({"prompt": text})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -186,8 +202,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise APIError(400, "echo is not supported", param="echo")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
+    req.check_limits()
+    raw_prompts = req.prompts()
+    if len(raw_prompts) * req.n > MAX_SEQUENCES:
+        raise APIError(400, f"prompts x n must be <= {MAX_SEQUENCES}, got {len(raw_prompts) * req.n}", param="n")
+    state.engine.check_queue(len(raw_prompts) * req.n)  # overloaded: refuse before spending time on tokenising
     prompts = []
-    for p in req.prompts():
+    for p in raw_prompts:
         ids = await state.tokenize(p) if isinstance(p, str) else p
         text = p if isinstance(p, str) else None
         prompts.append((text, ids, state.sampling_params(req, len(ids), default_max_tokens=16)))
@@ -199,6 +220,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     req = await parse_body(request, ChatCompletionRequest)
     state.check_model(req.model)
+    req.check_limits()
+    state.engine.check_queue(req.n)
     ids = await state.chat_prompt_ids(req.conversation(), req.add_generation_prompt, req.chat_template_kwargs)
     params = state.sampling_params(req, len(ids), default_max_tokens=None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -210,9 +233,12 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     n = req.n
     created = int(time.time())
     streams = []
+    # Checked again now that tokenising is done; nothing below awaits before the requests are queued.
+    state.engine.check_queue(len(prompts) * n)
     try:
         for i, (text, ids, params) in enumerate(prompts):
-            streams.append(await state.engine.add_request(text, params, f"{request_id}-{i}", prompt_token_ids=ids))
+            stream = await state.engine.add_request(text, params, f"{request_id}-{i}", ids, check_queue=False)
+            streams.append(stream)
     except BaseException:
         for stream in streams:
             await stream.aclose()
@@ -225,8 +251,10 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
         return await _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat)
     async for i, out in merged:
         _absorb(choices, i, n, out)
-    if any(c.error for c in choices):
-        raise APIError(500, next(c.error for c in choices if c.error), type_="server_error")
+    failed = next((c for c in choices if c.error), None)
+    if failed is not None:
+        type_ = "server_error" if failed.error_status == 500 else "service_unavailable"
+        raise APIError(failed.error_status, failed.error, type_=type_)
     builder = chat_chunk if chat else completion_chunk
     body = builder(request_id, created, state.model_name, choices, final=True)
     body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices))
@@ -295,10 +323,10 @@ async def _stream(request, state, req, request_id, created, merged, choices, pro
                 await response.write(sse(chunk))
         async for i, out in merged:
             touched = _absorb(choices, i, req.n, out)
-            errors = [c.error for c in touched if c.error]
-            if errors:
-                await response.write(sse({"error": {"message": errors[0], "type": "server_error", "param": None,
-                                                    "code": 500}}))
+            failed = next((c for c in touched if c.error), None)
+            if failed is not None:  # the error is the last event before [DONE] (no usage chunk)
+                await response.write(sse(_stream_error(failed.error, failed.error_status)))
+                include_usage = False
                 break
             chunk = builder(request_id, created, state.model_name, touched, final=False)
             if include_usage:
@@ -312,12 +340,27 @@ async def _stream(request, state, req, request_id, created, merged, choices, pro
             )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+    except (asyncio.CancelledError, ConnectionError):
+        raise  # the client went away: nobody to tell
+    except Exception:  # headers are sent: the error can only go in the stream
+        logger.exception("stream %s failed", request_id)
+        with contextlib.suppress(Exception):  # the client may be gone as well
+            await response.write(sse(_stream_error("internal server error", 500)) + b"data: [DONE]\n\n")
+            await response.write_eof()
     finally:
         await merged.aclose()  # a client that went away aborts its requests here
     return response
 
 
+def _stream_error(message: str, status: int) -> dict:
+    """The last event of a stream that cannot finish (vLLM's shape: the HTTP status as the code)."""
+    return error_body(message, "server_error" if status == 500 else "service_unavailable", code=status)
+
+
 # -- app --------------------------------------------------------------------------------------------------------
+
+
+_UNTRACKED = ("/health", "/metrics")  # cheap, engine-free routes: always served, never waited for
 
 
 @web.middleware
@@ -326,12 +369,35 @@ async def errors_and_auth(request: web.Request, handler):
     if state.api_key is not None and request.path.startswith("/v1"):
         if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
             return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
+    if request.path in _UNTRACKED:
+        return await _handle(request, handler, state)
+    if state.draining:
+        state.metrics.on_rejected("shutting_down")
+        resp = error_response(503, SHUTTING_DOWN, type_="service_unavailable", code="shutting_down")
+        resp.force_close()
+        return resp
+    state.inflight += 1
+    state.idle.clear()
+    try:
+        return await _handle(request, handler, state)
+    finally:
+        state.inflight -= 1
+        if state.inflight == 0:
+            state.idle.set()
+
+
+async def _handle(request: web.Request, handler, state: ServerState):
     try:
         return await handler(request)
     except APIError as e:
         return error_response(e.status, e.message, e.type, e.param, e.code)
     except ParamError as e:
         return error_response(400, str(e), param=e.param)
+    except EngineOverloadedError as e:
+        state.metrics.on_rejected("queue_full")
+        resp = error_response(429, str(e), type_="rate_limit_error", code="queue_full")
+        resp.headers["Retry-After"] = str(e.retry_after)
+        return resp
     except EngineDeadError as e:
         return error_response(503, str(e), type_="service_unavailable")
     except ValueError as e:
@@ -341,6 +407,11 @@ async def errors_and_auth(request: web.Request, handler):
             return error_response(404, f"no route {request.method} {request.path}", code="not_found")
         if e.status == 405:
             return error_response(405, f"method {request.method} not allowed on {request.path}")
+        if e.status == 413:
+            return error_response(
+                413, f"the request body is larger than this server's limit of {MAX_BODY_BYTES} bytes",
+                code="request_too_large",
+            )
         raise
     except asyncio.CancelledError:
         raise
@@ -349,8 +420,34 @@ async def errors_and_auth(request: web.Request, handler):
         return error_response(500, "internal server error", type_="server_error")
 
 
+async def drain(app: web.Application, timeout: float, force: asyncio.Event | None = None) -> None:
+    """Graceful shutdown, before the runner's cleanup: new requests get 503 (and /health turns 503, so balancers
+    move on) while in-flight ones get up to `timeout` seconds to finish (`force` set: stop waiting). What is still
+    running then is ended: streams get a final error event and [DONE], other requests a 503 error body."""
+    state: ServerState = app[STATE_KEY]
+    state.draining = True
+    if state.inflight:
+        logger.info("draining %d in-flight requests (up to %g s; signal again to stop now)", state.inflight, timeout)
+        await _wait_idle(state, timeout, force)
+    ended = state.engine.abort_all(SHUTTING_DOWN)
+    if state.inflight:
+        logger.warning("shutdown timeout: ending %d requests (%d sequences) still running", state.inflight, ended)
+        await _wait_idle(state, _SHUTDOWN_FLUSH_S, None)
+
+
+async def _wait_idle(state: ServerState, timeout: float, force: asyncio.Event | None) -> None:
+    waits = [asyncio.ensure_future(state.idle.wait())]
+    if force is not None:
+        waits.append(asyncio.ensure_future(force.wait()))
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=32 * 1024 * 1024)
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
     app.router.add_post("/v1/completions", completions)
@@ -360,6 +457,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    spec = _encode(openapi_spec())
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.Response(body=spec, content_type="application/json")
+
+    app.router.add_get("/openapi.json", openapi)
 
     async def on_startup(app):
         engine.start()
