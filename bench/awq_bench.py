@@ -4,11 +4,13 @@ batch-1 decode against the bf16 one, in one command:
     PYTHONPATH=. python bench/awq_bench.py --out DIR [--sections correctness,tune,kernels,decode]
 
 correctness  the kernels against the pure-torch reference at full shapes (bf16 activations, group 128)
-tune         launch-config sweeps: GEMV at M = 1 / 16 on 4096x14336, GEMM at M = 256 / 2048 on 4096x14336
+tune         launch-config sweeps: the M = 1 GEMV (summed over the three shapes; the best becomes the config the
+             later sections use, print it and copy it into kernels/awq.py), the dequantise kernel
 kernels      int4 vs bf16 cuBLAS (F.linear, as aserve's bf16 layers) for M = 1, 4, 16, 64, 256, 2048 on
              4096x4096, 4096x14336, 14336x4096 (K x N): time, speed-up, and the path awq_linear picks; plus each
-             path alone where it applies (gemv M <= 16; gemm; dequantise + cuBLAS). Targets: GEMV at M = 1 >= 3x
-             (ideal ~3.9x: 4.25 vs 16 bits per weight), GEMM at M = 2048 >= 0.8x
+             path alone where it applies (gemv M <= 16; dequantise + cuBLAS M >= 16). Targets: GEMV at M = 1 >= 3x
+             (ideal ~3.9x: 4.25 vs 16 bits per weight), M = 2048 >= 0.8x
+m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies (how decode runs: no launch gaps)
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -30,17 +33,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_bench import LLAMA3_8B, bench_ms, dummy_model_dir  # noqa: E402
+from gpu_bench import LLAMA3_8B, RESULTS, bench_ms, dummy_model_dir, record, run_section, write_results  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K = in, N = out)
 ROWS = [1, 4, 16, 64, 256, 2048]
 GROUP = 128
-RESULTS: dict = {}
-
-
-def record(key: str, value, unit: str = "", note: str = "") -> None:
-    RESULTS[key] = {"value": value, "unit": unit, "note": note}
-    print(f"  {key}: {value} {unit} {note}", flush=True)
 
 
 def random_awq(k: int, n: int, group: int = GROUP):
@@ -55,7 +52,7 @@ def awq_bytes(k: int, n: int, group: int = GROUP) -> int:
 
 
 def correctness() -> None:
-    from kernels.awq import awq_dequantize, awq_gemm, awq_gemv, awq_linear
+    from kernels.awq import awq_dequantize, awq_gemv, awq_linear
     from kernels.awq_reference import awq_matmul, dequantize
 
     for k, n in SHAPES:
@@ -66,7 +63,7 @@ def correctness() -> None:
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = awq_matmul(x.float(), qweight, qzeros, scales, GROUP)
-            fns = [awq_linear] + ([awq_gemv] if m <= 16 else [awq_gemm])
+            fns = [awq_linear] + ([awq_gemv] if m <= 16 else [])
             for fn in fns:
                 out = fn(x, qweight, qzeros, scales, GROUP).float()
                 errs.append(((out - ref).norm() / ref.norm()).item())
@@ -74,52 +71,56 @@ def correctness() -> None:
 
 
 def tune() -> None:
-    from kernels.awq import awq_gemm, awq_gemv
+    from kernels import awq
+
+    weights = [random_awq(k, n) for k, n in SHAPES]
+    xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k, _ in SHAPES]
+    timings = []
+    for block_n, block_k, warps in itertools.product((128, 256, 512), (64, 128), (4, 8)):
+        for stages, tiles, each in itertools.product((1, 2, 3), (1, 2, 4), (True, False)):
+            if tiles == 1 and stages > 1:  # nothing to pipeline
+                continue
+            if not each and 8 * block_k * (block_n // 8) > 128 * 32 * warps:  # accumulators > 128 registers/thread
+                continue
+            cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, TILES_PER_PROGRAM=tiles, EACH_TILE=each, num_warps=warps,
+                       num_stages=stages)  # fmt: skip
+            awq.GEMV1_CONFIG = cfg
+            try:
+                ms = [bench_ms(lambda: awq.awq_gemv(x, *w, GROUP), 5, 25) for x, w in zip(xs, weights)]
+                timings.append((sum(ms), ms, cfg))
+            except Exception as e:  # out of resources
+                print("   config failed", cfg, type(e).__name__, flush=True)
+    timings.sort(key=lambda t: t[0])
+    for total, ms, cfg in timings[:8]:
+        print(f"   gemv M=1 {cfg}: {' / '.join(f'{t * 1e3:.1f}' for t in ms)} us", flush=True)
+    awq.GEMV1_CONFIG = timings[0][2]
+    record("tune_gemv_m1", " / ".join(f"{t * 1e3:.1f}" for t in timings[0][1]), "us", str(timings[0][2]))
 
     k, n = 4096, 14336
-    qweight, qzeros, scales = random_awq(k, n)
-    for m in (1, 16):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        timings = []
-        for block_n in (64, 128, 256):
-            for block_k in (32, 64, 128):
-                for split_k in (1, 2, 4, 8):
-                    for warps in (2, 4, 8):
-                        cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps, num_stages=3)
-                        try:
-                            ms = bench_ms(lambda: awq_gemv(x, qweight, qzeros, scales, GROUP, config=cfg), 10, 50)
-                            timings.append((ms, cfg))
-                        except Exception as e:  # out of resources
-                            print("   config failed", cfg, type(e).__name__)
-        timings.sort(key=lambda t: t[0])
-        for ms, cfg in timings[:5]:
-            print(f"   gemv M={m} {cfg}: {ms * 1e3:.1f} us = {awq_bytes(k, n) / ms / 1e9:.2f} TB/s", flush=True)
-        record(f"tune_gemv_m{m}", f"{timings[0][0] * 1e3:.1f}", "us", str(timings[0][1]))
-    for m in (256, 2048):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        timings = []
-        for block_m in (64, 128):
-            for block_n in (64, 128, 256):
-                for block_k in (32, 64, 128):
-                    for warps, stages in ((4, 3), (8, 3), (8, 4)):
-                        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps,
-                                   num_stages=stages)  # fmt: skip
-                        try:
-                            ms = bench_ms(lambda: awq_gemm(x, qweight, qzeros, scales, GROUP, config=cfg), 10, 50)
-                            timings.append((ms, cfg))
-                        except Exception as e:
-                            print("   config failed", cfg, type(e).__name__)
-        timings.sort(key=lambda t: t[0])
-        for ms, cfg in timings[:5]:
-            print(f"   gemm M={m} {cfg}: {2 * m * k * n / ms / 1e9:.1f} TFLOP/s", flush=True)
-        record(f"tune_gemm_m{m}", f"{timings[0][0] * 1e3:.1f}", "us", str(timings[0][1]))
+    qweight, qzeros, scales = weights[1]
+    timings = []
+    for block_n in (64, 128, 256):
+        for block_k in (32, 64, 128):
+            for warps in (4, 8):
+                cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                try:
+                    ms = bench_ms(lambda: awq.awq_dequantize(qweight, qzeros, scales, GROUP, torch.bfloat16, cfg), 5,
+                                  25)  # fmt: skip
+                    timings.append((ms, cfg))
+                except Exception as e:
+                    print("   config failed", cfg, type(e).__name__, flush=True)
+    timings.sort(key=lambda t: t[0])
+    awq.DEQUANT_CONFIG = timings[0][1]
+    moved = awq_bytes(k, n) + 2 * k * n
+    record("tune_dequant", f"{timings[0][0] * 1e3:.1f}", "us",
+           f"{timings[0][1]} ({moved / timings[0][0] / 1e9:.2f} TB/s read + written)")  # fmt: skip
 
 
 def kernels() -> None:
     from kernels import awq
 
-    print("\n| K x N | M | bf16 cuBLAS us | int4 us (path) | speed-up | gemv us | gemm us | dequant+mm us |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| K x N | M | bf16 cuBLAS us | int4 us (path) | speed-up | gemv us | dequant+mm us |")
+    print("|---|---|---|---|---|---|---|")
     for k, n in SHAPES:
         qweight, qzeros, scales = random_awq(k, n)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -127,19 +128,70 @@ def kernels() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             bf16 = bench_ms(lambda: F.linear(x, w))
             int4 = bench_ms(lambda: awq.awq_linear(x, qweight, qzeros, scales, GROUP))
-            path = "gemv" if m <= awq.GEMV_MAX_M else "gemm" if m < awq.DEQUANT_MIN_M else "dequant+mm"
+            path = "gemv" if m <= awq.GEMV_MAX_M else "dequant+mm"
             gemv = bench_ms(lambda: awq.awq_gemv(x, qweight, qzeros, scales, GROUP)) if m <= 16 else None
-            gemm = bench_ms(lambda: awq.awq_gemm(x, qweight, qzeros, scales, GROUP)) if m >= 16 else None
             deq = bench_ms(lambda: x @ awq.awq_dequantize(qweight, qzeros, scales, GROUP, x.dtype)) if m >= 16 else None
             fmt = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
             print(f"| {k}x{n} | {m} | {bf16 * 1e3:.1f} | {int4 * 1e3:.1f} ({path}) | {bf16 / int4:.2f}x | "
-                  f"{fmt(gemv)} | {fmt(gemm)} | {fmt(deq)} |", flush=True)  # fmt: skip
+                  f"{fmt(gemv)} | {fmt(deq)} |", flush=True)  # fmt: skip
             RESULTS[f"kernel_{k}x{n}_m{m}"] = {"value": round(bf16 / int4, 3), "unit": "x", "note": (
-                f"bf16 {bf16 * 1e3:.1f} us, int4 {int4 * 1e3:.1f} us ({path}); gemv {fmt(gemv)}, gemm {fmt(gemm)}, "
+                f"bf16 {bf16 * 1e3:.1f} us, int4 {int4 * 1e3:.1f} us ({path}); gemv {fmt(gemv)}, "
                 f"dequant+mm {fmt(deq)}")}  # fmt: skip
             if m == 1:
                 record(f"gemv_m1_{k}x{n}_bandwidth", round(awq_bytes(k, n) / int4 / 1e9, 2), "TB/s",
                        f"(speed-up {bf16 / int4:.2f}x; target >= 3x)")  # fmt: skip
+
+
+def graph_us(fn, inputs: list) -> float:
+    """Time per call of fn(*inputs[i]) for rotating inputs, all calls in one CUDA graph (as decode runs): no launch
+    gaps, and the inputs together exceed the L2 cache several times, so weights come from memory. Median of 5."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for args in inputs[:2]:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in inputs:
+            fn(*args)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(inputs))
+    del graph
+    return sorted(times)[2]
+
+
+def m1_graph() -> None:
+    """M = 1 inside CUDA graphs: bf16 cuBLAS vs the int4 GEMV (and its split-K reduce alone)."""
+    from kernels import awq
+
+    print("\n| K x N | bf16 us | int4 us | speed-up | int4 TB/s | of which split-K reduce us (SPLIT_K) |")
+    print("|---|---|---|---|---|---|")
+    for k, n in SHAPES:
+        copies_bf16 = max(4, int(400e6 // (2 * k * n)))
+        copies_int4 = max(4, int(400e6 // awq_bytes(k, n)))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ws = [(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies_bf16)]
+        bf16 = graph_us(F.linear, ws)
+        del ws
+        qs = [(x, *random_awq(k, n), GROUP) for _ in range(copies_int4)]
+        int4 = graph_us(awq.awq_gemv, qs)
+        del qs
+        split_k = awq.gemv_config(1, n, k, GROUP)["SPLIT_K"]
+        parts = [(torch.randn(split_k, 1, n, device="cuda"), None, torch.empty(1, n, device="cuda",
+                  dtype=torch.bfloat16)) for _ in range(16)]  # fmt: skip
+        reduce = graph_us(awq.split_k_reduce, parts) if split_k > 1 else 0.0
+        print(f"| {k}x{n} | {bf16:.1f} | {int4:.1f} | {bf16 / int4:.2f}x | {awq_bytes(k, n) / int4 / 1e6:.2f} | "
+              f"{reduce:.1f} ({split_k}) |", flush=True)  # fmt: skip
+        record(f"graph_m1_{k}x{n}", round(bf16 / int4, 2), "x",
+               f"bf16 {bf16:.1f} us, int4 {int4:.1f} us ({awq_bytes(k, n) / int4 / 1e6:.2f} TB/s; reduce {reduce:.1f} "
+               f"us); target >= 3x")  # fmt: skip
 
 
 def decode_ms_per_token(model_dir: str) -> float:
@@ -182,30 +234,16 @@ def decode(root: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="correctness,tune,kernels,decode")
+    p.add_argument("--sections", default="correctness,tune,kernels,m1_graph,decode")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
+    run = {"correctness": correctness, "tune": tune, "kernels": kernels, "m1_graph": m1_graph,
+           "decode": lambda: decode(root)}
     for name in args.sections.split(","):
-        print(f"== {name}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            {"correctness": correctness, "tune": tune, "kernels": kernels, "decode": lambda: decode(root)}[name]()
-        except Exception as e:
-            import traceback
-
-            traceback.print_exc()
-            record(f"{name}_error", f"{type(e).__name__}: {str(e)[:300]}")
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    print("\n| result | value | note |\n|---|---|---|")
-    for key, r in RESULTS.items():
-        print(f"| {key} | {r['value']} {r['unit']} | {r['note']} |")
+        run_section(name, run[name])
+    write_results(args.out)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,32 @@ def record(key: str, value, unit: str = "", note: str = "") -> None:
     print(f"  {key}: {value} {unit} {note}", flush=True)
 
 
+def run_section(name: str, fn) -> None:
+    """Runs one benchmark section; a failure is recorded and the next section still runs."""
+    print(f"== {name}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        record(f"{name}_error", f"{type(e).__name__}: {str(e)[:300]}")
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def write_results(out_dir: str) -> None:
+    """results.json under out_dir, and the results table on stdout."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    print("\n| result | value | note |\n|---|---|---|")
+    for key, r in RESULTS.items():
+        print(f"| {key} | {r['value']} {r['unit']} | {r['note']} |")
+
+
 def bench_ms(fn, warmup_ms=50, rep_ms=300) -> float:
     import triton.testing
 
@@ -342,40 +368,20 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
     model_dir = dummy_model_dir(root, LLAMA3_8B)
-    llm = None
-    for name in sections:
-        print(f"== {name}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            if name == "ceilings":
-                ceilings()
-            elif name == "kernels":
-                kernels()
-            elif name == "parity":
-                parity(root)
-            elif name == "decode":
-                llm = decode(model_dir)
-            elif name == "throughput":
-                throughput(model_dir, llm)
-                llm = None
-            elif name == "hf":
-                hf(model_dir)
-            elif name == "verify_cost":
-                verify_cost(model_dir)
-        except Exception as e:
-            import traceback
+    state = {"llm": None}
 
-            traceback.print_exc()
-            record(f"{name}_error", f"{type(e).__name__}: {str(e)[:300]}")
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    print("\n| result | value | note |\n|---|---|---|")
-    for key, r in RESULTS.items():
-        print(f"| {key} | {r['value']} {r['unit']} | {r['note']} |")
+    def decode_section():
+        state["llm"] = decode(model_dir)
+
+    def throughput_section():
+        throughput(model_dir, state.pop("llm", None))
+        state["llm"] = None
+
+    run = {"ceilings": ceilings, "kernels": kernels, "parity": lambda: parity(root), "decode": decode_section,
+           "throughput": throughput_section, "hf": lambda: hf(model_dir), "verify_cost": lambda: verify_cost(model_dir)}
+    for name in sections:
+        run_section(name, run[name])
+    write_results(args.out)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
 """Triton kernels for AWQ int4 linear layers (AutoAWQ "gemm" layout; see kernels/awq_reference.py for the layout
 and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M:
 
-    M <= 16      awq_gemv     decode: memory-bound. Each program streams a [BLOCK_K, BLOCK_N/8] tile of packed
-                              weights per iteration, dequantises it in registers and accumulates in float32;
-                              split-K spreads the K dimension over SPLIT_K programs (partials + a reduce kernel)
-                              so that even 4096-wide layers fill every SM.
-    16 < M < DEQUANT_MIN_M    awq_gemm     prefill: a K tile is dequantised into registers, then tl.dot.
-    M >= DEQUANT_MIN_M        dequantise the whole weight once (awq_dequantize), then cuBLAS: at large M the
-                              matmul dwarfs the one extra pass over the weight.
+    M == 1       awq_gemv     batch-1 decode: memory-bound. Each program streams [BLOCK_K, BLOCK_N/8] tiles of
+                              packed weights and keeps eight element-wise float32 accumulators (one per nibble)
+                              in registers: x * (q - z) * s per weight, one reduction over K at the very end.
+                              Split-K spreads K over programs (float32 partials + a reduce kernel in a fixed
+                              order, so results do not depend on scheduling).
+    1 < M <= 16  awq_gemv     small batches / speculative verification: a dequantised K tile, then tl.dot.
+    M > 16       dequantise the whole weight once (awq_dequantize, at ~3.3 TB/s of bytes moved on an H200), then
+                 cuBLAS. A fused dequantise + tl.dot GEMM was 2-4x slower than this on the H200 at every M from
+                 64 to 2048 (bench/awq_bench.py, docs/benchmarks.md), so there is none.
 
-Unpacking: a [BK, BN/8] int32 tile is interleaved with itself three times, giving [BK, BN] where column n holds the
-int32 of its 8-column group; shifting by 4 * AWQ_REVERSE_ORDER[n % 8] and masking 4 bits gives q. Integers become
-float32 with the exponent trick (0x4B000000 | q is the float 2**23 + q, exactly), which avoids int-to-float
-conversions, a slow path on NVIDIA GPUs; (2**23 + q) - (2**23 + z) = q - z exactly.
+Unpacking without per-weight shifts or int-to-float conversions (a slow path on NVIDIA GPUs): for nibble i < 5 of an
+int32 v, (v & (15 << 4i)) | 0x4B000000 read as a float32 is exactly 2**23 + q * 16**i (the nibble lands in the
+mantissa of 2**23), so (that - the same for the zero point) = (q - z) * 16**i exactly, and 16**-i is folded into the
+scale. The three top nibbles do the same on v >> 20. One AND-OR (a single LOP3) and one subtraction per weight.
+
+Nibble i holds column 8j + AWQ_ORDER[i]; joining the eight nibble planes as a binary tree,
+join(join(join(n0, n2), join(n1, n3)), join(join(n4, n6), join(n5, n7))), puts them in column order (AutoAWQ's
+interleave is exactly that tree), so tiles come out [BLOCK_K, BLOCK_N] with natural columns.
 
 Every K tile lies inside one quantisation group (BLOCK_K divides the group size), so a tile needs one row of zeros
 and scales.
@@ -26,139 +32,223 @@ import torch
 import triton
 import triton.language as tl
 
-DEQUANT_MIN_M = 1024  # from this many rows on, dequantise + cuBLAS beats the fused GEMM (bench/awq_bench.py)
-GEMV_MAX_M = 16
+GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
+# Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
+GEMV1_CONFIG = dict(BLOCK_N=256, BLOCK_K=128, TILES_PER_PROGRAM=2, EACH_TILE=True, num_warps=4, num_stages=3)
+DEQUANT_CONFIG = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4)
 
 
 @triton.jit
-def _unpack(packed, BLOCK_N: tl.constexpr):
-    """int32 [R, BLOCK_N // 8] (AWQ order) -> float32 [R, BLOCK_N] holding 2**23 + q."""
-    x = tl.interleave(packed, packed)
-    x = tl.interleave(x, x)
-    x = tl.interleave(x, x)
-    c = tl.arange(0, BLOCK_N) % 8
-    shifts = ((c // 2) + (c % 2) * 4) * 4  # 4 * AWQ_REVERSE_ORDER[c]
-    q = (x >> shifts[None, :]) & 0xF
-    return (q | 0x4B000000).to(tl.float32, bitcast=True)
+def _mant(v, SHIFT: tl.constexpr):
+    """float32 2**23 + (nibble SHIFT / 4 of v) * 2**SHIFT, exactly (SHIFT <= 16: the nibble stays below bit 23)."""
+    return ((v & (15 << SHIFT)) | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rn, rn8, n_ok, n8_ok, N, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The float32 weights W[k0 + rk, rn] ([BLOCK_K, BLOCK_N]) of one K tile inside one group."""
-    qw = tl.load(qw_ptr + (k0 + rk)[:, None].to(tl.int64) * (N // 8) + rn8[None, :], mask=n8_ok[None, :], other=0)
+def _diff(qw, qz, qw_hi, qz_hi, NIB: tl.constexpr):
+    """(q - z) * 16**e of nibble NIB as float32, [R, BN8] for columns 8j + AWQ_ORDER[NIB]: qw [R, BN8] and qz [BN8]
+    are packed int32s, *_hi the same shifted right by 20; e = NIB (NIB < 5) or NIB - 5."""
+    if NIB < 5:
+        return _mant(qw, 4 * NIB) - _mant(qz, 4 * NIB)[None, :]
+    else:
+        return _mant(qw_hi, 4 * (NIB - 5)) - _mant(qz_hi, 4 * (NIB - 5))[None, :]
+
+
+@triton.jit
+def _scale(s_row, rj, j_ok, NIB: tl.constexpr):
+    """s * 16**-e of nibble NIB ([BN8], the group's scales at s_row): _diff * _scale = (q - z) * s."""
+    inv: tl.constexpr = 1.0 / (1 << (4 * (NIB if NIB < 5 else NIB - 5)))
+    return tl.load(s_row + rj * 8 + ((NIB % 4) * 2 + NIB // 4), mask=j_ok, other=0.0).to(tl.float32) * inv
+
+
+@triton.jit
+def _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, NIB: tl.constexpr):
+    """The float32 weights (q - z) * s of nibble NIB, [R, BN8]."""
+    return _diff(qw, qz, qw_hi, qz_hi, NIB) * _scale(s_row, rj, j_ok, NIB)[None, :]
+
+
+@triton.jit
+def _in_column_order(w0, w1, w2, w3, w4, w5, w6, w7, R: tl.constexpr, BLOCK_N8: tl.constexpr):
+    """Eight nibble planes [R, BN8] -> [R, 8 BN8] with column 8j + c where it belongs."""
+    w = tl.join(tl.join(tl.join(w0, w2), tl.join(w1, w3)), tl.join(tl.join(w4, w6), tl.join(w5, w7)))
+    return tl.reshape(w, [R, BLOCK_N8 * 8])
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rj, j_ok, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_N8: tl.constexpr):  # fmt: skip
+    """The float32 weights W[k0 + rk, 8 rj ...] ([BLOCK_K, 8 BLOCK_N8]) of one K tile inside one group."""
+    N8 = N // 8
+    qw = tl.load(qw_ptr + (k0 + rk)[:, None].to(tl.int64) * N8 + rj[None, :], mask=j_ok[None, :], other=0)
     g = k0 // GROUP
-    qz = tl.load(qz_ptr + g * (N // 8) + rn8[None, :], mask=n8_ok[None, :], other=0)
-    s = tl.load(s_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
-    return (_unpack(qw, BLOCK_N) - _unpack(qz, BLOCK_N)) * s[None, :]
+    qz = tl.load(qz_ptr + g * N8 + rj, mask=j_ok, other=0)
+    s_row = s_ptr + g * N
+    qw_hi = qw >> 20
+    qz_hi = qz >> 20
+    return _in_column_order(
+        _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 0), _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 1),
+        _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 2), _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 3),
+        _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 4), _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 5),
+        _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 6), _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 7),
+        BLOCK_K, BLOCK_N8,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gemv1_zeros(BLOCK_K: tl.constexpr, BLOCK_N8: tl.constexpr, EACH_TILE: tl.constexpr):
+    if EACH_TILE:
+        return tl.zeros([BLOCK_N8], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_K, BLOCK_N8], dtype=tl.float32)
+
+
+@triton.jit
+def _gemv1_nibble(acc, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, NIB: tl.constexpr, EACH_TILE: tl.constexpr):
+    if EACH_TILE:  # the tile lies inside one group: scale after the reduction over K
+        return acc + tl.sum(x * _diff(qw, qz, qw_hi, qz_hi, NIB), 0) * _scale(s_row, rj, j_ok, NIB)
+    else:  # element-wise, reduced once at the end
+        return acc + x * _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, NIB)
+
+
+@triton.jit
+def _gemv1_total(acc, EACH_TILE: tl.constexpr):
+    if EACH_TILE:
+        return acc[None, :]
+    else:
+        return tl.sum(acc, 0)[None, :]
+
+
+@triton.jit
+def _awq_gemv1_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, N, K, stride_os, k_per_split,
+    GROUP: tl.constexpr, BLOCK_N8: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EACH_TILE: tl.constexpr,
+):  # fmt: skip
+    """One row. Each program does TILES_PER_PROGRAM K tiles (a large grid keeps many loads in flight, which a GEMV
+    needs to reach memory bandwidth). Per nibble one accumulator: EACH_TILE reduces every tile over K right away
+    ([BN8]); otherwise it is element-wise ([BLOCK_K, BN8]) and reduced once at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    N8 = N // 8
+    rj = pid_n * BLOCK_N8 + tl.arange(0, BLOCK_N8)
+    j_ok = rj < N8
+    rk = tl.arange(0, BLOCK_K)
+    a0 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
+    a1 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
+    a2 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
+    a3 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
+    a4 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
+    a5 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
+    a6 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
+    a7 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        qw = tl.load(qw_ptr + (k0 + rk)[:, None].to(tl.int64) * N8 + rj[None, :], mask=j_ok[None, :], other=0)
+        g = k0 // GROUP
+        qz = tl.load(qz_ptr + g * N8 + rj, mask=j_ok, other=0)
+        x = tl.load(x_ptr + k0 + rk).to(tl.float32)[:, None]
+        s_row = s_ptr + g * N
+        qw_hi = qw >> 20
+        qz_hi = qz >> 20
+        a0 = _gemv1_nibble(a0, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 0, EACH_TILE)
+        a1 = _gemv1_nibble(a1, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 1, EACH_TILE)
+        a2 = _gemv1_nibble(a2, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 2, EACH_TILE)
+        a3 = _gemv1_nibble(a3, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 3, EACH_TILE)
+        a4 = _gemv1_nibble(a4, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 4, EACH_TILE)
+        a5 = _gemv1_nibble(a5, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 5, EACH_TILE)
+        a6 = _gemv1_nibble(a6, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 6, EACH_TILE)
+        a7 = _gemv1_nibble(a7, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 7, EACH_TILE)
+    y = _in_column_order(
+        _gemv1_total(a0, EACH_TILE), _gemv1_total(a1, EACH_TILE), _gemv1_total(a2, EACH_TILE),
+        _gemv1_total(a3, EACH_TILE), _gemv1_total(a4, EACH_TILE), _gemv1_total(a5, EACH_TILE),
+        _gemv1_total(a6, EACH_TILE), _gemv1_total(a7, EACH_TILE), 1, BLOCK_N8,
+    )  # fmt: skip
+    rn = pid_n * BLOCK_N8 * 8 + tl.arange(0, BLOCK_N8 * 8)[None, :]
+    n_ok = rn < N
+    if PARTIAL:  # split K: float32 partials [SPLIT_K, N]
+        tl.store(out_ptr + pid_k * stride_os + rn, y, mask=n_ok)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def _awq_gemv_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os, k_per_split,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
+    """A few rows (M <= 16, padded to BLOCK_M = 16 for tl.dot)."""
+    BLOCK_N8: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn8 = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    rj = pid_n * BLOCK_N8 + tl.arange(0, BLOCK_N8)
     n_ok = rn < N
-    n8_ok = rn8 < N // 8
+    j_ok = rj < N // 8
     rk = tl.arange(0, BLOCK_K)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if BLOCK_M == 1:
-        # One row: a broadcast multiply and a column sum on CUDA cores (tl.dot would pad to 16 rows).
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rn, rn8, n_ok, n8_ok, N, GROUP, BLOCK_N)
-            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
-            acc += tl.sum(x[:, None] * w, axis=0)
-        acc2 = acc[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rj, j_ok, N, GROUP, BLOCK_K, BLOCK_N8)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:  # split K: float32 partials [SPLIT_K, M, N]
+        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=ok)
     else:
-        rm = tl.arange(0, BLOCK_M)
-        m_ok = rm < M
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rn, rn8, n_ok, n8_ok, N, GROUP, BLOCK_N)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
-            if IEEE:
-                acc2 = tl.dot(x, w, acc2, input_precision="ieee")
-            else:
-                acc2 = tl.dot(x, w.to(x.dtype), acc2)
-    rm = tl.arange(0, BLOCK_M)
-    ok = (rm < M)[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
         if HAS_BIAS:
-            acc2 += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc2.to(out_ptr.dtype.element_ty), mask=ok)
-    else:  # float32 partials [SPLIT_K, M, N]
-        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc2, mask=ok)
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr, SPLIT_PAD: tl.constexpr,
                            BLOCK: tl.constexpr):  # fmt: skip
+    """out = sum of the SPLIT_K float32 partials [SPLIT_K, MN] (+ bias). All partials of a column block are loaded at
+    once (a loop over them would wait for one load after another) and summed in a fixed tree order, so results do
+    not depend on scheduling."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT_K):  # a fixed order: results do not depend on scheduling
-        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    rs = tl.arange(0, SPLIT_PAD)
+    parts = tl.load(part_ptr + rs[:, None] * MN + offs[None, :], mask=(rs < SPLIT_K)[:, None] & ok[None, :], other=0.0)
+    acc = tl.sum(parts, 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _awq_gemm_kernel(
-    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    # Programs walk GROUP_M row tiles per column tile, so a column tile of weights is reused from L2.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn8 = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    n8_ok = rn8 < N // 8
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
-        w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rn, rn8, n_ok, n8_ok, N, GROUP, BLOCK_N)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+def split_k_reduce(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = partials [SPLIT_K, M, N] summed over SPLIT_K (+ bias [N])."""
+    split_k, m, n = partials.shape
+    pad = triton.next_power_of_2(split_k)
+    block = max(32, 4096 // pad)
+    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        partials, bias if bias is not None else partials, out, m * n, n, split_k, HAS_BIAS=bias is not None,
+        SPLIT_PAD=pad, BLOCK=block,
+    )  # fmt: skip
 
 
 @triton.jit
 def _awq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):  # fmt: skip
+    BLOCK_N8: tl.constexpr = BLOCK_N // 8
     k0 = tl.program_id(0) * BLOCK_K
     pid_n = tl.program_id(1)
     rk = tl.arange(0, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn8 = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-    n_ok = rn < N
-    w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rn, rn8, n_ok, rn8 < N // 8, N, GROUP, BLOCK_N)
+    rj = pid_n * BLOCK_N8 + tl.arange(0, BLOCK_N8)
+    w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rj, rj < N // 8, N, GROUP, BLOCK_K, BLOCK_N8)
     out = out_ptr + (k0 + rk)[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(rn < N)[None, :])
 
 
 # -- launchers --------------------------------------------------------------------------------------------------
@@ -180,21 +270,22 @@ def _check(x, qweight, qzeros, scales, group_size):
 
 
 def gemv_config(m: int, n: int, k: int, group_size: int, device_index: int | None = None) -> dict:
-    """BLOCK_N / BLOCK_K / SPLIT_K for awq_gemv: split K (in whole groups) until there are ~2 programs per SM."""
-    block_n = 128 if n >= 2048 else 64
-    block_k = min(group_size, 64)  # a [64, 128] float32 tile is 64 registers per thread at 4 warps
-    tiles_n = triton.cdiv(n, block_n)
-    num_groups = k // group_size
+    """BLOCK_N / BLOCK_K / SPLIT_K / warps / stages for awq_gemv. M = 1: each program does TILES_PER_PROGRAM K
+    tiles (K split accordingly). M > 1: K is split until there are two programs per SM."""
+    if m == 1:
+        cfg = dict(GEMV1_CONFIG)
+        tiles = cfg.pop("TILES_PER_PROGRAM")
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], group_size)
+        cfg["SPLIT_K"] = max(1, k // (cfg["BLOCK_K"] * tiles))
+        return cfg
+    cfg = dict(BLOCK_N=128 if n >= 2048 else 64, BLOCK_K=min(64, group_size), num_warps=4, num_stages=3)
+    tiles_n = triton.cdiv(n, cfg["BLOCK_N"])
+    num_tiles_k = k // cfg["BLOCK_K"]
     split_k = 1
-    while tiles_n * split_k < 2 * _num_sms(device_index) and split_k * 2 <= min(num_groups, 16):
+    while tiles_n * split_k < 2 * _num_sms(device_index) and split_k * 2 <= min(num_tiles_k, 32):
         split_k *= 2
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=3)
-
-
-def gemm_config(m: int, n: int, k: int, group_size: int) -> dict:
-    block_m = 32 if m <= 32 else 64 if m <= 64 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=min(group_size, 64), GROUP_M=8,
-                num_warps=4 if block_m <= 64 else 8, num_stages=3)  # fmt: skip
+    cfg["SPLIT_K"] = split_k
+    return cfg
 
 
 def awq_gemv(x, qweight, qzeros, scales, group_size: int, bias=None, config: dict | None = None) -> torch.Tensor:
@@ -204,54 +295,44 @@ def awq_gemv(x, qweight, qzeros, scales, group_size: int, bias=None, config: dic
     n = scales.shape[1]
     assert m <= GEMV_MAX_M
     cfg = {**gemv_config(m, n, k, group_size, x.device.index), **(config or {})}
-    block_k, split_k = cfg["BLOCK_K"], cfg["SPLIT_K"]
-    assert group_size % block_k == 0
-    k_per_split = triton.cdiv(k // group_size, split_k) * group_size
+    block_k, split_k, block_n = cfg["BLOCK_K"], cfg["SPLIT_K"], cfg["BLOCK_N"]
+    assert group_size % block_k == 0 and block_n % 8 == 0
+    k_per_split = triton.cdiv(k // block_k, split_k) * block_k  # whole K tiles, so no tile straddles two groups
+    split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else scales
-    _awq_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](
-        x, qweight, qzeros, scales, bias_arg, target, m, n, k, x.stride(0), target.stride(-2),
-        target.stride(0) if split_k > 1 else 0, k_per_split,
-        GROUP=group_size, BLOCK_M=1 if m == 1 else 16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split_k,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    grid = (triton.cdiv(n, block_n), split_k)
+    if m == 1:
+        _awq_gemv1_kernel[grid](
+            x, qweight, qzeros, scales, bias_arg, target, n, k, target.stride(0) if split_k > 1 else 0, k_per_split,
+            GROUP=group_size, BLOCK_N8=block_n // 8, BLOCK_K=block_k, PARTIAL=split_k > 1, HAS_BIAS=bias is not None,
+            EACH_TILE=cfg["EACH_TILE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+    else:
+        _awq_gemv_kernel[grid](
+            x, qweight, qzeros, scales, bias_arg, target, m, n, k, x.stride(0), target.stride(-2),
+            target.stride(0) if split_k > 1 else 0, k_per_split,
+            GROUP=group_size, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split_k > 1,
+            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
     if split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, bias_arg, out, m * n, n, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block
-        )
+        split_k_reduce(target, bias, out)
     return out
 
 
-def awq_gemm(x, qweight, qzeros, scales, group_size: int, bias=None, config: dict | None = None) -> torch.Tensor:
-    """x [M, in] -> [M, out] in x's dtype, fused dequantisation + tl.dot."""
-    _check(x, qweight, qzeros, scales, group_size)
-    m, k = x.shape
-    n = scales.shape[1]
-    cfg = {**gemm_config(m, n, k, group_size), **(config or {})}
-    assert group_size % cfg["BLOCK_K"] == 0
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _awq_gemm_kernel[grid](
-        x, qweight, qzeros, scales, bias if bias is not None else scales, out, m, n, k, x.stride(0), out.stride(0),
-        GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    return out
-
-
-def awq_dequantize(qweight, qzeros, scales, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def awq_dequantize(qweight, qzeros, scales, group_size: int, dtype: torch.dtype, config: dict | None = None):
     """-> W [in, out] in `dtype` (reference: kernels.awq_reference.dequantize)."""
     k, n8 = qweight.shape
     n = n8 * 8
-    block_k, block_n = min(group_size, 64), 128
+    cfg = {**DEQUANT_CONFIG, **(config or {})}
+    block_k, block_n = min(group_size, cfg["BLOCK_K"]), cfg["BLOCK_N"]
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     _awq_dequant_kernel[(k // block_k, triton.cdiv(n, block_n))](
-        qweight, qzeros, scales, out, n, GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k
-    )
+        qweight, qzeros, scales, out, n, GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
     return out
 
 
@@ -260,7 +341,5 @@ def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None) -> torch.
     m = x.shape[0]
     if m <= GEMV_MAX_M:
         return awq_gemv(x, qweight, qzeros, scales, group_size, bias)
-    if m < DEQUANT_MIN_M:
-        return awq_gemm(x, qweight, qzeros, scales, group_size, bias)
     w = awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)
     return torch.addmm(bias.to(x.dtype), x, w) if bias is not None else x @ w

@@ -36,14 +36,14 @@ GEMM_CASES = [(17, 192, 200, 64), (40, 256, 72, 32), (70, 384, 136, 128)]
 
 @pytest.mark.parametrize("case", GEMV_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [1, None])  # None: the launch heuristic (splits K on these shapes)
-def test_gemv_matches_reference(case, dtype, split_k):
+@pytest.mark.parametrize("split_k", [1, 3, None])  # None: the launch heuristic
+@pytest.mark.parametrize("each_tile", [True, False])  # M = 1: reduce over K per tile / once at the end
+def test_gemv_matches_reference(case, dtype, split_k, each_tile, monkeypatch):
+    monkeypatch.setitem(awq.GEMV1_CONFIG, "EACH_TILE", each_tile)
     m, k, n, g = case
     qweight, qzeros, scales, bias = random_awq(k, n, g, seed=m + k + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     config = {"SPLIT_K": split_k} if split_k else None
-    if split_k is None:
-        assert awq.gemv_config(m, n, k, g)["SPLIT_K"] > 1
     out = awq.awq_gemv(x, qweight, qzeros, scales, g, bias.to(dtype), config=config)
     ref = awq_matmul(x.float(), qweight, qzeros, scales, g, bias.to(dtype).float())
     assert out.dtype == dtype and out.shape == (m, n)
@@ -52,12 +52,12 @@ def test_gemv_matches_reference(case, dtype, split_k):
 
 @pytest.mark.parametrize("case", GEMM_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemm_matches_reference(case, dtype):
+def test_linear_matches_reference_beyond_gemv_rows(case, dtype):
     m, k, n, g = case
     qweight, qzeros, scales, bias = random_awq(k, n, g, seed=m + k + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     for b in (None, bias.to(dtype)):
-        out = awq.awq_gemm(x, qweight, qzeros, scales, g, b)
+        out = awq.awq_linear(x, qweight, qzeros, scales, g, b)
         ref = awq_matmul(x.float(), qweight, qzeros, scales, g, None if b is None else b.float())
         assert rel_err(out, ref) < REL_TOL[dtype]
 
@@ -71,18 +71,17 @@ def test_dequantize_kernel_is_exact(group_size):
 
 
 def test_linear_dispatch_by_rows(monkeypatch):
-    """awq_linear: GEMV up to 16 rows, fused GEMM below DEQUANT_MIN_M, dequantise + matmul above; same results."""
-    monkeypatch.setattr(awq, "DEQUANT_MIN_M", 32)
+    """awq_linear: GEMV up to 16 rows, dequantise + matmul above; same results."""
     qweight, qzeros, scales, bias = random_awq(128, 64, 32, seed=5)
     calls = []
-    for name in ("awq_gemv", "awq_gemm", "awq_dequantize"):
+    for name in ("awq_gemv", "awq_dequantize"):
         fn = getattr(awq, name)
         monkeypatch.setattr(awq, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
     for m in (1, 16, 17, 32):
         x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(DEVICE)
         out = awq.awq_linear(x, qweight, qzeros, scales, 32, bias)
         assert rel_err(out, awq_matmul(x, qweight, qzeros, scales, 32, bias)) < 1e-5
-    assert calls == ["awq_gemv", "awq_gemv", "awq_gemm", "awq_dequantize"]
+    assert calls == ["awq_gemv", "awq_gemv", "awq_dequantize", "awq_dequantize"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="full shapes need a GPU (the interpreter takes minutes)")
