@@ -4,6 +4,7 @@ batch-1 decode against the bf16 one, in one command:
     PYTHONPATH=. python bench/awq_bench.py --out DIR [--sections correctness,tune,kernels,decode]
 
 correctness  the kernels against the pure-torch reference at full shapes (bf16 activations, group 128)
+diag         a load-only kernel with the GEMV's tiles and grid: the bandwidth its access pattern can reach
 tune         launch-config sweeps: the M = 1 GEMV (summed over the three shapes; the best becomes the config the
              later sections use, print it and copy it into kernels/awq.py), the dequantise kernel
 kernels      int4 vs bf16 cuBLAS (F.linear, as aserve's bf16 layers) for M = 1, 4, 16, 64, 256, 2048 on
@@ -71,31 +72,35 @@ def correctness() -> None:
 
 
 def tune() -> None:
+    """M = 1 GEMV configurations timed inside CUDA graphs over rotating weight copies (graph_us): do_bench's
+    per-call L2 flush and event overhead put a ~10 us floor under every config, which hides the differences."""
     from kernels import awq
 
-    weights = [random_awq(k, n) for k, n in SHAPES]
-    xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k, _ in SHAPES]
+    sets = []
+    for k, n in SHAPES:
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        sets.append([(x, *random_awq(k, n), GROUP) for _ in range(max(4, int(300e6 // awq_bytes(k, n))))])
     timings = []
-    for block_n, block_k, warps in itertools.product((128, 256, 512), (64, 128), (4, 8)):
-        for stages, tiles, each in itertools.product((1, 2, 3), (1, 2, 4), (True, False)):
-            if tiles == 1 and stages > 1:  # nothing to pipeline
-                continue
+    for block_n, block_k, warps in itertools.product((128, 256, 512), (32, 64, 128), (4, 8)):
+        for tiles, each in itertools.product((1, 2, 4), (True, False)):
             if not each and 8 * block_k * (block_n // 8) > 128 * 32 * warps:  # accumulators > 128 registers/thread
                 continue
             cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, TILES_PER_PROGRAM=tiles, EACH_TILE=each, num_warps=warps,
-                       num_stages=stages)  # fmt: skip
+                       num_stages=1 if tiles == 1 else 2)  # fmt: skip
             awq.GEMV1_CONFIG = cfg
             try:
-                ms = [bench_ms(lambda: awq.awq_gemv(x, *w, GROUP), 5, 25) for x, w in zip(xs, weights)]
-                timings.append((sum(ms), ms, cfg))
+                us = [graph_us(awq.awq_gemv, inputs) for inputs in sets]
+                timings.append((sum(us), us, cfg))
             except Exception as e:  # out of resources
                 print("   config failed", cfg, type(e).__name__, flush=True)
     timings.sort(key=lambda t: t[0])
-    for total, ms, cfg in timings[:8]:
-        print(f"   gemv M=1 {cfg}: {' / '.join(f'{t * 1e3:.1f}' for t in ms)} us", flush=True)
+    for total, us, cfg in timings[:10]:
+        print(f"   gemv M=1 {cfg}: {' / '.join(f'{t:.1f}' for t in us)} us (graph)", flush=True)
     awq.GEMV1_CONFIG = timings[0][2]
-    record("tune_gemv_m1", " / ".join(f"{t * 1e3:.1f}" for t in timings[0][1]), "us", str(timings[0][2]))
+    record("tune_gemv_m1", " / ".join(f"{t:.1f}" for t in timings[0][1]), "us (graph)", str(timings[0][2]))
+    del sets
 
+    weights = [random_awq(k, n) for k, n in SHAPES]
     k, n = 4096, 14336
     qweight, qzeros, scales = weights[1]
     timings = []
@@ -194,6 +199,43 @@ def m1_graph() -> None:
                f"us); target >= 3x")  # fmt: skip
 
 
+def diag() -> None:
+    """What the GEMV's access pattern alone can reach: a kernel that only streams the packed weights in the same
+    tiles and grid (XOR-reducing them so the loads stay), inside CUDA graphs, on 4096x14336."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def load_only(qw_ptr, out_ptr, N8, k_per_split, BLOCK_N8: tl.constexpr, BLOCK_K: tl.constexpr):
+        rj = tl.program_id(0) * BLOCK_N8 + tl.arange(0, BLOCK_N8)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_K, BLOCK_N8], dtype=tl.int32)
+        k_lo = tl.program_id(1) * k_per_split
+        for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+            acc ^= tl.load(qw_ptr + (k0 + rk)[:, None].to(tl.int64) * N8 + rj[None, :])
+        tl.store(out_ptr + tl.program_id(1) * N8 + rj, tl.xor_sum(acc, 0))
+
+    k, n = 4096, 14336
+    sets = [random_awq(k, n)[0] for _ in range(12)]
+    out = torch.empty(k, n // 8, dtype=torch.int32, device="cuda")
+    rows = []
+    for block_n, block_k, tiles, warps in itertools.product((128, 256, 512), (32, 64, 128), (1, 4), (4, 8)):
+        split = k // (block_k * tiles)
+
+        def run(qw, bn=block_n, bk=block_k, sp=split, w=warps):
+            load_only[(n // bn, sp)](qw, out, n // 8, k // sp, BLOCK_N8=bn // 8, BLOCK_K=bk, num_warps=w)
+
+        us = graph_us(run, [(q,) for q in sets])
+        rows.append((us, block_n, block_k, tiles, warps))
+    rows.sort()
+    for us, block_n, block_k, tiles, warps in rows[:6]:
+        print(f"   load-only BN={block_n} BK={block_k} tiles={tiles} warps={warps}: {us:.1f} us = "
+              f"{k * n / 2 / us / 1e6:.2f} TB/s", flush=True)  # fmt: skip
+    us, block_n, block_k, tiles, warps = rows[0]
+    record("diag_load_only_4096x14336", round(k * n / 2 / us / 1e6, 2), "TB/s",
+           f"BN={block_n} BK={block_k} tiles={tiles} warps={warps}: {us:.1f} us (the GEMV's ceiling with this tiling)")
+
+
 def decode_ms_per_token(model_dir: str) -> float:
     from aserve import LLM, SamplingParams
 
@@ -234,12 +276,12 @@ def decode(root: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="correctness,tune,kernels,m1_graph,decode")
+    p.add_argument("--sections", default="correctness,diag,tune,kernels,m1_graph,decode")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
-    run = {"correctness": correctness, "tune": tune, "kernels": kernels, "m1_graph": m1_graph,
+    run = {"correctness": correctness, "diag": diag, "tune": tune, "kernels": kernels, "m1_graph": m1_graph,
            "decode": lambda: decode(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])
