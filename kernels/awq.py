@@ -34,8 +34,8 @@ import triton.language as tl
 
 GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
 # Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
-GEMV1_CONFIG = dict(BLOCK_N=256, BLOCK_K=128, TILES_PER_PROGRAM=2, EACH_TILE=True, num_warps=4, num_stages=3)
-DEQUANT_CONFIG = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4)
+GEMV1_CONFIG = dict(BLOCK_N=512, BLOCK_K=128, TILES_PER_PROGRAM=1, EACH_TILE=True, num_warps=4, num_stages=1)
+DEQUANT_CONFIG = dict(BLOCK_N=256, BLOCK_K=32, num_warps=4)
 
 
 @triton.jit

@@ -86,16 +86,17 @@ def test_scale_search_protects_salient_channels_on_heldout_inputs():
 
 def test_clip_search_never_increases_any_groups_error():
     calib, _, w = outlier_data(1)
-    max_val = search_clip(calib, w, 32)
-    org_max = w.abs().reshape(64, 4, 32).amax(-1)
-    assert max_val.shape == (64, 4) and (max_val <= org_max).all() and (max_val >= 0.5 * org_max).all()
-    assert (max_val < org_max).any()
+    low, high = search_clip(calib, w, 32)
+    org_min, org_max = w.reshape(64, 4, 32).amin(-1).clamp(max=0), w.reshape(64, 4, 32).amax(-1).clamp(min=0)
+    assert high.shape == low.shape == (64, 4)
+    assert (high <= org_max).all() and (high >= 0.5 * org_max).all() and (low >= org_min).all()
+    assert (low <= 0.5 * org_min).all() and ((high < org_max) | (low > org_min)).any()
 
     def group_errors(weight):  # token-wise, without the Gram-matrix shortcut the search uses
         delta = (fake_quantize(weight, 32) - w).reshape(64, 4, 32)
         return torch.einsum("tgk,ogk->tog", calib.reshape(-1, 4, 32), delta).pow(2).mean(0)
 
-    clipped, plain = group_errors(apply_clip(w, max_val, 32)), group_errors(w)
+    clipped, plain = group_errors(apply_clip(w, (low, high), 32)), group_errors(w)
     assert (clipped <= plain * (1 + 1e-5)).all()
     assert clipped.sum() < plain.sum()
 

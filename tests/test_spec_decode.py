@@ -254,6 +254,24 @@ def test_adaptive_policy_drafts_only_where_it_pays():
     assert bad.spec_accepted == pytest.approx(4)
 
 
+def test_cost_model_learns_from_observed_steps():
+    """A seed that calls verification free (flat step times) makes the policy draft; measured verify steps that
+    cost twice a plain step correct it after a few observations."""
+    cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto"})
+    cost = StepCostModel({1: 1.0, 8: 1.0, 64: 1.0})
+    policy = SpecPolicy(cfg, cost)
+    req = _Req(50, 100)  # acceptance ~0.5
+    assert policy.num_drafts(req, 8) > 0
+    for _ in range(10):
+        cost.observe(8, 1.0)
+        for k in range(1, cfg.num_speculative_tokens + 1):
+            cost.observe(8 * (k + 1), 1.0 + k)  # verification costs grow with the tokens verified
+    assert cost.time(16) == pytest.approx(2.0, rel=0.05) and cost.time(64) >= cost.time(40)
+    assert policy.num_drafts(req, 8) == 0
+    cost.observe(2, 0.5)  # never cheaper with more tokens: times are non-decreasing in the step size
+    assert cost.time(1) <= cost.time(2) <= cost.time(8)
+
+
 def test_spec_metrics_exported(tiny_model, tiny_model_factory):
     from aserve.metrics import PrometheusMetrics
 

@@ -311,7 +311,12 @@ class LLMEngine:
         return self.scheduler.schedule()
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(sched)
+        t0 = time.perf_counter()
+        result = self.runner.execute(sched)
+        cost = self.spec_policy.cost if self.spec_policy is not None else None
+        if cost is not None and all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled):
+            cost.observe(sched.num_tokens, time.perf_counter() - t0)  # a decode/verify step: what the policy prices
+        return result
 
     def fail_step(self, sched: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
         """The model step raised: end the requests it carried with an error; everything else goes on."""

@@ -65,34 +65,42 @@ def search_scales(
 
 @torch.no_grad()
 def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int = 20, max_shrink: float = 0.5):
-    """-> max |w| per (output, group) [out, in/g] minimising, per group, the mean squared error of that group's share
-    of each output over the rows of x [T, in].
+    """-> (low, high) [out, in/g] each: the clipping range per (output, group) minimising, per group, the mean
+    squared error of that group's share of each output over the rows of x [T, in].
 
-    That error is (q - w) G (q - w)^T with G = x_g^T x_g / T the group's [g, g] Gram matrix, so every token counts
-    at the cost of a [g, g] product per weight row (AutoAWQ samples 512 tokens and multiplies them out)."""
+    AutoAWQ clips symmetrically (|w| <= m); on aserve's asymmetric grids the two ends are searched independently
+    (low = min * (1 - i / n_grid), high = max * (1 - j / n_grid)), a superset of the symmetric candidates that
+    matter, which pays off most on weights that were 4-bit already (a Q4_1 GGUF: each group of 64 is two groups
+    of 32 with their own grids). The error is (q - w) G (q - w)^T with G = x_g^T x_g / T the group's [g, g] Gram
+    matrix, so every token counts at the cost of a [g, g] product per weight row (AutoAWQ samples 512 tokens)."""
     x = x.reshape(-1, x.shape[-1]).float()
     n_groups = w.shape[1] // group_size
     xg = x.reshape(x.shape[0], n_groups, group_size).transpose(0, 1)  # [G, T, g]
     gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [G, g, g]
-    wg = w.reshape(w.shape[0], n_groups, group_size).transpose(0, 1)  # [G, out, g]
-    org_max = wg.abs().amax(-1, keepdim=True)  # [G, out, 1]
+    wg = w.float().reshape(w.shape[0], n_groups, group_size).transpose(0, 1)  # [G, out, g]
+    org_min = wg.amin(-1, keepdim=True).clamp(max=0)  # [G, out, 1]; grids always include 0
+    org_max = wg.amax(-1, keepdim=True).clamp(min=0)
     best_err = torch.full(org_max.shape[:2], float("inf"))
-    best_max = org_max.clone()
-    for i in range(int(max_shrink * n_grid)):
-        max_val = org_max * (1 - i / n_grid)
-        clipped = torch.maximum(torch.minimum(wg, max_val), -max_val)
-        delta = fake_quantize(clipped.reshape(-1, group_size), group_size).reshape(wg.shape) - wg
-        err = (torch.bmm(delta, gram) * delta).sum(-1)  # [G, out]
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_max = torch.where(better[..., None], max_val, best_max)
-    return best_max.squeeze(-1).t().contiguous()
+    best_lo, best_hi = org_min.clone(), org_max.clone()
+    steps = int(max_shrink * n_grid)
+    for i in range(steps):
+        lo = org_min * (1 - i / n_grid)
+        for j in range(steps):
+            hi = org_max * (1 - j / n_grid)
+            clipped = torch.maximum(torch.minimum(wg, hi), lo)
+            delta = fake_quantize(clipped.reshape(-1, group_size), group_size).reshape(wg.shape) - wg
+            err = (torch.bmm(delta, gram) * delta).sum(-1)  # [G, out]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_lo = torch.where(better[..., None], lo, best_lo)
+            best_hi = torch.where(better[..., None], hi, best_hi)
+    return best_lo.squeeze(-1).t().contiguous(), best_hi.squeeze(-1).t().contiguous()
 
 
-def apply_clip(w: torch.Tensor, max_val: torch.Tensor, group_size: int) -> torch.Tensor:
+def apply_clip(w: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor], group_size: int) -> torch.Tensor:
+    low, high = bounds
     wg = w.reshape(w.shape[0], -1, group_size)
-    m = max_val[..., None]
-    return torch.maximum(torch.minimum(wg, m), -m).reshape(w.shape)
+    return torch.maximum(torch.minimum(wg, high[..., None]), low[..., None]).reshape(w.shape)
 
 
 @torch.no_grad()

@@ -2,8 +2,9 @@
 
 Fixed k: always `num_speculative_tokens`. Adaptive ("auto"): with a per-position acceptance estimate a for the
 request, k drafts yield E(a, k) = (1 - a^(k+1)) / (1 - a) tokens per step, while the step costs
-R(B, k) = (T(B (k+1)) + k T_draft(B)) / T(B) times a plain decode step of batch B (T = measured step time by token
-count). Pick k maximising E / R: k = 0 wherever speculation does not pay (large batches, low acceptance).
+R(B, k) = (T(B (k+1)) + k T_draft(B)) / T(B) times a plain decode step of batch B (T = step time by token count,
+seeded at start-up and then measured on the engine's own decode/verify steps). Pick k maximising E / R: k = 0
+wherever speculation does not pay (large batches, low acceptance).
 """
 
 from __future__ import annotations
@@ -18,13 +19,52 @@ _DECAY = 0.9  # older observations fade: acceptance drifts within a request
 
 
 class StepCostModel:
-    """Step time as a function of tokens in the step, from measurements at a few sizes (log-linear between)."""
+    """Step time as a function of tokens in the step (log-linear between known sizes, linear beyond the largest).
 
-    def __init__(self, samples: dict[int, float], draft_fraction: float = 0.0) -> None:
+    Seeded with start-up measurements and corrected online: the engine reports every decode/verify step's time
+    (`observe`), kept per exact token count as an exponential moving average. Start-up timings are rough (a cold
+    CPU, compilation, other load), so what matters is that the sizes the policy actually uses get measured as it
+    uses them: a wrong seed costs a few steps, not the whole run. Times are made non-decreasing in tokens (a step
+    with more tokens never costs less), which also damps noise."""
+
+    def __init__(self, samples: dict[int, float], draft_fraction: float = 0.0, alpha: float = 0.2) -> None:
         assert samples
-        self.sizes = sorted(samples)
-        self.times = [samples[n] for n in self.sizes]
+        self.seed = dict(samples)
+        self.seen: dict[int, float] = {}
+        self.alpha = alpha
         self.draft_fraction = draft_fraction  # a draft step's cost relative to a target step of the same size
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Measured sizes as measured; seed points only beyond the largest measured size, rescaled to meet it (the
+        seed gives the curve's shape there, not its level: a start-up timing taken under load must not dominate)."""
+        points = dict(self.seen)
+        if points:
+            top = max(points)
+            scale = points[top] / self._seed_time(top)
+            points.update({n: t * scale for n, t in self.seed.items() if n > top})
+        else:
+            points = dict(self.seed)
+        self.sizes = sorted(points)
+        times, running = [], 0.0
+        for n in self.sizes:
+            running = max(running, points[n])
+            times.append(running)
+        self.times = times
+
+    def _seed_time(self, num_tokens: int) -> float:
+        sizes = sorted(self.seed)
+        lo = max((n for n in sizes if n <= num_tokens), default=sizes[0])
+        hi = min((n for n in sizes if n >= num_tokens), default=sizes[-1])
+        if lo == hi:
+            return self.seed[lo] * (num_tokens / lo if num_tokens > lo else 1.0)
+        w = (math.log(num_tokens) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return self.seed[lo] + w * (self.seed[hi] - self.seed[lo])
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        old = self.seen.get(num_tokens)
+        self.seen[num_tokens] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._rebuild()
 
     def time(self, num_tokens: int) -> float:
         sizes, times = self.sizes, self.times
@@ -33,6 +73,8 @@ class StepCostModel:
         if num_tokens >= sizes[-1]:
             return times[-1] * num_tokens / sizes[-1]  # beyond the largest measurement: linear in tokens
         i = bisect.bisect_left(sizes, num_tokens)
+        if sizes[i] == num_tokens:
+            return times[i]
         lo, hi = sizes[i - 1], sizes[i]
         w = (math.log(num_tokens) - math.log(lo)) / (math.log(hi) - math.log(lo))
         return times[i - 1] + w * (times[i] - times[i - 1])
