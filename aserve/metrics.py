@@ -32,6 +32,10 @@ class PrometheusMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.num_requests_open = gauge(
+            "num_requests_open", "Engine requests the server holds for clients (admitted, not yet released by their "
+            "handler): 0 when idle; above running + waiting, handlers that never let go of finished requests.",
+        )  # fmt: skip
         self.num_preemptions = counter("num_preemptions", "Preemptions (requests recomputed later).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")

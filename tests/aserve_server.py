@@ -16,21 +16,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra_args: str, timeout: float = 300) -> tuple[subprocess.Popen, str]:
+def start_server(*extra_args: str, timeout: float = 300, log_path: str | None = None) -> tuple[subprocess.Popen, str]:
     """Starts the server and returns (process, base URL) once GET /health answers 200. Later flags override the
-    defaults given here (argparse keeps the last)."""
+    defaults given here (argparse keeps the last); `--debug-invariants` is on (`--no-debug-invariants` turns it
+    off): every step checks the KV blocks' ref counts and the queues. The server's output goes to `log_path` if
+    given (a long run would fill a pipe nobody reads), else to `proc.stdout`."""
     port = free_port()
+    log = open(log_path, "w") if log_path is not None else subprocess.PIPE
     proc = subprocess.Popen(
         [sys.executable, "-m", "aserve", "serve", "--port", str(port), "--max-model-len", "2048",
-         "--kv-cache-memory-gb", "0.25", *extra_args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+         "--kv-cache-memory-gb", "0.25", "--debug-invariants", *extra_args],
+        stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
+    if log_path is not None:
+        log.close()  # the child has its own copy
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"aserve serve exited early:\n{proc.stdout.read()}")
+                output = proc.stdout.read() if proc.stdout is not None else open(log_path).read()
+                raise RuntimeError(f"aserve serve exited early:\n{output}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
                     if r.status == 200:

@@ -5,7 +5,9 @@ In-process tests drive the aiohttp app over HTTP (aiohttp's test server) with a 
 """
 
 import asyncio
+import importlib.util
 import json
+import pathlib
 import signal
 import subprocess
 import threading
@@ -13,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 from aserve_server import start_server, stop_server
 from test_server import assert_idle, make_client, metric
 
@@ -357,7 +360,23 @@ def inject_bad_token(monkeypatch, core):
     monkeypatch.setattr(core.runner, "execute", execute)
 
 
-@pytest.mark.parametrize("inject", [inject_detokenizer_fault, inject_step_fault, inject_bad_token])
+def inject_nan_logits(monkeypatch, core):
+    """The model's logits turn NaN for poisoned requests from their 3rd token on (only their rows: the others in the
+    batch are untouched). A greedy argmax over NaNs still returns an in-vocabulary id: only the sampler's finiteness
+    flag tells."""
+    real_sampler = core.runner.sampler
+
+    def sampler(logits, requests, *args, **kwargs):
+        rows = [i for i, r in enumerate(requests) if is_poisoned(r.prompt_token_ids) and r.num_output_tokens >= 2]
+        if rows:  # one logits row per request (no speculative drafts here)
+            logits = logits.clone()
+            logits[rows] = float("nan")
+        return real_sampler(logits, requests, *args, **kwargs)
+
+    monkeypatch.setattr(core.runner, "sampler", sampler)
+
+
+@pytest.mark.parametrize("inject", [inject_detokenizer_fault, inject_step_fault, inject_bad_token, inject_nan_logits])
 async def test_fault_in_one_request_ends_only_that_request(client, core, monkeypatch, inject):
     good = [prompt_ids(i, 20) for i in range(4)]
     expected = await reference_texts(client, good, max_tokens=16)
@@ -605,3 +624,249 @@ def test_fuzz_request_bodies(live_server):
 def test_fuzz_request_bodies_1000(live_server):
     url, core = live_server
     fuzz(url, core, num_cases=1000, derandomize=False)
+
+
+# -- 6. NaN logits -----------------------------------------------------------------------------------------------
+
+
+def test_sampler_flags_non_finite_rows():
+    """The flag comes with the sampled tokens (one host copy), per request, whatever the sampling mode."""
+    from aserve.engine.request import Request
+    from aserve.engine.sampler import Sampler
+    from aserve.sampling_params import SamplingParams
+
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=t, max_tokens=4), None)
+                for i, t in enumerate([0.0, 0.0, 1.0, 0.0])]  # fmt: skip
+    logits = torch.randn(4, 50)
+    logits[1, 7] = float("nan")
+    logits[2] = float("nan")  # sampled, not greedy
+    logits[3, 0] = float("inf")
+    out = sampler(logits, requests)
+    assert out.nonfinite == [False, True, True, True]
+    assert all(0 <= t[0] < 50 for t in out.token_ids)  # the ids alone look valid: hence the flag
+    clean = sampler(torch.randn(2, 50), requests[:2])
+    assert clean.nonfinite == [False, False]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_nan_logits_end_only_that_request_with_a_clear_error(client, core, monkeypatch, temperature):
+    good = [prompt_ids(i, 16) for i in range(3)]
+    expected = await reference_texts(client, good, max_tokens=12)
+    inject_nan_logits(monkeypatch, core)
+    errors = 'aserve:request_success_total{finished_reason="error",model_name="tiny"}'
+    before = metric(await (await client.get("/metrics")).text(), errors)
+    base = {"max_tokens": 12, "ignore_eos": True}
+
+    async def post(prompt, stream, temp=0.0):
+        resp = await client.post("/v1/completions", json={**base, "prompt": prompt, "stream": stream,
+                                                          "temperature": temp})  # fmt: skip
+        return resp.status, await resp.text()
+
+    (s_status, s_text), (n_status, n_text), *rest = await asyncio.wait_for(asyncio.gather(
+        post(POISON + good[0], True, temperature), post(POISON + good[1], False, temperature),
+        *(post(p, i % 2 == 0) for i, p in enumerate(good)),
+    ), 120)  # fmt: skip
+    events = parse_sse(s_text)
+    assert s_status == 200 and events[-1] == "[DONE]"
+    error = assert_openai_error(events[-2])
+    assert error["code"] == 500 and "non-finite logits" in error["message"]
+    assert len(events) <= 4  # at most the two tokens sampled before the NaNs (one event each), the error, [DONE]
+    assert n_status == 500 and "non-finite logits" in assert_openai_error(json.loads(n_text))["message"]
+    for i, (status, text) in enumerate(rest):
+        got = stream_text(parse_sse(text)) if i % 2 == 0 else json.loads(text)["choices"][0]["text"]
+        assert status == 200 and got == expected[i]
+    assert metric(await (await client.get("/metrics")).text(), errors) - before == 2
+    monkeypatch.undo()  # the fault is gone: the same prompt is served again (its KV was not reused from the cache)
+    status, text = await post(POISON + good[0], False)
+    assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "length"
+    assert_idle(core)
+
+
+# -- 7. disconnect storm -----------------------------------------------------------------------------------------
+
+
+def load_bench(name: str):
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_storm(tiny_model, tmp_path, num_requests: int) -> dict:
+    """bench/reliability_storm.py against `aserve serve` (tiny model, 40 KV blocks, --debug-invariants)."""
+    storm = load_bench("reliability_storm")
+    log_path = tmp_path / "server.log"
+    proc, url = start_server("--model", tiny_model, *storm.SERVER_FLAGS, timeout=120, log_path=str(log_path))
+    try:
+        result = asyncio.run(storm.storm(url, num_requests, disconnect=0.3, concurrency=64, seed=0))
+    finally:
+        stop_server(proc)
+    log = log_path.read_text()
+    assert "--debug-invariants" in " ".join(storm.SERVER_FLAGS) and "aserve: serving" in log
+    assert result["problems"] == [], result["problems"][:20]
+    assert storm.log_problems(log) == [], log[-5000:]  # no ERROR line, no traceback (invariant checks included)
+    by_kind = result["by_kind"]
+    assert sum(by_kind.values()) == num_requests and by_kind["complete"] == num_requests - round(0.3 * num_requests)
+    finished = result["finished"]
+    # Every request ended; most hang-ups were seen as aborts (a few finish before the server notices).
+    assert finished["error"] == 0 and finished["length"] >= result["by_kind"]["complete"]
+    assert finished["abort"] >= 0.15 * num_requests and finished["length"] + finished["abort"] <= num_requests
+    return result
+
+
+def test_disconnect_storm(tiny_model, tmp_path):
+    """200 streams, 30 % of the clients hanging up before their first token or mid-stream: afterwards nothing is
+    open, running or waiting, no KV block is held, the log is clean and answers are what they were before."""
+    run_storm(tiny_model, tmp_path, 200)
+
+
+@pytest.mark.slow
+def test_disconnect_storm_2000(tiny_model, tmp_path):
+    run_storm(tiny_model, tmp_path, 2000)
+
+
+# -- 8. KV exhaustion --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+async def test_kv_exhaustion_preempts_and_every_request_completes_unchanged(client, tiny_model, prefix_caching):
+    """16 KV blocks (256 tokens: the least max_model_len 256 allows) for 12 concurrent requests of up to 76 tokens
+    each: requests are preempted (their blocks freed) and recomputed, every one completes, and greedy outputs equal
+    those of the same concurrent load with ample KV (the module's engine)."""
+    prompts = [prompt_ids(i, 12 + 3 * i) for i in range(12)]
+    prompts[3] = prompts[2][:16] + prompts[3][16:]  # a shared full block: prefix hits on preempted requests' blocks
+    max_tokens = [24 + 3 * i for i in range(12)]
+
+    async def load(c) -> list[str]:
+        async def one(i):
+            body = {"prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0, "ignore_eos": True,
+                    "stream": i % 2 == 0}  # fmt: skip
+            resp = await c.post("/v1/completions", json=body)
+            assert resp.status == 200
+            if i % 2:
+                return (await resp.json())["choices"][0]["text"]
+            events = parse_sse(await resp.text())
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+            return stream_text(events)
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(12))), 180)
+
+    expected = await load(client)
+    small = make_core(tiny_model, num_gpu_blocks_override=16, enable_prefix_caching=prefix_caching)
+    assert small.num_kv_blocks == 16
+    small_client = await make_client(small)
+    try:
+        got = await load(small_client)
+        text = await (await small_client.get("/metrics")).text()
+        assert metric(text, "aserve:num_preemptions_total") > 0
+        assert metric(text, 'aserve:request_success_total{finished_reason="length",model_name="tiny"}') == 12
+        assert metric(text, "aserve:num_requests_running") == 0 and metric(text, "aserve:kv_cache_usage_perc") == 0
+        assert got == expected
+        assert_idle(small)
+    finally:
+        await small_client.close()
+
+
+# -- 9. the invariant checker ------------------------------------------------------------------------------------
+
+
+def corrupt_leaked_ref(core, rid):
+    block = core.kv_manager.req_to_blocks[rid][0]
+    block.ref_cnt += 1
+    return lambda: setattr(block, "ref_cnt", block.ref_cnt - 1)
+
+
+def corrupt_free_and_held(core, rid):
+    block, queue = core.kv_manager.req_to_blocks[rid][-1], core.kv_manager.pool.free_block_queue
+    queue.append(block)
+    return lambda: queue.remove(block)
+
+
+def corrupt_lost_block(core, rid):
+    """A block taken from the free list and referenced, but recorded for no request: it would never be freed."""
+    queue = core.kv_manager.pool.free_block_queue
+    block = queue.popleft()
+    block.ref_cnt = 1
+    return lambda: (setattr(block, "ref_cnt", 0), queue.append(block))
+
+
+def corrupt_queue(core, rid):
+    core.scheduler.waiting.append(core.scheduler.requests[rid])
+    return core.scheduler.waiting.pop
+
+
+def corrupt_lost_request(core, rid):
+    request = core.scheduler.requests[rid]
+    core.scheduler.running.remove(request)
+    return lambda: core.scheduler.running.append(request)
+
+
+def corrupt_request_table(core, rid):
+    entry = core.child_to_state.pop(rid)
+    return lambda: core.child_to_state.__setitem__(rid, entry)
+
+
+@pytest.fixture(scope="module")
+def small_engine(tiny_model):
+    return make_core(tiny_model, num_gpu_blocks_override=32)
+
+
+@pytest.mark.parametrize("corrupt,words", [
+    (corrupt_leaked_ref, r"ref_cnt is 2 but 1 live request\(s\) hold it \(a leaked or lost reference\)"),
+    (corrupt_free_and_held, r"is in the free list while 1 live request\(s\) hold it"),
+    (corrupt_lost_block, r"ref_cnt is 1 but 0 live request\(s\) hold it"),
+    (corrupt_queue, r"a request is queued twice"),
+    (corrupt_lost_request, r"the queues \(\[\]\) and the live requests \(\['{rid}'\]\) differ"),
+    (corrupt_request_table, r"queued sequence '{rid}' belongs to no live request"),
+], ids=lambda v: v.__name__.removeprefix("corrupt_") if callable(v) else "")  # fmt: skip
+def test_invariant_checker_catches_corrupted_state(small_engine, corrupt, words):
+    """Each deliberately corrupted state (a leaked ref count, a block both free and held, a block held by nobody,
+    inconsistent queues or request table) fails the check with a message that names the problem."""
+    from aserve import SamplingParams
+    from aserve.engine.kv_cache_manager import InvariantError
+
+    engine, rid = small_engine, corrupt.__name__
+    engine.add_request(rid, {"prompt_token_ids": prompt_ids(0, 40)}, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # the prompt is computed: the request runs and holds 3 blocks
+    engine.check_invariants()  # a sound state passes
+    undo = corrupt(engine, rid)
+    with pytest.raises(InvariantError, match=words.format(rid=rid)):
+        engine.check_invariants()
+    undo()
+    engine.check_invariants()
+    engine.abort_request(rid)
+    assert_idle(engine)
+
+
+def test_invariant_checker_runs_after_every_step_and_abort(small_engine):
+    from aserve import SamplingParams
+    from aserve.engine.kv_cache_manager import InvariantError
+
+    engine = small_engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": prompt_ids(1, 20)}, params)
+    engine.add_request("b", {"prompt_token_ids": prompt_ids(2, 20)}, params)
+    engine.step()
+    undo = corrupt_leaked_ref(engine, "a")
+    with pytest.raises(InvariantError, match="leaked or lost reference"):
+        engine.step()
+    undo()
+    undo = corrupt_leaked_ref(engine, "b")
+    with pytest.raises(InvariantError, match="leaked or lost reference"):
+        engine.abort_request("a")
+    undo()
+    engine.abort_request("b")
+    assert_idle(engine)
+    engine.args.debug_invariants = False  # off: not checked (it costs a pass over every block per step and abort)
+    try:
+        engine.add_request("c", {"prompt_token_ids": prompt_ids(3, 20)}, params)
+        engine.step()
+        undo = corrupt_leaked_ref(engine, "c")
+        engine.step()
+        undo()
+        engine.abort_request("c")
+    finally:
+        engine.args.debug_invariants = True
+    assert_idle(engine)

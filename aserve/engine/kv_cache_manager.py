@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aserve.engine.block_pool import BlockPool, KVCacheBlock
-from aserve.engine.request import Request
+from aserve.engine.request import Request, RequestStatus
 
 
 def cdiv(a: int, b: int) -> int:
@@ -119,18 +119,46 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
 
     def check_invariants(self, live_requests: list[Request]) -> None:
-        """Every block's ref count equals the number of live requests holding it; free-list membership matches."""
+        """For `debug_invariants`: raises InvariantError unless every block's ref count equals the number of live
+        requests holding it, a block is in the free list exactly when nobody holds it, waiting requests hold
+        nothing, running ones hold blocks for every computed token, and the prefix-cache map and the blocks' hashes
+        agree. Explicit checks rather than asserts, so that they also run under `python -O`."""
         expected = [0] * self.pool.num_blocks
-        live_ids = {r.request_id for r in live_requests}
-        assert set(self.req_to_blocks) <= live_ids, f"blocks held by dead requests: {set(self.req_to_blocks) - live_ids}"
+        live = {r.request_id: r for r in live_requests}
+        if dead := set(self.req_to_blocks) - set(live):
+            raise InvariantError(f"KV blocks held by requests that are no longer live: {sorted(dead)}")
         for request_id, blocks in self.req_to_blocks.items():
-            assert self.req_to_block_ids[request_id] == [b.block_id for b in blocks]
+            ids = [b.block_id for b in blocks]
+            if self.req_to_block_ids.get(request_id) != ids:
+                raise InvariantError(f"request {request_id!r}: block ids {self.req_to_block_ids.get(request_id)} "
+                                     f"!= its blocks {ids}")  # fmt: skip
+            if len(set(ids)) != len(ids):
+                raise InvariantError(f"request {request_id!r} holds a block twice: {ids}")
+            request = live[request_id]
+            if request.status != RequestStatus.RUNNING and blocks:
+                raise InvariantError(f"{request} is not running but holds blocks {ids}")
+            if len(blocks) * self.block_size < request.num_computed_tokens:
+                raise InvariantError(f"{request} holds {len(blocks)} blocks, too few for its computed tokens")
             for b in blocks:
                 expected[b.block_id] += 1
         in_free = {b.block_id for b in self.pool.free_block_queue}
-        assert len(in_free) == self.pool.num_free_blocks
+        if len(in_free) != self.pool.num_free_blocks:
+            raise InvariantError(f"the free list holds {len(in_free)} blocks but counts {self.pool.num_free_blocks}")
+        cached = self.pool.cached_blocks
         for block in self.pool.blocks:
-            assert block.ref_cnt == expected[block.block_id], f"{block}: expected ref_cnt {expected[block.block_id]}"
-            assert (block.ref_cnt == 0) == (block.block_id in in_free), f"{block} free-list membership is wrong"
-        for h, block in self.pool.cached_blocks.items():
-            assert block.block_hash == h
+            refs = expected[block.block_id]
+            if block.ref_cnt != refs:
+                raise InvariantError(f"{block}: ref_cnt is {block.ref_cnt} but {refs} live request(s) hold it "
+                                     "(a leaked or lost reference)")  # fmt: skip
+            if (refs == 0) != (block.block_id in in_free):
+                where = "in" if block.block_id in in_free else "not in"
+                raise InvariantError(f"{block} is {where} the free list while {refs} live request(s) hold it")
+            if block.block_hash is not None and cached.get(block.block_hash) is not block:
+                raise InvariantError(f"{block} has a hash under which the prefix-cache map holds another block")
+        for h, block in cached.items():
+            if block.block_hash != h:
+                raise InvariantError(f"the prefix-cache map holds {block} under a hash it does not have")
+
+
+class InvariantError(AssertionError):
+    """The engine's bookkeeping is inconsistent (a bug in aserve, not a bad request); raised by `debug_invariants`."""

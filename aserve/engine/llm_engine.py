@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.engine.block_hash import BlockHasher
 from aserve.engine.detokenizer import IncrementalDetokenizer
-from aserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from aserve.engine.kv_cache_manager import InvariantError, KVCacheManager, cdiv
 from aserve.engine.model_runner import ModelRunner, RunnerOutput
 from aserve.engine.request import Request, RequestStatus
 from aserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -34,6 +34,8 @@ logger = logging.getLogger("aserve")
 PromptType = str | dict
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
+
+NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or infinity) for this request"
 
 # A serving process gc.freeze()s what its engine loads (freeze_for_serving); unfreeze at exit so that interpreter
 # shutdown collects it (native extensions report anything left over as a leak).
@@ -288,7 +290,10 @@ class LLMEngine:
                 self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
                 self.stats.on_request_finished(child, now)
         self.stats.flush(self.scheduler, self.kv_manager)  # gauges reflect the abort even if no step follows
-        return self._finalize(state)
+        out = self._finalize(state)
+        if self.args.debug_invariants:
+            self.check_invariants()
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -370,12 +375,20 @@ class LLMEngine:
         out = result.sampler_output
         next_drafts = result.next_drafts or [None] * len(result.sampled)
         next_probs = result.next_draft_probs or [None] * len(result.sampled)
-        for s, token_ids, lps, drafts, probs in zip(result.sampled, out.token_ids, out.logprobs, next_drafts,
-                                                    next_probs):  # fmt: skip
+        nonfinite = out.nonfinite or [False] * len(result.sampled)
+        for s, token_ids, lps, drafts, probs, bad in zip(result.sampled, out.token_ids, out.logprobs, next_drafts,
+                                                         next_probs, nonfinite):  # fmt: skip
             request = s.request
             if request.is_finished:  # aborted while the step ran
                 continue
             state, index = self.child_to_state[request.request_id]
+            if bad:  # its tokens are argmaxes of garbage (in the vocabulary all the same): use none of them
+                logger.error("request %s: %s; ending it", state.request_id, NON_FINITE_LOGITS)
+                self.kv_manager.forget_uncomputed(request, 0)  # its KV may hold NaNs too: never share it by prefix
+                self._fail_request(state, NON_FINITE_LOGITS, now)
+                if not changed or changed[-1] is not state:
+                    changed.append(state)
+                continue
             try:
                 self._process_one(s, state, index, token_ids, lps, drafts, probs, now)
             except Exception as e:  # a fault in one request's output (detokenizer, bad token) ends only that request
@@ -385,7 +398,7 @@ class LLMEngine:
                 changed.append(state)
         self.stats.on_step(sched.num_tokens, self.scheduler, self.kv_manager)
         if self.args.debug_invariants:
-            self.scheduler.check_invariants()
+            self.check_invariants()
 
         outputs = []
         for state in dict.fromkeys(changed):
@@ -484,6 +497,23 @@ class LLMEngine:
         )
 
     # -- misc -------------------------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """What `debug_invariants` checks after every step and abort (InvariantError if broken): the request table
+        and the scheduler agree (every unfinished sequence of a live request is queued, every queued sequence
+        belongs to one), then the scheduler's queues and the KV blocks' ref counts and free list."""
+        queued = self.scheduler.requests
+        for request_id, (state, index) in self.child_to_state.items():
+            if self.states.get(state.request_id) is not state or state.children[index].request_id != request_id:
+                raise InvariantError(f"sequence {request_id!r} maps to a request that is not live")
+        for state in self.states.values():
+            for child in state.children:
+                if not child.is_finished and queued.get(child.request_id) is not child:
+                    raise InvariantError(f"{child} of live request {state.request_id!r} is unfinished but not queued")
+        for request_id in queued:
+            if request_id not in self.child_to_state:
+                raise InvariantError(f"queued sequence {request_id!r} belongs to no live request")
+        self.scheduler.check_invariants()
 
     def reset_prefix_cache(self) -> None:
         self.kv_manager.reset_prefix_cache()

@@ -11,13 +11,17 @@ normalize(max(0, p_j - q_j)); if all are accepted emit a bonus token drawn from 
 (one-hot for n-gram drafts). Greedy requests accept while d_j is the argmax. Every row's candidate token is drawn in
 one vectorised pass and the host picks the one after the accepted prefix: one host sync per step.
 
+Rows whose raw logits are not all finite (NaN, or an overflow to infinity) are flagged, in the same host copy as the
+tokens: argmax over a NaN row still returns an in-vocabulary id, so without the flag a broken row would pass as a
+valid, garbage token.
+
 Draws use inverse-CDF sampling with one uniform per draw; a seeded request draws from its own generator, so its
 samples do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +64,8 @@ class SamplerOutput:
     token_ids: list[list[int]]  # per request: accepted drafts, then one sampled token
     logprobs: list[list[SampledLogprobs] | None]
     num_drafts: list[int]
+    # Per request: whether any of its logits rows held NaN or infinity (its tokens are meaningless). Empty: unknown.
+    nonfinite: list[bool] = field(default_factory=list)
 
     @staticmethod
     def empty() -> SamplerOutput:
@@ -84,6 +90,8 @@ class Sampler:
         drafts = drafts or [[] for _ in requests]
         rows = [SampleRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
+        # One reduction: the sum of a row is finite iff every logit in it is (a quarter of an argmax's cost on CPU).
+        nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         logits = self._mask_min_tokens(logits, rows)
@@ -91,11 +99,15 @@ class Sampler:
             logits = self._apply_penalties(logits, rows)
         candidates, accepted = self._candidates(logits, rows, drafts, draft_probs)
 
-        # One sync: per row, whether its draft is accepted, and the token to emit if the run stops there.
-        candidate_list = candidates.tolist()
-        accepted_list = accepted.tolist() if accepted is not None else None
+        # One sync: per row, the token to emit if the run stops there, whether its logits were finite, and whether
+        # its draft is accepted.
+        packed = [candidates, nonfinite.long()] + ([accepted.long()] if accepted is not None else [])
+        host = torch.stack(packed).tolist()
+        candidate_list, nonfinite_list = host[0], host[1]
+        accepted_list = host[2] if accepted is not None else None
         token_ids: list[list[int]] = []
         emitted_rows: list[list[int]] = []
+        request_nonfinite: list[bool] = []
         base = 0
         for d in drafts:
             n = 0
@@ -103,11 +115,12 @@ class Sampler:
                 n += 1
             token_ids.append(list(d[:n]) + [candidate_list[base + n]])
             emitted_rows.append(list(range(base, base + n + 1)))
+            request_nonfinite.append(any(nonfinite_list[base : base + len(d) + 1]))
             base += len(d) + 1
         logprobs: list[list[SampledLogprobs] | None] = [None] * len(requests)
         if raw_logprobs is not None:
             logprobs = self._gather_logprobs(raw_logprobs, requests, token_ids, emitted_rows)
-        return SamplerOutput(token_ids, logprobs, [len(d) for d in drafts])
+        return SamplerOutput(token_ids, logprobs, [len(d) for d in drafts], request_nonfinite)
 
     # -- logits processing ------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from aserve.engine.kv_cache_manager import KVCacheManager
+from aserve.engine.kv_cache_manager import InvariantError, KVCacheManager
 from aserve.engine.request import Request, RequestStatus
 
 
@@ -216,12 +216,22 @@ class Scheduler:
                 self.kv.forget_uncomputed(s.request, s.num_computed_tokens)
 
     def check_invariants(self) -> None:
+        """For `debug_invariants`: raises InvariantError unless the queues hold each live request exactly once, with
+        a status matching its queue, and the KV manager's invariants hold for them."""
         live = list(self.running) + list(self.waiting)
-        assert len(live) == len(self.requests) and all(self.requests[r.request_id] is r for r in live)
-        assert all(r.status == RequestStatus.RUNNING for r in self.running)
-        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
-        assert len(self.running) <= self.max_num_seqs
+        ids = [r.request_id for r in live]
+        if len(set(ids)) != len(ids):
+            raise InvariantError(f"a request is queued twice: running {self.running}, waiting {list(self.waiting)}")
+        if set(ids) != set(self.requests) or any(self.requests[r.request_id] is not r for r in live):
+            raise InvariantError(f"the queues ({sorted(ids)}) and the live requests ({sorted(self.requests)}) differ")
+        for r in self.running:
+            if r.status != RequestStatus.RUNNING:
+                raise InvariantError(f"{r} is in the running queue")
         for r in self.waiting:
-            if r.status == RequestStatus.PREEMPTED:
-                assert r.num_computed_tokens == 0 and r.request_id not in self.kv.req_to_blocks
+            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise InvariantError(f"{r} is in the waiting queue")
+            if r.status == RequestStatus.PREEMPTED and r.num_computed_tokens != 0:
+                raise InvariantError(f"{r} was preempted but counts computed tokens")
+        if len(self.running) > self.max_num_seqs:
+            raise InvariantError(f"{len(self.running)} requests running, more than max_num_seqs {self.max_num_seqs}")
         self.kv.check_invariants(live)

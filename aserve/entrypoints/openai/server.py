@@ -152,6 +152,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
+    state.metrics.num_requests_open.set(state.engine.num_live_requests)
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
@@ -247,10 +248,17 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
     merged = _merge(streams)
-    if req.stream:
-        return await _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat)
-    async for i, out in merged:
-        _absorb(choices, i, n, out)
+    try:
+        if req.stream:
+            return await _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat)
+        async for i, out in merged:
+            _absorb(choices, i, n, out)
+    finally:
+        # However the handler ends (a client gone before its headers could be written, a cancellation), its
+        # requests are released: closing `merged` is not enough, as a generator never started runs no `finally`.
+        await merged.aclose()
+        for stream in streams:
+            await stream.aclose()  # no-op for a stream that ended
     failed = next((c for c in choices if c.error), None)
     if failed is not None:
         type_ = "server_error" if failed.error_status == 500 else "service_unavailable"
@@ -311,10 +319,10 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 async def _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat):
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
     builder = chat_chunk if chat else completion_chunk
     include_usage = req.include_usage
     try:
+        await response.prepare(request)  # raises ConnectionError if the client has already hung up
         if chat:  # OpenAI opens each choice with the assistant role
             for choice in choices:
                 chunk = builder(request_id, created, state.model_name, [choice], role_only=True)
@@ -340,8 +348,10 @@ async def _stream(request, state, req, request_id, created, merged, choices, pro
             )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-    except (asyncio.CancelledError, ConnectionError):
-        raise  # the client went away: nobody to tell
+    except asyncio.CancelledError:
+        raise  # the client went away (aiohttp cancels the handler): nobody to tell
+    except ConnectionError:  # the client went away while we wrote to it: nobody to tell, nothing to log
+        pass
     except Exception:  # headers are sent: the error can only go in the stream
         logger.exception("stream %s failed", request_id)
         with contextlib.suppress(Exception):  # the client may be gone as well
@@ -415,6 +425,9 @@ async def _handle(request: web.Request, handler, state: ServerState):
         raise
     except asyncio.CancelledError:
         raise
+    except ConnectionError as e:  # the client hung up (e.g. while sending its body): not the server's fault
+        logger.debug("client disconnected during %s %s: %r", request.method, request.path, e)
+        return error_response(400, "the client disconnected", code="client_disconnected")
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal server error", type_="server_error")
