@@ -300,11 +300,17 @@ PASSAGE = (
     "spec",
     [{"method": "ngram", "num_speculative_tokens": 4},
      {"method": "layer_skip", "num_layers": 10, "num_speculative_tokens": 3},
-     {"method": "ngram", "num_speculative_tokens": "auto"}],
-    ids=["ngram", "layer_skip", "auto"],
+     {"method": "ngram", "num_speculative_tokens": "auto"},
+     {"method": "draft_model", "model": None, "num_speculative_tokens": 3}],
+    ids=["ngram", "layer_skip", "auto", "draft_model"],
 )  # fmt: skip
 def test_default_model_greedy_unchanged(spec):
-    """SmolLM2 in float32 (bf16 rounding could flip near-ties between batch shapes): same greedy text."""
+    """SmolLM2 in float32 (bf16 rounding could flip near-ties between batch shapes): same greedy text. draft_model:
+    the embedded model drafts for itself (its converted directory as the draft), with its own KV cache."""
+    if spec["method"] == "draft_model":
+        from aserve.model.loader import resolve_model
+
+        spec = {**spec, "model": resolve_model(None)[0]}
     questions = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", PASSAGE)]
     params = SamplingParams(temperature=0, max_tokens=60)
     base = LLM(dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_memory_gb=0.1).chat(questions, params)
