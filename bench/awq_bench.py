@@ -27,14 +27,15 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_bench import LLAMA3_8B, RESULTS, bench_ms, dummy_model_dir, record, run_section, write_results  # noqa: E402
+from gpu_bench import (  # noqa: E402
+    LLAMA3_8B, RESULTS, batch1_decode_ms, bench_ms, dummy_model_dir, record, run_section, write_results,
+)
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K = in, N = out)
 ROWS = [1, 4, 16, 64, 256, 2048]
@@ -237,26 +238,16 @@ def diag() -> None:
 
 
 def decode_ms_per_token(model_dir: str) -> float:
-    from aserve import LLM, SamplingParams
+    from aserve import LLM
 
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
-    gen = torch.Generator().manual_seed(1)
-    prompt = lambda: {"prompt_token_ids": torch.randint(100, 100000, (128,), generator=gen).tolist()}  # noqa: E731
-    llm.generate(prompt(), SamplingParams(max_tokens=8, ignore_eos=True))
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        llm.generate(prompt(), SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
-        e2e = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        llm.generate(prompt(), SamplingParams(max_tokens=1))
-        times.append((e2e - (time.perf_counter() - t0)) / 255 * 1e3)
+    ms = batch1_decode_ms(llm)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     record(f"decode_weights_{os.path.basename(os.path.dirname(model_dir))}", round(weight_bytes / 1e9, 2), "GB")
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return sorted(times)[1]
+    return ms
 
 
 def decode(root: str) -> None:

@@ -18,6 +18,21 @@ _PRIOR_ACCEPTED, _PRIOR_TRIALS = 1.0, 2.0  # acceptance 0.5 until observed
 _DECAY = 0.9  # older observations fade: acceptance drifts within a request
 
 
+def _interpolate(sizes: list[int], times: list[float], num_tokens: int) -> float:
+    """Time at `num_tokens` from points (sorted sizes): log-linear between them, the first below, linear in tokens
+    beyond the last."""
+    if num_tokens <= sizes[0]:
+        return times[0]
+    if num_tokens >= sizes[-1]:
+        return times[-1] * num_tokens / sizes[-1]
+    i = bisect.bisect_left(sizes, num_tokens)
+    if sizes[i] == num_tokens:
+        return times[i]
+    lo, hi = sizes[i - 1], sizes[i]
+    w = (math.log(num_tokens) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return times[i - 1] + w * (times[i] - times[i - 1])
+
+
 class StepCostModel:
     """Step time as a function of tokens in the step (log-linear between known sizes, linear beyond the largest).
 
@@ -54,12 +69,7 @@ class StepCostModel:
 
     def _seed_time(self, num_tokens: int) -> float:
         sizes = sorted(self.seed)
-        lo = max((n for n in sizes if n <= num_tokens), default=sizes[0])
-        hi = min((n for n in sizes if n >= num_tokens), default=sizes[-1])
-        if lo == hi:
-            return self.seed[lo] * (num_tokens / lo if num_tokens > lo else 1.0)
-        w = (math.log(num_tokens) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        return self.seed[lo] + w * (self.seed[hi] - self.seed[lo])
+        return _interpolate(sizes, [self.seed[n] for n in sizes], num_tokens)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         old = self.seen.get(num_tokens)
@@ -67,17 +77,7 @@ class StepCostModel:
         self._rebuild()
 
     def time(self, num_tokens: int) -> float:
-        sizes, times = self.sizes, self.times
-        if num_tokens <= sizes[0]:
-            return times[0]
-        if num_tokens >= sizes[-1]:
-            return times[-1] * num_tokens / sizes[-1]  # beyond the largest measurement: linear in tokens
-        i = bisect.bisect_left(sizes, num_tokens)
-        if sizes[i] == num_tokens:
-            return times[i]
-        lo, hi = sizes[i - 1], sizes[i]
-        w = (math.log(num_tokens) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        return times[i - 1] + w * (times[i] - times[i - 1])
+        return _interpolate(self.sizes, self.times, num_tokens)
 
     def relative_cost(self, batch: int, k: int) -> float:
         base = self.time(batch)
