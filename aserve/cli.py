@@ -24,6 +24,7 @@ _HELP = {
     "enforce_eager": "CPU: do not torch.compile element-wise ops (faster start)",
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
     "max_queue_len": "serving: answer 429 (with Retry-After) when more sequences than this would wait for a slot",
+    "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on for CUDA without speculation)",
     "quantization": "awq: require an AWQ int4 checkpoint (AWQ is detected from the checkpoint either way)",
 }
 
@@ -35,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         help_text = _HELP.get(f.name, "") + f" (default: {f.default})"
-        if hint is bool:
+        if hint is bool or hint == bool | None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)

@@ -39,6 +39,9 @@ class EngineArgs:
     speculative_config: str | dict | None = None  # JSON or dict, vLLM's shape (see aserve/spec/config.py)
     attention_backend: str = "auto"  # auto (triton on GPU, torch on CPU) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs (GPU) / no torch.compile of element-wise work (CPU)
+    # Schedule and launch step N+1 while step N runs (hides the host's per-step work behind the GPU's).
+    # None: on for CUDA without speculative decoding.
+    async_scheduling: bool | None = None
     debug_invariants: bool = False  # check block/queue invariants after every step (slow)
     # Serving: at most this many sequences waiting to be scheduled; more get HTTP 429 (None: unbounded).
     max_queue_len: int | None = None

@@ -102,6 +102,19 @@ def ceilings() -> None:
     record("bf16_matmul", round(2 * 8192**3 / ms / 1e9, 1), "TFLOP/s", "(8192^3, random data)")
 
 
+def prefill_case(T: int, H: int, Hkv: int, D: int, bs: int):
+    """One T-token causal prompt in contiguous pages, bf16 on the GPU. -> (paged_attention's inputs (q, k_cache,
+    v_cache, block table, seq_lens, query_start_loc), the same as SDPA's [1, heads, T, D] views, causal FLOPs)."""
+    k_cache = torch.randn(T // bs, bs, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    table = torch.arange(T // bs, dtype=torch.int32, device="cuda").view(1, -1)
+    q = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
+    seq = torch.tensor([T], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    sdpa_views = tuple(x.transpose(0, 1).unsqueeze(0) for x in (q, k_cache.view(T, Hkv, D), v_cache.view(T, Hkv, D)))
+    return (q, k_cache, v_cache, table, seq, qsl), sdpa_views, 4 * T * T * D * H / 2
+
+
 def kernels() -> None:
     import torch.nn.functional as F
 
@@ -143,27 +156,18 @@ def kernels() -> None:
 
     # Prefill: one 4096-token causal sequence.
     T = 4096
-    k_cache = torch.randn(T // bs, bs, Hkv, D, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn_like(k_cache)
-    table = torch.arange(T // bs, dtype=torch.int32, device="cuda").view(1, -1)
-    q = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
-    seq = torch.tensor([T], dtype=torch.int32, device="cuda")
-    qsl = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-    flops = 4 * T * T * D * H / 2
+    (q, k_cache, v_cache, table, seq, qsl), (qs, ks, vs), flops = prefill_case(T, H, Hkv, D, bs)
     ms_tri = bench_ms(lambda: paged_attention(q, k_cache, v_cache, table, seq, qsl, T))
-    qs = q.transpose(0, 1).unsqueeze(0)
-    ks = k_cache.view(T, Hkv, D).transpose(0, 1).unsqueeze(0)
-    vs = v_cache.view(T, Hkv, D).transpose(0, 1).unsqueeze(0)
     ms_sdpa = bench_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
     ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     out = paged_attention(q, k_cache, v_cache, table, seq, qsl, T)
     record("prefill_attn_4096_triton", round(flops / ms_tri / 1e9, 1), "TFLOP/s", f"({ms_tri * 1e3:.0f} us)")
     tuning = []
-    for block_m in (64, 128):
+    for block_m, reverse in ((64, False), (128, False), (64, True), (128, True)):
         for tile_n in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (2, 3):
-                    cfg = dict(BLOCK_M=block_m, TILE_N=tile_n, num_warps=warps, num_stages=stages)
+                    cfg = dict(BLOCK_M=block_m, TILE_N=tile_n, num_warps=warps, num_stages=stages, REVERSE=reverse)
                     try:
                         t = bench_ms(lambda: paged_attention(q, k_cache, v_cache, table, seq, qsl, T, config=cfg),
                                      25, 100)
@@ -332,7 +336,7 @@ def verify_cost(model_dir: str) -> None:
     record("verify_cost_relative", "see note", "", " | ".join(rows))
 
 
-def hf(model_dir: str) -> None:
+def hf(model_dir: str, generate_batch: bool = True) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -354,6 +358,8 @@ def hf(model_dir: str) -> None:
     aserve = RESULTS.get("throughput_aserve", {}).get("value")
     if aserve:
         record("aserve_vs_hf_static", round(aserve / (256 * 256 / elapsed), 2), "x", "(target >= 5.5)")
+    if not generate_batch:
+        return
     try:
         gc = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0)
         t0 = time.perf_counter()

@@ -69,16 +69,16 @@ def _attend_tile(
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = s * scale_log2
     if MASKED:
         visible = (k_idx[None, :] <= q_pos[:, None]) & (k_idx < num_keys)[None, :]
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Maxima in log2 units; the scale is applied inside the exponent's argument (one FMA per score).
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     if MASKED:
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     else:
         m_new_safe = m_new
-    p = tl.math.exp2(s - m_new_safe[:, None])
+    p = tl.math.exp2(s * scale_log2 - m_new_safe[:, None])
     alpha = tl.math.exp2(m_i - m_new_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
@@ -125,8 +125,12 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     IEEE: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
+    if REVERSE:  # last q blocks first: in a prompt they see the most keys, so the heavy tiles do not form the tail
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
@@ -236,7 +240,7 @@ def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int) -> dict:
     g = num_heads // num_kv_heads
     if max_query_len <= 1:
         return dict(BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=128, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=128, num_warps=8, num_stages=3, REVERSE=True)
 
 
 def paged_attention(
@@ -256,7 +260,8 @@ def paged_attention(
     """Causal attention of every query token to its request's paged K/V (which must already hold the step's new
     tokens). `max_query_len` only picks the tile shape (any upper bound works). With num_segments > 1 (split-KV),
     `partials` may pass preallocated buffers (CUDA graphs): acc [T, H, S, Dpad] and stats [T, H, S, 2], float32.
-    `config` overrides tile_config (BLOCK_M, TILE_N, num_warps, num_stages), for tuning."""
+    `config` overrides tile_config (BLOCK_M, TILE_N, num_warps, num_stages, REVERSE: q blocks in reverse order),
+    for tuning."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
@@ -287,7 +292,8 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg["TILE_N"], NUM_SEGMENTS=num_segments,
-        IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=q.dtype == torch.float32, REVERSE=cfg.get("REVERSE", False), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_segments > 1:
         _combine_segments_kernel[(num_tokens, num_heads)](

@@ -35,3 +35,22 @@ def smollm2():
     from aserve import LLM
 
     return LLM(max_model_len=2048, max_num_seqs=32, kv_cache_memory_gb=0.25)
+
+
+if torch.cuda.is_available():
+
+    @pytest.fixture(autouse=True)
+    def small_gpu_kv_cache(monkeypatch):
+        """On a GPU, test engines get 1 GiB of KV cache unless they ask for a size: the default
+        (gpu_memory_utilization=0.9 of the device) would leave nothing to a second engine alive at the same time
+        (a module's shared engine, or one a test still holds)."""
+        from aserve.engine.llm_engine import LLMEngine
+
+        init = LLMEngine.__init__
+
+        def small_kv_init(self, args):
+            if args.kv_cache_memory_gb is None and args.num_gpu_blocks_override is None:
+                args.kv_cache_memory_gb = 1.0
+            init(self, args)
+
+        monkeypatch.setattr(LLMEngine, "__init__", small_kv_init)

@@ -13,11 +13,14 @@ def prompt(n, seed=0):
     return {"prompt_token_ids": [rng.randrange(2, 384) for _ in range(n)]}
 
 
-@pytest.fixture
-def engine(tiny_model):
+@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+def engine(tiny_model, request):
+    """Both step loops: one step at a time, and async scheduling (step N+1 launched before step N is processed; the
+    default on CUDA)."""
     return AsyncEngine.from_engine_args(
-        EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_num_batched_tokens=32, debug_invariants=True)
-    )
+        EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_num_batched_tokens=32,
+                   debug_invariants=True, async_scheduling=request.param)
+    )  # fmt: skip
 
 
 async def collect(engine, p, params, request_id):
@@ -111,16 +114,16 @@ async def test_bad_input_raises_and_engine_keeps_serving(engine):
 
 async def test_failed_step_ends_its_requests_only(engine, monkeypatch):
     core = engine.engine
-    real_execute = core.runner.execute
+    real_launch = core.runner.launch
     calls = {"n": 0}
 
-    def flaky(sched):
+    def flaky(sched, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected fault")
-        return real_execute(sched)
+        return real_launch(sched, *args, **kwargs)
 
-    monkeypatch.setattr(core.runner, "execute", flaky)
+    monkeypatch.setattr(core.runner, "launch", flaky)
     chunks = await collect(engine, prompt(12), SamplingParams(max_tokens=10, ignore_eos=True), "victim")
     assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "error"
     assert "injected" not in (chunks[-1].error or "") and chunks[-1].error

@@ -17,6 +17,11 @@ ENGINE_CONFIGS = {
     "chunked-16": dict(max_num_batched_tokens=16),
     # 10 blocks of 16 tokens for 5 requests that grow to 27..88 tokens: some must be preempted and resumed.
     "preemption": dict(num_gpu_blocks_override=10, max_model_len=128),
+    # Async scheduling (step N+1 scheduled and launched before step N's tokens are processed; on by default on
+    # CUDA), driven on the CPU: in-flight input tokens, EOS one step late, preemption with a token in flight.
+    "async": dict(async_scheduling=True),
+    "async-chunked-7": dict(async_scheduling=True, max_num_batched_tokens=7),
+    "async-preemption": dict(async_scheduling=True, num_gpu_blocks_override=10, max_model_len=128),
 }
 
 
@@ -49,9 +54,11 @@ def test_greedy_parity_with_transformers(references, variant, config):
     for o, exp in zip(outs, expected):
         assert o.outputs[0].finish_reason == ("stop" if exp[-1] == 1 else "length")
     engine = llm.engine
-    if config == "preemption":
+    if config.endswith("preemption"):
         assert engine.scheduler.num_preemptions > 0
-    if config.startswith("chunked"):
+    if config.startswith("async"):
+        assert engine.async_scheduling and engine.inflight is None
+    if "chunked" in config:
         assert engine.stats.scheduled_tokens_total >= sum(PROMPT_LENS)
     # Nothing is left holding a block: all free or cached-evictable.
     assert engine.kv_manager.pool.num_free_blocks == engine.num_kv_blocks

@@ -336,29 +336,28 @@ def inject_detokenizer_fault(monkeypatch, core):
 def inject_step_fault(monkeypatch, core):
     """The model step raises whenever a poisoned request past its 2nd token is in the batch (as a NaN check or a
     kernel's bounds check would): the batch fails as a whole, and only the poisoned request is to blame."""
-    real_execute = core.runner.execute
+    real_launch = core.runner.launch
 
-    def execute(sched):
+    def launch(sched, *args, **kwargs):
         if any(is_poisoned(s.request.prompt_token_ids) and s.request.num_output_tokens >= 2 for s in sched.scheduled):
             raise RuntimeError("injected: NaN in logits")
-        return real_execute(sched)
+        return real_launch(sched, *args, **kwargs)
 
-    monkeypatch.setattr(core.runner, "execute", execute)
+    monkeypatch.setattr(core.runner, "launch", launch)
 
 
 def inject_bad_token(monkeypatch, core):
     """The model 'samples' a token id outside the vocabulary for poisoned requests (what NaN logits can produce);
     fed back as input it would fail every later step of the batch."""
-    real_execute = core.runner.execute
+    real_process = core.process
 
-    def execute(sched):
-        result = real_execute(sched)
+    def process(sched, result):
         for i, s in enumerate(result.sampled):
             if is_poisoned(s.request.prompt_token_ids) and s.request.num_output_tokens >= 2:
                 result.sampler_output.token_ids[i] = [core.vocab_size + 5]
-        return result
+        return real_process(sched, result)
 
-    monkeypatch.setattr(core.runner, "execute", execute)
+    monkeypatch.setattr(core, "process", process)
 
 
 def inject_nan_logits(monkeypatch, core):
@@ -367,14 +366,21 @@ def inject_nan_logits(monkeypatch, core):
     flag tells."""
     real_sampler = core.runner.sampler
 
-    def sampler(logits, requests, *args, **kwargs):
+    def poison(logits, requests):
         rows = [i for i, r in enumerate(requests) if is_poisoned(r.prompt_token_ids) and r.num_output_tokens >= 2]
         if rows:  # one logits row per request (no speculative drafts here)
             logits = logits.clone()
             logits[rows] = float("nan")
-        return real_sampler(logits, requests, *args, **kwargs)
+        return logits
 
-    monkeypatch.setattr(core.runner, "sampler", sampler)
+    class NaNSampler:  # both entry points: a whole step (__call__) and async scheduling's launch
+        def __call__(self, logits, requests, *args, **kwargs):
+            return real_sampler(poison(logits, requests), requests, *args, **kwargs)
+
+        def launch(self, logits, requests):
+            return real_sampler.launch(poison(logits, requests), requests)
+
+    monkeypatch.setattr(core.runner, "sampler", NaNSampler())
 
 
 @pytest.mark.parametrize("inject", [inject_detokenizer_fault, inject_step_fault, inject_bad_token, inject_nan_logits])

@@ -22,8 +22,10 @@ def run_step(sched, token=7):
     """Schedules a step and 'samples' `token` for every request that samples."""
     out = sched.schedule()
     for s in out.scheduled:
-        if s.samples and not s.request.is_finished:
-            sched.append_token(s.request, token)
+        if s.samples:
+            s.request.num_inflight -= 1  # the step's token arrived (what the engine's process() does)
+            if not s.request.is_finished:
+                sched.append_token(s.request, token)
     sched.check_invariants()
     return out
 

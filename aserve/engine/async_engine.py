@@ -9,7 +9,8 @@
 
 Scheduler and request state are only touched on the loop thread, so they need no locks. An abort frees a
 request's blocks at once even while a step that uses them is running: blocks are only handed out again by the next
-schedule(), which waits for that step to end.
+schedule(), which waits for that step to end — or, with async scheduling, launches a step queued behind it on the
+same CUDA stream, so the new owner's writes still come after the old step's.
 """
 
 from __future__ import annotations
@@ -236,29 +237,49 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            sched = engine.schedule()
-            if sched.is_empty:
-                await asyncio.sleep(0.001)
-                continue
-            try:
-                result = await loop.run_in_executor(self._executor, engine.execute, sched)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a failed step ends its requests, never the loop
-                if len(sched.scheduled) == 1:
-                    outputs = engine.fail_step(sched, e)
-                else:  # find the request(s) at fault: run them one at a time
-                    logger.warning("a step of %d requests failed (%r); retrying them one by one", len(sched.scheduled),
-                                   e)  # fmt: skip
-                    results = await loop.run_in_executor(self._executor, engine.execute_each, sched)
-                    outputs = engine.process_each(results)
-            else:
-                try:
-                    outputs = engine.process(sched, result)
-                except Exception as e:  # process() isolates per-request faults itself; this is a last resort
-                    outputs = engine.fail_step(sched, e)
+            step = self._overlapped_step if engine.async_scheduling else self._step
+            outputs = await step(loop)
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
             await asyncio.sleep(0)  # let handlers send what just arrived
+
+    async def _step(self, loop) -> list[RequestOutput]:
+        engine = self.engine
+        sched = engine.schedule()
+        if sched.is_empty:
+            await asyncio.sleep(0.001)
+            return []
+        try:
+            result = await loop.run_in_executor(self._executor, engine.execute, sched)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a failed step ends its requests, never the loop
+            if len(sched.scheduled) == 1:
+                return engine.fail_step(sched, e)
+            # find the request(s) at fault: run them one at a time
+            logger.warning("a step of %d requests failed (%r); retrying them one by one", len(sched.scheduled), e)
+            results = await loop.run_in_executor(self._executor, engine.execute_each, sched)
+            return engine.process_each(results)
+        try:
+            return engine.process(sched, result)
+        except Exception as e:  # process() isolates per-request faults itself; this is a last resort
+            return engine.fail_step(sched, e)
+
+    async def _overlapped_step(self, loop) -> list[RequestOutput]:
+        """Async scheduling: the worker launches step N+1 and then waits for step N, whose tokens this thread
+        processes while N+1 runs on the GPU (see LLMEngine)."""
+        engine = self.engine
+        sched = engine.schedule_overlapped()
+        if sched is None and engine.inflight is None:
+            await asyncio.sleep(0.001)
+            return []
+        pending, prev_result, launch_error = await loop.run_in_executor(
+            self._executor, engine.launch_and_wait_prev, sched
+        )
+        outputs, failed = engine.complete_overlapped(sched, pending, prev_result, launch_error)
+        if failed is not None:
+            results = await loop.run_in_executor(self._executor, engine.execute_each, failed)
+            outputs += engine.process_each(results)
+        return outputs

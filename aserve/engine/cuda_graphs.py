@@ -89,8 +89,9 @@ class DecodeGraphs:
             "Captured CUDA graphs for decode batches %s in %.1f s", self.buckets, time.perf_counter() - t0
         )
 
-    def replay(self, layout, bucket: int) -> torch.Tensor:
-        """Pads the step in the host buffers to `bucket` rows, copies, replays. -> hidden states [bucket, hidden]."""
+    def replay(self, layout, bucket: int, patch=None) -> torch.Tensor:
+        """Pads the step in the host buffers to `bucket` rows, copies, runs `patch` (device-side fix-ups of the
+        inputs), replays. -> hidden states [bucket, hidden]."""
         r = self.runner
         host = r.buffers.np
         n = layout.num_reqs
@@ -103,6 +104,8 @@ class DecodeGraphs:
             r.buffers.to_device(name, bucket)
         r.buffers.to_device("query_start_loc", bucket + 1)
         r.buffers.to_device("block_tables", n, layout.max_blocks)
+        if patch is not None:
+            patch()
         graph, hidden = self.graphs[bucket]
         graph.replay()
         return hidden

@@ -3,6 +3,15 @@ conditions, text).
 
 `execute` touches only the model and the KV tensors, so AsyncEngine runs it in a worker thread while `schedule` and
 `process` stay on the event loop; `step` does all three in a row for the offline API.
+
+Async scheduling (`async_scheduling`, on by default on CUDA): the host work of a step (processing step N's tokens,
+scheduling and preparing step N+1) overlaps the GPU's work instead of alternating with it:
+
+    launch N+1 (its decodes' inputs = N's samples, read on the device) -> wait for N -> process N -> schedule N+2 ...
+
+A request that step N finishes (EOS, a stop string) has been scheduled in N+1 already: that one extra token is
+computed and dropped. Requests that need every token on the host before sampling the next (logprobs, penalties,
+min_tokens) and speculative decoding turn the overlap off while they are live (`can_overlap`).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max
 from aserve.engine.block_hash import BlockHasher
 from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.kv_cache_manager import InvariantError, KVCacheManager, cdiv
-from aserve.engine.model_runner import ModelRunner, RunnerOutput
+from aserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from aserve.engine.request import Request, RequestStatus
 from aserve.engine.scheduler import Scheduler, SchedulerOutput
 from aserve.engine.stats import EngineStats
@@ -131,11 +140,16 @@ class LLMEngine:
         )
         self.states: dict[str, RequestState] = {}
         self.child_to_state: dict[str, tuple[RequestState, int]] = {}
+        self.async_scheduling = (
+            args.async_scheduling if args.async_scheduling is not None else self.device.type == "cuda"
+        ) and self.spec_config is None
+        self.inflight: tuple[SchedulerOutput, PendingStep] | None = None  # the launched step not yet processed
+        self._sync_states: set[str] = set()  # live requests whose sampling needs every token on the host
         self.stats = EngineStats()
         self.startup_time = time.perf_counter() - t0
         logger.info(
             "Loaded %s (%s, %.1fM params, %s on %s) in %.1f s; KV cache: %d blocks x %d = %d tokens; "
-            "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
+            "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, async scheduling %s",
             self.served_model_name,
             (getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0],
             self.runner.num_params / 1e6,
@@ -149,6 +163,7 @@ class LLMEngine:
             args.max_num_seqs,
             max_num_batched_tokens,
             "on" if args.enable_prefix_caching else "off",
+            "on" if self.async_scheduling else "off",
         )
 
     def _spec_policy(self) -> SpecPolicy | None:
@@ -249,6 +264,8 @@ class LLMEngine:
             finish_sent=[False] * params.n,
         )
         self.states[request_id] = state
+        if params.logprobs is not None or params.needs_penalties or params.min_tokens > 0:
+            self._sync_states.add(request_id)
         for i, child in enumerate(children):
             self.child_to_state[child.request_id] = (state, i)
             self.scheduler.add_request(child)
@@ -296,11 +313,13 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+        return bool(self.states) or self.inflight is not None
 
     # -- the step ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_overlapped()
         sched = self.schedule()
         if sched.is_empty:
             return []
@@ -311,6 +330,84 @@ class LLMEngine:
                 return self.fail_step(sched, e)
             return self.process_each(self.execute_each(sched))
         return self.process(sched, result)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """One async-scheduling step, for the offline API: schedule and launch the next step, then wait for and
+        process the one before it. AsyncEngine does the same with the waiting in its worker thread."""
+        sched = self.schedule_overlapped()
+        pending, prev_result, launch_error = self.launch_and_wait_prev(sched)
+        outputs, failed = self.complete_overlapped(sched, pending, prev_result, launch_error)
+        if failed is not None:
+            outputs += self.process_each(self.execute_each(failed))
+        return outputs
+
+    def can_overlap(self) -> bool:
+        """May the next step be scheduled before the one in flight is processed?"""
+        return self.async_scheduling and not self._sync_states
+
+    def schedule_overlapped(self) -> SchedulerOutput | None:
+        """The next step to launch, or None: nothing to run, or the step in flight must be processed first."""
+        if self.inflight is not None and not self.can_overlap():
+            return None
+        sched = self.schedule()
+        return None if sched.is_empty else sched
+
+    def launch_and_wait_prev(self, sched: SchedulerOutput | None):
+        """Launches `sched` (if any) behind the step in flight, then waits for that one's tokens. Touches only the
+        model (a worker thread may run it). -> (the new PendingStep, the previous step's RunnerOutput or exception,
+        the launch's exception)."""
+        pending = launch_error = prev_result = None
+        if sched is not None:
+            prev = self.inflight[1] if self.inflight is not None else None
+            try:
+                pending = self.runner.launch(sched, prev, overlap=True)
+            except Exception as e:
+                launch_error = e
+        if self.inflight is not None:
+            try:
+                prev_result = self.inflight[1].wait()
+            except Exception as e:
+                prev_result = e
+        return pending, prev_result, launch_error
+
+    def complete_overlapped(self, sched, pending, prev_result, launch_error):
+        """After launch_and_wait_prev: processes the previous step and makes the new one the step in flight.
+        -> (outputs, a step that failed and has more than one request: the caller re-runs it one request at a
+        time with execute_each + process_each, as after a failed synchronous step)."""
+        prev, self.inflight = self.inflight, None
+        outputs: list[RequestOutput] = []
+        failed = None
+        if isinstance(prev_result, Exception):
+            # The device failed under step N; N+1 (launched on garbage inputs, or not at all) is rolled back.
+            if pending is not None:
+                try:
+                    pending.wait()
+                except Exception:
+                    pass
+                self.scheduler.rollback_failed_step(sched)
+                pending = None
+            elif sched is not None:
+                self.scheduler.rollback_failed_step(sched)
+            sched, launch_error = None, None
+            outputs += self.fail_step(prev[0], prev_result)
+        elif prev is not None:
+            outputs += self._process_safely(prev[0], prev_result)
+        if launch_error is not None:
+            if len(sched.scheduled) == 1:
+                outputs += self.fail_step(sched, launch_error)
+            else:
+                logger.warning("a step of %d requests failed (%r); retrying them one by one", len(sched.scheduled),
+                               launch_error)  # fmt: skip
+                failed = sched
+        elif pending is not None:
+            self.inflight = (sched, pending)
+        return outputs, failed
+
+    def _process_safely(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        try:
+            return self.process(sched, result)
+        except Exception as e:  # process() isolates per-request faults itself; this is a last resort
+            return self.fail_step(sched, e)
 
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
@@ -379,7 +476,8 @@ class LLMEngine:
         for s, token_ids, lps, drafts, probs, bad in zip(result.sampled, out.token_ids, out.logprobs, next_drafts,
                                                          next_probs, nonfinite):  # fmt: skip
             request = s.request
-            if request.is_finished:  # aborted while the step ran
+            request.num_inflight -= 1
+            if request.is_finished:  # aborted while the step ran (or finished by the step before it)
                 continue
             state, index = self.child_to_state[request.request_id]
             if bad:  # its tokens are argmaxes of garbage (in the vocabulary all the same): use none of them
@@ -457,6 +555,7 @@ class LLMEngine:
     def _finalize(self, state: RequestState) -> RequestOutput | None:
         if self.states.pop(state.request_id, None) is None:
             return None  # already reported
+        self._sync_states.discard(state.request_id)
         for child in state.children:
             self.child_to_state.pop(child.request_id, None)
         return self._make_output(state)

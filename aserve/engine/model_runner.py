@@ -3,6 +3,11 @@
 Inputs live in preallocated buffers of the largest size a step can have (max_num_batched_tokens tokens,
 max_num_seqs requests): a step fills a prefix of them on the host and copies that prefix to the device, so the
 device tensors have stable addresses (what CUDA graphs need).
+
+Async scheduling (`launch(sched, prev)`): step N+1 is prepared and launched while step N still runs on the GPU. A
+request decoding in both steps has, as its input in N+1, the token N samples: its slot in the input ids is filled on
+the device from N's sampled-token tensor (`_patch_inflight`), so the host never waits for it. The host input
+buffers alternate between two sets, so that filling N+1's does not overwrite what N's copies have not read yet.
 """
 
 from __future__ import annotations
@@ -55,24 +60,59 @@ class RunnerOutput:
     next_draft_probs: list | None = None
 
 
+class PendingStep:
+    """A launched step whose sampled tokens may not have reached the host yet. `tokens` (device, one per sampling
+    request, in `sampled` order) is what the next step's in-flight inputs are read from; wait() -> RunnerOutput."""
+
+    __slots__ = ("sampled", "tokens", "row_of", "_host", "_event", "_result")
+
+    def __init__(self, sampled, tokens=None, host=None, event=None, result: RunnerOutput | None = None) -> None:
+        self.sampled: list[ScheduledRequest] = sampled
+        self.tokens: torch.Tensor | None = tokens
+        self.row_of = {id(s.request): i for i, s in enumerate(sampled)} if tokens is not None else {}
+        self._host, self._event, self._result = host, event, result
+
+    def wait(self) -> RunnerOutput:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            token_ids, nonfinite = self._host.tolist()
+            n = len(token_ids)
+            out = SamplerOutput([[t] for t in token_ids], [None] * n, [0] * n, [bool(x) for x in nonfinite])
+            self._result = RunnerOutput(self.sampled, out)
+            self._host = self._event = None
+        return self._result
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
         pin = device.type == "cuda"
 
-        def host(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+        def host_set() -> dict[str, torch.Tensor]:
+            def host(*shape, dtype):
+                return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
 
-        self.host = {
-            "input_ids": host(max_tokens, dtype=torch.int64),
-            "positions": host(max_tokens, dtype=torch.int64),
-            "slot_mapping": host(max_tokens, dtype=torch.int64),
-            "query_start_loc": host(max_reqs + 1, dtype=torch.int32),
-            "seq_lens": host(max_reqs, dtype=torch.int32),
-            "block_tables": host(max_reqs, max_blocks, dtype=torch.int32),
-            "logits_indices": host(max_tokens, dtype=torch.int64),
-        }
-        self.np = {k: v.numpy() for k, v in self.host.items()}
+            return {
+                "input_ids": host(max_tokens, dtype=torch.int64),
+                "positions": host(max_tokens, dtype=torch.int64),
+                "slot_mapping": host(max_tokens, dtype=torch.int64),
+                "query_start_loc": host(max_reqs + 1, dtype=torch.int32),
+                "seq_lens": host(max_reqs, dtype=torch.int32),
+                "block_tables": host(max_reqs, max_blocks, dtype=torch.int32),
+                "logits_indices": host(max_tokens, dtype=torch.int64),
+            }
+
+        # Two host sets on a GPU (flip() between async steps); on the CPU the "device" tensors are the host ones.
+        self._sets = [host_set(), host_set()] if pin else [host_set()]
+        self._np = [{k: v.numpy() for k, v in hs.items()} for hs in self._sets]
+        self._current = 0
+        self.host, self.np = self._sets[0], self._np[0]
         self.device = {k: v.to(device) for k, v in self.host.items()} if device.type != "cpu" else self.host
+
+    def flip(self) -> None:
+        """Switches to the other host set: the copies of the step just launched may still read this one."""
+        self._current = (self._current + 1) % len(self._sets)
+        self.host, self.np = self._sets[self._current], self._np[self._current]
 
     def to_device(self, name: str, n: int, cols: int | None = None) -> torch.Tensor:
         src, dst = self.host[name], self.device[name]
@@ -265,21 +305,33 @@ class ModelRunner:
 
     # -- the step ---------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.launch(sched).wait()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: PendingStep | None = None, overlap: bool = False) -> PendingStep:
+        """Launches the step. overlap=True (async scheduling): nothing here waits for the device; the sampled tokens
+        come back through PendingStep.wait(), and `prev` (the step still running) supplies the inputs of requests
+        whose last token it samples. Only plain sampling overlaps (the engine makes sure): no drafts, logprobs,
+        penalties or min_tokens, which need the host to know every token."""
         # Shortest queries first (decodes, then speculative verification, then prompts): backends batch them.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens)
-        layout = self._fill_host(order)
+        if overlap:
+            self.buffers.flip()
+        layout, inflight = self._fill_host(order)
         with self._stream():
             bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+            patch = (lambda: self._patch_inflight(inflight, prev)) if inflight else None
             meta = None
             if bucket is not None:
-                hidden = self.graphs.replay(layout, bucket)
+                hidden = self.graphs.replay(layout, bucket, patch)
             else:
                 meta = self._device_meta(layout)
                 self.backend.prepare(meta, self.block_size)
                 input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
                 positions = self.buffers.to_device("positions", layout.num_tokens)
+                if patch is not None:
+                    patch()
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             if self.drafter is not None and self.drafter.needs_mirror:
                 # A draft model computes its own KV for every token the target just computed.
@@ -289,7 +341,7 @@ class ModelRunner:
                 self.drafter.mirror(self.buffers.device["input_ids"][:n], self.buffers.device["positions"][:n], meta)
             sampled = [s for s in sched.scheduled if s.samples]
             if not sampled:
-                return RunnerOutput([], SamplerOutput.empty())
+                return PendingStep([], result=RunnerOutput([], SamplerOutput.empty()))
             # Logits rows, in scheduler order: each sampling request's last known token, then its drafts.
             where = {id(s): i for i, s in enumerate(order)}
             rows = []
@@ -299,6 +351,9 @@ class ModelRunner:
             self.buffers.np["logits_indices"][: len(rows)] = rows
             logits = self.model.compute_logits(hidden[self.buffers.to_device("logits_indices", len(rows))])
             requests = [s.request for s in sampled]
+            if overlap:
+                tokens, host, event = self.sampler.launch(logits, requests)
+                return PendingStep(sampled, tokens, host, event)
             drafts = [s.spec_token_ids for s in sampled]
             draft_probs = None
             if any(s.request.spec_draft_probs is not None for s in sampled):
@@ -310,14 +365,31 @@ class ModelRunner:
             result = RunnerOutput(sampled, out)
             if self.drafter is not None:
                 result.next_drafts, result.next_draft_probs = self.drafter.propose(sampled, out.token_ids)
-        return result
+        return PendingStep(sampled, result=result)
+
+    def _patch_inflight(self, inflight: list[tuple[int, ScheduledRequest]], prev: PendingStep | None) -> None:
+        """Device input ids of the in-flight tokens <- the previous step's sampled tokens (stream-ordered after the
+        input copy, before the forward)."""
+        if prev is None or prev.tokens is None:
+            raise RuntimeError("a step has inputs in flight but no launched step supplies them")
+        dst, src = [], []
+        for index, s in inflight:
+            dst.append(index)
+            src.append(prev.row_of[id(s.request)])
+        dev = self.device
+        pin = dev.type == "cuda"
+        dst_t = torch.tensor(dst, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
+        src_t = torch.tensor(src, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
+        self.buffers.device["input_ids"].index_copy_(0, dst_t, prev.tokens.index_select(0, src_t))
 
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _fill_host(self, order: list[ScheduledRequest]) -> StepLayout:
+    def _fill_host(self, order: list[ScheduledRequest]) -> tuple[StepLayout, list[tuple[int, ScheduledRequest]]]:
         """Writes the flat batch into the host buffers (token ids, positions, slots, block tables, lengths), with
-        numpy over whole arrays: at a few hundred requests per step, per-request Python work shows up."""
+        numpy over whole arrays: at a few hundred requests per step, per-request Python work shows up. Also returns
+        the in-flight inputs: (index in the flat batch, request) of each token the previous step has yet to
+        deliver (its host value is a 0 placeholder)."""
         buf = self.buffers.np
         bs = self.block_size
         n = len(order)
@@ -326,20 +398,26 @@ class ModelRunner:
         query_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start[1:])
         num_tokens = int(query_start[-1])
+        # A step's last known input token may still be in flight (async scheduling): the previous step samples it.
+        missing = [s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) > len(s.request.all_token_ids)
+                   for s in order]  # fmt: skip
+        inflight = [(int(query_start[i + 1]) - 1 - len(s.spec_token_ids), s) for i, s in enumerate(order) if missing[i]]
         if num_tokens == n:  # decode-only: one token each
-            buf["input_ids"][:n] = [s.request.all_token_ids[s.num_computed_tokens] for s in order]
+            buf["input_ids"][:n] = [0 if m else s.request.all_token_ids[s.num_computed_tokens]
+                                    for s, m in zip(order, missing)]  # fmt: skip
             positions = starts
         else:
-            # Known tokens not yet computed, then any drafts being verified.
+            # Known tokens not yet computed (an in-flight one as a 0 placeholder), then any drafts being verified.
             buf["input_ids"][:num_tokens] = list(
                 itertools.chain.from_iterable(
                     itertools.chain(
                         s.request.all_token_ids[
                             s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
                         ],
+                        (0,) if m else (),
                         s.spec_token_ids,
                     )
-                    for s in order
+                    for s, m in zip(order, missing)
                 )
             )
             req_of_token = np.repeat(np.arange(n), q_lens)
@@ -369,7 +447,7 @@ class ModelRunner:
             query_start=query_start.tolist(),
             seq_lens=seq_lens.tolist(),
         )
-        return layout
+        return layout, inflight
 
     def _device_meta(self, layout: StepLayout) -> AttentionMetadata:
         n, t = layout.num_reqs, layout.num_tokens

@@ -62,6 +62,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps already launched but not yet appended (async scheduling: step N+1 is scheduled
+        # while step N runs; the scheduler counts this request's next token as known, its id comes later).
+        self.num_inflight = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; set when first scheduled
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -122,6 +122,29 @@ class Sampler:
             logprobs = self._gather_logprobs(raw_logprobs, requests, token_ids, emitted_rows)
         return SamplerOutput(token_ids, logprobs, [len(d) for d in drafts], request_nonfinite)
 
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Plain sampling (no drafts, logprobs, penalties or min_tokens) without waiting for the device (async
+        scheduling). -> (sampled token per row on the device, a [2, rows] host tensor of tokens and non-finite
+        flags that is valid once the returned event (None on the CPU) has completed, the event)."""
+        rows = [SampleRow(r, []) for r in requests]
+        nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        candidates, _ = self._candidates(logits, rows, [[] for _ in requests], None)
+        packed = torch.stack([candidates, nonfinite.long()])
+        if logits.device.type != "cuda":
+            return candidates, packed, None
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return candidates, host, event
+
+    def _tensor(self, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A small host list as a device tensor, without a blocking copy (which would wait for the whole stream)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     # -- logits processing ------------------------------------------------------------------------------------
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -161,22 +184,21 @@ class Sampler:
     def probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p -> the distribution each (non-greedy) row samples from."""
         params = [row.params for row in rows]
-        dev = logits.device
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+        temperature = self._tensor([1.0 if p.greedy else p.temperature for p in params])
         logits = logits / temperature.unsqueeze(1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = self._tensor([p.min_p for p in params])
             probs = logits.softmax(dim=-1)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if any(p.top_k > 0 for p in params):
             vocab = logits.shape[1]
-            k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+            k = self._tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
             sorted_desc = logits.sort(dim=-1, descending=True).values
             kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
+            top_p = self._tensor([p.top_p for p in params])
             sorted_logits, order = logits.sort(dim=-1, descending=False)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop = cum <= (1 - top_p).unsqueeze(1)
@@ -214,7 +236,7 @@ class Sampler:
             draft_ids = self._draft_ids(drafts, logits.device)
             return argmax, argmax == draft_ids
         dev = logits.device
-        greedy_t = torch.tensor(greedy, device=dev)
+        greedy_t = self._tensor(greedy)
         p = self.probs(logits, rows)
         u = self.uniforms(rows, 2 if has_drafts else 1)
         if not has_drafts:

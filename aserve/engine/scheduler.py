@@ -1,7 +1,8 @@
 """One token budget per step, no prefill/decode phases (vLLM v1's model).
 
 Each step: running requests first (in arrival order), then waiting ones FCFS, each given up to
-`num_tokens - num_computed_tokens` tokens from the shared budget. A prompt longer than what is left is chunked; the
+`num_tokens - num_computed_tokens` tokens from the shared budget (plus, with async scheduling, the token a step still
+running will sample: see `Request.num_inflight`). A prompt longer than what is left is chunked; the
 rest comes in later steps, mixed with other requests' decodes. When the pool runs out of blocks, the newest running
 request is preempted: its blocks are freed and it is recomputed later (prefix caching usually makes that cheap).
 """
@@ -25,11 +26,8 @@ class ScheduledRequest:
     block_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step (the last query tokens)
     num_draft_next: int = 0  # drafts to propose after this step (the speculative policy's choice)
-
-    @property
-    def samples(self) -> bool:
-        """Does this step produce a new token for the request (is its last known token computed)?"""
-        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+    # Does this step produce a new token for the request (is its last known token computed)?
+    samples: bool = False
 
 
 @dataclass(slots=True)
@@ -106,8 +104,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_inflight and self._finishes_by_length(request):
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
             # Known tokens not yet computed, then the drafts to verify; never past max_model_len.
-            num_new = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+            num_new = (
+                request.num_tokens + request.num_inflight + len(request.spec_token_ids) - request.num_computed_tokens
+            )
             num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
             assert num_new > 0, f"{request} has nothing to compute"
             k_next, lookahead = self._drafts_next(request, num_new)
@@ -127,6 +130,8 @@ class Scheduler:
         # Admitting new work right after a preemption would just preempt again.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_inflight:
+                break  # preempted while its last step ran: re-admitted once that step's token is in
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -146,6 +151,13 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _finishes_by_length(self, request: Request) -> bool:
+        """Will the tokens in flight end the request by max_tokens or max_model_len (see append_token)?"""
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None and request.num_output_tokens + request.num_inflight >= max_tokens) or (
+            request.num_tokens + request.num_inflight >= self.max_model_len
+        )
+
     def _drafts_next(self, request: Request, num_new: int) -> tuple[int, int]:
         """-> (drafts to propose after this step, KV lookahead slots to allocate for drafting them)."""
         if self.spec_policy is None or request.num_computed_tokens + num_new < request.num_tokens:
@@ -156,7 +168,10 @@ class Scheduler:
         return k, (k if self.spec_policy.config.needs_kv else 0)
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, k_next: int) -> None:
-        num_drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+        known = request.num_tokens + request.num_inflight
+        end = request.num_computed_tokens + num_new
+        num_drafts = max(0, end - known)
+        samples = end >= known
         out.scheduled.append(
             ScheduledRequest(
                 request,
@@ -165,9 +180,12 @@ class Scheduler:
                 self.kv.get_block_ids(request.request_id),
                 request.spec_token_ids[:num_drafts],
                 k_next,
+                samples,
             )
         )
-        request.num_computed_tokens += num_new
+        request.num_computed_tokens = end
+        if samples:
+            request.num_inflight += 1  # until the engine appends the token (process) or the step is rolled back
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -211,6 +229,8 @@ class Scheduler:
     def rollback_failed_step(self, out: SchedulerOutput) -> None:
         """The model step for `out` failed: nothing it scheduled was computed."""
         for s in out.scheduled:
+            if s.samples:
+                s.request.num_inflight -= 1
             if s.request.status == RequestStatus.RUNNING:
                 s.request.num_computed_tokens = s.num_computed_tokens
                 self.kv.forget_uncomputed(s.request, s.num_computed_tokens)
