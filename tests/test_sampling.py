@@ -149,6 +149,36 @@ def test_stop_strings(llm):
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
+def test_async_scheduling_gives_the_same_outputs(llm, tiny_model):
+    """One batch mixing every kind of request: async scheduling (step N+1 launched before step N's tokens are on
+    the host) returns exactly what one-step-at-a-time scheduling does. Seeded sampling, n, stop strings, stop ids
+    and EOS overlap; logprobs, penalties and min_tokens switch the overlap off while they are live."""
+    stop_text = gen1(llm, prompt(8, seed=8), temperature=0, max_tokens=30, ignore_eos=True).text[12:15]
+    cases = [
+        (prompt(3), dict(temperature=0, max_tokens=24)),  # EOS after 8 tokens
+        (prompt(20, seed=1), dict(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)),
+        (prompt(9, seed=2), dict(temperature=1.0, top_k=20, top_p=0.9, seed=7, n=2, max_tokens=16)),
+        (prompt(8, seed=8), dict(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop_text])),
+        (prompt(30, seed=3), dict(temperature=0, max_tokens=1)),
+        (prompt(12, seed=4), dict(temperature=0.7, seed=11, max_tokens=12, logprobs=2)),
+        (prompt(14, seed=5), dict(temperature=0.8, seed=13, max_tokens=14, presence_penalty=0.5)),
+        (prompt(3), dict(temperature=0, max_tokens=20, min_tokens=10)),
+    ]
+
+    def run(engine_llm, subset):
+        outs = engine_llm.generate([p for p, _ in subset], [SamplingParams(**kw) for _, kw in subset])
+        return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
+    overlapped = LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=256, debug_invariants=True,
+                     async_scheduling=True)  # fmt: skip
+    plain_only = cases[:5]  # nothing here turns the overlap off
+    assert run(overlapped, plain_only) == run(llm, plain_only)
+    assert run(overlapped, cases) == run(llm, cases)
+    engine = overlapped.engine
+    assert engine.inflight is None and not engine._sync_states
+    assert engine.kv_manager.pool.num_free_blocks == engine.num_kv_blocks
+
+
 def test_max_tokens_defaults_to_context_left(tiny_model):
     llm = LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=40)
     out = gen1(llm, prompt(30), temperature=0, max_tokens=None, ignore_eos=True)

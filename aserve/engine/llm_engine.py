@@ -144,6 +144,7 @@ class LLMEngine:
             args.async_scheduling if args.async_scheduling is not None else self.device.type == "cuda"
         ) and self.spec_config is None
         self.inflight: tuple[SchedulerOutput, PendingStep] | None = None  # the launched step not yet processed
+        self._overlap_next = False  # the next launch samples on the device path (set by schedule_overlapped)
         self._sync_states: set[str] = set()  # live requests whose sampling needs every token on the host
         self.stats = EngineStats()
         self.startup_time = time.perf_counter() - t0
@@ -346,8 +347,11 @@ class LLMEngine:
         return self.async_scheduling and not self._sync_states
 
     def schedule_overlapped(self) -> SchedulerOutput | None:
-        """The next step to launch, or None: nothing to run, or the step in flight must be processed first."""
-        if self.inflight is not None and not self.can_overlap():
+        """The next step to launch, or None: nothing to run, or the step in flight must be processed first (a
+        request needs every token on the host, or the step in flight sampled on the host path, so its tokens cannot
+        feed the next step on the device). Decides how the step will sample (`_overlap_next`)."""
+        self._overlap_next = self.can_overlap()
+        if self.inflight is not None and not (self._overlap_next and self.inflight[1].feeds_next):
             return None
         sched = self.schedule()
         return None if sched.is_empty else sched
@@ -360,7 +364,7 @@ class LLMEngine:
         if sched is not None:
             prev = self.inflight[1] if self.inflight is not None else None
             try:
-                pending = self.runner.launch(sched, prev, overlap=True)
+                pending = self.runner.launch(sched, prev, overlap=self._overlap_next)
             except Exception as e:
                 launch_error = e
         if self.inflight is not None:

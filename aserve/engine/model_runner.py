@@ -72,6 +72,11 @@ class PendingStep:
         self.row_of = {id(s.request): i for i, s in enumerate(sampled)} if tokens is not None else {}
         self._host, self._event, self._result = host, event, result
 
+    @property
+    def feeds_next(self) -> bool:
+        """Can a step launched behind this one read its sampled tokens on the device (or does it sample none)?"""
+        return self.tokens is not None or not self.sampled
+
     def wait(self) -> RunnerOutput:
         if self._result is None:
             if self._event is not None:
