@@ -1,7 +1,8 @@
 """AWQ quality on CPU: perplexity of the embedded SmolLM2-135M-Instruct (bf16) against its int4 versions (plain
-round-to-nearest and AWQ, per group size) on held-out text, plus the greedy chat check, in one command:
+round-to-nearest, AWQ, GPTQ, AWQ + GPTQ, per group size) on held-out text, plus the greedy chat check, in one command:
 
-    python bench/awq_quality.py [--groups 64,32] [--methods rtn,awq] [--window 512] [--max-windows N] [--out DIR]
+    python bench/awq_quality.py [--groups 64,32] [--methods rtn,awq,gptq,awq-gptq] [--window 512] [--max-windows N]
+                                [--num-samples 16] [--sequential] [--out DIR]
 
 Held-out text: aserve/quantization/data/heldout.txt (Alice's Adventures in Wonderland); the quantiser calibrates
 on calibration.txt (As You Like It, Paradise Lost I-III). Quantised checkpoints go to --out (reused if present).
@@ -31,9 +32,11 @@ def chat_answer(model: str | None) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", default="64,32")
-    p.add_argument("--methods", default="rtn,awq")
+    p.add_argument("--methods", default="rtn,awq,awq-gptq")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--num-samples", type=int, default=16, help="calibration sequences of 512 tokens")
+    p.add_argument("--sequential", action="store_true", help="calibrate on the quantised model's activations")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "aserve-awq-quality"))
     args = p.parse_args()
     with open(data_path("heldout.txt"), encoding="utf-8") as f:
@@ -49,7 +52,8 @@ def main() -> None:
             out = os.path.join(args.out, f"{method}-g{group}")
             seconds = None
             if not os.path.exists(os.path.join(out, "model.safetensors")):
-                seconds = quantize_model(None, out, group_size=group, method=method)["seconds"]
+                seconds = quantize_model(None, out, group_size=group, method=method, num_samples=args.num_samples,
+                                         sequential=args.sequential)["seconds"]  # fmt: skip
             t0 = time.perf_counter()
             ppl, _ = perplexity(out, text, args.window, args.max_windows)
             rows.append((method.upper(), group, ppl, time.perf_counter() - t0, seconds, chat_answer(out)))

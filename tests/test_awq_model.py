@@ -120,7 +120,7 @@ def test_modules_to_not_convert_and_legacy_quant_config(tiny_model_factory, tmp_
 def test_quantizer_output_loads_and_matches_its_dequantized_model(tiny_model_factory, tmp_path, variant):
     out = str(tmp_path / "awq")
     cli_main(["quantize", "--model", tiny_model_factory(variant), "--out", out, "--group-size", "32",
-              "--num-samples", "4", "--seq-len", "64"])  # fmt: skip
+              "--num-samples", "4", "--seq-len", "64", "--method", "awq"])  # fmt: skip
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 32,
                                                       "zero_point": True, "version": "gemm",

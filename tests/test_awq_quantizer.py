@@ -1,6 +1,7 @@
 """The AWQ quantiser's parts: its calibration forward against transformers, scale folding that leaves the float
-model unchanged, the scale and clipping searches, and the perplexity evaluation against transformers' loss.
-The full SmolLM2 run (quality within 5 % of bf16, better than RTN, still answers "Paris") is marked slow."""
+model unchanged, the scale and clipping searches, GPTQ's error feedback, and the perplexity evaluation against
+transformers' loss. The full SmolLM2 run (quality within 5 % of bf16, better than RTN, still answers "Paris") is
+marked slow."""
 
 import math
 
@@ -9,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from aserve.quantization.awq_format import fake_quantize
+from aserve.quantization.awq_format import fake_quantize, pack_quantized, quantize_groups
 from aserve.quantization.awq_search import apply_clip, awq_layer, search_clip, search_scales
 from aserve.quantization.dense_layer import DenseDecoderLayer
+from aserve.quantization.gptq import SEARCHES, dequantize, gptq_quantize, gram, output_error
+from kernels.awq_reference import dequantize as dequantize_packed
 
 TEXT = "The quick brown fox jumps over the lazy dog. Prefix caching shares blocks between requests. " * 6
 
@@ -99,6 +102,58 @@ def test_clip_search_never_increases_any_groups_error():
     clipped, plain = group_errors(apply_clip(w, (low, high), 32)), group_errors(w)
     assert (clipped <= plain * (1 + 1e-5)).all()
     assert clipped.sum() < plain.sum()
+
+
+def correlated_data(seed: int):
+    """Inputs whose channels are mixed (correlated, as a layer's inputs are) with 4 outliers, and a random weight."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.eye(128) + torch.randn(128, 128, generator=gen) / 8
+    gain = torch.ones(128)
+    gain[torch.randperm(128, generator=gen)[:4]] = 10.0
+    calib = torch.randn(1024, 128, generator=gen) @ mix * gain
+    heldout = torch.randn(1024, 128, generator=gen) @ mix * gain
+    return calib, heldout, torch.randn(64, 128, generator=gen)
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+def test_gptq_output_error_is_below_round_to_nearest(search):
+    calib, heldout, w = correlated_data(2)
+    q, z, s = gptq_quantize(w, gram(calib), 32, search)
+    assert q.dtype == z.dtype == torch.int32 and s.dtype == torch.float16 and z.shape == s.shape == (64, 4)
+    assert q.min() >= 0 and q.max() <= 15 and z.min() >= 0 and z.max() <= 15
+    packed = pack_quantized(q, z, s)  # the checkpoint holds exactly the weights GPTQ chose
+    assert torch.equal(dequantize_packed(packed["qweight"], packed["qzeros"], packed["scales"], 32).t(),
+                       dequantize(q, z, s))  # fmt: skip
+    for x in (calib, heldout):  # minimised on calib, and it carries over to inputs of the same correlations
+        h = gram(x)
+        assert output_error(w, dequantize(q, z, s), h) < 0.75 * output_error(w, fake_quantize(w, 32), h)
+
+
+def test_gptq_with_uncorrelated_unit_inputs_is_round_to_nearest():
+    # H = I: no column's error can be compensated by another, so GPTQ on min/max grids rounds to nearest, exactly
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(3))
+    for got, expected in zip(gptq_quantize(w, torch.eye(96), 32, "minmax", damp=0.0), quantize_groups(w, 32)):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("method, variant", [("gptq", "gqa"), ("awq-gptq", "mha")])
+def test_gptq_checkpoint_loads_and_matches_its_dequantized_model(tiny_model_factory, tmp_path, method, variant):
+    from test_awq_model import MAX_NEW, PROMPTS, aserve_greedy, dequantized_checkpoint
+    from tiny_models import hf_greedy
+
+    from aserve.quantization.quantize import quantize_model
+
+    out = str(tmp_path / method)
+    report = quantize_model(tiny_model_factory(variant), out, group_size=32, method=method, num_samples=4,
+                            seq_len=64, progress=False)  # fmt: skip
+    assert len(report["linears"]) == 2 and len(report["layers"]) == (2 if method == "awq-gptq" else 0)
+    errors = [e for layer in report["linears"] for e in layer.values()]
+    assert sum(e["gptq"] for e in errors) < sum(e["rtn"] for e in errors)
+    quantize_model(tiny_model_factory(variant), str(tmp_path / "rtn"), group_size=32, method="rtn", progress=False)
+    state, rtn = load_file(f"{out}/model.safetensors"), load_file(f"{tmp_path}/rtn/model.safetensors")
+    assert not torch.equal(state["model.layers.0.mlp.down_proj.qweight"], rtn["model.layers.0.mlp.down_proj.qweight"])
+    expected = hf_greedy(dequantized_checkpoint(out, str(tmp_path / "deq")), PROMPTS, MAX_NEW)
+    assert aserve_greedy(out) == expected
 
 
 def test_perplexity_matches_transformers_loss(tiny_model_factory):

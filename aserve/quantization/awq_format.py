@@ -117,7 +117,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-def _group_grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def group_grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """wg [..., g] float32 -> (scale, zero) [..., 1] float32 of each group's asymmetric 4-bit grid. Scales are
     rounded to float16 (what checkpoints store) before anything is computed with them, so the stored triple is the
     best rounding for the stored scales."""
@@ -140,7 +140,7 @@ def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     -> q int [out, in], z int [out, in/g], s float16 [out, in/g], with W ~= (q - z) * s."""
     out_features, in_features = w.shape
     wg = w.float().reshape(out_features, in_features // group_size, group_size)
-    s, z = _group_grid(wg)
+    s, z = group_grid(wg)
     q = _grid_values(wg, s, z)
     return q.reshape(out_features, in_features).to(torch.int32), z[..., 0].to(torch.int32), s[..., 0].half()
 
@@ -149,7 +149,7 @@ def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """W [..., in] -> its int4 round trip (q - z) * s in float32, groups along the last dimension: what the
     quantised layer computes with (bit for bit what the packed checkpoint dequantises to)."""
     wg = w.float().reshape(-1, group_size)
-    s, z = _group_grid(wg)
+    s, z = group_grid(wg)
     return _grid_values(wg, s, z).sub_(z).mul_(s).reshape(w.shape)
 
 
@@ -160,9 +160,15 @@ def pack_linear(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
         raise ValueError(f"input size {in_features} is not a multiple of group_size {group_size}")
     if out_features % PACK_FACTOR:
         raise ValueError(f"output size {out_features} is not a multiple of 8")
-    q, z, s = quantize_groups(w, group_size)
+    return pack_quantized(*quantize_groups(w, group_size))
+
+
+def pack_quantized(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An already chosen grid (q int [out, in], z int [out, in/g], s float16 [out, in/g], as quantize_groups
+    returns; GPTQ picks its own) -> {"qweight", "qzeros", "scales"} in the AutoAWQ gemm layout."""
+    assert q.shape[0] % PACK_FACTOR == 0 and z.shape == s.shape and q.shape[1] % z.shape[1] == 0
     return {
         "qweight": pack_int4(q.t().contiguous()),
         "qzeros": pack_int4(z.t().contiguous()),
-        "scales": s.t().contiguous(),
+        "scales": s.half().t().contiguous(),
     }

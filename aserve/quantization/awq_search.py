@@ -77,19 +77,27 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int =
     n_groups = w.shape[1] // group_size
     xg = x.reshape(x.shape[0], n_groups, group_size).transpose(0, 1)  # [G, T, g]
     gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [G, g, g]
+    return search_clip_gram(gram, w, group_size, n_grid, max_shrink)
+
+
+@torch.no_grad()
+def search_clip_gram(gram: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int = 20, max_shrink: float = 0.5):
+    """search_clip given each group's Gram matrix gram [G, g, g] (x_g^T x_g / T) rather than the inputs; GPTQ
+    calls it one group at a time with the group's block of its Hessian."""
+    n_groups = w.shape[1] // group_size
     wg = w.float().reshape(w.shape[0], n_groups, group_size).transpose(0, 1)  # [G, out, g]
     org_min = wg.amin(-1, keepdim=True).clamp(max=0)  # [G, out, 1]; grids always include 0
     org_max = wg.amax(-1, keepdim=True).clamp(min=0)
     best_err = torch.full(org_max.shape[:2], float("inf"))
     best_lo, best_hi = org_min.clone(), org_max.clone()
     steps = int(max_shrink * n_grid)
+    highs = torch.stack([org_max * (1 - j / n_grid) for j in range(steps)])  # [steps, G, out, 1]
     for i in range(steps):
         lo = org_min * (1 - i / n_grid)
-        for j in range(steps):
-            hi = org_max * (1 - j / n_grid)
-            clipped = torch.maximum(torch.minimum(wg, hi), lo)
-            delta = fake_quantize(clipped.reshape(-1, group_size), group_size).reshape(wg.shape) - wg
-            err = (torch.bmm(delta, gram) * delta).sum(-1)  # [G, out]
+        clipped = torch.maximum(torch.minimum(wg, highs), lo)  # all high ends at once: fewer, larger ops
+        delta = fake_quantize(clipped.reshape(-1, group_size), group_size).reshape(clipped.shape) - wg
+        errs = (torch.matmul(delta, gram) * delta).sum(-1)  # [steps, G, out]
+        for j, (hi, err) in enumerate(zip(highs, errs)):
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_lo = torch.where(better[..., None], lo, best_lo)

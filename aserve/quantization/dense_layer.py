@@ -8,6 +8,7 @@ RMSNorm, rotary and SiLU·mul so the numbers are the same as the serving model's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,10 +65,24 @@ class DenseDecoderLayer:
         act = silu_and_mul(gate_up)
         return self.linear("mlp.down_proj", act, override), act
 
-    def forward(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, LayerInputs]:
-        """x [T, hidden] (the residual stream entering the layer) -> (the stream leaving it, the linears' inputs)."""
+    def forward(
+        self, x: torch.Tensor, seq_len: int, before: Callable[[str, torch.Tensor], None] | None = None
+    ) -> tuple[torch.Tensor, LayerInputs]:
+        """x [T, hidden] (the residual stream entering the layer) -> (the stream leaving it, the linears' inputs).
+        `before(group, input)`, when given, runs before each group of linears (a LayerInputs field name) and may
+        replace their weights in self.w, which the rest of the forward then uses: GPTQ's true-sequential pass."""
         h, _ = add_rms_norm(x, None, self.w["input_layernorm.weight"], self.eps)
+        if before is not None:
+            before("qkv", h)
         attn, ctx = self.attention(h, seq_len)
+        if before is not None:
+            before("o_proj", ctx)
+            attn = self.linear("self_attn.o_proj", ctx)
         h2, x = add_rms_norm(attn, x, self.w["post_attention_layernorm.weight"], self.eps)
+        if before is not None:
+            before("gate_up", h2)
         out, act = self.mlp(h2)
+        if before is not None:
+            before("down_proj", act)
+            out = self.linear("mlp.down_proj", act)
         return x + out, LayerInputs(qkv=h, o_proj=ctx, gate_up=h2, down_proj=act)

@@ -1,11 +1,18 @@
 """`aserve quantize`: a model directory (or .gguf, or the default model) -> an AutoAWQ-format int4 checkpoint.
 
-    aserve quantize --model M --out DIR [--group-size 64] [--method awq|rtn] [--calib FILE]
+    aserve quantize --model M --out DIR [--group-size 64] [--method awq-gptq|awq|gptq|rtn] [--calib FILE]
 
 The output is a plain HF directory (config.json with `quantization_config`, model.safetensors, tokenizer) that
 aserve loads, and so does any engine that reads AutoAWQ "gemm" checkpoints. Layer by layer: the calibration
-activations go through the float layer, AWQ scales and clips its weights (awq_search.py), the weights are packed,
-and the float layer's output becomes the next layer's input (as AutoAWQ does).
+activations go through the float layer, AWQ scales and clips its weights (awq_search.py) and/or GPTQ rounds them
+with error feedback (gptq.py), the weights are packed, and the float layer's output becomes the next layer's input
+(as AutoAWQ does; `sequential` takes the quantised layer's instead, as GPTQ does).
+
+    rtn       round-to-nearest on each group's min/max grid, no calibration
+    awq       AWQ scales (folded into the norm / linear before), clipping search, round-to-nearest
+    gptq      GPTQ, each group's grid from a clipping search against the linear's Hessian
+    awq-gptq  AWQ scales, then GPTQ on the scaled weights (its grid search replaces AWQ's clipping); the default,
+              lowest perplexity on SmolLM2 (docs/quantization.md)
 """
 
 from __future__ import annotations
@@ -19,13 +26,15 @@ from importlib import resources
 
 import torch
 
-from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear
+from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear, pack_quantized
 from aserve.quantization.awq_search import awq_layer
 from aserve.quantization.dense_layer import DenseDecoderLayer
+from aserve.quantization.gptq import gptq_layer
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 _SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+METHODS = ("awq-gptq", "awq", "gptq", "rtn")
 
 
 def data_path(name: str) -> str:
@@ -48,7 +57,7 @@ def quantize_model(
     model: str | None,
     out_dir: str,
     group_size: int = 64,
-    method: str = "awq",
+    method: str = "awq-gptq",
     calib: str | None = None,
     num_samples: int = 16,
     seq_len: int = 512,
@@ -56,16 +65,19 @@ def quantize_model(
     clip: bool = True,
     progress: bool = True,
     sequential: bool = False,
+    gptq_search: str = "weighted",
 ) -> dict:
-    """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "seconds"}.
+    """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "linears":
+    [{linear: {"rtn", "gptq"}}], "seconds"} (per layer: AWQ's block errors, GPTQ's linear output errors).
     `sequential`: each layer calibrates on the outputs of the already quantised layers before it, instead of the
-    float model's (AutoAWQ's way)."""
+    float model's (AutoAWQ's way). `clip`: AWQ's clipping search, or GPTQ's search for each group's grid (else
+    its min/max); `gptq_search` says which error that search minimises (gptq.SEARCHES)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from aserve.model.loader import iterate_safetensors, resolve_model
 
-    if method not in ("awq", "rtn"):
-        raise ValueError(f"method must be awq or rtn, got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     t0 = time.perf_counter()
     model_dir, _ = resolve_model(model)
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -84,14 +96,14 @@ def quantize_model(
     num_layers = cfg.num_hidden_layers
 
     x = None
-    if method == "awq":
+    if method != "rtn":
         with open(calib or data_path("calibration.txt"), encoding="utf-8") as f:
             ids = calibration_ids(tokenizer, f.read(), num_samples, seq_len)
         seq_len = ids.shape[1]
         x = state["model.embed_tokens.weight"].float()[ids.flatten()]  # the residual stream, [N * seq_len, hidden]
 
     out: dict[str, torch.Tensor] = {k: v for k, v in state.items() if not k.startswith("model.layers.")}
-    report = {"layers": [], "method": method, "group_size": group_size}
+    report = {"layers": [], "linears": [], "method": method, "group_size": group_size}
     layers = range(num_layers)
     if progress:
         from tqdm import tqdm
@@ -101,17 +113,27 @@ def quantize_model(
         prefix = f"model.layers.{i}."
         stored = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
         weights = {k: v.float() for k, v in stored.items()}
+        grids = {}  # GPTQ's (q, z, s) per linear; the others are rounded to nearest when packed
         if x is not None:
             layer = DenseDecoderLayer(weights, cfg, seq_len)
-            x_next, feats = layer.forward(x, seq_len)
-            report["layers"].append(awq_layer(layer, feats, seq_len, group_size, n_grid, clip))
-            if sequential:
+            if method != "gptq" or not sequential:  # AWQ's inputs, or the float stream the next layer takes
+                x_float, feats = layer.forward(x, seq_len)
+            if method in ("awq", "awq-gptq"):
+                report["layers"].append(awq_layer(layer, feats, seq_len, group_size, n_grid, clip and method == "awq"))
+            feats = None
+            if method in ("gptq", "awq-gptq"):  # layer.w's linears become their dequantised weights
+                x_quantised, grids, errors = gptq_layer(layer, x, seq_len, group_size,
+                                                        gptq_search if clip else "minmax")  # fmt: skip
+                report["linears"].append(errors)
+            elif sequential:
                 quantised = {k: fake_quantize(v, group_size) if k.removesuffix(".weight") in LINEARS else v
                              for k, v in layer.w.items()}  # fmt: skip
-                x_next, _ = DenseDecoderLayer(quantised, cfg, seq_len).forward(x, seq_len)
-            x, feats = x_next, None
+                x_quantised, _ = DenseDecoderLayer(quantised, cfg, seq_len).forward(x, seq_len)
+            x = x_quantised if sequential else x_float
         for name in LINEARS:
-            for key, tensor in pack_linear(weights.pop(f"{name}.weight"), group_size).items():
+            weight = weights.pop(f"{name}.weight")
+            packed = pack_quantized(*grids[name]) if name in grids else pack_linear(weight, group_size)
+            for key, tensor in packed.items():
                 out[f"{prefix}{name}.{key}"] = tensor
             if f"{name}.bias" in weights:
                 out[f"{prefix}{name}.bias"] = weights.pop(f"{name}.bias").to(stored[f"{name}.bias"].dtype)
@@ -147,11 +169,13 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory (an HF model directory)")
     p.add_argument("--group-size", type=int, default=64, help="inputs per scale / zero point: 32, 64 or 128")
-    p.add_argument("--method", choices=("awq", "rtn"), default="awq", help="awq, or plain round-to-nearest")
+    p.add_argument("--method", choices=METHODS, default="awq-gptq",
+                   help="awq-gptq (AWQ scales, then GPTQ), awq (scales + clipping), gptq (error feedback), or rtn "
+                        "(round-to-nearest)")
     p.add_argument("--calib", default=None, help="calibration text file (default: the text shipped with aserve)")
     p.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
-    p.add_argument("--no-clip", action="store_true", help="skip the clipping search")
+    p.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ's, or GPTQ's grid search)")
     p.add_argument("--sequential", action="store_true",
                    help="calibrate each layer on the quantised model's activations, not the float model's")
     p.add_argument("--log-level", default="info")
@@ -165,3 +189,7 @@ def run_quantize(ns: argparse.Namespace) -> None:
         rtn = sum(sum(g["rtn"] for g in layer.values()) for layer in report["layers"])
         awq = sum(sum(g["awq"] for g in layer.values()) for layer in report["layers"])
         print(f"aserve: calibration block error, summed over layers: RTN {rtn:.4g} -> AWQ scales {awq:.4g}")
+    if report["linears"]:
+        rtn = sum(sum(e["rtn"] for e in layer.values()) for layer in report["linears"])
+        gptq = sum(sum(e["gptq"] for e in layer.values()) for layer in report["linears"])
+        print(f"aserve: calibration linear output error, summed over linears: RTN {rtn:.4g} -> GPTQ {gptq:.4g}")
