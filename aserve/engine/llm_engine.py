@@ -10,8 +10,9 @@ scheduling and preparing step N+1) overlaps the GPU's work instead of alternatin
     launch N+1 (its decodes' inputs = N's samples, read on the device) -> wait for N -> process N -> schedule N+2 ...
 
 A request that step N finishes (EOS, a stop string) has been scheduled in N+1 already: that one extra token is
-computed and dropped. Requests that need every token on the host before sampling the next (logprobs, penalties,
-min_tokens) and speculative decoding turn the overlap off while they are live (`can_overlap`).
+computed and dropped. Requests with repetition/presence/frequency penalties (which need every earlier token id on
+the host before sampling the next) and speculative decoding turn the overlap off while they are live
+(`can_overlap`).
 """
 
 from __future__ import annotations
@@ -265,7 +266,7 @@ class LLMEngine:
             finish_sent=[False] * params.n,
         )
         self.states[request_id] = state
-        if params.logprobs is not None or params.needs_penalties or params.min_tokens > 0:
+        if params.needs_penalties:
             self._sync_states.add(request_id)
         for i, child in enumerate(children):
             self.child_to_state[child.request_id] = (state, i)
@@ -348,8 +349,8 @@ class LLMEngine:
 
     def schedule_overlapped(self) -> SchedulerOutput | None:
         """The next step to launch, or None: nothing to run, or the step in flight must be processed first (a
-        request needs every token on the host, or the step in flight sampled on the host path, so its tokens cannot
-        feed the next step on the device). Decides how the step will sample (`_overlap_next`)."""
+        request needs every token id on the host, or the step in flight sampled on the host path, so its tokens
+        cannot feed the next step on the device). Decides how the step will sample (`_overlap_next`)."""
         self._overlap_next = self.can_overlap()
         if self.inflight is not None and not (self._overlap_next and self.inflight[1].feeds_next):
             return None

@@ -24,7 +24,7 @@ import torch
 
 from aserve.engine.cuda_graphs import DecodeGraphs
 from aserve.engine.kv_cache_manager import cdiv
-from aserve.engine.sampler import Sampler, SamplerOutput
+from aserve.engine.sampler import PendingSample, Sampler, SamplerOutput
 from aserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aserve.model.loader import build_model
@@ -61,16 +61,17 @@ class RunnerOutput:
 
 
 class PendingStep:
-    """A launched step whose sampled tokens may not have reached the host yet. `tokens` (device, one per sampling
-    request, in `sampled` order) is what the next step's in-flight inputs are read from; wait() -> RunnerOutput."""
+    """A launched step whose sampled tokens may not have reached the host yet. With async scheduling `tokens`
+    (device, one per sampling request, in `sampled` order) is what the next step's in-flight inputs are read from;
+    wait() -> RunnerOutput."""
 
-    __slots__ = ("sampled", "tokens", "row_of", "_host", "_event", "_result")
+    __slots__ = ("sampled", "tokens", "row_of", "_sample", "_result")
 
-    def __init__(self, sampled, tokens=None, host=None, event=None, result: RunnerOutput | None = None) -> None:
+    def __init__(self, sampled, sample: PendingSample | None = None, result: RunnerOutput | None = None) -> None:
         self.sampled: list[ScheduledRequest] = sampled
-        self.tokens: torch.Tensor | None = tokens
-        self.row_of = {id(s.request): i for i, s in enumerate(sampled)} if tokens is not None else {}
-        self._host, self._event, self._result = host, event, result
+        self.tokens: torch.Tensor | None = sample.tokens if sample is not None else None
+        self.row_of = {id(s.request): i for i, s in enumerate(sampled)} if sample is not None else {}
+        self._sample, self._result = sample, result
 
     @property
     def feeds_next(self) -> bool:
@@ -79,13 +80,8 @@ class PendingStep:
 
     def wait(self) -> RunnerOutput:
         if self._result is None:
-            if self._event is not None:
-                self._event.synchronize()
-            token_ids, nonfinite = self._host.tolist()
-            n = len(token_ids)
-            out = SamplerOutput([[t] for t in token_ids], [None] * n, [0] * n, [bool(x) for x in nonfinite])
-            self._result = RunnerOutput(self.sampled, out)
-            self._host = self._event = None
+            self._result = RunnerOutput(self.sampled, self._sample.result())
+            self._sample = None
         return self._result
 
 
@@ -317,8 +313,8 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, prev: PendingStep | None = None, overlap: bool = False) -> PendingStep:
         """Launches the step. overlap=True (async scheduling): nothing here waits for the device; the sampled tokens
         come back through PendingStep.wait(), and `prev` (the step still running) supplies the inputs of requests
-        whose last token it samples. Only plain sampling overlaps (the engine makes sure): no drafts, logprobs,
-        penalties or min_tokens, which need the host to know every token."""
+        whose last token it samples. No drafts or penalties then (the engine makes sure): those need the host to
+        know every earlier token."""
         # Shortest queries first (decodes, then speculative verification, then prompts): backends batch them.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens)
         if overlap:
@@ -357,8 +353,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self.buffers.to_device("logits_indices", len(rows))])
             requests = [s.request for s in sampled]
             if overlap:
-                tokens, host, event = self.sampler.launch(logits, requests)
-                return PendingStep(sampled, tokens, host, event)
+                return PendingStep(sampled, self.sampler.launch(logits, requests))
             drafts = [s.spec_token_ids for s in sampled]
             draft_probs = None
             if any(s.request.spec_draft_probs is not None for s in sampled):

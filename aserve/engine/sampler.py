@@ -29,13 +29,15 @@ from aserve.engine.request import Request
 
 
 class SampleRow:
-    """A request at the position after `prefix` (draft tokens not yet accepted)."""
+    """A request at the position after `prefix` (draft tokens not yet accepted) and `pending` more tokens that
+    earlier, still running steps sample (async scheduling: counted, their ids unknown on the host)."""
 
-    __slots__ = ("request", "prefix")
+    __slots__ = ("request", "prefix", "pending")
 
-    def __init__(self, request: Request, prefix: list[int]) -> None:
+    def __init__(self, request: Request, prefix: list[int], pending: int = 0) -> None:
         self.request = request
         self.prefix = prefix
+        self.pending = pending
 
     @property
     def params(self):
@@ -43,7 +45,7 @@ class SampleRow:
 
     @property
     def num_output_tokens(self) -> int:
-        return self.request.num_output_tokens + len(self.prefix)
+        return self.request.num_output_tokens + len(self.prefix) + self.pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -70,6 +72,33 @@ class SamplerOutput:
     @staticmethod
     def empty() -> SamplerOutput:
         return SamplerOutput([], [], [])
+
+
+class PendingSample:
+    """One token per request, sampled on the device (Sampler.launch): `tokens` stays there for the next step's
+    inputs; result() waits for the host copies (tokens, non-finite flags, logprobs) -> SamplerOutput."""
+
+    __slots__ = ("tokens", "_requests", "_host", "_event")
+
+    def __init__(self, tokens: torch.Tensor, requests: list[Request], host: dict, event) -> None:
+        self.tokens = tokens
+        self._requests, self._host, self._event = requests, host, event
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        h = {k: v.tolist() for k, v in self._host.items()}
+        n = len(self._requests)
+        token_ids = h["tokens"]
+        logprobs: list[list[SampledLogprobs] | None] = [None] * n
+        if "chosen" in h:
+            for i, r in enumerate(self._requests):
+                k = r.sampling_params.logprobs
+                if k is not None:
+                    ids = [token_ids[i]] + (h["top_ids"][i][:k] if k else [])
+                    lps = [h["chosen"][i]] + (h["top_lp"][i][:k] if k else [])
+                    logprobs[i] = [SampledLogprobs(ids, lps, h["ranks"][i])]
+        return SamplerOutput([[t] for t in token_ids], logprobs, [0] * n, [bool(x) for x in h["nonfinite"]])
 
 
 class Sampler:
@@ -122,21 +151,34 @@ class Sampler:
             logprobs = self._gather_logprobs(raw_logprobs, requests, token_ids, emitted_rows)
         return SamplerOutput(token_ids, logprobs, [len(d) for d in drafts], request_nonfinite)
 
-    def launch(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """Plain sampling (no drafts, logprobs, penalties or min_tokens) without waiting for the device (async
-        scheduling). -> (sampled token per row on the device, a [2, rows] host tensor of tokens and non-finite
-        flags that is valid once the returned event (None on the CPU) has completed, the event)."""
-        rows = [SampleRow(r, []) for r in requests]
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """One token per request without waiting for the device (async scheduling): min_tokens (counting the
+        tokens still in flight), temperature/top-k/top-p/min-p, seeds and logprobs as in __call__; no drafts and no
+        penalties (those need every earlier token id on the host)."""
+        # A request's own token in this step is in flight already (the scheduler counted it), and so is the
+        # previous step's when that one is still running.
+        rows = [SampleRow(r, [], max(r.num_inflight - 1, 0)) for r in requests]
         nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._mask_min_tokens(logits, rows)
         candidates, _ = self._candidates(logits, rows, [[] for _ in requests], None)
-        packed = torch.stack([candidates, nonfinite.long()])
+        device = {"tokens": candidates, "nonfinite": nonfinite}
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, candidates.unsqueeze(1))
+            device["chosen"] = chosen.squeeze(1)
+            device["ranks"] = (raw_logprobs > chosen).sum(dim=1) + 1
+            max_n = max(r.sampling_params.logprobs or 0 for r in requests)
+            device["top_lp"], device["top_ids"] = raw_logprobs.topk(max(max_n, 1), dim=-1)
         if logits.device.type != "cuda":
-            return candidates, packed, None
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
+            return PendingSample(candidates, requests, device, None)
+        host = {}
+        for name, t in device.items():
+            host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host[name].copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return candidates, host, event
+        return PendingSample(candidates, requests, host, event)
 
     def _tensor(self, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A small host list as a device tensor, without a blocking copy (which would wait for the whole stream)."""
@@ -159,7 +201,7 @@ class Sampler:
                 cols += stop_ids
         if row_idx:
             logits = logits.clone()
-            logits[torch.tensor(row_idx), torch.tensor(cols)] = float("-inf")
+            logits[self._tensor(row_idx), self._tensor(cols)] = float("-inf")
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
