@@ -149,3 +149,43 @@ def test_lru_eviction_of_freed_cached_blocks():
     sched.add_request(c)
     run_step(sched)
     assert c.num_cached_tokens == 4  # block 0 survived, block 1 was evicted
+
+
+def test_async_scheduling_counts_tokens_in_flight():
+    """Step N+1 is scheduled before step N's tokens arrive (async scheduling): a request that samples in N decodes
+    its in-flight token in N+1, is not scheduled past its last token, and a preempted request with a token in flight
+    waits for it before it is re-admitted."""
+    sched = make_scheduler(num_blocks=4, budget=100, max_model_len=16)
+    a = req("a", range(7), max_tokens=3)
+    b = req("b", range(10, 17))
+    sched.add_request(a)
+    sched.add_request(b)
+    step1 = sched.schedule()  # both prompts; each samples one token (in flight)
+    assert [(s.num_new_tokens, s.samples) for s in step1.scheduled] == [(7, True), (7, True)]
+    assert a.num_inflight == 1 and a.num_tokens == 7
+    step2 = sched.schedule()  # before step 1's tokens arrive: each decodes its in-flight token (position 7)
+    assert summary(step2) == [("a", 7, 1, [0, 1]), ("b", 7, 1, [2, 3])]
+    assert a.num_inflight == 2 and a.num_computed_tokens == 8
+    for s in step1.scheduled:  # step 1's tokens arrive
+        s.request.num_inflight -= 1
+        sched.append_token(s.request, 7)
+    # Step 3 needs a third block for a's position 8: b, the newest, is preempted with a token still in flight.
+    step3 = sched.schedule()
+    assert [r.request_id for r in step3.preempted] == ["b"] and summary(step3) == [("a", 8, 1, [0, 1, 3])]
+    assert b.status == RequestStatus.PREEMPTED and b.num_inflight == 1
+    for s in step2.scheduled:  # step 2's tokens arrive (b's is kept: its recompute includes it)
+        s.request.num_inflight -= 1
+        sched.append_token(s.request, 8)
+    assert b.num_tokens == 9 and a.num_output_tokens == 2
+    # a has 2 tokens and one more in flight = its max_tokens (3): nothing left to schedule for it; b still waits
+    # for blocks (a holds 3 of 4).
+    step4 = sched.schedule()
+    assert step4.scheduled == [] and a.num_inflight == 1
+    for s in step3.scheduled:
+        s.request.num_inflight -= 1
+        assert sched.append_token(s.request, 9)  # a's third token: finished by length, blocks freed
+    assert a.is_finished and b.num_inflight == 0
+    step5 = sched.schedule()  # b is re-admitted and recomputes its 9 tokens
+    # Free list: b's blocks (tail first: 3, 2), 3 went to a, then a's freed tail first (3, 1, 0).
+    assert summary(step5) == [("b", 0, 9, [2, 3, 1])]
+    sched.check_invariants()
