@@ -256,16 +256,9 @@ class AsyncEngine:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a failed step ends its requests, never the loop
-            if len(sched.scheduled) == 1:
-                return engine.fail_step(sched, e)
-            # find the request(s) at fault: run them one at a time
-            logger.warning("a step of %d requests failed (%r); retrying them one by one", len(sched.scheduled), e)
-            results = await loop.run_in_executor(self._executor, engine.execute_each, sched)
-            return engine.process_each(results)
-        try:
-            return engine.process(sched, result)
-        except Exception as e:  # process() isolates per-request faults itself; this is a last resort
-            return engine.fail_step(sched, e)
+            outputs, retry = engine.triage_failed_step(sched, e)
+            return outputs + await self._retry_one_by_one(loop, retry)
+        return engine.process_safely(sched, result)
 
     async def _overlapped_step(self, loop) -> list[RequestOutput]:
         """Async scheduling: the worker launches step N+1 and then waits for step N, whose tokens this thread
@@ -278,8 +271,12 @@ class AsyncEngine:
         pending, prev_result, launch_error = await loop.run_in_executor(
             self._executor, engine.launch_and_wait_prev, sched
         )
-        outputs, failed = engine.complete_overlapped(sched, pending, prev_result, launch_error)
-        if failed is not None:
-            results = await loop.run_in_executor(self._executor, engine.execute_each, failed)
-            outputs += engine.process_each(results)
-        return outputs
+        outputs, retry = engine.complete_overlapped(sched, pending, prev_result, launch_error)
+        return outputs + await self._retry_one_by_one(loop, retry)
+
+    async def _retry_one_by_one(self, loop, sched) -> list[RequestOutput]:
+        """A failed step's requests, each run alone in the worker thread (see LLMEngine.triage_failed_step)."""
+        if sched is None:
+            return []
+        results = await loop.run_in_executor(self._executor, self.engine.execute_each, sched)
+        return self.engine.process_each(results)

@@ -328,9 +328,8 @@ class LLMEngine:
         try:
             result = self.execute(sched)
         except Exception as e:
-            if len(sched.scheduled) == 1:
-                return self.fail_step(sched, e)
-            return self.process_each(self.execute_each(sched))
+            outputs, retry = self.triage_failed_step(sched, e)
+            return outputs + (self.process_each(self.execute_each(retry)) if retry is not None else [])
         return self.process(sched, result)
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -338,9 +337,9 @@ class LLMEngine:
         process the one before it. AsyncEngine does the same with the waiting in its worker thread."""
         sched = self.schedule_overlapped()
         pending, prev_result, launch_error = self.launch_and_wait_prev(sched)
-        outputs, failed = self.complete_overlapped(sched, pending, prev_result, launch_error)
-        if failed is not None:
-            outputs += self.process_each(self.execute_each(failed))
+        outputs, retry = self.complete_overlapped(sched, pending, prev_result, launch_error)
+        if retry is not None:
+            outputs += self.process_each(self.execute_each(retry))
         return outputs
 
     def can_overlap(self) -> bool:
@@ -377,11 +376,10 @@ class LLMEngine:
 
     def complete_overlapped(self, sched, pending, prev_result, launch_error):
         """After launch_and_wait_prev: processes the previous step and makes the new one the step in flight.
-        -> (outputs, a step that failed and has more than one request: the caller re-runs it one request at a
-        time with execute_each + process_each, as after a failed synchronous step)."""
+        -> (outputs, the step to re-run one request at a time, as triage_failed_step returns)."""
         prev, self.inflight = self.inflight, None
         outputs: list[RequestOutput] = []
-        failed = None
+        retry = None
         if isinstance(prev_result, Exception):
             # The device failed under step N; N+1 (launched on garbage inputs, or not at all) is rolled back.
             if pending is not None:
@@ -389,26 +387,29 @@ class LLMEngine:
                     pending.wait()
                 except Exception:
                     pass
+            if sched is not None:
                 self.scheduler.rollback_failed_step(sched)
-                pending = None
-            elif sched is not None:
-                self.scheduler.rollback_failed_step(sched)
-            sched, launch_error = None, None
+            pending = launch_error = None
             outputs += self.fail_step(prev[0], prev_result)
         elif prev is not None:
-            outputs += self._process_safely(prev[0], prev_result)
+            outputs += self.process_safely(prev[0], prev_result)
         if launch_error is not None:
-            if len(sched.scheduled) == 1:
-                outputs += self.fail_step(sched, launch_error)
-            else:
-                logger.warning("a step of %d requests failed (%r); retrying them one by one", len(sched.scheduled),
-                               launch_error)  # fmt: skip
-                failed = sched
+            failed_outputs, retry = self.triage_failed_step(sched, launch_error)
+            outputs += failed_outputs
         elif pending is not None:
             self.inflight = (sched, pending)
-        return outputs, failed
+        return outputs, retry
 
-    def _process_safely(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+    def triage_failed_step(self, sched: SchedulerOutput, error: Exception):
+        """A step raised. With one request, that request ends (fail_step); with more, the caller re-runs them one at
+        a time (execute_each, in the worker thread for AsyncEngine, then process_each) to find the one at fault.
+        -> (outputs, the step to re-run or None)."""
+        if len(sched.scheduled) == 1:
+            return self.fail_step(sched, error), None
+        logger.warning("a step of %d requests failed (%r); retrying them one by one", len(sched.scheduled), error)
+        return [], sched
+
+    def process_safely(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         try:
             return self.process(sched, result)
         except Exception as e:  # process() isolates per-request faults itself; this is a last resort

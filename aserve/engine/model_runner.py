@@ -24,7 +24,7 @@ import torch
 
 from aserve.engine.cuda_graphs import DecodeGraphs
 from aserve.engine.kv_cache_manager import cdiv
-from aserve.engine.sampler import PendingSample, Sampler, SamplerOutput
+from aserve.engine.sampler import PendingSample, Sampler, SamplerOutput, list_to_device
 from aserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aserve.model.loader import build_model
@@ -65,12 +65,11 @@ class PendingStep:
     (device, one per sampling request, in `sampled` order) is what the next step's in-flight inputs are read from;
     wait() -> RunnerOutput."""
 
-    __slots__ = ("sampled", "tokens", "row_of", "_sample", "_result")
+    __slots__ = ("sampled", "tokens", "_sample", "_result")
 
     def __init__(self, sampled, sample: PendingSample | None = None, result: RunnerOutput | None = None) -> None:
         self.sampled: list[ScheduledRequest] = sampled
         self.tokens: torch.Tensor | None = sample.tokens if sample is not None else None
-        self.row_of = {id(s.request): i for i, s in enumerate(sampled)} if sample is not None else {}
         self._sample, self._result = sample, result
 
     @property
@@ -372,15 +371,10 @@ class ModelRunner:
         input copy, before the forward)."""
         if prev is None or prev.tokens is None:
             raise RuntimeError("a step has inputs in flight but no launched step supplies them")
-        dst, src = [], []
-        for index, s in inflight:
-            dst.append(index)
-            src.append(prev.row_of[id(s.request)])
-        dev = self.device
-        pin = dev.type == "cuda"
-        dst_t = torch.tensor(dst, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
-        src_t = torch.tensor(src, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
-        self.buffers.device["input_ids"].index_copy_(0, dst_t, prev.tokens.index_select(0, src_t))
+        row_of = {id(s.request): i for i, s in enumerate(prev.sampled)}
+        dst = list_to_device([index for index, _ in inflight], self.device, torch.int64)
+        src = list_to_device([row_of[id(s.request)] for _, s in inflight], self.device, torch.int64)
+        self.buffers.device["input_ids"].index_copy_(0, dst, prev.tokens.index_select(0, src))
 
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

@@ -28,6 +28,14 @@ import torch
 from aserve.engine.request import Request
 
 
+def list_to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without a blocking copy (which would wait for the whole stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class SampleRow:
     """A request at the position after `prefix` (draft tokens not yet accepted) and `pending` more tokens that
     earlier, still running steps sample (async scheduling: counted, their ids unknown on the host)."""
@@ -59,6 +67,11 @@ class SampledLogprobs:
     token_ids: list[int]
     logprobs: list[float]
     sampled_rank: int
+
+    @staticmethod
+    def of(token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float], n: int):
+        """The entry a request asking for `n` logprobs gets (top_ids/top_logprobs: at least n, best first)."""
+        return SampledLogprobs([token] + top_ids[:n], [logprob] + top_logprobs[:n], rank)
 
 
 @dataclass(slots=True)
@@ -95,9 +108,8 @@ class PendingSample:
             for i, r in enumerate(self._requests):
                 k = r.sampling_params.logprobs
                 if k is not None:
-                    ids = [token_ids[i]] + (h["top_ids"][i][:k] if k else [])
-                    lps = [h["chosen"][i]] + (h["top_lp"][i][:k] if k else [])
-                    logprobs[i] = [SampledLogprobs(ids, lps, h["ranks"][i])]
+                    top_ids, top_lp = h["top_ids"][i], h["top_lp"][i]
+                    logprobs[i] = [SampledLogprobs.of(token_ids[i], h["chosen"][i], h["ranks"][i], top_ids, top_lp, k)]
         return SamplerOutput([[t] for t in token_ids], logprobs, [0] * n, [bool(x) for x in h["nonfinite"]])
 
 
@@ -181,11 +193,7 @@ class Sampler:
         return PendingSample(candidates, requests, host, event)
 
     def _tensor(self, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A small host list as a device tensor, without a blocking copy (which would wait for the whole stream)."""
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return list_to_device(values, self.device, dtype)
 
     # -- logits processing ------------------------------------------------------------------------------------
 
@@ -337,9 +345,8 @@ class Sampler:
                 continue
             entries = []
             for t in tokens:
-                ids = [t] + (top_ids[i][:n] if n else [])
-                lps = [chosen[i]] + (top_lp[i][:n] if n else [])
-                entries.append(SampledLogprobs(ids, lps, ranks[i]))
+                entries.append(SampledLogprobs.of(t, chosen[i], ranks[i], top_ids[i] if n else [],
+                                                  top_lp[i] if n else [], n))  # fmt: skip
                 i += 1
             out.append(entries)
         return out

@@ -104,7 +104,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_inflight and self._finishes_by_length(request):
+            if request.num_inflight and self._length_reached(request, request.num_inflight):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             # Known tokens not yet computed, then the drafts to verify; never past max_model_len.
@@ -151,11 +151,11 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _finishes_by_length(self, request: Request) -> bool:
-        """Will the tokens in flight end the request by max_tokens or max_model_len (see append_token)?"""
+    def _length_reached(self, request: Request, extra: int = 0) -> bool:
+        """Has the request (with `extra` more tokens: those in flight) reached max_tokens or max_model_len?"""
         max_tokens = request.sampling_params.max_tokens
-        return (max_tokens is not None and request.num_output_tokens + request.num_inflight >= max_tokens) or (
-            request.num_tokens + request.num_inflight >= self.max_model_len
+        return (max_tokens is not None and request.num_output_tokens + extra >= max_tokens) or (
+            request.num_tokens + extra >= self.max_model_len
         )
 
     def _drafts_next(self, request: Request, num_new: int) -> tuple[int, int]:
@@ -209,10 +209,7 @@ class Scheduler:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in params.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-        if status is None and (
-            (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
-            or request.num_tokens >= self.max_model_len
-        ):
+        if status is None and self._length_reached(request):
             status = RequestStatus.FINISHED_LENGTH
         if status is None:
             return False
