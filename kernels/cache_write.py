@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -20,7 +22,9 @@ def _write_kv_kernel(
     stride_c_slot,
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     ROW_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.gdc_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -39,5 +43,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     row = num_kv_heads * head_dim
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row),
+        ROW=row, ROW_PAD=triton.next_power_of_2(row), USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
     )  # fmt: skip

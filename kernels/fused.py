@@ -14,12 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, eps, stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.gdc_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
@@ -44,7 +47,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(rows,)](
         x, res, weight, out, res_out, n, eps, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8, USE_PDL=pdl.ENABLED,
+        **pdl.launch_kwargs(),
     )  # fmt: skip
     return out, res_out
 
@@ -53,8 +57,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def _rotary_split_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_cos, stride_sin,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.gdc_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
     j = tl.arange(0, HALF)
@@ -94,13 +99,15 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
         qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
-        BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), HALF=head_dim // 2,
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), HALF=head_dim // 2, USE_PDL=pdl.ENABLED,
+        **pdl.launch_kwargs(),
     )  # fmt: skip
     return q, k, v
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.gdc_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -116,5 +123,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = n2 // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs()
+    )
     return out

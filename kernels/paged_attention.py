@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
@@ -46,7 +48,7 @@ def _attend_tile(
     acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
     stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, ACC_DOT: tl.constexpr,
 ):
     """One TILE_N-key tile of the online softmax: keys read straight from their pages. Unmasked tiles (all keys
     valid and visible to every row) load without masks."""
@@ -87,7 +89,13 @@ def _attend_tile(
         v = tl.load(v_cache_ptr + kv_ptrs)
     else:
         v = tl.load(v_cache_ptr + kv_ptrs, mask=d_ok[None, :], other=0.0)
-    if IEEE:
+    if ACC_DOT:  # the rescaled accumulator goes into the MMA as its addend
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    elif IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -126,7 +134,10 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     IEEE: tl.constexpr,
     REVERSE: tl.constexpr,
+    ACC_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.gdc_sync(USE_PDL)
     if REVERSE:  # last q blocks first: in a prompt they see the most keys, so the heavy tiles do not form the tail
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -177,13 +188,13 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
             stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
-            HEAD_DIM == HEAD_DIM_PAD, False,
+            HEAD_DIM == HEAD_DIM_PAD, False, ACC_DOT,
         )  # fmt: skip
     for t in range(tl.maximum(tile_lo, unmasked_hi), tile_hi):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
             stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
-            HEAD_DIM == HEAD_DIM_PAD, True,
+            HEAD_DIM == HEAD_DIM_PAD, True, ACC_DOT,
         )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -214,7 +225,9 @@ def _combine_segments_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.gdc_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if tok >= tl.load(query_start_loc_ptr + num_seqs):
@@ -240,7 +253,8 @@ def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int) -> dict:
     g = num_heads // num_kv_heads
     if max_query_len <= 1:
         return dict(BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=128, num_warps=8, num_stages=3, REVERSE=True)
+    return dict(BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=128, num_warps=8, num_stages=3, REVERSE=True,
+                ACC_DOT=True)
 
 
 def paged_attention(
@@ -260,8 +274,8 @@ def paged_attention(
     """Causal attention of every query token to its request's paged K/V (which must already hold the step's new
     tokens). `max_query_len` only picks the tile shape (any upper bound works). With num_segments > 1 (split-KV),
     `partials` may pass preallocated buffers (CUDA graphs): acc [T, H, S, Dpad] and stats [T, H, S, 2], float32.
-    `config` overrides tile_config (BLOCK_M, TILE_N, num_warps, num_stages, REVERSE: q blocks in reverse order),
-    for tuning."""
+    `config` overrides tile_config (BLOCK_M, TILE_N, num_warps, num_stages, REVERSE: q blocks in reverse order,
+    ACC_DOT: the rescaled accumulator as the P @ V MMA's addend), for tuning."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
@@ -292,12 +306,14 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg["TILE_N"], NUM_SEGMENTS=num_segments,
-        IEEE=q.dtype == torch.float32, REVERSE=cfg.get("REVERSE", False), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        IEEE=q.dtype == torch.float32, REVERSE=cfg.get("REVERSE", False),
+        ACC_DOT=cfg.get("ACC_DOT", False), USE_PDL=pdl.ENABLED, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl.launch_kwargs(),
     )  # fmt: skip
     if num_segments > 1:
         _combine_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_stats, query_start_loc, num_seqs, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
+            USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
         )  # fmt: skip
     return out

@@ -92,3 +92,43 @@ def test_fused_elementwise_kernels_match_torch(dtype):
 
     gu = torch.randn(4, 2 * 80, generator=gen).to(DEVICE, dtype)
     torch.testing.assert_close(fused.silu_and_mul(gu), layers.silu_and_mul(gu), **tol)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("n", "k", "config"), [
+    (37, 256, dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2)),  # N not a multiple of BLOCK_N
+    (64, 192, dict(BLOCK_N=4, BLOCK_K=128, num_warps=4, num_stages=2)),  # K not a multiple of BLOCK_K: 64-wide tiles
+    (8, 64, None),  # one K tile (the default configuration shrinks BLOCK_K to 64)
+])  # fmt: skip
+def test_gemv_matches_linear(n, k, config, bias):
+    from kernels.gemv import gemv
+
+    torch.manual_seed(n + k)
+    x = torch.randn(1, k, device=DEVICE)
+    w = torch.randn(n, k, device=DEVICE)
+    b = torch.randn(n, device=DEVICE) if bias else None
+    torch.testing.assert_close(gemv(x, w, b, config=config), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_refuses_k_without_64_multiple():
+    from kernels.gemv import gemv_config
+
+    assert gemv_config(64, 4096) is not None and gemv_config(64, 100) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.bfloat16])
+def test_gemv_fused_silu_mul_matches_unfused(dtype):
+    """The down projection with silu(gate) * up in its prologue = silu_and_mul then the GEMV (same rounding)."""
+    from kernels.fused import silu_and_mul
+    from kernels.gemv import gemv
+
+    torch.manual_seed(3)
+    n, k = 40, 256
+    gate_up = torch.randn(1, 2 * k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * 0.1).to(dtype)
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
+    fused = gemv(gate_up, w, config=cfg, silu_mul=True)
+    ref = gemv(silu_and_mul(gate_up), w, config=cfg)
+    torch.testing.assert_close(fused.float(), ref.float(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(ref.float(), torch.nn.functional.linear(silu_and_mul(gate_up), w).float(),
+                               atol=2e-2, rtol=2e-2)  # fmt: skip

@@ -14,6 +14,17 @@ class Linear(nn.Linear):
     1.3-2x faster than F.linear, which reorders the weight on every call."""
 
     packed_weight: torch.Tensor | None = None
+    gemv_config: dict | None = None  # GPU: one-row inputs (batch-1 decode) run kernels/gemv.py
+
+    def use_gemv(self, config: dict | None = None) -> bool:
+        """GPU, 16-bit weights: route one-row inputs to the Triton GEMV (kernels/gemv.py), which streams the weight
+        faster than cuBLAS at M = 1. False when it does not apply (then F.linear as before)."""
+        from kernels.gemv import gemv_config
+
+        if not (self.weight.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16)):
+            return False
+        self.gemv_config = gemv_config(*self.weight.shape, config)
+        return self.gemv_config is not None
 
     def prepack(self) -> bool:
         if not (self.weight.is_cpu and self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()):
@@ -27,7 +38,21 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.gemv_config is not None and x.dim() == 2 and x.shape[0] == 1:
+            from kernels.gemv import gemv
+
+            return gemv(x, self.weight, self.bias, config=self.gemv_config)
         return F.linear(x, self.weight, self.bias)
+
+    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
+        """Whether forward_silu_mul runs one fused kernel for this input ([gate | up] of one row)."""
+        return self.gemv_config is not None and x.dim() == 2 and x.shape[0] == 1
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, then this linear, in the GEMV's prologue (fuses_silu_mul must hold)."""
+        from kernels.gemv import gemv
+
+        return gemv(gate_up, self.weight, self.bias, config=self.gemv_config, silu_mul=True)
 
     def load_output_slice(self, param: nn.Parameter, start: int, size: int, tensor: torch.Tensor) -> None:
         """Copies one part of a fused layer (output features [start, start + size)) into `param`."""

@@ -64,7 +64,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, Linear) and self.down_proj.fuses_silu_mul(gate_up):  # GPU, batch-1 decode
+            return self.down_proj.forward_silu_mul(gate_up)
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
     def load_shard(self, param: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
         n = self.intermediate_size

@@ -136,6 +136,7 @@ def build_model(hf_config, model_dir: str, dtype, device, max_model_len: int, ba
     """Constructs the architecture on the meta device, materialises it on `device`, loads (or draws) weights, and
     picks the element-wise implementation for the device (Triton kernels on GPU; prepacked weights and optional
     torch.compile on CPU)."""
+    from aserve.model.layers import Linear
     from aserve.model.llama import ARCHITECTURES
 
     arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
@@ -158,6 +159,14 @@ def build_model(hf_config, model_dir: str, dtype, device, max_model_len: int, ba
         model.optimize_for_cpu(compile_elementwise=compile_model)
     elif device.type == "cuda":
         model.ops.use_triton()
+        from kernels import pdl
+
+        # Programmatic dependent launch of aserve's kernels (Hopper and newer; ASERVE_PDL=0: off, for A/B runs).
+        pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("ASERVE_PDL", "1") != "0")
+        if os.environ.get("ASERVE_GEMV", "1") != "0":  # 0: cuBLAS for batch-1 decode too (A/B runs)
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.use_gemv()
     return model
 
 

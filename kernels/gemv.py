@@ -1,0 +1,96 @@
+"""Triton GEMV for one row (batch-1 decode): y[1, N] = x[1, K] @ W[N, K]^T (+ bias), W row-major as nn.Linear keeps
+it. Memory-bound: the kernel's only job is to stream W at the memory's read bandwidth.
+
+Each program owns BLOCK_N output rows and walks K in BLOCK_K steps; every step loads a [BLOCK_N, BLOCK_K] tile
+(each row contiguous: 16-byte loads, fully coalesced) and the matching slice of x, and keeps an element-wise
+float32 accumulator, reduced over K once at the end. Rows past N are clamped to N - 1 (loaded, never stored) so the
+hot loop has no masks; K must be a multiple of BLOCK_K (true of every model shape; `gemv_config` checks it).
+
+SILU_MUL fuses a Llama MLP's activation into the down projection: x is the gate_up output [gate | up] and each
+K slice of silu(gate) * up is computed in the loop (one kernel less per layer). With programmatic dependent launch
+(kernels/pdl.py) a GEMV's launch overlaps the previous kernel's tail.
+Reference: torch.nn.functional.linear (after kernels/fused.py's silu_and_mul for SILU_MUL).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+
+# Launch configurations chosen on an H200 (bench/decode_kernels.py, docs/benchmarks.md): few output rows want
+# bigger row blocks (enough work per program), many rows small ones (more programs in flight).
+FEW_ROWS = 4096
+GEMV_CONFIG_FEW_ROWS = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=2)
+GEMV_CONFIG = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _x_tile(x_ptr, k, K, SILU_MUL: tl.constexpr):
+    """x[k] as float32; SILU_MUL: x holds [gate | up] (2K wide) and this is silu(gate) * up, rounded to x's dtype
+    where kernels/fused.py's silu_and_mul rounds."""
+    if SILU_MUL:
+        g = tl.load(x_ptr + k).to(tl.float32)
+        u = tl.load(x_ptr + K + k).to(tl.float32)
+        dtype = x_ptr.dtype.element_ty
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        return (act * u).to(dtype).to(tl.float32)
+    else:
+        return tl.load(x_ptr + k).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_w + rk[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # (Loading the first weight tile before gdc_sync, to overlap it with the previous kernel's tail, measured
+    # slower on the H200: docs/benchmarks.md.)
+    pdl.gdc_sync(USE_PDL)
+    for k0 in range(0, K, BLOCK_K):
+        w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * _x_tile(x_ptr, k0 + rk, K, SILU_MUL)[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+def gemv_config(n: int, k: int, config: dict | None = None) -> dict | None:
+    """The launch configuration for an [n, k] weight, or None when the kernel does not apply (K not a multiple of
+    BLOCK_K)."""
+    cfg = dict(config or (GEMV_CONFIG_FEW_ROWS if n <= FEW_ROWS else GEMV_CONFIG))
+    block_k = cfg["BLOCK_K"]
+    while block_k > 64 and k % block_k:
+        block_k //= 2
+    if k % block_k:
+        return None
+    cfg["BLOCK_K"] = block_k
+    return cfg
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:  # fmt: skip
+    """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] in x's dtype. silu_mul: x is [1, 2K] = [gate | up] and the
+    product is silu(gate) * up @ weight^T (a Llama MLP's down projection with its activation fused in)."""
+    assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    n, k = weight.shape
+    assert x.shape[1] == (2 * k if silu_mul else k)
+    cfg = gemv_config(n, k, config)
+    assert cfg is not None, f"K={k} is not a multiple of 64"
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
+    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_PDL=pdl.ENABLED,
+        **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
