@@ -68,6 +68,14 @@ def graph_us(fn, weights, calls: int) -> float:
     return best
 
 
+def shape_case(n: int, k: int):
+    """Weight copies of an [n, k] linear totalling >= 256 MB (so L2 holds none), an input row, calls per graph."""
+    nbytes = n * k * 2
+    copies = max(2, -(-256 * 2**20 // nbytes))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    return nbytes, weights, torch.randn(1, k, device="cuda", dtype=torch.bfloat16), max(copies, 16)
+
+
 def section_gemv(quick: bool) -> None:
     configs = [
         dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
@@ -80,11 +88,7 @@ def section_gemv(quick: bool) -> None:
     per_config_total: dict[str, float] = {}
     weight = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}  # calls per decode step
     for name, (n, k) in SHAPES.items():
-        nbytes = n * k * 2
-        copies = max(2, -(-256 * 2**20 // nbytes))
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        calls = max(copies, 16)
+        nbytes, weights, x, calls = shape_case(n, k)
         ref = F.linear(x, weights[0]).float()
         t_cublas = graph_us(lambda w: F.linear(x, w), weights, calls)
         rows = []
@@ -131,14 +135,10 @@ OLD_DEFAULT = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=2)  # sessio
 
 
 def section_pdl() -> None:
-    """Each M = 1 shape with its default configuration, back to back in a CUDA graph, without and with
-    programmatic dependent launch (the next GEMV's launch and first weight tile overlap the previous one's tail)."""
+    """Each M = 1 shape with its default configuration and the first one's, back to back in a CUDA graph, without
+    and with programmatic dependent launch (the next GEMV's launch overlaps the previous one's tail)."""
     for name, (n, k) in SHAPES.items():
-        nbytes = n * k * 2
-        copies = max(2, -(-256 * 2**20 // nbytes))
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        calls = max(copies, 16)
+        nbytes, weights, x, calls = shape_case(n, k)
         t: dict[str, float] = {}
         for _ in range(2):
             for cfg_name, cfg in (("rule", gemv_config(n, k)), ("old", OLD_DEFAULT)):

@@ -58,9 +58,15 @@ def _rotary_split_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_cos, stride_sin,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, slot_ptr, stride_c_slot,
 ):  # fmt: skip
     pdl.gdc_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
+    if WRITE_CACHE:  # k / v go straight to their cache slot (k_ptr / v_ptr are the caches); slot < 0: padding
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        kv_row = slot * stride_c_slot
+    else:
+        kv_row = tok * NUM_KV_HEADS * HEAD_DIM
     dtype = q_ptr.dtype.element_ty
     j = tl.arange(0, HALF)
     # cos/sin of the token's position, already in the model dtype (as HF); each half repeats the other.
@@ -80,29 +86,42 @@ def _rotary_split_kernel(
     tl.store(q_ptr + q_off, o1, mask=is_q[:, None])
     tl.store(q_ptr + q_off + HALF, o2, mask=is_q[:, None])
     is_k = (h >= NUM_HEADS) & h_ok
-    k_off = tok * NUM_KV_HEADS * HEAD_DIM + (h - NUM_HEADS)[:, None] * HEAD_DIM + j[None, :]
+    if WRITE_CACHE:
+        is_k = is_k & ((h * 0 + slot) >= 0)  # (as a vector: Triton's interpreter rejects scalar masks here)
+    k_off = kv_row + (h - NUM_HEADS)[:, None] * HEAD_DIM + j[None, :]
     tl.store(k_ptr + k_off, o1, mask=is_k[:, None])
     tl.store(k_ptr + k_off + HALF, o2, mask=is_k[:, None])
     d = tl.arange(0, BLOCK_KV)
     d_ok = d < NUM_KV_HEADS * HEAD_DIM
     v = tl.load(qkv_ptr + tok * stride_qkv + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + d, mask=d_ok)
-    tl.store(v_ptr + tok * NUM_KV_HEADS * HEAD_DIM + d, v, mask=d_ok)
+    if WRITE_CACHE:
+        d_ok = d_ok & ((d * 0 + slot) >= 0)
+    tl.store(v_ptr + kv_row + d, v, mask=d_ok)
 
 
-def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):
-    """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D]."""
+def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int, cache=None):
+    """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D].
+    With cache = (k_cache, v_cache, slot_mapping) ([num_blocks, block_size, Hkv, D] each): k and v are written
+    into their cache slots instead (kernels/cache_write.py's job, fused; negative slots write nothing) -> q."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty_like(k)
+    if cache is None:
+        k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        v = torch.empty_like(k)
+        slots, stride_slot = q, 0
+    else:
+        k, v, slots = cache
+        assert k.stride(1) == num_kv_heads * head_dim and k.stride(0) == k.shape[1] * k.stride(1)
+        assert k.stride() == v.stride() and k.stride(-1) == 1
+        stride_slot = k.stride(1)
     _rotary_split_kernel[(t,)](
         qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), HALF=head_dim // 2, USE_PDL=pdl.ENABLED,
-        **pdl.launch_kwargs(),
+        WRITE_CACHE=cache is not None, slot_ptr=slots, stride_c_slot=stride_slot, **pdl.launch_kwargs(),
     )  # fmt: skip
-    return q, k, v
+    return q if cache is not None else (q, k, v)
 
 
 @triton.jit

@@ -7,7 +7,8 @@ float32 accumulator, reduced over K once at the end. Rows past N are clamped to 
 hot loop has no masks; K must be a multiple of BLOCK_K (true of every model shape; `gemv_config` checks it).
 
 SILU_MUL fuses a Llama MLP's activation into the down projection: x is the gate_up output [gate | up] and each
-K slice of silu(gate) * up is computed in the loop (one kernel less per layer). With programmatic dependent launch
+K slice of silu(gate) * up is computed in the loop (one kernel less per layer). (The add + RMSNorm before q/k/v and
+gate/up fused the same way was slower: every program must read and reduce the whole row before its weights.) With programmatic dependent launch
 (kernels/pdl.py) a GEMV's launch overlaps the previous kernel's tail.
 Reference: torch.nn.functional.linear (after kernels/fused.py's silu_and_mul for SILU_MUL).
 """
@@ -31,10 +32,10 @@ GEMV_CONFIG = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2)
 def _x_tile(x_ptr, k, K, SILU_MUL: tl.constexpr):
     """x[k] as float32; SILU_MUL: x holds [gate | up] (2K wide) and this is silu(gate) * up, rounded to x's dtype
     where kernels/fused.py's silu_and_mul rounds."""
+    dtype = x_ptr.dtype.element_ty
     if SILU_MUL:
         g = tl.load(x_ptr + k).to(tl.float32)
         u = tl.load(x_ptr + K + k).to(tl.float32)
-        dtype = x_ptr.dtype.element_ty
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         return (act * u).to(dtype).to(tl.float32)
     else:
@@ -82,15 +83,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:  # fmt: skip
     """x [1, K] @ weight[N, K]^T (+ bias) -> [1, N] in x's dtype. silu_mul: x is [1, 2K] = [gate | up] and the
     product is silu(gate) * up @ weight^T (a Llama MLP's down projection with its activation fused in)."""
-    assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 if silu_mul else 1) * weight.shape[1]
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
     n, k = weight.shape
-    assert x.shape[1] == (2 * k if silu_mul else k)
     cfg = gemv_config(n, k, config)
     assert cfg is not None, f"K={k} is not a multiple of 64"
     out = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_PDL=pdl.ENABLED,
-        **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out

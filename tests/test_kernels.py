@@ -132,3 +132,25 @@ def test_gemv_fused_silu_mul_matches_unfused(dtype):
     torch.testing.assert_close(fused.float(), ref.float(), atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(ref.float(), torch.nn.functional.linear(silu_and_mul(gate_up), w).float(),
                                atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+def test_rotary_with_cache_write_matches_separate_kernels():
+    """rotary_split writing k / v straight into their cache slots = rotary_split, then write_kv (padding slots
+    write nothing)."""
+    from aserve.model.layers import RotaryEmbedding
+    from kernels import fused
+
+    gen = torch.Generator().manual_seed(5)
+    H, Hkv, D, T, bs = 6, 2, 16, 5, 4
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(DEVICE)
+    rot = RotaryEmbedding(D, 64, 10000.0, {"rope_type": "default"})
+    rot.materialize(torch.device(DEVICE))
+    cos, sin = rot(torch.tensor([0, 3, 5, 9, 17], device=DEVICE), torch.float32)
+    slots = torch.tensor([7, 0, 12, -1, 3], device=DEVICE)
+    fused_cache = torch.randn(2, 4, bs, Hkv, D, generator=gen).to(DEVICE)
+    split_cache = fused_cache.clone()
+    q_fused = fused.rotary_split(qkv, cos, sin, H, Hkv, D, cache=(fused_cache[0], fused_cache[1], slots))
+    q, k, v = fused.rotary_split(qkv, cos, sin, H, Hkv, D)
+    write_kv(k, v, split_cache[0], split_cache[1], slots)
+    assert torch.equal(q_fused, q)
+    assert torch.equal(fused_cache, split_cache)

@@ -25,6 +25,8 @@ def num_kv_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    writes_rotated_kv = True
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, device) -> None:
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         # (On CPU, for Triton's interpreter in tests, assume an H100/H200-sized GPU.)
@@ -44,8 +46,17 @@ class TritonAttentionBackend(AttentionBackend):
             decode_only = meta.max_query_len == 1
             meta.backend_data["num_segments"] = self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1
 
+    def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int) -> torch.Tensor:
+        """Rotary on q and k, and k / v written into the cache, in one kernel (kernels/fused.py) -> q [T, H, D].
+        forward() is then called with k = v = None."""
+        from kernels.fused import rotary_split
+
+        return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim,
+                            cache=(kv_cache[0], kv_cache[1], meta.slot_mapping))  # fmt: skip
+
     def forward(self, q, k, v, kv_cache, meta):
-        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        if k is not None:  # None: rotate_and_write has written them
+            write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         segments = meta.backend_data.get("num_segments", 1)
         partials = None
         if segments > 1:
