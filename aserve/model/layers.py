@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# CPU, one-row inputs of prepacked bf16 linears: torch.mv on the plain weight instead of oneDNN (ASERVE_CPU_MV=0: off).
+CPU_MV_FOR_ONE_ROW = os.environ.get("ASERVE_CPU_MV", "1") != "0"
 
 
 class Linear(nn.Linear):
@@ -37,6 +42,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
+            if x.shape[0] == 1 and CPU_MV_FOR_ONE_ROW:  # batch-1 decode: torch's bf16 GEMV streams faster
+                y = torch.mv(self.weight, x[0]).unsqueeze(0)
+                return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if self.gemv_config is not None and x.dim() == 2 and x.shape[0] == 1:
             from kernels.gemv import gemv
