@@ -278,7 +278,9 @@ class Sampler:
     def _candidates(self, logits, rows, drafts, draft_probs):
         """-> (candidate token per row, whether each row's draft is accepted (None without drafts))."""
         greedy = [row.params.greedy for row in rows]
-        argmax = logits.argmax(dim=-1)
+        # max(dim).indices: the same first-maximum index as argmax, ~35 % faster on CPU ([64, 49152] float32:
+        # 1.8 vs 2.8 ms, docs/benchmarks.md)
+        argmax = logits.max(dim=-1).indices
         has_drafts = any(drafts)
         if all(greedy):
             if not has_drafts:
