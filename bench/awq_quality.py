@@ -2,7 +2,7 @@
 round-to-nearest, AWQ, GPTQ, AWQ + GPTQ, per group size) on held-out text, plus the greedy chat check, in one command:
 
     python bench/awq_quality.py [--groups 64,32] [--methods rtn,awq,gptq,awq-gptq] [--window 512] [--max-windows N]
-                                [--num-samples 16] [--sequential] [--out DIR]
+                                [--num-samples 16] [--sequential] [--no-act-order] [--out DIR]
 
 Held-out text: aserve/quantization/data/heldout.txt (Alice's Adventures in Wonderland); the quantiser calibrates
 on calibration.txt (As You Like It, Paradise Lost I-III). Quantised checkpoints go to --out (reused if present).
@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--num-samples", type=int, default=16, help="calibration sequences of 512 tokens")
     p.add_argument("--sequential", action="store_true", help="calibrate on the quantised model's activations")
+    p.add_argument("--no-act-order", action="store_true", help="GPTQ in input order (the default: act order)")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "aserve-awq-quality"))
     args = p.parse_args()
     with open(data_path("heldout.txt"), encoding="utf-8") as f:
@@ -53,7 +54,7 @@ def main() -> None:
             seconds = None
             if not os.path.exists(os.path.join(out, "model.safetensors")):
                 seconds = quantize_model(None, out, group_size=group, method=method, num_samples=args.num_samples,
-                                         sequential=args.sequential)["seconds"]  # fmt: skip
+                                         sequential=args.sequential, act_order=not args.no_act_order)["seconds"]  # fmt: skip
             t0 = time.perf_counter()
             ppl, _ = perplexity(out, text, args.window, args.max_windows)
             rows.append((method.upper(), group, ppl, time.perf_counter() - t0, seconds, chat_answer(out)))

@@ -129,6 +129,18 @@ def test_gptq_output_error_is_below_round_to_nearest(search):
         assert output_error(w, dequantize(q, z, s), h) < 0.75 * output_error(w, fake_quantize(w, 32), h)
 
 
+@pytest.mark.parametrize("seed", [2, 3, 4])
+def test_gptq_act_order_beats_input_order(seed):
+    """Rounding the input channels by decreasing H diagonal (grids fixed beforehand, groups still contiguous) leaves
+    a lower output error than rounding them in order, on the calibration inputs and on held-out ones."""
+    calib, heldout, w = correlated_data(seed)
+    h = gram(calib)
+    by_energy, in_order = (dequantize(*gptq_quantize(w, h, 32, act_order=a)) for a in (True, False))
+    for x in (calib, heldout):
+        hx = gram(x)
+        assert output_error(w, by_energy, hx) < output_error(w, in_order, hx)
+
+
 def test_gptq_with_uncorrelated_unit_inputs_is_round_to_nearest():
     # H = I: no column's error can be compensated by another, so GPTQ on min/max grids rounds to nearest, exactly
     w = torch.randn(16, 96, generator=torch.Generator().manual_seed(3))
@@ -174,8 +186,8 @@ def test_perplexity_matches_transformers_loss(tiny_model_factory):
 @pytest.mark.slow
 def test_smollm2_awq_g64_quality(tmp_path):
     """The issue's quality bar, on held-out text (Alice in Wonderland; calibration is Shakespeare and Milton):
-    AWQ g64 within 5 % of bf16 perplexity and below RTN g64; greedy chat still answers Paris.
-    bench/awq_quality.py prints the full table."""
+    the default quantiser (GPTQ in act order, AutoAWQ format) at g64 within 5 % of bf16 perplexity and below RTN
+    g64; greedy chat still answers Paris. bench/awq_quality.py prints the full table (not met yet: +8.4 %)."""
     from aserve import LLM, SamplingParams
     from aserve.quantization.perplexity import perplexity
     from aserve.quantization.quantize import data_path, quantize_model
@@ -183,12 +195,12 @@ def test_smollm2_awq_g64_quality(tmp_path):
     with open(data_path("heldout.txt")) as f:
         text = f.read()
     ppl = {"bf16": perplexity(None, text, max_windows=24)[0]}
-    for method in ("rtn", "awq"):
+    for method in ("rtn", "gptq"):
         quantize_model(None, str(tmp_path / method), group_size=64, method=method, progress=False)
         ppl[method] = perplexity(str(tmp_path / method), text, max_windows=24)[0]
-    assert ppl["awq"] < ppl["rtn"]
-    assert ppl["awq"] < 1.05 * ppl["bf16"], ppl
-    llm = LLM(str(tmp_path / "awq"), max_model_len=512, kv_cache_memory_gb=0.1)
+    assert ppl["gptq"] < ppl["rtn"]
+    assert ppl["gptq"] < 1.05 * ppl["bf16"], ppl
+    llm = LLM(str(tmp_path / "gptq"), max_model_len=512, kv_cache_memory_gb=0.1)
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text  # fmt: skip
     assert "Paris" in answer

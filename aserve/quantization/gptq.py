@@ -8,10 +8,14 @@ the linear's output error on calibration inputs X [T, in]:
     for column j:  q_j = round(w_j)    e = (w_j - q_j) / U[j, j]    w_{j+1:} -= e U[j, j+1:]
 
 Groups are static (input channels j..j+g-1 share a scale and zero point, as awq_format.pack_linear lays them
-out); a group's grid is chosen when the loop reaches its first column, from the error-updated weights at that
-point, optionally by the clipping search of awq_search.search_clip_gram against the group's block of H (or the
-identity: plain weight error). Columns go in blocks of whole groups; the rest of the matrix is updated once per
-block (GPTQ's lazy batch update).
+out); each group's grid comes from the clipping search of awq_search.search_clip_gram against the group's block of
+H (or the identity: plain weight error; or its min/max). With act_order (the default) the columns are rounded in
+order of decreasing H diagonal (the inputs with the most energy first, while the most columns are left to absorb
+their errors) and every grid is fixed beforehand from the original weights, so the groups stay contiguous in the
+checkpoint; without it, in input order, each group's grid chosen when the loop reaches its first column, from the
+error-updated weights at that point. On SmolLM2 at group 64 act order cut GPTQ's perplexity increase from 12.6 %
+to 8.4 % (docs/quantization.md). Columns go in blocks; the rest of the matrix is updated once per block (GPTQ's
+lazy batch update).
 
 gptq_layer runs it over a decoder layer true-sequentially: each group of linears (q/k/v, o, gate/up, down) is
 calibrated on inputs computed with the linears before it already quantised. H keeps every token, the attention
@@ -54,7 +58,7 @@ def dequantize(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> torch.Tenso
 @torch.no_grad()
 def gptq_quantize(
     w: torch.Tensor, h: torch.Tensor, group_size: int, search: str = "weighted", damp: float = 0.01, block: int = 128,
-    n_grid: int = 20,
+    n_grid: int = 20, act_order: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """W [out, in] (HF layout), h [in, in] = gram(inputs) -> (q int32 [out, in], z int32 [out, in/g], s float16
     [out, in/g]) with W ~= (q - z) * s, as awq_format.quantize_groups returns (and pack_quantized packs)."""
@@ -70,27 +74,37 @@ def gptq_quantize(
     if search == "plain":
         group_gram = torch.eye(in_features)
     h.diagonal().add_(damp * h.diagonal().mean())
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
 
     q = torch.empty(out_features, in_features, dtype=torch.int32)
     n_groups = in_features // group_size
     scales = torch.empty(out_features, n_groups)
     zeros = torch.empty(out_features, n_groups)
-    block = group_size * max(1, block // group_size)  # groups never straddle blocks: their grid sees all updates
+
+    def set_grid(wg: torch.Tensor, g0: int) -> None:  # the grid of the group starting at input channel g0
+        if search != "minmax":
+            g = group_gram[g0 : g0 + group_size, g0 : g0 + group_size]
+            wg = apply_clip(wg, search_clip_gram(g[None], wg, group_size, n_grid), group_size)
+        s, z = group_grid(wg)
+        scales[:, g0 // group_size], zeros[:, g0 // group_size] = s[:, 0], z[:, 0]
+
+    if act_order:  # static grids from the original weights, then columns by decreasing H diagonal
+        for g0 in range(0, in_features, group_size):
+            set_grid(w[:, g0 : g0 + group_size], g0)
+        perm = torch.argsort(h.diagonal(), descending=True)
+        h, w = h[perm][:, perm], w[:, perm]
+    else:  # groups never straddle blocks: each grid sees all updates before its first column
+        perm = torch.arange(in_features)
+        block = group_size * max(1, block // group_size)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     for b0 in range(0, in_features, block):
         b1 = min(b0 + block, in_features)
         wb = w[:, b0:b1].clone()
         errors = torch.empty_like(wb)
         ub = hinv[b0:b1, b0:b1]
         for j in range(b1 - b0):
-            col = b0 + j
-            if col % group_size == 0:
-                wg = wb[:, j : j + group_size]
-                if search != "minmax":
-                    g = group_gram[col : col + group_size, col : col + group_size]
-                    wg = apply_clip(wg, search_clip_gram(g[None], wg, group_size, n_grid), group_size)
-                s, z = group_grid(wg)
-                scales[:, col // group_size], zeros[:, col // group_size] = s[:, 0], z[:, 0]
+            col = int(perm[b0 + j])  # the input channel
+            if not act_order and col % group_size == 0:
+                set_grid(wb[:, j : j + group_size], col)
             s, z = scales[:, col // group_size], zeros[:, col // group_size]
             qj = (wb[:, j] / s).round_().add_(z).clamp_(0, 15)
             q[:, col] = qj.to(torch.int32)
@@ -104,7 +118,7 @@ def gptq_quantize(
 @torch.no_grad()
 def gptq_layer(
     layer: DenseDecoderLayer, x: torch.Tensor, seq_len: int, group_size: int, search: str = "weighted",
-    damp: float = 0.01,
+    damp: float = 0.01, act_order: bool = True,
 ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, dict[str, float]]]:
     """GPTQ on every linear of the layer, true-sequentially, on the residual stream x [T, hidden] entering it.
     layer.w's linears are replaced by their dequantised weights. -> (the quantised layer's output, {linear: (q, z,
@@ -116,7 +130,7 @@ def gptq_layer(
         h = gram(inputs)
         for name in _GROUPS[group]:
             w = layer.w[f"{name}.weight"]
-            grids[name] = gptq_quantize(w, h, group_size, search, damp)
+            grids[name] = gptq_quantize(w, h, group_size, search, damp, act_order=act_order)
             w_q = dequantize(*grids[name])
             report[name] = {"rtn": output_error(w, fake_quantize(w, group_size), h), "gptq": output_error(w, w_q, h)}
             layer.w[f"{name}.weight"] = w_q

@@ -1,6 +1,6 @@
 """`aserve quantize`: a model directory (or .gguf, or the default model) -> an AutoAWQ-format int4 checkpoint.
 
-    aserve quantize --model M --out DIR [--group-size 64] [--method awq-gptq|awq|gptq|rtn] [--calib FILE]
+    aserve quantize --model M --out DIR [--group-size 64] [--method gptq|awq-gptq|awq|rtn] [--calib FILE]
 
 The output is a plain HF directory (config.json with `quantization_config`, model.safetensors, tokenizer) that
 aserve loads, and so does any engine that reads AutoAWQ "gemm" checkpoints. Layer by layer: the calibration
@@ -10,9 +10,10 @@ with error feedback (gptq.py), the weights are packed, and the float layer's out
 
     rtn       round-to-nearest on each group's min/max grid, no calibration
     awq       AWQ scales (folded into the norm / linear before), clipping search, round-to-nearest
-    gptq      GPTQ, each group's grid from a clipping search against the linear's Hessian
-    awq-gptq  AWQ scales, then GPTQ on the scaled weights (its grid search replaces AWQ's clipping); the default,
-              lowest perplexity on SmolLM2 (docs/quantization.md)
+    gptq      GPTQ, each group's grid from a clipping search against the linear's Hessian, input channels by
+              decreasing activation energy (act order; --no-act-order: in order); the default, lowest perplexity on
+              SmolLM2 (docs/quantization.md)
+    awq-gptq  AWQ scales, then GPTQ on the scaled weights (its grid search replaces AWQ's clipping)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from aserve.quantization.gptq import gptq_layer
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 _SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-METHODS = ("awq-gptq", "awq", "gptq", "rtn")
+METHODS = ("gptq", "awq-gptq", "awq", "rtn")
 
 
 def data_path(name: str) -> str:
@@ -57,7 +58,7 @@ def quantize_model(
     model: str | None,
     out_dir: str,
     group_size: int = 64,
-    method: str = "awq-gptq",
+    method: str = "gptq",
     calib: str | None = None,
     num_samples: int = 16,
     seq_len: int = 512,
@@ -66,12 +67,14 @@ def quantize_model(
     progress: bool = True,
     sequential: bool = False,
     gptq_search: str = "weighted",
+    act_order: bool = True,
 ) -> dict:
     """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "linears":
     [{linear: {"rtn", "gptq"}}], "seconds"} (per layer: AWQ's block errors, GPTQ's linear output errors).
     `sequential`: each layer calibrates on the outputs of the already quantised layers before it, instead of the
     float model's (AutoAWQ's way). `clip`: AWQ's clipping search, or GPTQ's search for each group's grid (else
-    its min/max); `gptq_search` says which error that search minimises (gptq.SEARCHES)."""
+    its min/max); `gptq_search` says which error that search minimises (gptq.SEARCHES); `act_order`: GPTQ rounds
+    the input channels by decreasing activation energy (grids fixed beforehand), else in order."""
     from transformers import AutoConfig, AutoTokenizer
 
     from aserve.model.loader import iterate_safetensors, resolve_model
@@ -123,7 +126,7 @@ def quantize_model(
             feats = None
             if method in ("gptq", "awq-gptq"):  # layer.w's linears become their dequantised weights
                 x_quantised, grids, errors = gptq_layer(layer, x, seq_len, group_size,
-                                                        gptq_search if clip else "minmax")  # fmt: skip
+                                                        gptq_search if clip else "minmax", act_order=act_order)  # fmt: skip
                 report["linears"].append(errors)
             elif sequential:
                 quantised = {k: fake_quantize(v, group_size) if k.removesuffix(".weight") in LINEARS else v
@@ -169,13 +172,15 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory (an HF model directory)")
     p.add_argument("--group-size", type=int, default=64, help="inputs per scale / zero point: 32, 64 or 128")
-    p.add_argument("--method", choices=METHODS, default="awq-gptq",
-                   help="awq-gptq (AWQ scales, then GPTQ), awq (scales + clipping), gptq (error feedback), or rtn "
-                        "(round-to-nearest)")
+    p.add_argument("--method", choices=METHODS, default="gptq",
+                   help="gptq (error feedback, by decreasing activation energy), awq-gptq (AWQ scales, then GPTQ), "
+                        "awq (scales + clipping), or rtn (round-to-nearest)")
     p.add_argument("--calib", default=None, help="calibration text file (default: the text shipped with aserve)")
     p.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ's, or GPTQ's grid search)")
+    p.add_argument("--no-act-order", action="store_true",
+                   help="GPTQ rounds input channels in order (default: by decreasing activation energy)")
     p.add_argument("--sequential", action="store_true",
                    help="calibrate each layer on the quantised model's activations, not the float model's")
     p.add_argument("--log-level", default="info")
@@ -183,7 +188,7 @@ def add_quantize_parser(sub) -> None:
 
 def run_quantize(ns: argparse.Namespace) -> None:
     report = quantize_model(ns.model, ns.out, ns.group_size, ns.method, ns.calib, ns.num_samples, ns.seq_len,
-                            clip=not ns.no_clip, sequential=ns.sequential)  # fmt: skip
+                            clip=not ns.no_clip, sequential=ns.sequential, act_order=not ns.no_act_order)  # fmt: skip
     print(f"aserve: wrote {ns.method.upper()} int4 (group {ns.group_size}) to {ns.out} in {report['seconds']} s")
     if report["layers"]:
         rtn = sum(sum(g["rtn"] for g in layer.values()) for layer in report["layers"])
