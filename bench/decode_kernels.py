@@ -1,6 +1,6 @@
 """Batch-1 decode kernels on the GPU (Llama-3-8B shapes, bf16), in one command:
 
-    PYTHONPATH=. python bench/decode_kernels.py --out DIR [--sections gemv,prefill,e2e] [--quick]
+    PYTHONPATH=. python bench/decode_kernels.py --out DIR [--sections gemv,pdl,prefill,e2e] [--quick]
 
 pdl      the default GEMV per shape back to back in a CUDA graph, programmatic dependent launch off / on.
 gemv     M = 1 linears: kernels/gemv.py (a sweep of launch configurations) vs cuBLAS (F.linear), each timed inside
@@ -8,7 +8,8 @@ gemv     M = 1 linears: kernels/gemv.py (a sweep of launch configurations) vs cu
          weight bytes read.
 prefill  prefill attention, one 4096-token causal prompt: kernel variants (ACC_DOT: the rescaled accumulator as the
          MMA's addend; stages) vs torch SDPA (flash), alternating, best of 3 each.
-e2e      three engines: Triton GEMV + PDL, Triton GEMV, cuBLAS (ASERVE_GEMV / ASERVE_PDL), alternating batch-1 decode ms/token
+e2e      engines side by side (E2E_VARIANTS: Triton GEMV + PDL with the default and with the first GEMV configs,
+         cuBLAS without PDL; ASERVE_GEMV / ASERVE_PDL), alternating batch-1 decode ms/token
          (gpu_bench.batch1_decode_ms), the captured forward's GPU time, the GPU kernels of one decode step, and the
          GPU's idle time between kernels during a 64-token decode (profiler timeline).
 Prints a table last; writes results.json under --out.

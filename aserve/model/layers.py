@@ -46,18 +46,18 @@ class Linear(nn.Linear):
                 y = torch.mv(self.weight, x[0]).unsqueeze(0)
                 return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        if self.gemv_config is not None and x.dim() == 2 and x.shape[0] == 1:
+        if self.takes_gemv(x):
             from kernels.gemv import gemv
 
             return gemv(x, self.weight, self.bias, config=self.gemv_config)
         return F.linear(x, self.weight, self.bias)
 
-    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
-        """Whether forward_silu_mul runs one fused kernel for this input ([gate | up] of one row)."""
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Does this input (one row, GPU) run the Triton GEMV? Then forward_silu_mul fuses SiLU·mul into it too."""
         return self.gemv_config is not None and x.dim() == 2 and x.shape[0] == 1
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, then this linear, in the GEMV's prologue (fuses_silu_mul must hold)."""
+        """silu(gate) * up, then this linear, in the GEMV's prologue (takes_gemv must hold)."""
         from kernels.gemv import gemv
 
         return gemv(gate_up, self.weight, self.bias, config=self.gemv_config, silu_mul=True)

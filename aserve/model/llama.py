@@ -68,7 +68,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if isinstance(self.down_proj, Linear) and self.down_proj.fuses_silu_mul(gate_up):  # GPU, batch-1 decode
+        if isinstance(self.down_proj, Linear) and self.down_proj.takes_gemv(gate_up):  # GPU, batch-1 decode
             return self.down_proj.forward_silu_mul(gate_up)
         return self.down_proj(self.ops.silu_and_mul(gate_up))
 

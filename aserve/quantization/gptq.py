@@ -96,13 +96,14 @@ def gptq_quantize(
         perm = torch.arange(in_features)
         block = group_size * max(1, block // group_size)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    order = perm.tolist()  # the input channel of each position in the rounding order
     for b0 in range(0, in_features, block):
         b1 = min(b0 + block, in_features)
         wb = w[:, b0:b1].clone()
         errors = torch.empty_like(wb)
         ub = hinv[b0:b1, b0:b1]
         for j in range(b1 - b0):
-            col = int(perm[b0 + j])  # the input channel
+            col = order[b0 + j]
             if not act_order and col % group_size == 0:
                 set_grid(wb[:, j : j + group_size], col)
             s, z = scales[:, col // group_size], zeros[:, col // group_size]
