@@ -98,7 +98,7 @@ async def _serve(
     from aiohttp import web
 
     from aserve.engine.stats import PeriodicLogger
-    from aserve.entrypoints.openai.server import build_app, drain
+    from aserve.entrypoints.openai.server import begin_drain, build_app, drain
 
     app = build_app(engine, served_model_name, api_key)
     engine.engine.stats.add_listener(PeriodicLogger(logger.info))
@@ -112,7 +112,11 @@ async def _serve(
     stop, force = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first signal drains, a second one stops waiting
-        (force if stop.is_set() else stop).set()
+        if stop.is_set():
+            force.set()
+        else:
+            begin_drain(app)  # at once, not when _serve next runs: a request arriving meanwhile already gets 503
+            stop.set()
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

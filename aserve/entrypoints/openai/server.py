@@ -433,12 +433,17 @@ async def _handle(request: web.Request, handler, state: ServerState):
         return error_response(500, "internal server error", type_="server_error")
 
 
+def begin_drain(app: web.Application) -> None:
+    """From now on new requests get 503 and /health turns 503 (called from the signal handler itself)."""
+    app[STATE_KEY].draining = True
+
+
 async def drain(app: web.Application, timeout: float, force: asyncio.Event | None = None) -> None:
     """Graceful shutdown, before the runner's cleanup: new requests get 503 (and /health turns 503, so balancers
     move on) while in-flight ones get up to `timeout` seconds to finish (`force` set: stop waiting). What is still
     running then is ended: streams get a final error event and [DONE], other requests a 503 error body."""
+    begin_drain(app)
     state: ServerState = app[STATE_KEY]
-    state.draining = True
     if state.inflight:
         logger.info("draining %d in-flight requests (up to %g s; signal again to stop now)", state.inflight, timeout)
         await _wait_idle(state, timeout, force)
