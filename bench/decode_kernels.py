@@ -8,8 +8,8 @@ gemv     M = 1 linears: kernels/gemv.py (a sweep of launch configurations) vs cu
          weight bytes read.
 prefill  prefill attention, one 4096-token causal prompt: kernel variants (ACC_DOT: the rescaled accumulator as the
          MMA's addend; stages) vs torch SDPA (flash), alternating, best of 3 each.
-e2e      engines side by side (E2E_VARIANTS: Triton GEMV + PDL with the default and with the first GEMV configs,
-         cuBLAS without PDL; ASERVE_GEMV / ASERVE_PDL), alternating batch-1 decode ms/token
+e2e      engines side by side (E2E_VARIANTS: the fused one-token forward, the same kernels unfused, cuBLAS
+         without PDL; ASERVE_GEMV / ASERVE_PDL / ASERVE_FUSED_DECODE), alternating batch-1 decode ms/token
          (gpu_bench.batch1_decode_ms), the captured forward's GPU time, the GPU kernels of one decode step, and the
          GPU's idle time between kernels during a 64-token decode (profiler timeline).
 Prints a table last; writes results.json under --out.
@@ -31,7 +31,6 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_bench as gb  # noqa: E402
 
-from kernels import gemv as gemv_mod  # noqa: E402
 from kernels import pdl  # noqa: E402
 from kernels.gemv import gemv, gemv_config  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
@@ -212,11 +211,10 @@ def idle_between_kernels(llm) -> dict:
                 gaps_over_20us=sum(1 for g in gaps if g > 20), largest_gaps_us=gaps[:8])
 
 
-E2E_VARIANTS = {  # name: (ASERVE_GEMV, ASERVE_PDL, GEMV config for N <= 4096, for N > 4096)
-    "pdl rule": ("1", "1", dict(BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=2),
-                 dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2)),
-    "pdl old": ("1", "1", OLD_DEFAULT, OLD_DEFAULT),
-    "cublas": ("0", "0", None, None),
+E2E_VARIANTS = {  # name: environment of the engine (loader switches)
+    "fused": {"ASERVE_GEMV": "1", "ASERVE_PDL": "1", "ASERVE_FUSED_DECODE": "1"},
+    "unfused": {"ASERVE_GEMV": "1", "ASERVE_PDL": "1", "ASERVE_FUSED_DECODE": "0"},
+    "cublas": {"ASERVE_GEMV": "0", "ASERVE_PDL": "0", "ASERVE_FUSED_DECODE": "0"},
 }  # fmt: skip
 
 
@@ -225,18 +223,16 @@ def section_e2e(repeats: int) -> None:
 
     model_dir = gb.dummy_model_dir(tempfile.mkdtemp(), gb.LLAMA3_8B)
     engines, pdl_of = {}, {}
-    saved = gemv_mod.GEMV_CONFIG_FEW_ROWS, gemv_mod.GEMV_CONFIG
-    for name, (gemv_flag, pdl_flag, few, many) in E2E_VARIANTS.items():
-        os.environ["ASERVE_GEMV"], os.environ["ASERVE_PDL"] = gemv_flag, pdl_flag
-        if few is not None:
-            gemv_mod.GEMV_CONFIG_FEW_ROWS, gemv_mod.GEMV_CONFIG = few, many
+    for name, env in E2E_VARIANTS.items():
+        os.environ.update(env)
         t0 = time.perf_counter()
         engines[name] = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
                             kv_cache_memory_gb=8)  # fmt: skip
         pdl_of[name] = pdl.ENABLED  # the eager kernels (lm_head, prefill) follow the global switch
-        print(f"{name}: engine up in {time.perf_counter() - t0:.1f} s (pdl {pdl.ENABLED})", flush=True)
-    del os.environ["ASERVE_GEMV"], os.environ["ASERVE_PDL"]
-    gemv_mod.GEMV_CONFIG_FEW_ROWS, gemv_mod.GEMV_CONFIG = saved
+        print(f"{name}: engine up in {time.perf_counter() - t0:.1f} s (pdl {pdl.ENABLED}, fused "
+              f"{engines[name].engine.runner.model.fused_decode})", flush=True)  # fmt: skip
+        for key in env:
+            del os.environ[key]
     ms = {name: [] for name in engines}
     for r in range(repeats):
         for name, llm in engines.items():
@@ -255,7 +251,7 @@ def section_e2e(repeats: int) -> None:
         fwd = gb.bench_ms(graphs.graphs[1][0].replay) if graphs is not None else float("nan")
         gb.RESULTS.clear()
         if graphs is not None:
-            gb.top_kernels(lambda: graphs.graphs[1][0].replay(), "k", n=14)
+            gb.top_kernels(lambda: graphs.graphs[1][0].replay(), "k", n=20)
         idle = idle_between_kernels(llm)
         RESULTS[f"e2e_{name}"] = dict(ms_per_token=ms[name], graph_forward_ms=fwd, idle=idle,
                                       kernels=gb.RESULTS.get("k"))  # fmt: skip

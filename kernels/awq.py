@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
 # Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
 GEMV1_CONFIG = dict(BLOCK_N=512, BLOCK_K=128, TILES_PER_PROGRAM=1, EACH_TILE=True, num_warps=4, num_stages=1)
@@ -251,6 +253,105 @@ def _awq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, GROUP: tl.constexpr, 
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(rn < N)[None, :])
 
 
+# -- row layout (GPU decode): qweight re-laid out at load time ------------------------------------------------
+#
+# For one-row inputs, `to_rows_layout` re-packs qweight as int32 [out, in/8]: 8 weights of one output along the input
+# dimension per int32 (nibble i holds input 8j + AWQ_ORDER[i], the same interleave), so a GEMV streams each output's
+# weights as one contiguous row, the way kernels/gemv.py streams bf16 rows (qzeros and scales keep AutoAWQ's layout).
+# Per weight: one LOP3 (mantissa trick above), one subtraction of the row's (2**23 + z * 16**e) and one FMA with
+# x * 16**-e; the scale is applied once per int32 (per 8 weights) and the reduction over the input runs once at the end.
+
+
+@triton.jit
+def _x_plane(x_ptr, k_base, NIB: tl.constexpr):
+    """x at the inputs nibble NIB covers, times 16**-e (undoing the mantissa trick's 16**e)."""
+    order: tl.constexpr = (NIB % 4) * 2 + NIB // 4  # AWQ_ORDER[NIB]
+    inv: tl.constexpr = 1.0 / (1 << (4 * (NIB if NIB < 5 else NIB - 5)))
+    return tl.load(x_ptr + k_base + order).to(tl.float32) * inv
+
+
+@triton.jit
+def _rows_term(qw, qw_hi, zc, x_ptr, k_base, NIB: tl.constexpr):
+    """x * (q - z) * 16**... summed for nibble NIB: [BLOCK_N, R, BK8] with zc[e] = 2**23 + z * 16**e [BLOCK_N, R]."""
+    e: tl.constexpr = NIB if NIB < 5 else NIB - 5
+    v = qw if NIB < 5 else qw_hi
+    zf = zc.to(tl.float32) * (1 << (4 * e)) + 8388608.0
+    return _x_plane(x_ptr, k_base, NIB)[None, :, :] * (_mant(v, 4 * e) - zf[:, :, None])
+
+
+@triton.jit
+def _awq_gemv_rows_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, N, K,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One row, rows layout. A program owns BLOCK_N outputs and walks the input R groups at a time: tiles
+    [BLOCK_N, R, GROUP/8] of int32, each output row's part contiguous."""
+    BK8: tl.constexpr = GROUP // 8
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    K8 = K // 8
+    N8 = N // 8
+    rr = tl.arange(0, R)
+    rk8 = tl.arange(0, BK8)
+    w_ptrs = qw_ptr + rows[:, None, None] * K8 + rr[None, :, None] * BK8 + rk8[None, None, :]
+    # each row's zero point sits in nibble AWQ_REVERSE_ORDER[n % 8] of qzeros[g, n // 8]
+    c = rows % 8
+    z_shift = 4 * ((c % 2) * 4 + c // 2)
+    z_ptrs = qz_ptr + rr[None, :] * N8 + (rows // 8)[:, None]
+    s_ptrs = s_ptr + rr[None, :] * N + rows[:, None]
+    x_offs = rr[:, None] * GROUP + rk8[None, :] * 8  # [R, BK8]: the first input of each int32
+    acc = tl.zeros([BLOCK_N, R, BK8], dtype=tl.float32)
+    pdl.gdc_sync(USE_PDL)
+    for g0 in range(0, K // GROUP, R):
+        qw = tl.load(w_ptrs + g0 * BK8, eviction_policy="evict_first")
+        qw_hi = qw >> 20
+        z = (tl.load(z_ptrs + g0 * N8) >> z_shift[:, None]) & 15  # [BLOCK_N, R]
+        k_base = g0 * GROUP + x_offs
+        t = _rows_term(qw, qw_hi, z, x_ptr, k_base, 0)
+        t += _rows_term(qw, qw_hi, z, x_ptr, k_base, 1)
+        t += _rows_term(qw, qw_hi, z, x_ptr, k_base, 2)
+        t += _rows_term(qw, qw_hi, z, x_ptr, k_base, 3)
+        t += _rows_term(qw, qw_hi, z, x_ptr, k_base, 4)
+        t += _rows_term(qw, qw_hi, z, x_ptr, k_base, 5)
+        t += _rows_term(qw, qw_hi, z, x_ptr, k_base, 6)
+        t += _rows_term(qw, qw_hi, z, x_ptr, k_base, 7)
+        sc = tl.load(s_ptrs + g0 * N).to(tl.float32)  # [BLOCK_N, R]
+        acc += sc[:, :, None] * t
+    y = tl.sum(tl.sum(acc, 2), 1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _awq_dequant_rows_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W [N, K] (nn.Linear's layout) of one group for BLOCK_N outputs, from the rows layout."""
+    BK8: tl.constexpr = GROUP // 8
+    g = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    rk8 = tl.arange(0, BK8)
+    qw = tl.load(qw_ptr + rows[:, None] * (K // 8) + g * BK8 + rk8[None, :])
+    c = rows % 8
+    z = (tl.load(qz_ptr + g * (N // 8) + rows // 8) >> (4 * ((c % 2) * 4 + c // 2))) & 15
+    sc = tl.load(s_ptr + g * N + rows).to(tl.float32)
+    w = _in_column_order(
+        _rows_plane(qw, z, sc, 0), _rows_plane(qw, z, sc, 1), _rows_plane(qw, z, sc, 2), _rows_plane(qw, z, sc, 3),
+        _rows_plane(qw, z, sc, 4), _rows_plane(qw, z, sc, 5), _rows_plane(qw, z, sc, 6), _rows_plane(qw, z, sc, 7),
+        BLOCK_N, BK8,
+    )  # fmt: skip
+    cols = g * GROUP + tl.arange(0, GROUP)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
+def _rows_plane(qw, z, sc, NIB: tl.constexpr):
+    """(q - z) * s of nibble NIB, [BLOCK_N, BK8] (shift and mask: dequantisation is not the bottleneck)."""
+    return (((qw >> (4 * NIB)) & 15) - z[:, None]).to(tl.float32) * sc[:, None]
+
+
 # -- launchers --------------------------------------------------------------------------------------------------
 
 
@@ -343,3 +444,67 @@ def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None) -> torch.
         return awq_gemv(x, qweight, qzeros, scales, group_size, bias)
     w = awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)
     return torch.addmm(bias.to(x.dtype), x, w) if bias is not None else x @ w
+
+
+# -- rows layout launchers ---------------------------------------------------------------------------------------
+
+GEMV_ROWS_CONFIG = dict(BLOCK_N=16, R=8, num_warps=4, num_stages=2)
+
+
+def to_rows_layout(qweight: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ qweight int32 [in, out/8] -> the rows layout int32 [out, in/8] (nibble i of int32 j of row n: input
+    8j + AWQ_ORDER[i])."""
+    from kernels.awq_reference import AWQ_ORDER, unpack_int4
+
+    q = unpack_int4(qweight).t().contiguous()  # [out, in] values 0..15
+    out, k = q.shape
+    q = q.view(out, k // 8, 8)[:, :, list(AWQ_ORDER)]  # nibble i <- input 8j + AWQ_ORDER[i]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
+    return (q.to(torch.int32) << shifts).sum(-1, dtype=torch.int32)  # disjoint bits: the sum is an OR (int32 wraps)
+
+
+def gemv_rows_config(n: int, k: int, group_size: int, config: dict | None = None) -> dict:
+    cfg = {**GEMV_ROWS_CONFIG, **(config or {})}
+    groups = k // group_size
+    r = cfg["R"]
+    while r > 1 and groups % r:
+        r //= 2
+    cfg["R"] = r
+    return cfg
+
+
+def awq_gemv_rows(x, qweight_rows, qzeros, scales, group_size: int, bias=None, config: dict | None = None):
+    """x [1, in] -> [1, out] in x's dtype, from the rows layout (to_rows_layout)."""
+    n, k8 = qweight_rows.shape
+    k = k8 * 8
+    assert x.shape == (1, k) and x.stride(-1) == 1 and qweight_rows.is_contiguous()
+    assert qzeros.shape == (k // group_size, n // 8) and scales.shape == (k // group_size, n)
+    assert group_size & (group_size - 1) == 0 and group_size >= 16, "group size must be a power of two >= 16"
+    cfg = gemv_rows_config(n, k, group_size, config)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _awq_gemv_rows_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, qweight_rows, qzeros, scales, bias if bias is not None else scales, out, n, k,
+        GROUP=group_size, BLOCK_N=cfg["BLOCK_N"], R=cfg["R"], HAS_BIAS=bias is not None,
+        USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def awq_dequantize_rows(qweight_rows, qzeros, scales, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """-> W [out, in] in `dtype` (nn.Linear's layout) from the rows layout."""
+    n, k8 = qweight_rows.shape
+    k = k8 * 8
+    out = torch.empty(n, k, dtype=dtype, device=qweight_rows.device)
+    block_n = 64
+    _awq_dequant_rows_kernel[(k // group_size, triton.cdiv(n, block_n))](
+        qweight_rows, qzeros, scales, out, n, k, GROUP=group_size, BLOCK_N=block_n, num_warps=4
+    )
+    return out
+
+
+def awq_linear_rows(x, qweight_rows, qzeros, scales, group_size: int, bias=None) -> torch.Tensor:
+    """x [M, in] -> [M, out] from the rows layout: the GEMV for one row, else dequantise + cuBLAS."""
+    if x.shape[0] == 1:
+        return awq_gemv_rows(x, qweight_rows, qzeros, scales, group_size, bias)
+    w = awq_dequantize_rows(qweight_rows, qzeros, scales, group_size, x.dtype)
+    return torch.nn.functional.linear(x, w, bias.to(x.dtype) if bias is not None else None)

@@ -93,3 +93,49 @@ def test_full_shapes_gpu(m, shape):
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     ref = awq_matmul(x.float(), qweight, qzeros, scales, 128)
     assert rel_err(awq.awq_linear(x, qweight, qzeros, scales, 128), ref) < 1e-2
+
+
+# -- rows layout (GPU decode: qweight re-laid out as [out, in/8] at load time) ------------------------------------
+
+ROWS_CASES = [(192, 200, 64, None), (256, 72, 32, dict(BLOCK_N=8, R=2)), (384, 136, 128, dict(BLOCK_N=16, R=4)),
+              (512, 64, 16, dict(BLOCK_N=32, R=8))]  # fmt: skip
+
+
+def test_rows_layout_holds_the_same_weights():
+    from kernels.awq_reference import AWQ_ORDER, unpack_int4
+
+    qweight, _, _, _ = random_awq(64, 24, 32, seed=9)
+    rows = awq.to_rows_layout(qweight)
+    assert rows.shape == (24, 8) and rows.dtype == torch.int32
+    q = unpack_int4(qweight)  # [in, out]
+    for n in (0, 5, 23):
+        for j in (0, 7):
+            v = int(rows[n, j])
+            for i in range(8):
+                assert (v >> (4 * i)) & 15 == int(q[8 * j + AWQ_ORDER[i], n])
+
+
+@pytest.mark.parametrize("case", ROWS_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_rows_matches_reference(case, dtype):
+    k, n, g, config = case
+    qweight, qzeros, scales, bias = random_awq(k, n, g, seed=k + n)
+    rows = awq.to_rows_layout(qweight)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    for b in (None, bias.to(dtype)):
+        out = awq.awq_gemv_rows(x, rows, qzeros, scales, g, b, config=config)
+        ref = awq_matmul(x.float(), qweight, qzeros, scales, g, None if b is None else b.float())
+        assert out.dtype == dtype and out.shape == (1, n)
+        assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_dequantize_rows_is_exact_and_linear_dispatches(group_size):
+    qweight, qzeros, scales, bias = random_awq(256, 136, group_size, seed=group_size + 1)
+    rows = awq.to_rows_layout(qweight)
+    ref = dequantize(qweight, qzeros, scales, group_size)  # [in, out]
+    assert torch.equal(awq.awq_dequantize_rows(rows, qzeros, scales, group_size, torch.float32), ref.t())
+    for m in (1, 5):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        out = awq.awq_linear_rows(x, rows, qzeros, scales, group_size, bias)
+        assert rel_err(out, awq_matmul(x, qweight, qzeros, scales, group_size, bias)) < 1e-5

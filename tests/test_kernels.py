@@ -154,3 +154,75 @@ def test_rotary_with_cache_write_matches_separate_kernels():
     write_kv(k, v, split_cache[0], split_cache[1], slots)
     assert torch.equal(q_fused, q)
     assert torch.equal(fused_cache, split_cache)
+
+
+@pytest.mark.parametrize(("dtype", "silu_mul", "norm"), [
+    (torch.float32, False, True), (torch.float32, True, True), (torch.float32, False, False),
+    (torch.bfloat16 if DEVICE == "cuda" else torch.float16, True, True),
+])  # fmt: skip
+def test_gemv_add_rms_norm_matches_unfused(dtype, silu_mul, norm):
+    """The linear ending a sub-layer with the next sub-layer's add + RMSNorm done by its last program = gemv, then
+    kernels/fused.py's add_rms_norm (same rounding); the ticket counter is back at zero after every call."""
+    from kernels.fused import add_rms_norm, silu_and_mul
+    from kernels.gemv import gemv, gemv_add_rms_norm
+
+    torch.manual_seed(7)
+    n, k = 72, 128  # 72: the last row block is partial
+    x = torch.randn(1, (2 if silu_mul else 1) * k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * 0.2).to(dtype)
+    residual = torch.randn(1, n, device=DEVICE).to(dtype)
+    norm_w = (torch.rand(n, device=DEVICE) + 0.5).to(dtype)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
+    for _ in range(2):  # twice: the counter is reusable
+        out, h = gemv_add_rms_norm(x, w, residual, norm_w if norm else None, 1e-5, counter, config=cfg,
+                                   silu_mul=silu_mul)  # fmt: skip
+        assert int(counter.item()) == 0
+    y = gemv(silu_and_mul(x) if silu_mul else x, w, config=cfg)
+    ref_out, ref_h = add_rms_norm(y, residual, norm_w, 1e-5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(h.float(), ref_h.float(), **tol)
+    if norm:
+        torch.testing.assert_close(out.float(), ref_out.float(), **tol)
+    else:
+        assert out is None
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "block_n", "bias", "slot"), [
+    ((4, 2), 16, 4, False, 9), ((6, 2), 32, 16, True, 0), ((4, 4), 16, 8, False, -1),
+])  # fmt: skip
+def test_gemv_rotary_cache_matches_separate_kernels(heads, head_dim, block_n, bias, slot):
+    """One token's q/k/v GEMV with rotary and the cache write in its epilogue = gemv, then rotary_split(cache=...)
+    (a negative slot writes nothing)."""
+    from aserve.model.layers import RotaryEmbedding
+    from kernels import fused
+    from kernels.gemv import gemv, gemv_rotary_cache, rotary_cache_config
+
+    H, Hkv = heads
+    D, K, bs = head_dim, 128, 4
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, K, generator=gen).to(DEVICE)
+    w = (torch.randn((H + 2 * Hkv) * D, K, generator=gen) * 0.2).to(DEVICE)
+    b = torch.randn(w.shape[0], generator=gen).to(DEVICE) if bias else None
+    rot = RotaryEmbedding(D, 64, 10000.0, {"rope_type": "default"})
+    rot.materialize(torch.device(DEVICE))
+    cos, sin = rot(torch.tensor([13], device=DEVICE), torch.float32)
+    slots = torch.tensor([slot], device=DEVICE)
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=2)
+    assert rotary_cache_config(w, H, Hkv, D, cfg) is not None
+    fused_cache = torch.randn(2, 4, bs, Hkv, D, generator=gen).to(DEVICE)
+    split_cache = fused_cache.clone()
+    q_fused = gemv_rotary_cache(x, w, cos, sin, fused_cache[0], fused_cache[1], slots, H, Hkv, D, b, config=cfg)
+    q_ref = fused.rotary_split(gemv(x, w, b, config=cfg), cos, sin, H, Hkv, D,
+                               cache=(split_cache[0], split_cache[1], slots))  # fmt: skip
+    torch.testing.assert_close(q_fused, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_cache, split_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_cache_config_needs_whole_pairs():
+    from kernels.gemv import rotary_cache_config
+
+    w = torch.empty((8 + 2 * 2) * 16, 128)
+    assert rotary_cache_config(w, 8, 2, 16, dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)) is not None
+    assert rotary_cache_config(w, 8, 2, 16, dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)) is None
+    assert rotary_cache_config(w, 8, 3, 16, None) is None  # not a q/k/v weight of these heads

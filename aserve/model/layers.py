@@ -20,6 +20,7 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     gemv_config: dict | None = None  # GPU: one-row inputs (batch-1 decode) run kernels/gemv.py
+    ticket: torch.Tensor | None = None  # the fused one-token forward's last-program counter (LlamaForCausalLM)
 
     def use_gemv(self, config: dict | None = None) -> bool:
         """GPU, 16-bit weights: route one-row inputs to the Triton GEMV (kernels/gemv.py), which streams the weight
