@@ -1,0 +1,111 @@
+"""CPU decode attention per layer: kernels/cpu_attention.py (AVX512-BF16 path and generic C) vs the torch path it
+replaces (block gather with index_select + SDPA, TorchAttentionBackend with DECODE_KERNEL off), SmolLM2 shapes
+(9 query / 3 KV heads, head_dim 64, bf16), in one command:
+
+    python bench/cpu_attention.py [--threads N] [--repeats 3] [--e2e]
+
+Cases: batch 64 x 300-token contexts (the throughput workload's decode steps) and batch 1 x 256.
+--e2e adds the engine with the kernel on and off (TorchAttentionBackend.DECODE_KERNEL), alternating in one process
+(this VM drifts by +-20 % between runs): bench/offline_throughput.py's two workloads, the embedded SmolLM2 in bf16 —
+64 requests x 256 random prompt tokens / 128 output tokens (output tok/s), and batch 1 x 128 / 256 (decode ms per
+token, the time to a first token subtracted). The torch path's
+time includes its per-step prepare() and the cache write (as one layer of a step pays them; the kernel's own
+backend call pays the write too, not timed here). Prints a markdown table: ms per layer, best of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from attention_cases import random_batch  # noqa: E402
+
+from aserve.model.attention import TorchAttentionBackend  # noqa: E402
+from kernels import cpu_attention  # noqa: E402
+
+
+def e2e(repeats: int) -> None:
+    import random
+    import statistics
+
+    from aserve import LLM, SamplingParams
+
+    llm = LLM(None, dtype="bfloat16", max_model_len=1024)
+    rng = random.Random(0)
+
+    def prompts(n: int, length: int) -> list[dict]:
+        return [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(length)]} for _ in range(n)]
+
+    def run(n: int, length: int, out: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompts(n, length), SamplingParams(temperature=0, max_tokens=out, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(4, 64, 8)  # warm-up (compilation)
+    results: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for on in (True, False):
+            TorchAttentionBackend.DECODE_KERNEL = on
+            name = "kernel" if on else "gather + SDPA"
+            results.setdefault(f"{name}: 64 x 256/128 output tok/s", []).append(64 * 128 / run(64, 256, 128))
+            e2e_s, ttft_s = run(1, 128, 256), run(1, 128, 1)
+            results.setdefault(f"{name}: batch 1 decode ms/token", []).append((e2e_s - ttft_s) / 255 * 1e3)
+    TorchAttentionBackend.DECODE_KERNEL = True
+    print("\n| engine, workload | runs (alternating) | median |\n|---|---|---|")
+    for key, values in results.items():
+        print(f"| {key} | {', '.join(f'{v:.1f}' for v in values)} | {statistics.median(values):.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--e2e", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    assert cpu_attention.available(), "no working C compiler"
+    rows = []
+    for batch, ctx in ((64, 300), (1, 256)):
+        bs = 16
+        q, k, v, kv, meta = random_batch([1] * batch, [ctx] * batch, 9, 3, 64, bs, batch * 20 + 4, torch.bfloat16)
+        out = torch.empty_like(q)
+        backend = TorchAttentionBackend()
+
+        def torch_path():
+            backend.prepare(meta, bs)
+            backend.forward(q, k, v, kv, meta)
+
+        def kernel(generic: bool):
+            return lambda: cpu_attention.paged_decode_attention(
+                q, kv[0], kv[1], meta.block_tables, meta.seq_lens, out, generic=generic
+            )
+
+        fns = {"kernel (AVX512-BF16)": kernel(False), "kernel (generic C)": kernel(True), "gather + SDPA": torch_path}
+        calls = 30 if batch > 1 else 300
+        best = dict.fromkeys(fns, float("inf"))
+        TorchAttentionBackend.DECODE_KERNEL = False
+        for _ in range(args.repeats):  # alternating, so drift hits every variant alike
+            for name, fn in fns.items():
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e3)
+        TorchAttentionBackend.DECODE_KERNEL = True
+        rows.append((f"{batch} x {ctx}", best))
+    names = list(rows[0][1])
+    if args.e2e:
+        e2e(args.repeats)
+    print(f"\nthreads: {args.threads}\n\n| batch x context | " + " | ".join(f"{n} ms" for n in names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for case, best in rows:
+        print(f"| {case} | " + " | ".join(f"{best[n]:.3f}" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+"""CPU decode attention that reads the paged KV cache in place: a small C kernel, compiled once per machine with
+the system C compiler (the one torch.compile's CPU backend needs anyway) and called through ctypes.
+
+The torch path (aserve/model/attention.py TorchAttentionBackend) gathers every decoding request's blocks into a
+padded copy with index_select and then runs SDPA: K/V bytes are read, written and read again, and SDPA's CPU kernel
+is slow at one query token. Here each (request, KV head) pair is one work item (OpenMP, torch's thread count; the
+runtime is torch's own libgomp, which the compiled library binds to):
+
+    scores[t, g] = q[g] . K[t] * scale     for the G query heads sharing the KV head, t over the request's tokens,
+                                           read block by block through the block table (bf16 rows widened in
+                                           registers)
+    p = exp(scores - max), l = sum(p)      (a vectorisable exp2 polynomial: libm's expf does not vectorise)
+    out[g] = sum_t p[t, g] V[t] / l
+
+float32 and bfloat16 (round to nearest even on the way out). On CPUs with AVX512-BF16 (Sapphire Rapids and newer)
+bfloat16 takes a vectorised path: q . k as bf16 pair dot products (vdpbf16ps) for 16 tokens at a time, reduced
+with one transpose-and-add tree, and P @ V with two tokens' V rows interleaved so that one vdpbf16ps adds both (P
+rounded to bf16, as flash attention kernels round it). Reference: kernels/reference.py paged_attention.
+`available()` is False where no compiler works; callers then keep the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+
+import torch
+
+logger = logging.getLogger("aserve")
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* 2**x for x <= 0 (x >= -126 after clamping): integer part into the exponent, a degree-6 polynomial for the
+   fraction (relative error ~2e-7). Plain arithmetic, so loops over it vectorise. */
+static inline float exp2_neg(float x) {
+    x = x < -126.0f ? -126.0f : x;
+    float fl = (float)(int)x;
+    fl = fl > x ? fl - 1.0f : fl;                 /* floor */
+    float f = x - fl;                             /* [0, 1) */
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    int32_t e = (int32_t)fl + 127;
+    uint32_t u = (uint32_t)e << 23;
+    float s;
+    memcpy(&s, &u, 4);
+    return p * s;
+}
+
+#define MAX_D 256
+#define MAX_G 32
+
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+#define FAST_MAX_G 8
+
+/* 16 vectors -> one whose lane j is the sum of v[j]'s lanes (a transpose-and-add tree: 45 instructions instead of
+   16 separate horizontal sums). */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 s1[8], s2[4];
+    for (int i = 0; i < 8; i++)
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int k = 0; k < 4; k++)
+        s2[k] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Prefetch the rows of up to 16 tokens (from `first` in block `blk`; a whole block when block_size is 16) of one
+   head into L1. */
+static inline void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t first, int64_t block_size, int64_t row,
+                                 int64_t head_off, int64_t D) {
+    const int64_t last = first + 16 < block_size ? first + 16 : block_size;
+    for (int64_t j = first; j < last; j++) {
+        const char *p = (const char *)(cache + (blk * block_size + j) * row + head_off);
+        for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+}
+
+/* 2**x for x <= 0, 16 lanes (same polynomial as exp2_neg). */
+static inline __m512 exp2_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, fl);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, fl);
+}
+
+/* bf16 work item with AVX512-BF16: q . k as bf16 pair dot products (vdpbf16ps) 16 tokens at a time, P @ V with
+   two tokens' V rows interleaved so one vdpbf16ps adds both (P rounded to bf16, as flash attention kernels do).
+   D % 32 == 0, G <= FAST_MAX_G, block_size % 16 == 0. */
+static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                    const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out, int64_t item,
+                                    int64_t num_kv_heads, int64_t G, int64_t D, int64_t block_size, int64_t bt_stride,
+                                    int64_t q_stride, int64_t out_stride, float scale) {
+    const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+    const int64_t len = seq_lens[s], row = num_kv_heads * D, C = D / 32;
+    const __m512 sl = _mm512_set1_ps(scale * 1.4426950408889634f);
+    __m512bh qv[FAST_MAX_G][MAX_D / 32];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < C; c++)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512(q + s * q_stride + (h * G + g) * D + 32 * c);
+    const int64_t padded = (len + 15) / 16 * 16;
+    float *scores = (float *)aligned_alloc(64, sizeof(float) * (padded > 0 ? padded : 16) * G);  /* [G][padded] */
+    /* pass 1 (the next 16 tokens' K rows are prefetched: the loads, not the arithmetic, bound this loop) */
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        if (t0 + 32 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + (t0 + 32) / block_size], (t0 + 32)
+                                         % block_size, block_size, row, h * D, D);
+        if (t0 == 0 && 16 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + 16 / block_size], 16
+                                         % block_size, block_size, row, h * D, D);
+        __m512 v[FAST_MAX_G][16];
+        for (int64_t j = 0; j < 16; j++) {
+            const uint16_t *kp = k_cache + (blk * block_size + t0 % block_size + (j < n ? j : 0)) * row + h * D;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t c = 0; c < C; c++)
+                    a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
+                v[g][j] = a;
+            }
+        }
+        for (int64_t g = 0; g < G; g++)
+            _mm512_store_ps(scores + g * padded + t0, _mm512_mul_ps(hsum16(v[g]), sl));
+    }
+    /* pass 2: scores -> bf16-rounded weights (kept as float), sums from the unrounded ones */
+    float l[FAST_MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * padded;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+            __mmask16 mk = len - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t0)) - 1u);
+            mx = _mm512_max_ps(mx, _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), mk, sg + t0));
+        }
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+            __mmask16 mk = len - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t0)) - 1u);
+            __m512 p = _mm512_maskz_mov_ps(mk, exp2_neg16(_mm512_sub_ps(_mm512_load_ps(sg + t0), m)));
+            sum = _mm512_add_ps(sum, p);
+            _mm512_store_ps(sg + t0, p);
+        }
+        l[g] = _mm512_reduce_add_ps(sum);
+    }
+    /* pass 3: acc[g][c] lanes hold d = 32c + 8L + e (lo) and 32c + 8L + 4 + e (hi), L the 128-bit lane, e < 4 */
+    __m512 acc_lo[FAST_MAX_G][MAX_D / 32], acc_hi[FAST_MAX_G][MAX_D / 32];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < C; c++) acc_lo[g][c] = acc_hi[g][c] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {  /* block by block: no division per token */
+      const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
+      if (t0 + 2 * block_size < len)
+          prefetch_rows(v_cache, block_tables[s * bt_stride + t0 / block_size + 2], 0, block_size, row, h * D, D);
+      if (t0 == 0 && block_size < len)
+          prefetch_rows(v_cache, block_tables[s * bt_stride + 1], 0, block_size, row, h * D, D);
+      const uint16_t *vb = v_cache + blk * block_size * row + h * D;
+      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
+      for (int64_t t = t0; t < t_end; t += 2) {
+        const int64_t t1 = t + 1 < t_end ? t + 1 : t;  /* an odd tail pairs the last token with itself, weight 0 */
+        const uint16_t *v0 = vb + (t - t0) * row, *v1 = vb + (t1 - t0) * row;
+        __m512bh pp[FAST_MAX_G];
+        for (int64_t g = 0; g < G; g++) {
+            const float p0 = scores[g * padded + t], p1 = t + 1 < t_end ? scores[g * padded + t + 1] : 0.0f;
+            const uint32_t pair = (uint32_t)f32_to_bf16(p0) | ((uint32_t)f32_to_bf16(p1) << 16);
+            pp[g] = (__m512bh)_mm512_set1_epi32((int32_t)pair);
+        }
+        for (int64_t c = 0; c < C; c++) {
+            __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+            __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int64_t g = 0; g < G; g++) {
+                acc_lo[g][c] = _mm512_dpbf16_ps(acc_lo[g][c], lo, pp[g]);
+                acc_hi[g][c] = _mm512_dpbf16_ps(acc_hi[g][c], hi, pp[g]);
+            }
+        }
+      }
+    }
+    free(scores);
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        uint16_t *o = out + s * out_stride + (h * G + g) * D;
+        for (int64_t c = 0; c < C; c++) {
+            float lo[16], hi[16];
+            _mm512_storeu_ps(lo, acc_lo[g][c]);
+            _mm512_storeu_ps(hi, acc_hi[g][c]);
+            for (int L = 0; L < 4; L++)
+                for (int e = 0; e < 4; e++) {
+                    o[32 * c + 8 * L + e] = f32_to_bf16(lo[4 * L + e] * inv);
+                    o[32 * c + 8 * L + 4 + e] = f32_to_bf16(hi[4 * L + e] * inv);
+                }
+        }
+    }
+}
+#endif
+
+/* One head's row of one token as float32. */
+static inline __attribute__((always_inline)) void load_row(const void *cache, int64_t base, int is_bf16,
+                                                           const int64_t D, float *kv) {
+    if (is_bf16) {
+        const uint16_t *p = (const uint16_t *)cache + base;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) kv[d] = bf16_to_f32(p[d]);
+    } else {
+        const float *p = (const float *)cache + base;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) kv[d] = p[d];
+    }
+}
+
+/* One (request, KV head) work item; D is a compile-time constant at the common call sites (fixed-length inner
+   loops vectorise without remainder handling). */
+static inline __attribute__((always_inline)) void attend_item(
+        const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+        const int32_t *seq_lens, void *out, int64_t item, int64_t num_kv_heads, int64_t G, const int64_t D,
+        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int is_bf16) {
+    const int64_t row = num_kv_heads * D;  /* elements between consecutive tokens of one head */
+    const float log2e = 1.4426950408889634f;
+        const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+    const int64_t len = seq_lens[s];
+    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], kv[MAX_D], l[MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t off = s * q_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; d++) {
+            float x = is_bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d];
+            qf[g][d] = x * scale * log2e;  /* scores in log2 units: exp2 below */
+            acc[g][d] = 0.0f;
+        }
+    }
+    float *scores = (float *)malloc(sizeof(float) * (len > 0 ? len : 1) * G);  /* [G][len] */
+    /* pass 1: scores (walking the block table block by block: no division per token) */
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
+      const int64_t blk = block_tables[s * bt_stride + b];
+      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
+      for (int64_t t = t0; t < t_end; t++) {
+        const int64_t base = (blk * block_size + (t - t0)) * row + h * D;
+        load_row(k_cache, base, is_bf16, D, kv);
+        for (int64_t g = 0; g < G; g++) {
+            float dot = 0.0f;
+            #pragma omp simd reduction(+:dot)
+            for (int64_t d = 0; d < D; d++) dot += qf[g][d] * kv[d];
+            scores[g * len + t] = dot;
+        }
+      }
+    }
+    /* pass 2: softmax weights, in place */
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * len;
+        float mx = -INFINITY, sum = 0.0f;
+        #pragma omp simd reduction(max:mx)
+        for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < len; t++) {
+            float p = exp2_neg(sg[t] - mx);
+            sg[t] = p;
+            sum += p;
+        }
+        l[g] = sum;
+    }
+    /* pass 3: weighted sum of V */
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
+      const int64_t blk = block_tables[s * bt_stride + b];
+      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
+      for (int64_t t = t0; t < t_end; t++) {
+        const int64_t base = (blk * block_size + (t - t0)) * row + h * D;
+        load_row(v_cache, base, is_bf16, D, kv);
+        for (int64_t g = 0; g < G; g++) {
+            const float p = scores[g * len + t];
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[g][d] += p * kv[d];
+        }
+      }
+    }
+    free(scores);
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        const int64_t off = s * out_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; d++) {
+            float x = acc[g][d] * inv;
+            if (is_bf16) ((uint16_t *)out)[off + d] = f32_to_bf16(x);
+            else ((float *)out)[off + d] = x;
+        }
+    }
+}
+
+/* q [num_seqs, H, D] (token stride q_stride), out likewise (out_stride); caches [num_blocks, block_size, Hkv, D]
+   contiguous; block_tables [num_seqs, bt_stride] int32; seq_lens [num_seqs] int32. is_bf16: 1 bfloat16, 0 float32.
+   Returns 0, or -1 for shapes it does not take (D > MAX_D, G > MAX_G). */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                           const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t bt_stride,
+                           int64_t q_stride, int64_t out_stride, float scale, int is_bf16, int num_threads,
+                           int force_generic) {
+    const int64_t G = num_heads / num_kv_heads, D = head_dim;
+    if (D > MAX_D || G > MAX_G) return -1;
+    const int64_t items = num_seqs * num_kv_heads;
+#ifdef HAVE_AVX512_BF16
+    if (is_bf16 && D % 32 == 0 && G <= FAST_MAX_G && block_size % 16 == 0 && !force_generic) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int64_t item = 0; item < items; item++)
+            attend_item_bf16_avx512((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                                    block_tables, seq_lens, (uint16_t *)out, item, num_kv_heads, G, D, block_size,
+                                    bt_stride, q_stride, out_stride, scale);
+        return 0;
+    }
+#endif
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < items; item++) {
+        if (D == 64)
+            attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, 64, block_size,
+                        bt_stride, q_stride, out_stride, scale, is_bf16);
+        else if (D == 128)
+            attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, 128, block_size,
+                        bt_stride, q_stride, out_stride, scale, is_bf16);
+        else
+            attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, D, block_size,
+                        bt_stride, q_stride, out_stride, scale, is_bf16);
+    }
+    return 0;
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+_lib = None
+_tried = False
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("ASERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "aserve"))
+    return os.path.join(root, "cpu_kernels")
+
+
+def _load():
+    """The compiled library (compiling it the first time on this machine), or None."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("ASERVE_CPU_ATTENTION_KERNEL", "1") == "0":
+        return None
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"paged_decode_{key}.so")
+    try:
+        if not os.path.exists(path):
+            os.makedirs(_cache_dir(), exist_ok=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                src = os.path.join(tmp, "paged_decode.c")
+                with open(src, "w") as f:
+                    f.write(_SOURCE)
+                built = os.path.join(tmp, "paged_decode.so")
+                subprocess.run([cc, *_FLAGS, src, "-o", built], check=True, capture_output=True, timeout=120)
+                os.replace(built, path)  # atomic: a concurrent process sees all of it or nothing
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("CPU decode attention kernel unavailable (%s %s); using the torch path", e,
+                       detail.decode(errors="replace")[-500:])  # fmt: skip
+        return None
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3
+    _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention takes these tensors (CPU, float32 / bfloat16, contiguous rows)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == q.dtype
+        and k_cache.is_contiguous()
+        and q.stride(-1) == 1
+        and q.stride(-2) == q.shape[-1]
+        and q.shape[-1] <= 256
+        and available()
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float | None = None,
+    generic: bool = False,
+) -> torch.Tensor:
+    """One query token per request: q [n, H, D], caches [num_blocks, block_size, Hkv, D], block_tables [>= n, max]
+    int32, seq_lens [>= n] int32 (tokens in the cache, the new one included) -> out[:n] = attention (out [>= n, H,
+    D], rows contiguous). `supports` must hold."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    assert block_tables.stride(-1) == 1 and out.stride(-1) == 1 and out.stride(-2) == head_dim
+    assert out.dtype == q.dtype and num_heads % num_kv_heads == 0
+    scale = head_dim**-0.5 if scale is None else scale
+    rc = _load().paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        out.data_ptr(), n, num_heads, num_kv_heads, head_dim, block_size, block_tables.stride(0), q.stride(0),
+        out.stride(0), scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(), int(generic),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"paged_decode_attention: unsupported shape (heads {num_heads}/{num_kv_heads}, D {head_dim})")
+    return out
