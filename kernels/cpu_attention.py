@@ -1,5 +1,5 @@
-"""CPU decode attention that reads the paged KV cache in place: a small C kernel, compiled once per machine with
-the system C compiler (the one torch.compile's CPU backend needs anyway) and called through ctypes.
+"""CPU decode attention that reads the paged KV cache in place: a small C kernel (kernels/cpu_build.py compiles it
+once per machine) called through ctypes.
 
 The torch path (aserve/model/attention.py TorchAttentionBackend) gathers every decoding request's blocks into a
 padded copy with index_select and then runs SDPA: K/V bytes are read, written and read again, and SDPA's CPU kernel
@@ -22,15 +22,11 @@ rounded to bf16, as flash attention kernels round it). Reference: kernels/refere
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import subprocess
-import tempfile
 
 import torch
 
-logger = logging.getLogger("aserve")
+from kernels import cpu_build
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -356,47 +352,19 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 _lib = None
-_tried = False
-
-
-def _cache_dir() -> str:
-    root = os.environ.get("ASERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "aserve"))
-    return os.path.join(root, "cpu_kernels")
 
 
 def _load():
-    """The compiled library (compiling it the first time on this machine), or None."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("ASERVE_CPU_ATTENTION_KERNEL", "1") == "0":
-        return None
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"paged_decode_{key}.so")
-    try:
-        if not os.path.exists(path):
-            os.makedirs(_cache_dir(), exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                src = os.path.join(tmp, "paged_decode.c")
-                with open(src, "w") as f:
-                    f.write(_SOURCE)
-                built = os.path.join(tmp, "paged_decode.so")
-                subprocess.run([cc, *_FLAGS, src, "-o", built], check=True, capture_output=True, timeout=120)
-                os.replace(built, path)  # atomic: a concurrent process sees all of it or nothing
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("CPU decode attention kernel unavailable (%s %s); using the torch path", e,
-                       detail.decode(errors="replace")[-500:])  # fmt: skip
-        return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3
-    _lib = lib
+    """The compiled library with its function's signature set, or None."""
+    global _lib
+    if _lib is None and os.environ.get("ASERVE_CPU_ATTENTION_KERNEL", "1") != "0":
+        lib = cpu_build.library("paged_decode", _SOURCE)
+        if lib is not None:
+            fn = lib.paged_decode_attention
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3
+            _lib = lib
     return _lib
 
 

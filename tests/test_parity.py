@@ -77,12 +77,30 @@ def test_batch_of_one_equals_batch_of_many(tiny_model):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled path is the CPU's")
-def test_compiled_cpu_path_matches_transformers(references):
-    """Without enforce_eager, CPU runs torch.compile'd element-wise ops for steps of 32+ tokens (here: the
-    prefill step; decode steps of 5 tokens stay eager): same greedy tokens."""
+def test_compiled_cpu_path_matches_transformers(references, monkeypatch):
+    """Where the C element-wise kernels cannot be built, CPU runs torch.compile'd element-wise ops for steps of 32+
+    tokens (here: the prefill step; decode steps of 5 tokens stay eager): same greedy tokens."""
+    from kernels import cpu_elementwise
+
+    monkeypatch.setattr(cpu_elementwise, "supports", lambda dtype: False)
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32")
     assert llm.engine.runner.compiled
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's kernels")
+def test_native_cpu_elementwise_path_matches_transformers(references):
+    """The CPU's C element-wise kernels (kernels/cpu_elementwise.py), the default where a compiler works, for every
+    step (prefill and decode): same greedy tokens."""
+    from kernels import cpu_elementwise
+
+    if not cpu_elementwise.available():
+        pytest.skip("no working C compiler")
+    path, expected = references("gqa")
+    llm = LLM(path, dtype="float32", enforce_eager=True)
+    assert llm.engine.runner.model.ops.kind == "native"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert [o.outputs[0].token_ids for o in outs] == expected
 

@@ -100,10 +100,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class ElementwiseOps:
     """The element-wise work of a layer (add + RMSNorm, rotary, SiLU·mul), shared by all layers of a model.
 
-    Eager torch runs each as several passes over memory (and, on a GPU, several kernel launches). Two faster
+    Eager torch runs each as several passes over memory (and, on a GPU, several kernel launches). Faster
     implementations replace it: `use_triton()` (GPU) swaps in the fused Triton kernels of kernels/fused.py;
-    `compile()` (CPU) swaps in torch.compile'd versions for steps of at least `min_tokens` tokens — smaller steps
-    stay eager, since entering a compiled region costs more than fusion saves there."""
+    `use_native()` (CPU) the C kernels of kernels/cpu_elementwise.py; where those cannot be compiled, `compile()`
+    (CPU) swaps in torch.compile'd versions for steps of at least `min_tokens` tokens — smaller steps stay eager,
+    since entering a compiled region costs more than fusion saves there."""
 
     def __init__(self) -> None:
         self._fast: dict | None = None
@@ -116,6 +117,20 @@ class ElementwiseOps:
         }
         self.min_tokens = min_tokens
         self.kind = "compiled"
+
+    def use_native(self) -> None:
+        """CPU: the C kernels of kernels/cpu_elementwise.py for add + RMSNorm and rotary, at every step size (one
+        call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter, eager torch runs
+        several ops); SiLU·mul stays eager (two ops, no faster in C)."""
+        from kernels import cpu_elementwise
+
+        self._fast = {
+            "add_rms_norm": cpu_elementwise.add_rms_norm,
+            "split_rotate_qkv": cpu_elementwise.rotary_split,
+            "silu_and_mul": silu_and_mul,
+        }
+        self.min_tokens = 0
+        self.kind = "native"
 
     def use_triton(self) -> None:
         from kernels import fused

@@ -188,11 +188,16 @@ class LlamaForCausalLM(nn.Module):
         return residual  # the last layer's x + residual, before the final norm (as forward returns)
 
     def optimize_for_cpu(self, compile_elementwise: bool) -> None:
-        """CPU: prepack bf16 linear weights for oneDNN; optionally torch.compile the element-wise work."""
+        """CPU: prepack bf16 linear weights for oneDNN; the element-wise work in C kernels (kernels/cpu_elementwise.py,
+        compiled once per machine), or where they cannot be built, torch.compile'd if `compile_elementwise`."""
+        from kernels import cpu_elementwise
+
         for module in self.modules():
             if isinstance(module, (Linear, AWQLinear)):
                 module.prepack()
-        if compile_elementwise:
+        if cpu_elementwise.supports(self.embed_tokens.weight.dtype):
+            self.ops.use_native()
+        elif compile_elementwise:
             self.ops.compile()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

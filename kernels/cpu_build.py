@@ -1,0 +1,51 @@
+"""Compiles aserve's small C kernels for the CPU (kernels/cpu_attention.py, kernels/cpu_elementwise.py) with the
+system C compiler — the one torch.compile's CPU backend needs anyway — once per machine and source, into
+~/.cache/aserve/cpu_kernels, and loads them with ctypes. OpenMP in them binds to torch's own libgomp (already
+loaded), so they share torch's threads. ASERVE_CPU_KERNELS=0 turns them all off (the torch paths run)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+
+logger = logging.getLogger("aserve")
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+_cache: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("ASERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "aserve"))
+    return os.path.join(root, "cpu_kernels")
+
+
+def library(name: str, source: str) -> ctypes.CDLL | None:
+    """The compiled `source` (compiling it the first time on this machine), or None where no compiler works."""
+    if name in _cache:
+        return _cache[name]
+    _cache[name] = None
+    if os.environ.get("ASERVE_CPU_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256((source + " ".join(FLAGS) + cc).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"{name}_{key}.so")
+    try:
+        if not os.path.exists(path):
+            os.makedirs(_cache_dir(), exist_ok=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                src = os.path.join(tmp, f"{name}.c")
+                with open(src, "w") as f:
+                    f.write(source)
+                built = os.path.join(tmp, f"{name}.so")
+                subprocess.run([cc, *FLAGS, src, "-o", built], check=True, capture_output=True, timeout=120)
+                os.replace(built, path)  # atomic: a concurrent process sees all of it or nothing
+        _cache[name] = ctypes.CDLL(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("CPU kernels %s unavailable (%s %s); using the torch path", name, e,
+                       detail.decode(errors="replace")[-500:])  # fmt: skip
+    return _cache[name]

@@ -1,0 +1,181 @@
+"""The element-wise work of a Llama layer on the CPU as small C kernels (kernels/cpu_build.py compiles them), one
+call each through ctypes:
+
+    add_rms_norm     x + residual -> (RMSNorm(x + residual) * weight, x + residual)
+    rotary_split     fused qkv rows -> rotated q, rotated k, v (each contiguous)
+
+(SiLU·mul stays eager torch: two ops, as fast as a C loop here at every batch size.)
+
+Same contract and rounding as kernels/fused.py (HF's eager order: every product rounded to the model dtype where HF
+rounds it), float32 and bfloat16. Each call costs microseconds of Python, where eager torch runs 3-10 ops (~10 us
+each) and a torch.compile'd region pays ~100 us to enter: on a 2-core CPU that overhead, at batch 1 and in every
+decode step, was a visible part of the step. Rows are spread over torch's threads (OpenMP) when there are many.
+References: aserve.model.layers (add_rms_norm, split_rotate_qkv).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import cpu_build
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float ld(const void *p, int64_t i, int bf16) {
+    if (bf16) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+static inline float rnd(float f, int bf16) {  /* round to the model dtype and back */
+    if (!bf16) return f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    u &= 0xFFFF0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void st(void *p, int64_t i, float f, int bf16) {  /* f already rounded when bf16 */
+    if (bf16) {
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+#define PAR_ROWS(rows) _Pragma("omp parallel for num_threads(nt) if(rows > 1)")
+
+/* Per-row bodies take `bf16` as a compile-time constant: the exported functions branch once per row, inside their
+   OpenMP loop (an outlined parallel region would otherwise receive it as a variable), so the per-element dtype
+   branch folds away and the loops vectorise. */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void add_rms_norm_row(const void *x, const void *res, const void *w, void *out, void *res_out, int64_t r,
+                             int64_t n, float eps, int has_res, const int bf16) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t i = 0; i < n; i++) {
+        float h = ld(x, r * n + i, bf16);
+        if (has_res) {
+            h = rnd(h + ld(res, r * n + i, bf16), bf16);
+            st(res_out, r * n + i, h, bf16);
+        }
+        ss += h * h;
+    }
+    const float rstd = 1.0f / sqrtf(ss / (float)n + eps);
+    const void *src = has_res ? res_out : x;
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float y = rnd(ld(src, r * n + i, bf16) * rstd, bf16);
+        st(out, r * n + i, rnd(y * ld(w, i, bf16), bf16), bf16);
+    }
+}
+
+INLINE void rotary_split_row(const void *qkv, const void *cos_, const void *sin_, void *q, void *k, void *v, int64_t t,
+                             int64_t H, int64_t Hkv, int64_t D, int64_t stride_qkv, int64_t stride_cs, const int bf16) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < H + Hkv; h++) {
+        void *dst = h < H ? q : k;
+        const int64_t dst_row = h < H ? (t * H + h) * D : (t * Hkv + h - H) * D;
+        const int64_t src_row = t * stride_qkv + h * D;
+        #pragma omp simd
+        for (int64_t j = 0; j < half; j++) {
+            const float x1 = ld(qkv, src_row + j, bf16), x2 = ld(qkv, src_row + half + j, bf16);
+            const float c = ld(cos_, t * stride_cs + j, bf16), s = ld(sin_, t * stride_cs + j, bf16);
+            st(dst, dst_row + j, rnd(rnd(x1 * c, bf16) + rnd(-x2 * s, bf16), bf16), bf16);
+            st(dst, dst_row + half + j, rnd(rnd(x2 * c, bf16) + rnd(x1 * s, bf16), bf16), bf16);
+        }
+    }
+    const int64_t vsrc = t * stride_qkv + (H + Hkv) * D;
+    #pragma omp simd
+    for (int64_t i = 0; i < Hkv * D; i++) st(v, t * Hkv * D + i, ld(qkv, vsrc + i, bf16), bf16);
+}
+
+void add_rms_norm(const void *x, const void *res, const void *w, void *out, void *res_out, int64_t rows, int64_t n,
+                  float eps, int has_res, int bf16, int nt) {
+    PAR_ROWS(rows)
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16) add_rms_norm_row(x, res, w, out, res_out, r, n, eps, has_res, 1);
+        else add_rms_norm_row(x, res, w, out, res_out, r, n, eps, has_res, 0);
+    }
+}
+
+/* qkv [T, (H + 2 Hkv) D] rows, cos / sin [T, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D]. */
+void rotary_split(const void *qkv, const void *cos_, const void *sin_, void *q, void *k, void *v, int64_t rows,
+                  int64_t H, int64_t Hkv, int64_t D, int64_t stride_qkv, int64_t stride_cs, int bf16, int nt) {
+    PAR_ROWS(rows)
+    for (int64_t t = 0; t < rows; t++) {
+        if (bf16) rotary_split_row(qkv, cos_, sin_, q, k, v, t, H, Hkv, D, stride_qkv, stride_cs, 1);
+        else rotary_split_row(qkv, cos_, sin_, q, k, v, t, H, Hkv, D, stride_qkv, stride_cs, 0);
+    }
+}
+"""
+
+_lib = None
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        lib = cpu_build.library("elementwise", _SOURCE)
+        if lib is not None:
+            p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+            lib.add_rms_norm.argtypes = [p] * 5 + [i64, i64, f32, i32, i32, i32]
+            lib.rotary_split.argtypes = [p] * 6 + [i64] * 6 + [i32, i32]
+            for fn in (lib.add_rms_norm, lib.rotary_split):
+                fn.restype = None
+            _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.bfloat16) and available()
+
+
+def _bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """-> (norm(x + residual) * weight, x + residual); without a residual, (norm(x) * weight, x)."""
+    x = x.contiguous()
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res = residual.contiguous() if residual is not None else x
+    _load().add_rms_norm(
+        x.data_ptr(), res.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), res_out.data_ptr(), rows, n,
+        eps, int(residual is not None), _bf16(x), torch.get_num_threads(),
+    )  # fmt: skip
+    return out, res_out
+
+
+def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):
+    """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D]."""
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty_like(k)
+    _load().rotary_split(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), t, num_heads,
+        num_kv_heads, head_dim, qkv.stride(0), cos.stride(0), _bf16(qkv), torch.get_num_threads(),
+    )  # fmt: skip
+    return q, k, v
