@@ -137,7 +137,8 @@ class TorchAttentionBackend(AttentionBackend):
         if n and data["decode_kernel"]:
             from kernels import cpu_attention
 
-            if cpu_attention.supports(q, k_cache):
+            if data["decode_kernel"] == "checked" or cpu_attention.supports(q, k_cache):
+                data["decode_kernel"] = "checked"  # every layer of the step has the same dtype and layout
                 cpu_attention.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, out)
             else:  # (a dtype the kernel does not take: the SDPA path, prepared now)
                 data["decode_kernel"] = False
