@@ -41,3 +41,15 @@ def test_rotary_split(dtype):
     for got, expected in zip(cew.rotary_split(qkv, cos, sin, H, Hkv, D),
                              layers.split_rotate_qkv(qkv, cos, sin, H, Hkv, D)):  # fmt: skip
         close(got, expected.contiguous(), dtype)
+
+
+def test_build_without_a_working_compiler_falls_back(monkeypatch, tmp_path, caplog):
+    """No compiler (CC=false here): library() returns None with a warning, so callers keep the torch paths."""
+    from kernels import cpu_build
+
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("ASERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_cache", {})
+    with caplog.at_level("WARNING", logger="aserve"):
+        assert cpu_build.library("elementwise", cew._SOURCE) is None
+    assert "unavailable" in caplog.text and not any(tmp_path.rglob("*.so"))
