@@ -22,31 +22,14 @@ rounded to bf16, as flash attention kernels round it). Reference: kernels/refere
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from kernels import cpu_build
 
-_SOURCE = r"""
-#include <stdint.h>
+_SOURCE = cpu_build.BF16_C + r"""
 #include <stdlib.h>
-#include <string.h>
 #include <math.h>
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* 2**x for x <= 0 (x >= -126 after clamping): integer part into the exponent, a degree-6 polynomial for the
    fraction (relative error ~2e-7). Plain arithmetic, so loops over it vectorise. */
@@ -158,7 +141,8 @@ static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, 
         for (int64_t g = 0; g < G; g++)
             _mm512_store_ps(scores + g * padded + t0, _mm512_mul_ps(hsum16(v[g]), sl));
     }
-    /* pass 2: scores -> bf16-rounded weights (kept as float), sums from the unrounded ones */
+    /* pass 2: scores -> softmax weights, in place (pass 3 rounds them to bf16 for the products; l sums them
+       unrounded) */
     float l[FAST_MAX_G];
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * padded;
@@ -248,7 +232,7 @@ static inline __attribute__((always_inline)) void attend_item(
         int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int is_bf16) {
     const int64_t row = num_kv_heads * D;  /* elements between consecutive tokens of one head */
     const float log2e = 1.4426950408889634f;
-        const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+    const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t len = seq_lens[s];
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], kv[MAX_D], l[MAX_G];
     for (int64_t g = 0; g < G; g++) {
@@ -358,7 +342,7 @@ _lib = None
 def _load():
     """The compiled library with its function's signature set, or None."""
     global _lib
-    if _lib is None and os.environ.get("ASERVE_CPU_ATTENTION_KERNEL", "1") != "0":
+    if _lib is None:
         lib = cpu_build.library("paged_decode", _SOURCE)
         if lib is not None:
             fn = lib.paged_decode_attention

@@ -14,6 +14,27 @@ import tempfile
 
 logger = logging.getLogger("aserve")
 
+# bfloat16 <-> float32 in C, for the sources' preambles (round to nearest even on the way down; no NaN handling:
+# activations and caches hold none).
+BF16_C = r"""
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+"""
+
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 _cache: dict[str, ctypes.CDLL | None] = {}
 

@@ -21,39 +21,20 @@ import torch
 
 from kernels import cpu_build
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
+_SOURCE = cpu_build.BF16_C + r"""
 #include <math.h>
 
 static inline float ld(const void *p, int64_t i, int bf16) {
-    if (bf16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)p)[i];
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline float rnd(float f, int bf16) {  /* round to the model dtype and back */
-    if (!bf16) return f;
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    u &= 0xFFFF0000u;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16 ? bf16_to_f32(f32_to_bf16(f)) : f;
 }
 
-static inline void st(void *p, int64_t i, float f, int bf16) {  /* f already rounded when bf16 */
-    if (bf16) {
-        uint32_t u;
-        memcpy(&u, &f, 4);
-        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-    } else {
-        ((float *)p)[i] = f;
-    }
+static inline void st(void *p, int64_t i, float f, int bf16) {  /* f already rounded when bf16 (exact) */
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else ((float *)p)[i] = f;
 }
 
 #define PAR_ROWS(rows) _Pragma("omp parallel for num_threads(nt) if(rows > 1)")
