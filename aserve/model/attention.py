@@ -66,7 +66,7 @@ class TorchAttentionBackend(AttentionBackend):
     other request gets its own SDPA call over its gathered context. K/V are gathered whole blocks at a time with
     index_select (several times faster than per-slot indexing on CPU), and SDPA gets 4-D inputs (its fused CPU
     kernel). On CPU, a batch's decodes (one query token each) skip the gather: kernels/cpu_attention.py reads their
-    blocks in place (DECODE_KERNEL; ASERVE_CPU_ATTENTION_KERNEL=0 turns it off)."""
+    blocks in place (DECODE_KERNEL; ASERVE_CPU_KERNELS=0 turns it off)."""
 
     SHORT_QUERY = 8
     DECODE_KERNEL = True  # CPU: decode-only short batches through kernels/cpu_attention.py (reads blocks in place)
@@ -137,8 +137,7 @@ class TorchAttentionBackend(AttentionBackend):
         if n and data["decode_kernel"]:
             from kernels import cpu_attention
 
-            if data["decode_kernel"] == "checked" or cpu_attention.supports(q, k_cache):
-                data["decode_kernel"] = "checked"  # every layer of the step has the same dtype and layout
+            if cpu_attention.supports(q, k_cache):
                 cpu_attention.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, out)
             else:  # (a dtype the kernel does not take: the SDPA path, prepared now)
                 data["decode_kernel"] = False
