@@ -263,6 +263,13 @@ def _awq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, GROUP: tl.constexpr, 
 
 
 @triton.jit
+def _zero_shift(rows):
+    """Bit offset of output n's zero point in qzeros[g, n // 8]: 4 * AWQ_REVERSE_ORDER[n % 8]."""
+    c = rows % 8
+    return 4 * ((c % 2) * 4 + c // 2)
+
+
+@triton.jit
 def _x_plane(x_ptr, k_base, NIB: tl.constexpr):
     """x at the inputs nibble NIB covers, times 16**-e (undoing the mantissa trick's 16**e)."""
     order: tl.constexpr = (NIB % 4) * 2 + NIB // 4  # AWQ_ORDER[NIB]
@@ -272,7 +279,8 @@ def _x_plane(x_ptr, k_base, NIB: tl.constexpr):
 
 @triton.jit
 def _rows_term(qw, qw_hi, zc, x_ptr, k_base, NIB: tl.constexpr):
-    """x * (q - z) * 16**... summed for nibble NIB: [BLOCK_N, R, BK8] with zc[e] = 2**23 + z * 16**e [BLOCK_N, R]."""
+    """x * (q - z) of nibble NIB, element-wise [BLOCK_N, R, BK8] (the 16**e of the mantissa trick cancelled by
+    _x_plane); zc [BLOCK_N, R] the zero points."""
     e: tl.constexpr = NIB if NIB < 5 else NIB - 5
     v = qw if NIB < 5 else qw_hi
     zf = zc.to(tl.float32) * (1 << (4 * e)) + 8388608.0
@@ -295,9 +303,7 @@ def _awq_gemv_rows_kernel(
     rr = tl.arange(0, R)
     rk8 = tl.arange(0, BK8)
     w_ptrs = qw_ptr + rows[:, None, None] * K8 + rr[None, :, None] * BK8 + rk8[None, None, :]
-    # each row's zero point sits in nibble AWQ_REVERSE_ORDER[n % 8] of qzeros[g, n // 8]
-    c = rows % 8
-    z_shift = 4 * ((c % 2) * 4 + c // 2)
+    z_shift = _zero_shift(rows)
     z_ptrs = qz_ptr + rr[None, :] * N8 + (rows // 8)[:, None]
     s_ptrs = s_ptr + rr[None, :] * N + rows[:, None]
     x_offs = rr[:, None] * GROUP + rk8[None, :] * 8  # [R, BK8]: the first input of each int32
@@ -334,8 +340,7 @@ def _awq_dequant_rows_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, K, GROUP: tl.con
     rows = tl.minimum(rn, N - 1).to(tl.int64)
     rk8 = tl.arange(0, BK8)
     qw = tl.load(qw_ptr + rows[:, None] * (K // 8) + g * BK8 + rk8[None, :])
-    c = rows % 8
-    z = (tl.load(qz_ptr + g * (N // 8) + rows // 8) >> (4 * ((c % 2) * 4 + c // 2))) & 15
+    z = (tl.load(qz_ptr + g * (N // 8) + rows // 8) >> _zero_shift(rows)) & 15
     sc = tl.load(s_ptr + g * N + rows).to(tl.float32)
     w = _in_column_order(
         _rows_plane(qw, z, sc, 0), _rows_plane(qw, z, sc, 1), _rows_plane(qw, z, sc, 2), _rows_plane(qw, z, sc, 3),
