@@ -8,8 +8,10 @@ gemv     M = 1 linears: kernels/gemv.py (a sweep of launch configurations) vs cu
          weight bytes read.
 prefill  prefill attention, one 4096-token causal prompt: kernel variants (ACC_DOT: the rescaled accumulator as the
          MMA's addend; stages) vs torch SDPA (flash), alternating, best of 3 each.
-e2e      engines side by side (E2E_VARIANTS: the fused one-token forward, the same kernels unfused, cuBLAS
-         without PDL; ASERVE_GEMV / ASERVE_PDL / ASERVE_FUSED_DECODE), alternating batch-1 decode ms/token
+silu     the down projection's GEMV with SiLU·mul fused in: launch-config sweep (kernels/gemv.py
+         GEMV_CONFIG_SILU_MUL).
+e2e      engines side by side (E2E_VARIANTS: Triton GEMV + PDL, the same with the SiLU·mul GEMV on the plain
+         config, cuBLAS without PDL; ASERVE_GEMV / ASERVE_PDL), alternating batch-1 decode ms/token
          (gpu_bench.batch1_decode_ms), the captured forward's GPU time, the GPU kernels of one decode step, and the
          GPU's idle time between kernels during a 64-token decode (profiler timeline).
 Prints a table last; writes results.json under --out.
@@ -18,6 +20,7 @@ Prints a table last; writes results.json under --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -131,6 +134,33 @@ def section_gemv(quick: bool) -> None:
     TABLE.append(("best single config for all shapes", f"{best_one[0]}: {best_one[1] / 1e3:.3f} ms"))
 
 
+def section_silu() -> None:
+    n, k = SHAPES["down"]
+    nbytes, weights, _, calls = shape_case(n, k)
+    x = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(F.silu(x[:, :k].float()) * x[:, k:].float(), weights[0].float())
+    pdl.enable(True)
+    rows = []
+    for bn, bk, w, st in itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (2, 3, 4)):
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+        try:
+            err = ((gemv(x, weights[0], config=cfg, silu_mul=True).float() - ref).norm() / ref.norm()).item()
+            rows.append((graph_us(lambda wt, c=cfg: gemv(x, wt, config=c, silu_mul=True), weights, calls), cfg, err))
+        except Exception as e:  # noqa: BLE001  (out of resources)
+            print(f"silu {cfg} failed: {type(e).__name__}", flush=True)
+    t_default = graph_us(lambda wt: gemv(x, wt, silu_mul=True), weights, calls)
+    t_plain_cfg = graph_us(lambda wt: gemv(x, wt, config=gemv_config(n, k), silu_mul=True), weights, calls)
+    pdl.enable(False)
+    rows.sort(key=lambda r: r[0])
+    for us, cfg, err in rows[:8]:
+        print(f"   silu {us:.2f} us {nbytes / us / 1e3:.0f} GB/s {cfg} err {err:.1e}", flush=True)
+    RESULTS["silu_down"] = dict(default_us=t_default, plain_config_us=t_plain_cfg, best=rows[:8])
+    TABLE.append(("down + SiLU·mul GEMV us: plain config / GEMV_CONFIG_SILU_MUL / best (config)",
+                  f"{t_plain_cfg:.2f} / {t_default:.2f} / {rows[0][0]:.2f} ({rows[0][1]})"))
+    del weights
+    torch.cuda.empty_cache()
+
+
 OLD_DEFAULT = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=2)  # session 4's first default
 
 
@@ -211,10 +241,20 @@ def idle_between_kernels(llm) -> dict:
                 gaps_over_20us=sum(1 for g in gaps if g > 20), largest_gaps_us=gaps[:8])
 
 
-E2E_VARIANTS = {  # name: environment of the engine (loader switches)
-    "fused": {"ASERVE_GEMV": "1", "ASERVE_PDL": "1", "ASERVE_FUSED_DECODE": "1"},
-    "unfused": {"ASERVE_GEMV": "1", "ASERVE_PDL": "1", "ASERVE_FUSED_DECODE": "0"},
-    "cublas": {"ASERVE_GEMV": "0", "ASERVE_PDL": "0", "ASERVE_FUSED_DECODE": "0"},
+def _old_silu_config(llm) -> None:
+    """The down projection's SiLU·mul GEMV on the plain config (as before GEMV_CONFIG_SILU_MUL)."""
+    from aserve.model.layers import Linear
+
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, Linear):
+            m.gemv_silu_config = None
+    llm.engine.runner.capture_cuda_graphs()
+
+
+E2E_VARIANTS = {  # name: (environment of the engine (loader switches), change after loading)
+    "gemv": ({"ASERVE_GEMV": "1", "ASERVE_PDL": "1"}, None),
+    "gemv_old_silu_config": ({"ASERVE_GEMV": "1", "ASERVE_PDL": "1"}, _old_silu_config),
+    "cublas": ({"ASERVE_GEMV": "0", "ASERVE_PDL": "0"}, None),
 }  # fmt: skip
 
 
@@ -223,14 +263,15 @@ def section_e2e(repeats: int) -> None:
 
     model_dir = gb.dummy_model_dir(tempfile.mkdtemp(), gb.LLAMA3_8B)
     engines, pdl_of = {}, {}
-    for name, env in E2E_VARIANTS.items():
+    for name, (env, post) in E2E_VARIANTS.items():
         os.environ.update(env)
         t0 = time.perf_counter()
         engines[name] = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
                             kv_cache_memory_gb=8)  # fmt: skip
         pdl_of[name] = pdl.ENABLED  # the eager kernels (lm_head, prefill) follow the global switch
-        print(f"{name}: engine up in {time.perf_counter() - t0:.1f} s (pdl {pdl.ENABLED}, fused "
-              f"{engines[name].engine.runner.model.fused_decode})", flush=True)  # fmt: skip
+        if post is not None:
+            post(engines[name])
+        print(f"{name}: engine up in {time.perf_counter() - t0:.1f} s (pdl {pdl.ENABLED})", flush=True)
         for key in env:
             del os.environ[key]
     ms = {name: [] for name in engines}
@@ -279,6 +320,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             {"gemv": lambda: section_gemv(args.quick), "pdl": section_pdl, "prefill": section_prefill,
+             "silu": section_silu,
              "e2e": lambda: section_e2e(args.repeats)}[section]()  # fmt: skip
         except Exception as e:  # noqa: BLE001
             import traceback

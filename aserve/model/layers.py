@@ -20,7 +20,7 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     gemv_config: dict | None = None  # GPU: one-row inputs (batch-1 decode) run kernels/gemv.py
-    ticket: torch.Tensor | None = None  # the fused one-token forward's last-program counter (LlamaForCausalLM)
+    gemv_silu_config: dict | None = None  # ... and with SiLU·mul fused in (forward_silu_mul); None: gemv_config
 
     def use_gemv(self, config: dict | None = None) -> bool:
         """GPU, 16-bit weights: route one-row inputs to the Triton GEMV (kernels/gemv.py), which streams the weight
@@ -30,6 +30,7 @@ class Linear(nn.Linear):
         if not (self.weight.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16)):
             return False
         self.gemv_config = gemv_config(*self.weight.shape, config)
+        self.gemv_silu_config = gemv_config(*self.weight.shape, config, silu_mul=True)
         return self.gemv_config is not None
 
     def prepack(self) -> bool:
@@ -61,7 +62,7 @@ class Linear(nn.Linear):
         """silu(gate) * up, then this linear, in the GEMV's prologue (takes_gemv must hold)."""
         from kernels.gemv import gemv
 
-        return gemv(gate_up, self.weight, self.bias, config=self.gemv_config, silu_mul=True)
+        return gemv(gate_up, self.weight, self.bias, config=self.gemv_silu_config or self.gemv_config, silu_mul=True)
 
     def load_output_slice(self, param: nn.Parameter, start: int, size: int, tensor: torch.Tensor) -> None:
         """Copies one part of a fused layer (output features [start, start + size)) into `param`."""

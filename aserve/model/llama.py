@@ -113,7 +113,6 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self.fused_decode = False  # see enable_fused_decode
         # AWQ checkpoints: int4 layers in place of the decoder layers' linears (aserve/quantization)
         self.quant_config = awq_config_from(cfg)
         if self.quant_config is not None:
@@ -132,60 +131,10 @@ class LlamaForCausalLM(nn.Module):
         (before the final norm). `num_layers` runs only the first layers (layer-skip self-speculation)."""
         x = self.embed_tokens(input_ids)
         rotary_cos_sin = self.rotary(positions, x.dtype)
-        if self.fused_decode and x.shape[0] == 1:
-            return self._forward_one_token(x, rotary_cos_sin, kv_caches, meta, self.layers[:num_layers])
         residual = None
         for i, layer in enumerate(self.layers[:num_layers]):
             x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
         return x + residual
-
-    def enable_fused_decode(self) -> bool:
-        """GPU, one-token steps (batch-1 decode): 5 kernels per layer instead of 8 — the q/k/v GEMV rotates q and k
-        and writes k / v into the cache in its epilogue, and the o / down GEMVs add the residual and compute the next
-        RMSNorm in their last program (kernels/gemv.py). Needs the Triton element-wise ops, a backend that takes
-        rotated K/V already in the cache, and every linear on the Triton GEMV. Returns whether it is on."""
-        from kernels.gemv import rotary_cache_config
-
-        def gemv_linear(m) -> bool:
-            return isinstance(m, Linear) and m.gemv_config is not None
-
-        ok = self.ops.kind == "triton" and len(self.layers) > 0
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            ok = ok and attn.backend.writes_rotated_kv and all(
-                gemv_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            )
-            ok = ok and rotary_cache_config(attn.qkv_proj.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                            attn.qkv_proj.gemv_config) is not None  # fmt: skip
-        self.fused_decode = ok
-        if ok:
-            for layer in self.layers:  # the last-program tickets (kernels/gemv.py gemv_add_rms_norm)
-                for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                    m.ticket = torch.zeros(1, dtype=torch.int32, device=m.weight.device)
-        return ok
-
-    def _forward_one_token(self, x, rotary_cos_sin, kv_caches, meta, layers) -> torch.Tensor:
-        """forward() of one token with the fused kernels of enable_fused_decode; same result."""
-        from kernels.gemv import gemv, gemv_add_rms_norm, gemv_rotary_cache
-
-        h, residual = layers[0].input_layernorm(x, None)
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            kv = kv_caches[i]
-            q = gemv_rotary_cache(h, attn.qkv_proj.weight, *rotary_cos_sin, kv[0], kv[1], meta.slot_mapping,
-                                  attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qkv_proj.bias,
-                                  config=attn.qkv_proj.gemv_config)  # fmt: skip
-            out = attn.backend.forward(q, None, None, kv, meta).view(1, attn.q_size)
-            norm = layer.post_attention_layernorm
-            h, residual = gemv_add_rms_norm(out, attn.o_proj.weight, residual, norm.weight, norm.eps,
-                                            attn.o_proj.ticket, attn.o_proj.bias, config=attn.o_proj.gemv_config)
-            gate_up = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, config=mlp.gate_up_proj.gemv_config)
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            h, residual = gemv_add_rms_norm(gate_up, mlp.down_proj.weight, residual,
-                                            None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-                                            mlp.down_proj.ticket, mlp.down_proj.bias,
-                                            config=mlp.down_proj.gemv_config, silu_mul=True)  # fmt: skip
-        return residual  # the last layer's x + residual, before the final norm (as forward returns)
 
     def optimize_for_cpu(self, compile_elementwise: bool) -> None:
         """CPU: prepack bf16 linear weights for oneDNN; the element-wise work in C kernels (kernels/cpu_elementwise.py,
