@@ -11,11 +11,9 @@ kernels      int4 vs bf16 cuBLAS (F.linear, as aserve's bf16 layers) for M = 1, 
              4096x4096, 4096x14336, 14336x4096 (K x N): time, speed-up, and the path awq_linear picks; plus each
              path alone where it applies (gemv M <= 16; dequantise + cuBLAS M >= 16). Targets: GEMV at M = 1 >= 3x
              (ideal ~3.9x: 4.25 vs 16 bits per weight), M = 2048 >= 0.8x
-rows         the rows-layout GEMV (ASERVE_AWQ_ROWS=1): config sweep in CUDA graphs with PDL
 m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies (how decode runs: no launch gaps)
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
-             (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights; rows layout ASERVE_AWQ_ROWS=1, and
-             AutoAWQ's); target >= 3x bf16 speed
+             (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
 Prints a table last; writes results.json under --out.
 """
@@ -175,14 +173,6 @@ def graph_us(fn, inputs: list) -> float:
     return sorted(times)[2]
 
 
-def m1_case(k: int, n: int):
-    """An input row, bf16 weight copies exceeding L2 (as (x, w) pairs), and how many int4 copies do the same."""
-    copies_bf16 = max(4, int(400e6 // (2 * k * n)))
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    ws = [(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies_bf16)]
-    return x, ws, max(4, int(400e6 // awq_bytes(k, n)))
-
-
 def m1_graph() -> None:
     """M = 1 inside CUDA graphs: bf16 cuBLAS vs the int4 GEMV (and its split-K reduce alone)."""
     from kernels import awq
@@ -190,7 +180,10 @@ def m1_graph() -> None:
     print("\n| K x N | bf16 us | int4 us | speed-up | int4 TB/s | of which split-K reduce us (SPLIT_K) |")
     print("|---|---|---|---|---|---|")
     for k, n in SHAPES:
-        x, ws, copies_int4 = m1_case(k, n)
+        copies_bf16 = max(4, int(400e6 // (2 * k * n)))
+        copies_int4 = max(4, int(400e6 // awq_bytes(k, n)))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ws = [(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies_bf16)]
         bf16 = graph_us(F.linear, ws)
         del ws
         qs = [(x, *random_awq(k, n), GROUP) for _ in range(copies_int4)]
@@ -205,57 +198,6 @@ def m1_graph() -> None:
         record(f"graph_m1_{k}x{n}", round(bf16 / int4, 2), "x",
                f"bf16 {bf16:.1f} us, int4 {int4:.1f} us ({awq_bytes(k, n) / int4 / 1e6:.2f} TB/s; reduce {reduce:.1f} "
                f"us); target >= 3x")  # fmt: skip
-
-
-def rows() -> None:
-    """The rows-layout GEMV (kernels/awq.py awq_gemv_rows: qweight re-laid out [out, in/8] at load time) at M = 1
-    inside CUDA graphs with programmatic dependent launch: a launch-config sweep per shape, checked against the
-    reference, vs bf16 cuBLAS and the Triton bf16 GEMV (kernels/gemv.py). The best config per shape is printed."""
-    from kernels import awq, pdl
-    from kernels.awq_reference import awq_matmul
-    from kernels.gemv import gemv
-
-    configs = [dict(BLOCK_N=bn, R=r, num_warps=w, num_stages=st)
-               for bn in (8, 16, 32) for r in (2, 4, 8) for w in (4, 8) for st in (1, 2)]  # fmt: skip
-    print("\n| K x N | bf16 cuBLAS us | bf16 GEMV+PDL us | int4 rows default us | int4 rows best us (config) | "
-          "best vs cuBLAS | TB/s |")
-    print("|---|---|---|---|---|---|---|")
-    for k, n in SHAPES:
-        x, ws, copies_int4 = m1_case(k, n)
-        pdl.enable(False)
-        bf16 = graph_us(F.linear, ws)
-        pdl.enable(True)
-        bf16_gemv = graph_us(gemv, ws)
-        del ws
-        sets = []
-        for _ in range(copies_int4):
-            qw, qz, sc = random_awq(k, n)
-            sets.append((x, awq.to_rows_layout(qw), qz, sc, GROUP))
-        ref_qw = random_awq(k, n)
-        ref_rows = awq.to_rows_layout(ref_qw[0])
-        ref = awq_matmul(x.float(), *ref_qw, GROUP)
-        default = graph_us(awq.awq_gemv_rows, sets)
-        results = []
-        for cfg in configs:
-            try:
-                out = awq.awq_gemv_rows(x, ref_rows, ref_qw[1], ref_qw[2], GROUP, config=cfg)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                us = graph_us(lambda *a, cfg=cfg: awq.awq_gemv_rows(*a, config=cfg), sets)
-            except Exception as e:  # noqa: BLE001  (out of resources)
-                print(f"{k}x{n} {cfg} failed: {type(e).__name__}", flush=True)
-                continue
-            results.append((us, err, cfg))
-        pdl.enable(False)
-        results.sort(key=lambda r: r[0])
-        for us, err, cfg in results[:5]:
-            print(f"   {k}x{n} {us:.2f} us err {err:.1e} {cfg}", flush=True)
-        best, err, cfg = results[0]
-        print(f"| {k}x{n} | {bf16:.1f} | {bf16_gemv:.1f} | {default:.1f} | {best:.1f} ({cfg}) | {bf16 / best:.2f}x | "
-              f"{awq_bytes(k, n) / best / 1e6:.2f} |", flush=True)  # fmt: skip
-        record(f"rows_m1_{k}x{n}", round(bf16 / best, 2), "x vs cuBLAS",
-               f"cuBLAS {bf16:.1f} us, bf16 GEMV+PDL {bf16_gemv:.1f}, int4 rows default {default:.1f}, best "
-               f"{best:.1f} us {cfg} err {err:.1e}; target >= 3x")  # fmt: skip
-        del sets
 
 
 def diag() -> None:
@@ -295,20 +237,12 @@ def diag() -> None:
            f"BN={block_n} BK={block_k} tiles={tiles} warps={warps}: {us:.1f} us (the GEMV's ceiling with this tiling)")
 
 
-def decode_ms_per_token(model_dir: str, env: dict | None = None) -> float:
+def decode_ms_per_token(model_dir: str) -> float:
     from aserve import LLM
 
-    os.environ.update(env or {})
-    try:
-        llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
-    finally:
-        for key in env or {}:
-            del os.environ[key]
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
     ms = batch1_decode_ms(llm)
-    model = llm.engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        m.qweight_rows.numel() * 4 for m in model.modules() if getattr(m, "qweight_rows", None) is not None
-    )  # (the rows layout replaces qweight)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     record(f"decode_weights_{os.path.basename(os.path.dirname(model_dir))}", round(weight_bytes / 1e9, 2), "GB")
     del llm
     gc.collect()
@@ -327,10 +261,8 @@ def decode(root: str) -> None:
         json.dump(config, f)
     bf16 = decode_ms_per_token(bf16_dir)
     record("decode_b1_bf16", round(bf16, 3), "ms/token")
-    int4 = decode_ms_per_token(awq_dir, {"ASERVE_AWQ_ROWS": "1"})
+    int4 = decode_ms_per_token(awq_dir)
     record("decode_b1_awq_int4", round(int4, 3), "ms/token", f"({bf16 / int4:.2f}x bf16; target >= 3x)")
-    old = decode_ms_per_token(awq_dir, {"ASERVE_AWQ_ROWS": "0"})
-    record("decode_b1_awq_int4_autoawq_layout", round(old, 3), "ms/token", f"({bf16 / old:.2f}x bf16)")
 
 
 def main() -> None:
@@ -340,8 +272,8 @@ def main() -> None:
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
-    run = {"correctness": correctness, "rows": rows, "diag": diag, "tune": tune, "kernels": kernels,
-           "m1_graph": m1_graph, "decode": lambda: decode(root)}
+    run = {"correctness": correctness, "diag": diag, "tune": tune, "kernels": kernels, "m1_graph": m1_graph,
+           "decode": lambda: decode(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)

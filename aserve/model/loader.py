@@ -163,16 +163,10 @@ def build_model(hf_config, model_dir: str, dtype, device, max_model_len: int, ba
 
         # Programmatic dependent launch of aserve's kernels (Hopper and newer; ASERVE_PDL=0: off, for A/B runs).
         pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("ASERVE_PDL", "1") != "0")
-        from aserve.quantization.awq_linear import AWQLinear
-
-        # A/B switches: ASERVE_GEMV=0 cuBLAS for batch-1 decode too; ASERVE_AWQ_ROWS=1 the rows layout for the
-        # int4 kernels (measured slower on the H200: docs/benchmarks.md).
-        gemv_on = os.environ.get("ASERVE_GEMV", "1") != "0"
-        for module in model.modules():
-            if isinstance(module, Linear) and gemv_on:
-                module.use_gemv()
-            elif isinstance(module, AWQLinear) and os.environ.get("ASERVE_AWQ_ROWS", "0") == "1":
-                module.use_rows()
+        if os.environ.get("ASERVE_GEMV", "1") != "0":  # 0: cuBLAS for batch-1 decode too (A/B runs)
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.use_gemv()
     return model
 
 

@@ -50,8 +50,6 @@ class AWQLinear(nn.Module):
         self.backend = "auto"  # auto | torch | triton (tests run the Triton kernels on CPU through the interpreter)
         # CPU: the dequantised, prepacked copy. Kept out of the module tree: it is a cache, not a model parameter.
         self.__dict__["dense"] = None
-        # GPU: qweight re-laid out as [out, in/8] (kernels/awq.py to_rows_layout), which replaces it; see use_rows.
-        self.__dict__["qweight_rows"] = None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
@@ -70,24 +68,7 @@ class AWQLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """-> W [out, in] in `dtype` (nn.Linear's layout)."""
-        if self.qweight_rows is not None:
-            from kernels.awq import awq_dequantize_rows
-
-            w = awq_dequantize_rows(self.qweight_rows, self.qzeros, self.scales, self.group_size, torch.float32)
-            return w.to(dtype)
         return dequantize(self.qweight, self.qzeros, self.scales, self.group_size).t().to(dtype)
-
-    def use_rows(self) -> bool:
-        """Re-lays qweight out for the row-streaming kernels (kernels/awq.py: a one-row GEMV that reads each output's
-        weights contiguously; dequantise + cuBLAS for more rows) and frees the AutoAWQ copy. Done once after loading
-        (the GPU loader does with ASERVE_AWQ_ROWS=1: opt-in until measured on a GPU); the checkpoint is unchanged."""
-        from kernels.awq import to_rows_layout
-
-        if self.group_size & (self.group_size - 1) or self.group_size < 16:
-            return False  # the kernels' tiles need a power-of-two group
-        self.__dict__["qweight_rows"] = to_rows_layout(self.qweight.data)
-        self.qweight.data = torch.empty(0, 0, dtype=torch.int32, device=self.qweight.device)
-        return True
 
     def prepack(self) -> bool:
         if not self.qweight.is_cpu:
@@ -103,10 +84,6 @@ class AWQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and self.dense.weight.dtype == x.dtype:
             return self.dense(x)
-        if self.qweight_rows is not None:
-            from kernels.awq import awq_linear_rows
-
-            return awq_linear_rows(x, self.qweight_rows, self.qzeros, self.scales, self.group_size, self.bias)
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
             from kernels.awq import awq_linear
 
