@@ -293,25 +293,31 @@ def throughput(model_dir: str, llm=None) -> None:
         def wrapper(*a):
             t = time.perf_counter()
             r = fn(*a)
-            phases[name].append((time.perf_counter() - t, a[0].num_tokens if name != "schedule" else 0))
+            n = a[0].num_tokens if name != "schedule" and a and a[0] is not None else 0
+            phases[name].append((time.perf_counter() - t, n))
             return r
         return wrapper
 
-    orig = engine.schedule, engine.execute, engine.process
-    engine.schedule, engine.execute, engine.process = (timed("schedule", orig[0]), timed("execute", orig[1]),
-                                                       timed("process", orig[2]))
+    # Sync steps: schedule / execute / process. Async scheduling: "execute" is launching step N+1 and waiting for
+    # step N's tokens (launch_and_wait_prev), "process" is processing step N (complete_overlapped); host time only.
+    names = ("schedule", "launch_and_wait_prev", "complete_overlapped") if engine.async_scheduling else (
+        "schedule", "execute", "process")  # fmt: skip
+    orig = [getattr(engine, name) for name in names]
+    for phase, name, fn in zip(("schedule", "execute", "process"), names, orig):
+        setattr(engine, name, timed(phase, fn))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
-    engine.schedule, engine.execute, engine.process = orig
+    for name in names:
+        delattr(engine, name)  # back to the class's methods
     graphs = engine.runner.graphs
     if graphs is not None:
         top_kernels(lambda: graphs.graphs[256][0].replay(), "decode_b256_kernels")
     decode_steps = [i for i, (_, n) in enumerate(phases["execute"]) if n == 256]
     prefill_steps = [i for i, (_, n) in enumerate(phases["execute"]) if n > 256]
     for name, values in phases.items():
-        d = [values[i][0] for i in decode_steps]
-        p_ = [values[i][0] for i in prefill_steps]
+        d = [values[i][0] for i in decode_steps if i < len(values)]  # (async: the phases' call counts may differ)
+        p_ = [values[i][0] for i in prefill_steps if i < len(values)]
         record(f"step_{name}_ms", f"decode {1e3 * sum(d) / max(len(d), 1):.2f} x {len(d)}, "
                f"prefill {1e3 * sum(p_) / max(len(p_), 1):.2f} x {len(p_)}", "ms")
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
