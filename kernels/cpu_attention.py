@@ -27,7 +27,7 @@ import torch
 
 from kernels import cpu_build
 
-_SOURCE = cpu_build.BF16_C + r"""
+_SOURCE = cpu_build.BF16_C + cpu_build.HSUM16_C + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -60,23 +60,6 @@ static inline float exp2_neg(float x) {
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 #define FAST_MAX_G 8
-
-/* 16 vectors -> one whose lane j is the sum of v[j]'s lanes (a transpose-and-add tree: 45 instructions instead of
-   16 separate horizontal sums). */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 s1[8], s2[4];
-    for (int i = 0; i < 8; i++)
-        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int k = 0; k < 4; k++)
-        s2[k] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_ps(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 /* Prefetch the rows of up to 16 tokens (from `first` in block `blk`; a whole block when block_size is 16) of one
    head into L1. */

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# CPU, one-row inputs of prepacked bf16 linears: torch.mv on the plain weight instead of oneDNN (ASERVE_CPU_MV=0: off).
+# CPU, one-row inputs of prepacked bf16 linears: a GEMV on the plain weight instead of oneDNN (kernels/cpu_gemv.py
+# where it applies, else torch.mv; ASERVE_CPU_MV=0: off).
 CPU_MV_FOR_ONE_ROW = os.environ.get("ASERVE_CPU_MV", "1") != "0"
 
 
@@ -19,6 +20,7 @@ class Linear(nn.Linear):
     1.3-2x faster than F.linear, which reorders the weight on every call."""
 
     packed_weight: torch.Tensor | None = None
+    cpu_gemv = False  # one-row inputs run kernels/cpu_gemv.py (set by prepack)
     gemv_config: dict | None = None  # GPU: one-row inputs (batch-1 decode) run kernels/gemv.py
     ticket: torch.Tensor | None = None  # the fused one-token forward's last-program counter (LlamaForCausalLM)
 
@@ -39,12 +41,20 @@ class Linear(nn.Linear):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
         except (RuntimeError, AttributeError):  # a torch build without it: plain F.linear
             return False
+        from kernels import cpu_gemv
+
+        self.cpu_gemv = cpu_gemv.supports(self.weight)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            if x.shape[0] == 1 and CPU_MV_FOR_ONE_ROW:  # batch-1 decode: torch's bf16 GEMV streams faster
-                y = torch.mv(self.weight, x[0]).unsqueeze(0)
+            if x.shape[0] == 1 and CPU_MV_FOR_ONE_ROW:  # batch-1 decode: a GEMV streams the weight faster
+                if self.cpu_gemv:
+                    from kernels.cpu_gemv import gemv
+
+                    y = gemv(self.weight, x[0]).unsqueeze(0)
+                else:
+                    y = torch.mv(self.weight, x[0]).unsqueeze(0)
                 return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if self.takes_gemv(x):
