@@ -339,6 +339,11 @@ def available() -> bool:
     return _load() is not None
 
 
+def library() -> ctypes.CDLL:
+    """The compiled kernel, for callers that pass raw pointers (aserve/model/cpu_decode.py); `available` must hold."""
+    return _load()
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention takes these tensors (CPU, float32 / bfloat16, contiguous rows)."""
     return (

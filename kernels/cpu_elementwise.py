@@ -3,8 +3,10 @@ call each through ctypes:
 
     add_rms_norm     x + residual -> (RMSNorm(x + residual) * weight, x + residual)
     rotary_split     fused qkv rows -> rotated q, rotated k, v (each contiguous)
+    silu_mul         gate_up rows -> silu(gate) * up
 
-(SiLU·mul stays eager torch: two ops, as fast as a C loop here at every batch size.)
+(In the layers SiLU·mul stays eager torch: two ops, as fast as a C loop at every batch size; silu_mul serves the
+one-token forward of aserve/model/cpu_decode.py, which calls every kernel through raw pointers.)
 
 Same contract and rounding as kernels/fused.py (HF's eager order: every product rounded to the model dtype where HF
 rounds it), float32 and bfloat16. Each call costs microseconds of Python, where eager torch runs 3-10 ops (~10 us
@@ -85,6 +87,17 @@ INLINE void rotary_split_row(const void *qkv, const void *cos_, const void *sin_
     for (int64_t i = 0; i < Hkv * D; i++) st(v, t * Hkv * D + i, ld(qkv, vsrc + i, bf16), bf16);
 }
 
+/* gate_up [rows, 2n] -> silu(gate) * up [rows, n], rounded as HF's eager code (silu rounded to the dtype, then the
+   product). */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf16, int nt) {
+    PAR_ROWS(rows)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++) {
+            const float g = ld(gate_up, r * 2 * n + i, bf16), u = ld(gate_up, r * 2 * n + n + i, bf16);
+            st(out, r * n + i, rnd(rnd(g / (1.0f + expf(-g)), bf16) * u, bf16), bf16);
+        }
+}
+
 void add_rms_norm(const void *x, const void *res, const void *w, void *out, void *res_out, int64_t rows, int64_t n,
                   float eps, int has_res, int bf16, int nt) {
     PAR_ROWS(rows)
@@ -116,7 +129,8 @@ def _load():
             p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
             lib.add_rms_norm.argtypes = [p] * 5 + [i64, i64, f32, i32, i32, i32]
             lib.rotary_split.argtypes = [p] * 6 + [i64] * 6 + [i32, i32]
-            for fn in (lib.add_rms_norm, lib.rotary_split):
+            lib.silu_mul.argtypes = [p, p, i64, i64, i32, i32]
+            for fn in (lib.add_rms_norm, lib.rotary_split, lib.silu_mul):
                 fn.restype = None
             _lib = lib
     return _lib
@@ -124,6 +138,11 @@ def _load():
 
 def available() -> bool:
     return _load() is not None
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels, for callers that pass raw pointers (aserve/model/cpu_decode.py); `available` must hold."""
+    return _load()
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -146,6 +165,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         eps, int(residual is not None), _bf16(x), torch.get_num_threads(),
     )  # fmt: skip
     return out, res_out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2n] -> silu(gate) * up [T, n]."""
+    gate_up = gate_up.contiguous()
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype)
+    _load().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _bf16(gate_up), torch.get_num_threads())
+    return out
 
 
 def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):

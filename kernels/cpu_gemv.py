@@ -91,6 +91,11 @@ def _load():
     return _lib
 
 
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, for callers that pass raw pointers (aserve/model/cpu_decode.py)."""
+    return _load()
+
+
 def supports(weight: torch.Tensor) -> bool:
     """Whether gemv takes this weight (CPU, bf16, contiguous [N, K] with K % 32 == 0, on a CPU with AVX512-BF16)."""
     lib = _load()
