@@ -27,7 +27,7 @@ import torch
 
 from kernels import cpu_build
 
-_SOURCE = cpu_build.BF16_C + cpu_build.HSUM16_C + r"""
+_SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -70,21 +70,6 @@ static inline void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t fir
         const char *p = (const char *)(cache + (blk * block_size + j) * row + head_off);
         for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
-}
-
-/* 2**x for x <= 0, 16 lanes (same polynomial as exp2_neg). */
-static inline __m512 exp2_neg16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, fl);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, fl);
 }
 
 /* bf16 work item with AVX512-BF16: q . k as bf16 pair dot products (vdpbf16ps) 16 tokens at a time, P @ V with
@@ -138,7 +123,7 @@ static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, 
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t0 = 0; t0 < padded; t0 += 16) {
             __mmask16 mk = len - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t0)) - 1u);
-            __m512 p = _mm512_maskz_mov_ps(mk, exp2_neg16(_mm512_sub_ps(_mm512_load_ps(sg + t0), m)));
+            __m512 p = _mm512_maskz_mov_ps(mk, exp2_16(_mm512_sub_ps(_mm512_load_ps(sg + t0), m)));
             sum = _mm512_add_ps(sum, p);
             _mm512_store_ps(sg + t0, p);
         }

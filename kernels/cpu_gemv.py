@@ -21,7 +21,7 @@ import torch
 
 from kernels import cpu_build
 
-_SOURCE = cpu_build.BF16_C + cpu_build.HSUM16_C + r"""
+_SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 

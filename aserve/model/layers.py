@@ -129,15 +129,15 @@ class ElementwiseOps:
         self.kind = "compiled"
 
     def use_native(self) -> None:
-        """CPU: the C kernels of kernels/cpu_elementwise.py for add + RMSNorm and rotary, at every step size (one
-        call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter, eager torch runs
-        several ops); SiLU·mul stays eager (two ops, no faster in C)."""
+        """CPU: the C kernels of kernels/cpu_elementwise.py for add + RMSNorm, rotary and SiLU·mul, at every step size
+        (one call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter, eager torch runs
+        several ops)."""
         from kernels import cpu_elementwise
 
         self._fast = {
             "add_rms_norm": cpu_elementwise.add_rms_norm,
             "split_rotate_qkv": cpu_elementwise.rotary_split,
-            "silu_and_mul": silu_and_mul,
+            "silu_and_mul": cpu_elementwise.silu_mul,
         }
         self.min_tokens = 0
         self.kind = "native"
