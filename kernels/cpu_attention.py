@@ -3,8 +3,9 @@ once per machine) called through ctypes.
 
 The torch path (aserve/model/attention.py TorchAttentionBackend) gathers every decoding request's blocks into a
 padded copy with index_select and then runs SDPA: K/V bytes are read, written and read again, and SDPA's CPU kernel
-is slow at one query token. Here each (request, KV head) pair is one work item (OpenMP, torch's thread count; the
-runtime is torch's own libgomp, which the compiled library binds to):
+is slow at one query token. Here each (request, KV head) pair is one work item (OpenMP, torch's thread count, a
+request's KV heads handed out together so that one core reads all of its cache lines; the runtime is torch's own
+libgomp, which the compiled library binds to):
 
     scores[t, g] = q[g] . K[t] * scale     for the G query heads sharing the KV head, t over the request's tokens,
                                            read block by block through the block table (bf16 rows widened in
@@ -280,7 +281,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     const int64_t items = num_seqs * num_kv_heads;
 #ifdef HAVE_AVX512_BF16
     if (is_bf16 && D % 32 == 0 && G <= FAST_MAX_G && block_size % 16 == 0 && !force_generic) {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        #pragma omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)
         for (int64_t item = 0; item < items; item++)
             attend_item_bf16_avx512((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                                     block_tables, seq_lens, (uint16_t *)out, item, num_kv_heads, G, D, block_size,
@@ -288,7 +289,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         return 0;
     }
 #endif
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    #pragma omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         if (D == 64)
             attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, 64, block_size,
