@@ -3,8 +3,9 @@ once per machine) called through ctypes.
 
 The torch path (aserve/model/attention.py TorchAttentionBackend) gathers every decoding request's blocks into a
 padded copy with index_select and then runs SDPA: K/V bytes are read, written and read again, and SDPA's CPU kernel
-is slow at one query token. Here each (request, KV head) pair is one work item (OpenMP, torch's thread count; the
-runtime is torch's own libgomp, which the compiled library binds to):
+is slow at one query token. Here each (request, KV head) pair is one work item (OpenMP, torch's thread count, a
+request's KV heads handed out together so that one core reads all of its cache lines; the runtime is torch's own
+libgomp, which the compiled library binds to):
 
     scores[t, g] = q[g] . K[t] * scale     for the G query heads sharing the KV head, t over the request's tokens,
                                            read block by block through the block table (bf16 rows widened in
@@ -27,7 +28,7 @@ import torch
 
 from kernels import cpu_build
 
-_SOURCE = cpu_build.BF16_C + r"""
+_SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -61,23 +62,6 @@ static inline float exp2_neg(float x) {
 #define HAVE_AVX512_BF16 1
 #define FAST_MAX_G 8
 
-/* 16 vectors -> one whose lane j is the sum of v[j]'s lanes (a transpose-and-add tree: 45 instructions instead of
-   16 separate horizontal sums). */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 s1[8], s2[4];
-    for (int i = 0; i < 8; i++)
-        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int k = 0; k < 4; k++)
-        s2[k] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_ps(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* Prefetch the rows of up to 16 tokens (from `first` in block `blk`; a whole block when block_size is 16) of one
    head into L1. */
 static inline void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t first, int64_t block_size, int64_t row,
@@ -87,21 +71,6 @@ static inline void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t fir
         const char *p = (const char *)(cache + (blk * block_size + j) * row + head_off);
         for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
-}
-
-/* 2**x for x <= 0, 16 lanes (same polynomial as exp2_neg). */
-static inline __m512 exp2_neg16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, fl);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, fl);
 }
 
 /* bf16 work item with AVX512-BF16: q . k as bf16 pair dot products (vdpbf16ps) 16 tokens at a time, P @ V with
@@ -155,7 +124,7 @@ static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, 
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t0 = 0; t0 < padded; t0 += 16) {
             __mmask16 mk = len - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t0)) - 1u);
-            __m512 p = _mm512_maskz_mov_ps(mk, exp2_neg16(_mm512_sub_ps(_mm512_load_ps(sg + t0), m)));
+            __m512 p = _mm512_maskz_mov_ps(mk, exp2_16(_mm512_sub_ps(_mm512_load_ps(sg + t0), m)));
             sum = _mm512_add_ps(sum, p);
             _mm512_store_ps(sg + t0, p);
         }
@@ -312,7 +281,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     const int64_t items = num_seqs * num_kv_heads;
 #ifdef HAVE_AVX512_BF16
     if (is_bf16 && D % 32 == 0 && G <= FAST_MAX_G && block_size % 16 == 0 && !force_generic) {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        #pragma omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)
         for (int64_t item = 0; item < items; item++)
             attend_item_bf16_avx512((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
                                     block_tables, seq_lens, (uint16_t *)out, item, num_kv_heads, G, D, block_size,
@@ -320,7 +289,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         return 0;
     }
 #endif
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    #pragma omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         if (D == 64)
             attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, 64, block_size,
@@ -354,6 +323,11 @@ def _load():
 
 def available() -> bool:
     return _load() is not None
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernel, for callers that pass raw pointers (aserve/model/cpu_decode.py); `available` must hold."""
+    return _load()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

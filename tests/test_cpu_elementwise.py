@@ -43,6 +43,12 @@ def test_rotary_split(dtype):
         close(got, expected.contiguous(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gate_up = (torch.randn(3, 2 * 80, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    close(cew.silu_mul(gate_up), layers.silu_and_mul(gate_up), dtype)
+
+
 def test_build_without_a_working_compiler_falls_back(monkeypatch, tmp_path, caplog):
     """No compiler (CC=false here): library() returns None with a warning, so callers keep the torch paths."""
     from kernels import cpu_build

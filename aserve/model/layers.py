@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# CPU, one-row inputs of prepacked bf16 linears: torch.mv on the plain weight instead of oneDNN (ASERVE_CPU_MV=0: off).
+# CPU, one-row inputs of prepacked bf16 linears: a GEMV on the plain weight instead of oneDNN (kernels/cpu_gemv.py
+# where it applies, else torch.mv; ASERVE_CPU_MV=0: off).
 CPU_MV_FOR_ONE_ROW = os.environ.get("ASERVE_CPU_MV", "1") != "0"
 
 
@@ -19,6 +20,7 @@ class Linear(nn.Linear):
     1.3-2x faster than F.linear, which reorders the weight on every call."""
 
     packed_weight: torch.Tensor | None = None
+    cpu_gemv = False  # one-row inputs run kernels/cpu_gemv.py (set by prepack)
     gemv_config: dict | None = None  # GPU: one-row inputs (batch-1 decode) run kernels/gemv.py
     gemv_silu_config: dict | None = None  # ... and with SiLU·mul fused in (forward_silu_mul); None: gemv_config
 
@@ -40,12 +42,20 @@ class Linear(nn.Linear):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
         except (RuntimeError, AttributeError):  # a torch build without it: plain F.linear
             return False
+        from kernels import cpu_gemv
+
+        self.cpu_gemv = cpu_gemv.supports(self.weight)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            if x.shape[0] == 1 and CPU_MV_FOR_ONE_ROW:  # batch-1 decode: torch's bf16 GEMV streams faster
-                y = torch.mv(self.weight, x[0]).unsqueeze(0)
+            if x.shape[0] == 1 and CPU_MV_FOR_ONE_ROW:  # batch-1 decode: a GEMV streams the weight faster
+                if self.cpu_gemv:
+                    from kernels.cpu_gemv import gemv
+
+                    y = gemv(self.weight, x[0]).unsqueeze(0)
+                else:
+                    y = torch.mv(self.weight, x[0]).unsqueeze(0)
                 return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if self.takes_gemv(x):
@@ -98,6 +108,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """bf16: the C kernel (vectorised, 1.7-1.9x eager torch); float32 stays eager (the C loop does not vectorise
+    there and is no faster)."""
+    if gate_up.dtype == torch.bfloat16:
+        from kernels import cpu_elementwise
+
+        return cpu_elementwise.silu_mul(gate_up)
+    return silu_and_mul(gate_up)
+
+
 class ElementwiseOps:
     """The element-wise work of a layer (add + RMSNorm, rotary, SiLU·mul), shared by all layers of a model.
 
@@ -120,15 +140,15 @@ class ElementwiseOps:
         self.kind = "compiled"
 
     def use_native(self) -> None:
-        """CPU: the C kernels of kernels/cpu_elementwise.py for add + RMSNorm and rotary, at every step size (one
-        call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter, eager torch runs
-        several ops); SiLU·mul stays eager (two ops, no faster in C)."""
+        """CPU: the C kernels of kernels/cpu_elementwise.py for add + RMSNorm, rotary and (bf16) SiLU·mul, at every
+        step size (one call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter, eager
+        torch runs several ops)."""
         from kernels import cpu_elementwise
 
         self._fast = {
             "add_rms_norm": cpu_elementwise.add_rms_norm,
             "split_rotate_qkv": cpu_elementwise.rotary_split,
-            "silu_and_mul": silu_and_mul,
+            "silu_and_mul": _native_silu_and_mul,
         }
         self.min_tokens = 0
         self.kind = "native"

@@ -6,6 +6,7 @@ q/k/v and gate/up projections are fused into one matmul each; `load_weights` map
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -15,6 +16,8 @@ from aserve.model.attention import AttentionBackend, AttentionMetadata
 from aserve.model.layers import ElementwiseOps, Linear, RMSNorm, RotaryEmbedding, rope_parameters
 from aserve.quantization.awq_format import awq_config_from
 from aserve.quantization.awq_linear import AWQLinear, quantize_linears
+
+CPU_ONE_TOKEN = os.environ.get("ASERVE_CPU_ONE_TOKEN", "1") != "0"
 
 # HF name fragment -> (fused parameter fragment, shard id)
 _STACKED = {
@@ -113,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self.cpu_one_token = None  # CPU: aserve/model/cpu_decode.py (set by optimize_for_cpu where it applies)
         # AWQ checkpoints: int4 layers in place of the decoder layers' linears (aserve/quantization)
         self.quant_config = awq_config_from(cfg)
         if self.quant_config is not None:
@@ -131,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
         (before the final norm). `num_layers` runs only the first layers (layer-skip self-speculation)."""
         x = self.embed_tokens(input_ids)
         rotary_cos_sin = self.rotary(positions, x.dtype)
+        if self.cpu_one_token is not None and x.shape[0] == 1 and meta.backend_data.get("decode_kernel"):
+            return self.cpu_one_token(x, *rotary_cos_sin, kv_caches, meta, num_layers)
         residual = None
         for i, layer in enumerate(self.layers[:num_layers]):
             x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
@@ -138,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
 
     def optimize_for_cpu(self, compile_elementwise: bool) -> None:
         """CPU: prepack bf16 linear weights for oneDNN; the element-wise work in C kernels (kernels/cpu_elementwise.py,
-        compiled once per machine), or where they cannot be built, torch.compile'd if `compile_elementwise`."""
+        compiled once per machine), or where they cannot be built, torch.compile'd if `compile_elementwise`; one-token
+        steps through aserve/model/cpu_decode.py where it applies (ASERVE_CPU_ONE_TOKEN=0: off)."""
         from kernels import cpu_elementwise
 
         for module in self.modules():
@@ -148,6 +155,10 @@ class LlamaForCausalLM(nn.Module):
             self.ops.use_native()
         elif compile_elementwise:
             self.ops.compile()
+        from aserve.model.cpu_decode import OneTokenForward
+
+        if CPU_ONE_TOKEN and OneTokenForward.applies(self):
+            self.cpu_one_token = OneTokenForward(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] of the positions that sample -> float32 logits [N, vocab]."""

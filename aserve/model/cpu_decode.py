@@ -1,0 +1,99 @@
+"""CPU, bf16: the forward of a one-token step (batch-1 decode) as a flat loop of C kernel calls through raw pointers.
+
+At batch 1 on a 2-core CPU the layer's arithmetic is small: what the module forward adds on top of it (module calls,
+~10 tensor allocations, an index_copy_ per cache, the attention backend's checks) cost about as much as the weight
+streaming itself. Here every buffer is allocated once, and a layer is nine C calls with the same kernels the module
+forward runs (so the same roundings):
+
+    add_rms_norm -> gemv qkv -> rotary_split (k / v written straight into their cache slot) -> paged attention
+    -> gemv o -> add_rms_norm -> gemv gate_up -> silu_mul -> gemv down
+
+Built by LlamaForCausalLM.optimize_for_cpu where every piece applies (bf16, no biases, the C kernels compiled,
+AVX512-BF16 for the GEMV); used for steps of one decode token whose backend chose the decode kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_attention, cpu_elementwise, cpu_gemv
+
+
+class OneTokenForward:
+    def __init__(self, model) -> None:
+        attn0 = model.layers[0].self_attn
+        self.H, self.Hkv, self.D = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.hidden = model.config.hidden_size
+        self.inter = model.layers[0].mlp.intermediate_size
+        self.eps = [(layer.input_layernorm.eps, layer.post_attention_layernorm.eps) for layer in model.layers]
+        # Per layer: weight pointers (the tensors stay alive in the model).
+        self.weights = [
+            (
+                layer.input_layernorm.weight.data_ptr(),
+                layer.self_attn.qkv_proj.weight.data_ptr(),
+                layer.self_attn.o_proj.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                layer.mlp.gate_up_proj.weight.data_ptr(),
+                layer.mlp.down_proj.weight.data_ptr(),
+            )
+            for layer in model.layers
+        ]
+        qkv = (self.H + 2 * self.Hkv) * self.D
+        buf = {"x": self.hidden, "res": self.hidden, "h": self.hidden, "qkv": qkv, "q": self.H * self.D,
+               "attn": self.H * self.D, "gu": 2 * self.inter, "sm": self.inter}  # fmt: skip
+        self.buf = {k: torch.zeros(n, dtype=torch.bfloat16) for k, n in buf.items()}
+        self.ptr = {k: v.data_ptr() for k, v in self.buf.items()}
+        self.ew, self.gemv, self.attn = cpu_elementwise.library(), cpu_gemv.library(), cpu_attention.library()
+
+    @staticmethod
+    def applies(model) -> bool:
+        """Every layer bf16, without biases, with its linears on the C GEMV; the element-wise and attention kernels
+        compiled."""
+        if not (len(model.layers) and model.ops.kind == "native" and cpu_attention.available()):
+            return False
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if not getattr(m, "cpu_gemv", False) or m.bias is not None:
+                    return False
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                if norm.weight.dtype != torch.bfloat16:
+                    return False
+        return attn.head_dim <= 256
+
+    def __call__(self, x, cos, sin, kv_caches: torch.Tensor, meta, num_layers: int | None) -> torch.Tensor:
+        """x [1, hidden] (the token's embedding), cos / sin [1, 1, D], kv_caches [layers, 2, blocks, block_size,
+        Hkv, D] -> x + residual after the layers [1, hidden] (as LlamaForCausalLM.forward)."""
+        ew, gemv, attn, p = self.ew, self.gemv, self.attn, self.ptr
+        H, Hkv, D, hidden, inter = self.H, self.Hkv, self.D, self.hidden, self.inter
+        qkv_rows = (H + 2 * Hkv) * D
+        nt = torch.get_num_threads()
+        assert kv_caches.is_contiguous() and kv_caches.dtype == torch.bfloat16 and cos.stride(-1) == 1
+        block_size = kv_caches.shape[3]
+        layer_stride, kv_stride = kv_caches.stride(0) * 2, kv_caches.stride(1) * 2  # bytes
+        slot_off = int(meta.slot_mapping[0]) * Hkv * D * 2
+        cache0 = kv_caches.data_ptr()
+        bt, seq_lens = meta.block_tables, meta.seq_lens
+        bt_ptr, bt_stride, sl_ptr = bt.data_ptr(), bt.stride(0), seq_lens.data_ptr()
+        cos_p, sin_p, cs_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
+        scale = D**-0.5
+        self.buf["res"].copy_(x[0])
+        for i, (ln1, w_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.weights[:num_layers]):
+            eps1, eps2 = self.eps[i]
+            if i == 0:  # no residual yet: h = norm(x), residual = x
+                ew.add_rms_norm(p["res"], p["res"], ln1, p["h"], p["res"], 1, hidden, eps1, 0, 1, nt)
+            else:
+                ew.add_rms_norm(p["x"], p["res"], ln1, p["h"], p["res"], 1, hidden, eps1, 1, 1, nt)
+            gemv.gemv_bf16(w_qkv, p["h"], p["qkv"], qkv_rows, hidden, nt)
+            k_cache = cache0 + i * layer_stride
+            v_cache = k_cache + kv_stride
+            ew.rotary_split(p["qkv"], cos_p, sin_p, p["q"], k_cache + slot_off, v_cache + slot_off, 1, H, Hkv, D,
+                            qkv_rows, cs_stride, 1, nt)  # fmt: skip
+            attn.paged_decode_attention(p["q"], k_cache, v_cache, bt_ptr, sl_ptr, p["attn"], 1, H, Hkv, D, block_size,
+                                        bt_stride, H * D, H * D, scale, 1, nt, 0)  # fmt: skip
+            gemv.gemv_bf16(w_o, p["attn"], p["x"], hidden, H * D, nt)
+            ew.add_rms_norm(p["x"], p["res"], ln2, p["h"], p["res"], 1, hidden, eps2, 1, 1, nt)
+            gemv.gemv_bf16(w_gu, p["h"], p["gu"], 2 * inter, hidden, nt)
+            ew.silu_mul(p["gu"], p["sm"], 1, inter, 1, nt)
+            gemv.gemv_bf16(w_down, p["sm"], p["x"], hidden, inter, nt)
+        return (self.buf["x"] + self.buf["res"]).unsqueeze(0)
