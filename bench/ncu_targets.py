@@ -19,12 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def awq_case() -> None:
+    from awq_bench import GROUP as group
+    from awq_bench import random_awq
+
     from kernels import awq
 
-    k, n, group = 4096, 14336, 128
-    qweight = torch.randint(-(2**31), 2**31, (k, n // 8), dtype=torch.int32, device="cuda")
-    qzeros = torch.randint(-(2**31), 2**31, (k // group, n // 8), dtype=torch.int32, device="cuda")
-    scales = (torch.rand(k // group, n, device="cuda") * 0.004 + 1e-4).half()
+    k, n = 4096, 14336
+    qweight, qzeros, scales = random_awq(k, n, group)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     for _ in range(4):
         awq.awq_gemv(x, qweight, qzeros, scales, group)

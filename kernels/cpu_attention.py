@@ -305,29 +305,20 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 }
 """
 
-_lib = None
+_SIGNATURES = {
+    "paged_decode_attention": (
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3, ctypes.c_int),
+}
 
 
-def _load():
-    """The compiled library with its function's signature set, or None."""
-    global _lib
-    if _lib is None:
-        lib = cpu_build.library("paged_decode", _SOURCE)
-        if lib is not None:
-            fn = lib.paged_decode_attention
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3
-            _lib = lib
-    return _lib
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel (None where no compiler works), also for callers that pass raw pointers
+    (aserve/model/cpu_decode.py)."""
+    return cpu_build.library("paged_decode", _SOURCE, _SIGNATURES)
 
 
 def available() -> bool:
-    return _load() is not None
-
-
-def library() -> ctypes.CDLL:
-    """The compiled kernel, for callers that pass raw pointers (aserve/model/cpu_decode.py); `available` must hold."""
-    return _load()
+    return library() is not None
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -364,7 +355,7 @@ def paged_decode_attention(
     assert block_tables.stride(-1) == 1 and out.stride(-1) == 1 and out.stride(-2) == head_dim
     assert out.dtype == q.dtype and num_heads % num_kv_heads == 0
     scale = head_dim**-0.5 if scale is None else scale
-    rc = _load().paged_decode_attention(
+    rc = library().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), n, num_heads, num_kv_heads, head_dim, block_size, block_tables.stride(0), q.stride(0),
         out.stride(0), scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(), int(generic),

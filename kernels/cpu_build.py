@@ -83,8 +83,9 @@ def _cache_dir() -> str:
     return os.path.join(root, "cpu_kernels")
 
 
-def library(name: str, source: str) -> ctypes.CDLL | None:
-    """The compiled `source` (compiling it the first time on this machine), or None where no compiler works."""
+def library(name: str, source: str, signatures: dict | None = None) -> ctypes.CDLL | None:
+    """The compiled `source` (compiling it the first time on this machine), or None where no compiler works; loaded
+    once per process. `signatures`: {function name: (argtypes, restype)}, set when it is loaded."""
     if name in _cache:
         return _cache[name]
     _cache[name] = None
@@ -103,7 +104,10 @@ def library(name: str, source: str) -> ctypes.CDLL | None:
                 built = os.path.join(tmp, f"{name}.so")
                 subprocess.run([cc, *FLAGS, src, "-o", built], check=True, capture_output=True, timeout=120)
                 os.replace(built, path)  # atomic: a concurrent process sees all of it or nothing
-        _cache[name] = ctypes.CDLL(path)
+        lib = ctypes.CDLL(path)
+        for fn, (argtypes, restype) in (signatures or {}).items():
+            getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
+        _cache[name] = lib
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("CPU kernels %s unavailable (%s %s); using the torch path", name, e,

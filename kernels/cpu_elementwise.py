@@ -151,31 +151,22 @@ void rotary_split(const void *qkv, const void *cos_, const void *sin_, void *q, 
 }
 """
 
-_lib = None
+_P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "add_rms_norm": ([_P] * 5 + [_I64, _I64, _F32, _I32, _I32, _I32], None),
+    "rotary_split": ([_P] * 6 + [_I64] * 6 + [_I32, _I32], None),
+    "silu_mul": ([_P, _P, _I64, _I64, _I32, _I32], None),
+}
 
 
-def _load():
-    global _lib
-    if _lib is None:
-        lib = cpu_build.library("elementwise", _SOURCE)
-        if lib is not None:
-            p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-            lib.add_rms_norm.argtypes = [p] * 5 + [i64, i64, f32, i32, i32, i32]
-            lib.rotary_split.argtypes = [p] * 6 + [i64] * 6 + [i32, i32]
-            lib.silu_mul.argtypes = [p, p, i64, i64, i32, i32]
-            for fn in (lib.add_rms_norm, lib.rotary_split, lib.silu_mul):
-                fn.restype = None
-            _lib = lib
-    return _lib
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (None where no compiler works), also for callers that pass raw pointers
+    (aserve/model/cpu_decode.py)."""
+    return cpu_build.library("elementwise", _SOURCE, _SIGNATURES)
 
 
 def available() -> bool:
-    return _load() is not None
-
-
-def library() -> ctypes.CDLL:
-    """The compiled kernels, for callers that pass raw pointers (aserve/model/cpu_decode.py); `available` must hold."""
-    return _load()
+    return library() is not None
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -193,7 +184,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     res = residual.contiguous() if residual is not None else x
-    _load().add_rms_norm(
+    library().add_rms_norm(
         x.data_ptr(), res.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), res_out.data_ptr(), rows, n,
         eps, int(residual is not None), _bf16(x), torch.get_num_threads(),
     )  # fmt: skip
@@ -205,7 +196,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype)
-    _load().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _bf16(gate_up), torch.get_num_threads())
+    library().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _bf16(gate_up), torch.get_num_threads())
     return out
 
 
@@ -216,7 +207,7 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
-    _load().rotary_split(
+    library().rotary_split(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), t, num_heads,
         num_kv_heads, head_dim, qkv.stride(0), cos.stride(0), _bf16(qkv), torch.get_num_threads(),
     )  # fmt: skip

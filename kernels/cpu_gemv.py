@@ -76,29 +76,21 @@ int gemv_bf16_available(void) { return 0; }
 #endif
 """
 
-_lib = None
-
-
-def _load():
-    global _lib
-    if _lib is None:
-        lib = cpu_build.library("gemv", _SOURCE)
-        if lib is not None:
-            lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-            lib.gemv_bf16.restype = ctypes.c_int
-            lib.gemv_bf16_available.restype = ctypes.c_int
-            _lib = lib
-    return _lib
+_SIGNATURES = {
+    "gemv_bf16": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int], ctypes.c_int),
+    "gemv_bf16_available": ([], ctypes.c_int),
+}
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, for callers that pass raw pointers (aserve/model/cpu_decode.py)."""
-    return _load()
+    """The compiled kernel (None where no compiler works), also for callers that pass raw pointers
+    (aserve/model/cpu_decode.py)."""
+    return cpu_build.library("gemv", _SOURCE, _SIGNATURES)
 
 
 def supports(weight: torch.Tensor) -> bool:
     """Whether gemv takes this weight (CPU, bf16, contiguous [N, K] with K % 32 == 0, on a CPU with AVX512-BF16)."""
-    lib = _load()
+    lib = library()
     return (
         lib is not None
         and bool(lib.gemv_bf16_available())
@@ -116,7 +108,7 @@ def gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     assert x.dtype == torch.bfloat16 and x.shape == (weight.shape[1],)
     x = x.contiguous()
     y = torch.empty(weight.shape[0], dtype=torch.bfloat16)
-    rc = _lib.gemv_bf16(weight.data_ptr(), x.data_ptr(), y.data_ptr(), weight.shape[0], weight.shape[1],
-                        torch.get_num_threads())  # fmt: skip
+    rc = library().gemv_bf16(weight.data_ptr(), x.data_ptr(), y.data_ptr(), weight.shape[0], weight.shape[1],
+                             torch.get_num_threads())  # fmt: skip
     assert rc == 0
     return y
