@@ -6,8 +6,9 @@ pdl      the default GEMV per shape back to back in a CUDA graph, programmatic d
 gemv     M = 1 linears: kernels/gemv.py (a sweep of launch configurations) vs cuBLAS (F.linear), each timed inside
          a CUDA graph that cycles through enough weight copies (>= 256 MB) that L2 holds none of them; GB/s of
          weight bytes read.
-prefill  prefill attention, one 4096-token causal prompt: kernel variants (ACC_DOT: the rescaled accumulator as the
-         MMA's addend; stages) vs torch SDPA (flash), alternating, best of 3 each.
+prefill  prefill attention, one 4096-token causal prompt: kernel variants (keys gathered from the pages or the
+         prompt's own K/V read from qkv rows as the engine does; stages) vs torch SDPA (flash), alternating, best
+         of 3 each.
 silu     the down projection's GEMV with SiLU·mul fused in: launch-config sweep (kernels/gemv.py
          GEMV_CONFIG_SILU_MUL).
 e2e      engines side by side (E2E_VARIANTS: Triton GEMV + PDL, the same with the SiLU·mul GEMV on the plain
@@ -188,21 +189,22 @@ def section_prefill() -> None:
     H, Hkv, D, bs, T = 32, 8, 128, 16, 4096
     torch.manual_seed(0)
     (q, k_cache, v_cache, table, seq, qsl), (qs, ks, vs), flops = gb.prefill_case(T, H, Hkv, D, bs)
-    base = dict(BLOCK_M=128, TILE_N=128, num_warps=8, REVERSE=True)
-    variants = {
-        f"acc_dot={a} stages={s}": dict(base, num_stages=s, ACC_DOT=a) for a in (False, True) for s in (3, 4)
-    }
+    k_new, v_new = gb.prefill_new_kv(q, k_cache, v_cache)
+    base = dict(BLOCK_M=128, TILE_N=128, num_warps=8, REVERSE=True, ACC_DOT=True)
+    variants = {f"{src} stages={s}": (dict(base, num_stages=s), src) for src in ("pages", "qkv_rows") for s in (2, 3)}
     ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1).float()
     best = {name: float("inf") for name in ["sdpa", *variants]}
     for _ in range(3):
         best["sdpa"] = min(best["sdpa"], triton.testing.do_bench(
             lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), warmup=25, rep=200))
-        for name, cfg in variants.items():
+        for name, (cfg, src) in variants.items():
+            kv = dict(k_new=k_new, v_new=v_new) if src == "qkv_rows" else {}
             best[name] = min(best[name], triton.testing.do_bench(
-                lambda cfg=cfg: paged_attention(q, k_cache, v_cache, table, seq, qsl, T, config=cfg),
+                lambda cfg=cfg, kv=kv: paged_attention(q, k_cache, v_cache, table, seq, qsl, T, config=cfg, **kv),
                 warmup=25, rep=200))  # fmt: skip
-    for name, cfg in variants.items():
-        out = paged_attention(q, k_cache, v_cache, table, seq, qsl, T, config=cfg).float()
+    for name, (cfg, src) in variants.items():
+        kv = dict(k_new=k_new, v_new=v_new) if src == "qkv_rows" else {}
+        out = paged_attention(q, k_cache, v_cache, table, seq, qsl, T, config=cfg, **kv).float()
         err = ((out - ref).norm() / ref.norm()).item()
         tf = flops / best[name] / 1e9
         RESULTS[f"prefill {name}"] = dict(tflops=tf, vs_sdpa=best["sdpa"] / best[name], err=err)

@@ -58,7 +58,7 @@ def _rotary_split_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_cos, stride_sin,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
-    WRITE_CACHE: tl.constexpr, slot_ptr, stride_c_slot,
+    WRITE_CACHE: tl.constexpr, slot_ptr, stride_c_slot, KEEP_K: tl.constexpr,
 ):  # fmt: skip
     pdl.gdc_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -86,6 +86,9 @@ def _rotary_split_kernel(
     tl.store(q_ptr + q_off, o1, mask=is_q[:, None])
     tl.store(q_ptr + q_off + HALF, o2, mask=is_q[:, None])
     is_k = (h >= NUM_HEADS) & h_ok
+    if KEEP_K:  # the rotated k also back into the fused row (read above, by this program only)
+        tl.store(row + j[None, :], o1, mask=is_k[:, None])
+        tl.store(row + HALF + j[None, :], o2, mask=is_k[:, None])
     if WRITE_CACHE:
         is_k = is_k & ((h * 0 + slot) >= 0)  # (as a vector: Triton's interpreter rejects scalar masks here)
     k_off = kv_row + (h - NUM_HEADS)[:, None] * HEAD_DIM + j[None, :]
@@ -99,10 +102,12 @@ def _rotary_split_kernel(
     tl.store(v_ptr + kv_row + d, v, mask=d_ok)
 
 
-def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int, cache=None):
+def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int, cache=None, keep_k: bool = False):
     """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D].
     With cache = (k_cache, v_cache, slot_mapping) ([num_blocks, block_size, Hkv, D] each): k and v are written
-    into their cache slots instead (kernels/cache_write.py's job, fused; negative slots write nothing) -> q."""
+    into their cache slots instead (kernels/cache_write.py's job, fused; negative slots write nothing) -> q.
+    keep_k: the rotated k is also written back over qkv's k columns, so that qkv's k / v slices are the step's
+    rotated keys and values (for paged_attention's k_new / v_new)."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if cache is None:
@@ -119,7 +124,8 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), HALF=head_dim // 2, USE_PDL=pdl.ENABLED,
-        WRITE_CACHE=cache is not None, slot_ptr=slots, stride_c_slot=stride_slot, **pdl.launch_kwargs(),
+        WRITE_CACHE=cache is not None, slot_ptr=slots, stride_c_slot=stride_slot, KEEP_K=keep_k,
+        **pdl.launch_kwargs(),
     )  # fmt: skip
     return q if cache is not None else (q, k, v)
 

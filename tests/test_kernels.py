@@ -39,6 +39,27 @@ def test_paged_attention_matches_reference(case, heads):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("config", [None, dict(BLOCK_M=16, TILE_N=16, num_warps=4, num_stages=2)])
+@pytest.mark.parametrize("case", [c for c in CASES if c != "decode-only"])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+def test_paged_attention_new_kv_from_qkv_rows(case, heads, config):
+    """The step's own K/V read from slices of the fused qkv rows (k_new / v_new), the context's from the pages;
+    the small tiles give unmasked tiles of new keys, context tiles and a partial one."""
+    q_lens, ctx_lens = CASES[case]
+    num_heads, num_kv_heads = heads
+    q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, num_heads, num_kv_heads, 32, 16, 64, torch.float32,
+                                           device=DEVICE)  # fmt: skip
+    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    ref = reference.paged_attention(q, kv_cache, meta, 16)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+    q_size, kv_size = num_heads * 32, num_kv_heads * 32
+    k_new = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, 32)
+    v_new = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, 32)
+    out = paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                          max(q_lens), config=config, k_new=k_new, v_new=v_new)  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_attention_head_dims_fp16(head_dim):
     out, ref = run_case("mixed-with-context", (8, 2), head_dim, torch.float16)
@@ -86,9 +107,19 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     rot = RotaryEmbedding(D, 64, 10000.0, {"rope_type": "default"})
     rot.materialize(torch.device(DEVICE))
     cos, sin = rot(torch.tensor([0, 3, 5, 9, 17, 33, 63], device=DEVICE), dtype)
-    for got, want in zip(fused.rotary_split(qkv, cos, sin, H, Hkv, D), layers.split_rotate_qkv(qkv, cos, sin, H, Hkv, D)):
+    want_q, want_k, want_v = layers.split_rotate_qkv(qkv, cos, sin, H, Hkv, D)
+    for got, want in zip(fused.rotary_split(qkv, cos, sin, H, Hkv, D), (want_q, want_k, want_v)):
         assert got.is_contiguous()
         torch.testing.assert_close(got, want, **tol)
+    # Into a paged cache, keeping the rotated k in qkv's k columns (paged_attention's k_new).
+    caches = torch.zeros(2, 4, 4, Hkv, D, device=DEVICE, dtype=dtype)
+    slots = torch.tensor([0, 1, 2, 5, 6, -1, 9], device=DEVICE)
+    qkv_kept = qkv.clone()
+    q = fused.rotary_split(qkv_kept, cos, sin, H, Hkv, D, cache=(caches[0], caches[1], slots), keep_k=True)
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(qkv_kept[:, H * D : (H + Hkv) * D].view(-1, Hkv, D), want_k, **tol)
+    torch.testing.assert_close(qkv_kept[:, (H + Hkv) * D :], qkv[:, (H + Hkv) * D :])
+    torch.testing.assert_close(caches[0].view(-1, Hkv, D)[slots[slots >= 0]], want_k[slots >= 0], **tol)
 
     gu = torch.randn(4, 2 * 80, generator=gen).to(DEVICE, dtype)
     torch.testing.assert_close(fused.silu_and_mul(gu), layers.silu_and_mul(gu), **tol)

@@ -46,8 +46,8 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the paged cache and computes causal attention for every query token."""
 
-    # True: rotate_and_write(qkv, cos, sin, kv_cache, meta, num_heads, head_dim) -> q does rotary and the cache
-    # write in one pass, and forward() takes k = v = None after it.
+    # True: rotate_and_write(qkv, cos, sin, kv_cache, meta, num_heads, head_dim) -> (q, k_new, v_new) does rotary
+    # and the cache write in one pass, and attend(q, k_new, v_new, kv_cache, meta) then computes attention.
     writes_rotated_kv = False
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:

@@ -45,8 +45,9 @@ class Attention(nn.Module):
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         if self.ops.kind == "triton" and self.backend.writes_rotated_kv:  # rotary + cache write in one kernel
-            q = self.backend.rotate_and_write(qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads, self.head_dim)
-            out = self.backend.forward(q, None, None, kv_cache, meta)
+            q, k_new, v_new = self.backend.rotate_and_write(qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads,
+                                                            self.head_dim)  # fmt: skip
+            out = self.backend.attend(q, k_new, v_new, kv_cache, meta)
         else:
             q, k, v = self.ops.split_rotate_qkv(qkv, *rotary_cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
             out = self.backend.forward(q, k, v, kv_cache, meta)

@@ -46,17 +46,32 @@ class TritonAttentionBackend(AttentionBackend):
             decode_only = meta.max_query_len == 1
             meta.backend_data["num_segments"] = self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1
 
-    def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int) -> torch.Tensor:
-        """Rotary on q and k, and k / v written into the cache, in one kernel (kernels/fused.py) -> q [T, H, D].
-        forward() is then called with k = v = None."""
+    def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int):
+        """Rotary on q and k, and k / v written into the cache, in one kernel (kernels/fused.py) -> (q [T, H, D],
+        k_new, v_new) for attend(). Steps with multi-token queries also get the rotated k back in qkv, and
+        k_new / v_new are views of qkv's columns (attention reads the step's own keys from there, faster than
+        from the pages); decode steps get None (and keep to what a CUDA graph captures)."""
         from kernels.fused import rotary_split
 
-        return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim,
-                            cache=(kv_cache[0], kv_cache[1], meta.slot_mapping))  # fmt: skip
+        keep = meta.max_query_len > 1
+        q = rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim,
+                         cache=(kv_cache[0], kv_cache[1], meta.slot_mapping), keep_k=keep)  # fmt: skip
+        if not keep:
+            return q, None, None
+        q_size, kv_size = num_heads * head_dim, self.num_kv_heads * head_dim
+        k_new = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, head_dim)
+        v_new = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(-1, self.num_kv_heads, head_dim)
+        return q, k_new, v_new
 
     def forward(self, q, k, v, kv_cache, meta):
-        if k is not None:  # None: rotate_and_write has written them
-            write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        if meta.max_query_len > 1:
+            return self.attend(q, k, v, kv_cache, meta)
+        return self.attend(q, None, None, kv_cache, meta)
+
+    def attend(self, q, k_new, v_new, kv_cache, meta):
+        """Attention over the paged cache, which already holds the step's K/V; k_new / v_new (or None): the
+        step's own K/V, read from there instead."""
         segments = meta.backend_data.get("num_segments", 1)
         partials = None
         if segments > 1:
@@ -68,4 +83,5 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, num_segments=segments, partials=partials,
+            k_new=k_new if segments == 1 else None, v_new=v_new if segments == 1 else None,
         )  # fmt: skip
