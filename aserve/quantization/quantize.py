@@ -29,7 +29,6 @@ import torch
 
 from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear, pack_quantized
 from aserve.quantization.awq_search import awq_layer
-from aserve.quantization.block_tune import tune_layer
 from aserve.quantization.dense_layer import DenseDecoderLayer
 from aserve.quantization.gptq import gptq_layer
 
@@ -69,24 +68,19 @@ def quantize_model(
     sequential: bool = False,
     gptq_search: str = "weighted",
     act_order: bool = True,
-    tune_steps: int = 0,
 ) -> dict:
     """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "linears":
     [{linear: {"rtn", "gptq"}}], "seconds"} (per layer: AWQ's block errors, GPTQ's linear output errors).
     `sequential`: each layer calibrates on the outputs of the already quantised layers before it, instead of the
     float model's (AutoAWQ's way). `clip`: AWQ's clipping search, or GPTQ's search for each group's grid (else
     its min/max); `gptq_search` says which error that search minimises (gptq.SEARCHES); `act_order`: GPTQ rounds
-    the input channels by decreasing activation energy (grids fixed beforehand), else in order. `tune_steps`
-    (GPTQ methods): after GPTQ, that many steps of block-output tuning of each layer's rounding and scales
-    (block_tune.py; report["tuning"] has each layer's output error before and after)."""
+    the input channels by decreasing activation energy (grids fixed beforehand), else in order."""
     from transformers import AutoConfig, AutoTokenizer
 
     from aserve.model.loader import iterate_safetensors, resolve_model
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if tune_steps and method not in ("gptq", "awq-gptq"):
-        raise ValueError(f"tune_steps tunes GPTQ's rounding: use it with --method gptq or awq-gptq, not {method}")
     t0 = time.perf_counter()
     model_dir, _ = resolve_model(model)
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -112,7 +106,7 @@ def quantize_model(
         x = state["model.embed_tokens.weight"].float()[ids.flatten()]  # the residual stream, [N * seq_len, hidden]
 
     out: dict[str, torch.Tensor] = {k: v for k, v in state.items() if not k.startswith("model.layers.")}
-    report = {"layers": [], "linears": [], "tuning": [], "method": method, "group_size": group_size}
+    report = {"layers": [], "linears": [], "method": method, "group_size": group_size}
     layers = range(num_layers)
     if progress:
         from tqdm import tqdm
@@ -125,22 +119,15 @@ def quantize_model(
         grids = {}  # GPTQ's (q, z, s) per linear; the others are rounded to nearest when packed
         if x is not None:
             layer = DenseDecoderLayer(weights, cfg, seq_len)
-            if method != "gptq" or not sequential or tune_steps:  # AWQ's inputs, the float stream, tuning's target
+            if method != "gptq" or not sequential:  # AWQ's inputs, or the float stream the next layer takes
                 x_float, feats = layer.forward(x, seq_len)
             if method in ("awq", "awq-gptq"):
                 report["layers"].append(awq_layer(layer, feats, seq_len, group_size, n_grid, clip and method == "awq"))
             feats = None
             if method in ("gptq", "awq-gptq"):  # layer.w's linears become their dequantised weights
-                float_linears = {f"{n}.weight": layer.w[f"{n}.weight"].clone() for n in LINEARS} if tune_steps else {}
                 x_quantised, grids, errors = gptq_layer(layer, x, seq_len, group_size,
                                                         gptq_search if clip else "minmax", act_order=act_order)  # fmt: skip
                 report["linears"].append(errors)
-                if tune_steps:
-                    grids, tuning = tune_layer(layer, float_linears, grids, x, x_float, seq_len, tune_steps)
-                    report["tuning"].append(tuning)
-                    if sequential:
-                        with torch.no_grad():
-                            x_quantised, _ = layer.forward(x, seq_len)
             elif sequential:
                 quantised = {k: fake_quantize(v, group_size) if k.removesuffix(".weight") in LINEARS else v
                              for k, v in layer.w.items()}  # fmt: skip
@@ -196,16 +183,12 @@ def add_quantize_parser(sub) -> None:
                    help="GPTQ rounds input channels in order (default: by decreasing activation energy)")
     p.add_argument("--sequential", action="store_true",
                    help="calibrate each layer on the quantised model's activations, not the float model's")
-    p.add_argument("--tune-steps", type=int, default=0,
-                   help="after GPTQ, tune each layer's rounding and scales to its float output for this many steps "
-                        "(signed gradient descent, AutoRound-style; 0: off)")
     p.add_argument("--log-level", default="info")
 
 
 def run_quantize(ns: argparse.Namespace) -> None:
     report = quantize_model(ns.model, ns.out, ns.group_size, ns.method, ns.calib, ns.num_samples, ns.seq_len,
-                            clip=not ns.no_clip, sequential=ns.sequential, act_order=not ns.no_act_order,
-                            tune_steps=ns.tune_steps)  # fmt: skip
+                            clip=not ns.no_clip, sequential=ns.sequential, act_order=not ns.no_act_order)  # fmt: skip
     print(f"aserve: wrote {ns.method.upper()} int4 (group {ns.group_size}) to {ns.out} in {report['seconds']} s")
     if report["layers"]:
         rtn = sum(sum(g["rtn"] for g in layer.values()) for layer in report["layers"])
@@ -215,7 +198,3 @@ def run_quantize(ns: argparse.Namespace) -> None:
         rtn = sum(sum(e["rtn"] for e in layer.values()) for layer in report["linears"])
         gptq = sum(sum(e["gptq"] for e in layer.values()) for layer in report["linears"])
         print(f"aserve: calibration linear output error, summed over linears: RTN {rtn:.4g} -> GPTQ {gptq:.4g}")
-    if report["tuning"]:
-        before = sum(t["before"] for t in report["tuning"])
-        after = sum(t["after"] for t in report["tuning"])
-        print(f"aserve: layer output error, summed over layers: GPTQ {before:.4g} -> tuned {after:.4g}")
