@@ -68,7 +68,7 @@ static inline float exp2_neg(float x) {
 
 /* Prefetch tokens [first, first + 16) of one head's rows of block blk (each D * 2 bytes, stride TS elements); when
    rows are contiguous (TS == D) this walks one contiguous run line by line. */
-static inline void prefetch16(const uint16_t *cache, int64_t blk, int64_t first, int64_t h, int64_t BS, int64_t HS,
+static inline __attribute__((always_inline)) void prefetch16(const uint16_t *cache, int64_t blk, int64_t first, int64_t h, int64_t BS, int64_t HS,
                               int64_t TS, int64_t D) {
     const char *base = (const char *)(cache + blk * BS + h * HS + first * TS);
     if (TS == D) {
