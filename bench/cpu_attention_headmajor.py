@@ -12,6 +12,9 @@ with kernels/cpu_attention.py's kernel, alternating in one process:
              registers, then P @ V of the same group; P packed to bf16 pairs with vcvtne2ps2bf16 and broadcast from
              memory instead of per-token scalar conversions; no scores buffer), IL cache
     v2-hm    the same on the HM cache
+    v1c-*, v2c-*  v1 / v2 with G = 3 and D = 64 as compile-time constants (qv / acc arrays in registers)
+
+(v2's prefetch distance: set_prefetch_distance(tokens), default 32; 64 / 128 made no difference, 30 layers cycled.)
 
     PYTHONPATH=. python bench/cpu_attention_headmajor.py --check          # correctness vs kernels/reference.py
     PYTHONPATH=. python bench/cpu_attention_headmajor.py --rounds 9       # timing (one layer, and 30 layers cycled)
@@ -80,7 +83,7 @@ static inline __attribute__((always_inline)) void prefetch16(const uint16_t *cac
 }
 
 /* v1: kernels/cpu_attention.py's attend_item_bf16_avx512, addresses through (BS, HS, TS). */
-static void item_v1(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
+static inline __attribute__((always_inline)) void item_v1(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
                     const int32_t *seq_lens, uint16_t *out, int64_t item, int64_t num_kv_heads, int64_t G, int64_t D,
                     int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, int64_t BS,
                     int64_t HS, int64_t TS, float scale) {
@@ -178,10 +181,14 @@ static void item_v1(const uint16_t *q, const uint16_t *k_cache, const uint16_t *
     }
 }
 
+/* v2's prefetch distance in tokens (a multiple of 16; 32 = two groups ahead, as v1 / the engine kernel) */
+static int64_t PF_DIST = 32;
+void set_prefetch_distance(int64_t d) { PF_DIST = d; }
+
 /* v2: one pass over 16-token groups. Per group: the G x 16 scores (K rows read once, kept in registers), online
    softmax (running max m, rescale of acc / l by 2**(m_old - m_new)), P packed to bf16 pairs in one instruction, then
    P @ V of the same 16 tokens (pair broadcasts from a small stack array). No scores buffer, no malloc. */
-static void item_v2(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
+static inline __attribute__((always_inline)) void item_v2(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
                     const int32_t *seq_lens, uint16_t *out, int64_t item, int64_t num_kv_heads, int64_t G, int64_t D,
                     int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, int64_t BS,
                     int64_t HS, int64_t TS, float scale) {
@@ -203,15 +210,15 @@ static void item_v2(const uint16_t *q, const uint16_t *k_cache, const uint16_t *
         prefetch16(k_cache, bt[0], 0, h, BS, HS, TS, D);
         prefetch16(v_cache, bt[0], 0, h, BS, HS, TS, D);
     }
-    if (16 < len) {
-        prefetch16(k_cache, bt[16 / block_size], 16 % block_size, h, BS, HS, TS, D);
-        prefetch16(v_cache, bt[16 / block_size], 16 % block_size, h, BS, HS, TS, D);
+    for (int64_t t = 16; t < PF_DIST && t < len; t += 16) {
+        prefetch16(k_cache, bt[t / block_size], t % block_size, h, BS, HS, TS, D);
+        prefetch16(v_cache, bt[t / block_size], t % block_size, h, BS, HS, TS, D);
     }
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t blk = bt[t0 / block_size], f = t0 % block_size;
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        if (t0 + 32 < len) {
-            const int64_t nb = bt[(t0 + 32) / block_size], nf = (t0 + 32) % block_size;
+        if (t0 + PF_DIST < len) {
+            const int64_t nb = bt[(t0 + PF_DIST) / block_size], nf = (t0 + PF_DIST) % block_size;
             prefetch16(k_cache, nb, nf, h, BS, HS, TS, D);
             prefetch16(v_cache, nb, nf, h, BS, HS, TS, D);
         }
@@ -357,7 +364,8 @@ static inline __attribute__((always_inline)) void item_generic(
     }
 }
 
-/* variant 0: generic C, 1: v1 (AVX512-BF16), 2: v2 (AVX512-BF16, one pass). Returns -1 where not taken. */
+/* variant 0: generic C, 1: v1 (AVX512-BF16), 2: v2 (AVX512-BF16, one pass); 3 / 4: v1 / v2 with G and D as
+   compile-time constants where G == 3 and D == 64 (else as 1 / 2). Returns -1 where not taken. */
 int strided_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                              const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t bt_stride,
@@ -371,7 +379,16 @@ int strided_decode_attention(const void *q, const void *k_cache, const void *v_c
         if (!is_bf16 || D % 32 != 0 || G > FAST_MAX_G || block_size % 16 != 0) return -1;
         #pragma omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)
         for (int64_t item = 0; item < items; item++) {
-            if (variant == 1)
+            if (variant >= 3 && G == 3 && D == 64) {  /* compile-time G and D (SmolLM2's shape) */
+                if (variant == 3)
+                    item_v1((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables,
+                            seq_lens, (uint16_t *)out, item, num_kv_heads, 3, 64, block_size, bt_stride, q_stride,
+                            out_stride, BS, HS, TS, scale);
+                else
+                    item_v2((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables,
+                            seq_lens, (uint16_t *)out, item, num_kv_heads, 3, 64, block_size, bt_stride, q_stride,
+                            out_stride, BS, HS, TS, scale);
+            } else if (variant == 1 || variant == 3)
                 item_v1((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables,
                         seq_lens, (uint16_t *)out, item, num_kv_heads, G, D, block_size, bt_stride, q_stride,
                         out_stride, BS, HS, TS, scale);
@@ -399,6 +416,7 @@ int strided_decode_attention(const void *q, const void *k_cache, const void *v_c
 """
 
 _SIGNATURES = {
+    "set_prefetch_distance": ([ctypes.c_int64], None),
     "strided_decode_attention": (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 11 + [ctypes.c_float] + [ctypes.c_int] * 3, ctypes.c_int),
 }
@@ -443,7 +461,7 @@ def check() -> None:
             ref = reference.paged_attention(q, kv, meta, bs).float()
             kh, vh = kv[0].permute(0, 2, 1, 3).contiguous(), kv[1].permute(0, 2, 1, 3).contiguous()
             tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-            variants = [0] + ([1, 2] if dtype == torch.bfloat16 and D % 32 == 0 and H // Hkv <= 8 else [])
+            variants = [0] + ([1, 2, 3, 4] if dtype == torch.bfloat16 and D % 32 == 0 and H // Hkv <= 8 else [])
             for variant in variants:
                 for layout, (kc, vc) in (("il", (kv[0], kv[1])), ("hm", (kh, vh))):
                     out = torch.full_like(q, float("nan"))
@@ -484,6 +502,10 @@ def bench(rounds: int, layers: int, calls_one: int, seed: int) -> None:
         "v1-hm": lambda c: strided(q, c[1][0], c[1][1], block_tables, seq_lens, out, "hm", 1),
         "v2-il": lambda c: strided(q, c[0][0], c[0][1], block_tables, seq_lens, out, "il", 2),
         "v2-hm": lambda c: strided(q, c[1][0], c[1][1], block_tables, seq_lens, out, "hm", 2),
+        "v1c-il": lambda c: strided(q, c[0][0], c[0][1], block_tables, seq_lens, out, "il", 3),
+        "v1c-hm": lambda c: strided(q, c[1][0], c[1][1], block_tables, seq_lens, out, "hm", 3),
+        "v2c-il": lambda c: strided(q, c[0][0], c[0][1], block_tables, seq_lens, out, "il", 4),
+        "v2c-hm": lambda c: strided(q, c[1][0], c[1][1], block_tables, seq_lens, out, "hm", 4),
     }
     names = list(fns)
     res = {(case, n): [] for case in ("one layer", f"{layers} layers cycled") for n in names}
