@@ -118,10 +118,11 @@ def prefill_case(T: int, H: int, Hkv: int, D: int, bs: int):
 def prefill_new_kv(q, k_cache, v_cache):
     """The prompt's K/V as the engine hands them to paged_attention (k_new / v_new): slices of fused qkv rows
     [T, (H + 2 Hkv) D] holding the same values as the pages."""
+    from kernels.fused import qkv_kv_views
+
     T, H, D = q.shape
-    Hkv = k_cache.shape[2]
     qkv = torch.cat([q.reshape(T, -1), k_cache.reshape(T, -1), v_cache.reshape(T, -1)], 1)
-    return qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D), qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+    return qkv_kv_views(qkv, H, k_cache.shape[2], D)
 
 
 def kernels() -> None:

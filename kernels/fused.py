@@ -102,12 +102,21 @@ def _rotary_split_kernel(
     tl.store(v_ptr + kv_row + d, v, mask=d_ok)
 
 
+def qkv_kv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Fused qkv rows [T, (H + 2 Hkv) D] -> their k and v columns as [T, Hkv, D] views (paged_attention's
+    k_new / v_new)."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    k = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(-1, num_kv_heads, head_dim)
+    return k, v
+
+
 def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int, cache=None, keep_k: bool = False):
     """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D].
     With cache = (k_cache, v_cache, slot_mapping) ([num_blocks, block_size, Hkv, D] each): k and v are written
     into their cache slots instead (kernels/cache_write.py's job, fused; negative slots write nothing) -> q.
-    keep_k: the rotated k is also written back over qkv's k columns, so that qkv's k / v slices are the step's
-    rotated keys and values (for paged_attention's k_new / v_new)."""
+    keep_k (with cache): the rotated k is also written back over qkv's k columns -> (q, k, v) with k and v views
+    of qkv (qkv_kv_views: the step's rotated keys and values, for paged_attention's k_new / v_new)."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if cache is None:
@@ -127,7 +136,9 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
         WRITE_CACHE=cache is not None, slot_ptr=slots, stride_c_slot=stride_slot, KEEP_K=keep_k,
         **pdl.launch_kwargs(),
     )  # fmt: skip
-    return q if cache is not None else (q, k, v)
+    if cache is None:
+        return q, k, v
+    return (q, *qkv_kv_views(qkv, num_heads, num_kv_heads, head_dim)) if keep_k else q
 
 
 @triton.jit

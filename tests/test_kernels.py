@@ -7,6 +7,7 @@ import torch
 from attention_cases import random_batch
 from kernels import reference
 from kernels.cache_write import write_kv
+from kernels.fused import qkv_kv_views
 from kernels.paged_attention import paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,9 +53,7 @@ def test_paged_attention_new_kv_from_qkv_rows(case, heads, config):
     reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     ref = reference.paged_attention(q, kv_cache, meta, 16)
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
-    q_size, kv_size = num_heads * 32, num_kv_heads * 32
-    k_new = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, 32)
-    v_new = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, 32)
+    k_new, v_new = qkv_kv_views(qkv, num_heads, num_kv_heads, 32)
     out = paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
                           max(q_lens), config=config, k_new=k_new, v_new=v_new)  # fmt: skip
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -115,9 +114,13 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     caches = torch.zeros(2, 4, 4, Hkv, D, device=DEVICE, dtype=dtype)
     slots = torch.tensor([0, 1, 2, 5, 6, -1, 9], device=DEVICE)
     qkv_kept = qkv.clone()
-    q = fused.rotary_split(qkv_kept, cos, sin, H, Hkv, D, cache=(caches[0], caches[1], slots), keep_k=True)
+    q, k_kept, v_kept = fused.rotary_split(qkv_kept, cos, sin, H, Hkv, D, cache=(caches[0], caches[1], slots),
+                                           keep_k=True)  # fmt: skip
     torch.testing.assert_close(q, want_q, **tol)
+    assert k_kept.data_ptr() == qkv_kept[:, H * D :].data_ptr()  # views of qkv's columns
     torch.testing.assert_close(qkv_kept[:, H * D : (H + Hkv) * D].view(-1, Hkv, D), want_k, **tol)
+    torch.testing.assert_close(k_kept, want_k, **tol)
+    torch.testing.assert_close(v_kept, qkv[:, (H + Hkv) * D :].view(-1, Hkv, D))
     torch.testing.assert_close(qkv_kept[:, (H + Hkv) * D :], qkv[:, (H + Hkv) * D :])
     torch.testing.assert_close(caches[0].view(-1, Hkv, D)[slots[slots >= 0]], want_k[slots >= 0], **tol)
 

@@ -24,6 +24,12 @@ def num_kv_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms:
     return segments
 
 
+def _reads_new_kv(meta: AttentionMetadata) -> bool:
+    """Steps with multi-token queries read their own K/V from the step's rows rather than the pages (decode-only
+    steps, captured in CUDA graphs and possibly split-KV, read everything from the pages)."""
+    return meta.max_query_len > 1
+
+
 class TritonAttentionBackend(AttentionBackend):
     writes_rotated_kv = True
 
@@ -53,19 +59,14 @@ class TritonAttentionBackend(AttentionBackend):
         from the pages); decode steps get None (and keep to what a CUDA graph captures)."""
         from kernels.fused import rotary_split
 
-        keep = meta.max_query_len > 1
-        q = rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim,
-                         cache=(kv_cache[0], kv_cache[1], meta.slot_mapping), keep_k=keep)  # fmt: skip
-        if not keep:
-            return q, None, None
-        q_size, kv_size = num_heads * head_dim, self.num_kv_heads * head_dim
-        k_new = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, head_dim)
-        v_new = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(-1, self.num_kv_heads, head_dim)
-        return q, k_new, v_new
+        cache = (kv_cache[0], kv_cache[1], meta.slot_mapping)
+        if not _reads_new_kv(meta):
+            return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache), None, None
+        return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, keep_k=True)
 
     def forward(self, q, k, v, kv_cache, meta):
         write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        if meta.max_query_len > 1:
+        if _reads_new_kv(meta):
             return self.attend(q, k, v, kv_cache, meta)
         return self.attend(q, None, None, kv_cache, meta)
 
