@@ -111,6 +111,29 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, q_pos, lo, mid, hi, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+    stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+    ACC_DOT: tl.constexpr, CONTIG: tl.constexpr,
+):
+    """_attend_tile over tiles lo .. mid - 1 without masks, then mid .. hi - 1 with them."""
+    for t in range(lo, mid):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D,
+            False, ACC_DOT, CONTIG,
+        )  # fmt: skip
+    for t in range(mid, hi):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D,
+            True, ACC_DOT, CONTIG,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -196,49 +219,26 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
     if NEW_KV:  # (NUM_SEGMENTS == 1) the context's keys from the pages, the step's own from k_new / v_new
-        ctx_full = context_len // TILE_N
-        for t in range(0, ctx_full):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, t, context_len, bt_row, 0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
-                stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
-                EVEN_D, False, ACC_DOT, False,
-            )  # fmt: skip
-        for t in range(ctx_full, tl.cdiv(context_len, TILE_N)):  # the context's last partial tile
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, t, context_len, bt_row, 0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
-                stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
-                EVEN_D, True, ACC_DOT, False,
-            )  # fmt: skip
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, 0, context_len // TILE_N, tl.cdiv(context_len, TILE_N), context_len, bt_row, 0,
+            k_cache_ptr, v_cache_ptr, kv_head, scale_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d,
+            d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D, ACC_DOT, False,
+        )  # fmt: skip
         # New keys j = 0 .. last_tok, visible to the rows whose token index (within the step) is >= j.
-        unmasked_new = (q_block_local * BLOCK_Q + 1) // TILE_N
-        for t in range(0, unmasked_new):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, tok, t, q_len, bt_row, q_start, k_new_ptr, v_new_ptr, kv_head, scale_log2,
-                0, stride_n_tok, stride_n_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
-                EVEN_D, False, ACC_DOT, True,
-            )  # fmt: skip
-        for t in range(unmasked_new, tl.cdiv(last_tok + 1, TILE_N)):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, tok, t, q_len, bt_row, q_start, k_new_ptr, v_new_ptr, kv_head, scale_log2,
-                0, stride_n_tok, stride_n_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
-                EVEN_D, True, ACC_DOT, True,
-            )  # fmt: skip
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, tok, 0, (q_block_local * BLOCK_Q + 1) // TILE_N, tl.cdiv(last_tok + 1, TILE_N), q_len,
+            bt_row, q_start, k_new_ptr, v_new_ptr, kv_head, scale_log2, 0, stride_n_tok, stride_n_head, offs_n,
+            offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D, ACC_DOT, True,
+        )  # fmt: skip
     else:
         # Tiles entirely at or before the block's first query position need no causal mask.
         first_pos = context_len + q_block_local * BLOCK_Q
-        unmasked_hi = tl.minimum(tile_hi, (first_pos + 1) // TILE_N)
-        for t in range(tile_lo, unmasked_hi):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, 0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
-                stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
-                EVEN_D, False, ACC_DOT, False,
-            )  # fmt: skip
-        for t in range(tl.maximum(tile_lo, unmasked_hi), tile_hi):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, 0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
-                stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE,
-                EVEN_D, True, ACC_DOT, False,
-            )  # fmt: skip
+        unmasked_hi = tl.maximum(tile_lo, tl.minimum(tile_hi, (first_pos + 1) // TILE_N))
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, tile_lo, unmasked_hi, tile_hi, num_keys, bt_row, 0, k_cache_ptr, v_cache_ptr,
+            kv_head, scale_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N,
+            IEEE, EVEN_D, ACC_DOT, False,
+        )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
