@@ -16,7 +16,10 @@ libgomp, which the compiled library binds to):
 float32 and bfloat16 (round to nearest even on the way out). On CPUs with AVX512-BF16 (Sapphire Rapids and newer)
 bfloat16 takes a vectorised path: q . k as bf16 pair dot products (vdpbf16ps) for 16 tokens at a time, reduced
 with one transpose-and-add tree, and P @ V with two tokens' V rows interleaved so that one vdpbf16ps adds both (P
-rounded to bf16, as flash attention kernels round it). Reference: kernels/reference.py paged_attention.
+rounded to bf16 once, vectorised, as flash attention kernels round it). The common head shapes (head_dim 64 or 128;
+1, 2, 3, 4 or 8 query heads per KV head) get their own copy of those loops with G and D fixed at compile time, so
+the query, the accumulators and the per-token loops stay in registers (22-27 % faster than one copy with runtime
+G and D, docs/benchmarks.md). Reference: kernels/reference.py paged_attention.
 `available()` is False where no compiler works; callers then keep the torch path.
 """
 
@@ -75,20 +78,23 @@ static inline void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t fir
 
 /* bf16 work item with AVX512-BF16: q . k as bf16 pair dot products (vdpbf16ps) 16 tokens at a time, P @ V with
    two tokens' V rows interleaved so one vdpbf16ps adds both (P rounded to bf16, as flash attention kernels do).
-   D % 32 == 0, G <= FAST_MAX_G, block_size % 16 == 0. */
-static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                    const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out, int64_t item,
-                                    int64_t num_kv_heads, int64_t G, int64_t D, int64_t block_size, int64_t bt_stride,
-                                    int64_t q_stride, int64_t out_stride, float scale) {
+   D = 32 C, G <= FAST_MAX_G, block_size % 16 == 0. Always inlined at call sites with constant G and C, so the
+   query, the accumulators and the per-token loops live in registers. `scratch`: 4 (G + 1) padded floats. */
+static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
+        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
+        const int32_t *seq_lens, uint16_t *out, int64_t item, int64_t num_kv_heads, const int64_t G, const int64_t C,
+        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale) {
+    const int64_t D = 32 * C;
     const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-    const int64_t len = seq_lens[s], row = num_kv_heads * D, C = D / 32;
+    const int64_t len = seq_lens[s], row = num_kv_heads * D;
     const __m512 sl = _mm512_set1_ps(scale * 1.4426950408889634f);
     __m512bh qv[FAST_MAX_G][MAX_D / 32];
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < C; c++)
             qv[g][c] = (__m512bh)_mm512_loadu_si512(q + s * q_stride + (h * G + g) * D + 32 * c);
-    const int64_t padded = (len + 15) / 16 * 16;
-    float *scores = (float *)aligned_alloc(64, sizeof(float) * (padded > 0 ? padded : 16) * G);  /* [G][padded] */
+    const int64_t padded = (len + 15) / 16 * 16 + 16;  /* + 16: pass 3 reads one weight past an odd end */
+    float *scores = (float *)aligned_alloc(64, sizeof(float) * padded * G);  /* [G][padded] */
+    uint16_t *pb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * padded * G);  /* softmax weights in bf16 */
     /* pass 1 (the next 16 tokens' K rows are prefetched: the loads, not the arithmetic, bound this loop) */
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
@@ -97,21 +103,21 @@ static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, 
                                          % block_size, block_size, row, h * D, D);
         if (t0 == 0 && 16 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + 16 / block_size], 16
                                          % block_size, block_size, row, h * D, D);
-        __m512 v[FAST_MAX_G][16];
-        for (int64_t j = 0; j < 16; j++) {
-            const uint16_t *kp = k_cache + (blk * block_size + t0 % block_size + (j < n ? j : 0)) * row + h * D;
-            for (int64_t g = 0; g < G; g++) {
+        const uint16_t *kb = k_cache + (blk * block_size + t0 % block_size) * row + h * D;
+        for (int64_t g = 0; g < G; g++) {
+            __m512 v[16];
+            for (int64_t j = 0; j < 16; j++) {
+                const uint16_t *kp = kb + (j < n ? j : 0) * row;
                 __m512 a = _mm512_setzero_ps();
                 for (int64_t c = 0; c < C; c++)
                     a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
-                v[g][j] = a;
+                v[j] = a;
             }
+            _mm512_store_ps(scores + g * padded + t0, _mm512_mul_ps(hsum16(v), sl));
         }
-        for (int64_t g = 0; g < G; g++)
-            _mm512_store_ps(scores + g * padded + t0, _mm512_mul_ps(hsum16(v[g]), sl));
     }
-    /* pass 2: scores -> softmax weights, in place (pass 3 rounds them to bf16 for the products; l sums them
-       unrounded) */
+    /* pass 2: scores -> softmax weights: l sums them unrounded, pass 3 takes them rounded to bf16 (zero past
+       the end) */
     float l[FAST_MAX_G];
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * padded;
@@ -123,13 +129,14 @@ static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, 
         __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t0 = 0; t0 < padded; t0 += 16) {
-            __mmask16 mk = len - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t0)) - 1u);
+            __mmask16 mk = len - t0 >= 16 ? 0xFFFF : len > t0 ? (__mmask16)((1u << (len - t0)) - 1u) : 0;
             __m512 p = _mm512_maskz_mov_ps(mk, exp2_16(_mm512_sub_ps(_mm512_load_ps(sg + t0), m)));
             sum = _mm512_add_ps(sum, p);
-            _mm512_store_ps(sg + t0, p);
+            _mm256_store_si256((__m256i *)(pb + g * padded + t0), (__m256i)_mm512_cvtneps_pbh(p));
         }
         l[g] = _mm512_reduce_add_ps(sum);
     }
+    free(scores);
     /* pass 3: acc[g][c] lanes hold d = 32c + 8L + e (lo) and 32c + 8L + 4 + e (hi), L the 128-bit lane, e < 4 */
     __m512 acc_lo[FAST_MAX_G][MAX_D / 32], acc_hi[FAST_MAX_G][MAX_D / 32];
     for (int64_t g = 0; g < G; g++)
@@ -143,13 +150,13 @@ static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, 
       const uint16_t *vb = v_cache + blk * block_size * row + h * D;
       const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
       for (int64_t t = t0; t < t_end; t += 2) {
-        const int64_t t1 = t + 1 < t_end ? t + 1 : t;  /* an odd tail pairs the last token with itself, weight 0 */
-        const uint16_t *v0 = vb + (t - t0) * row, *v1 = vb + (t1 - t0) * row;
+        /* an odd tail pairs the last token with itself, weight 0 */
+        const uint16_t *v0 = vb + (t - t0) * row, *v1 = t + 1 < t_end ? v0 + row : v0;
         __m512bh pp[FAST_MAX_G];
         for (int64_t g = 0; g < G; g++) {
-            const float p0 = scores[g * padded + t], p1 = t + 1 < t_end ? scores[g * padded + t + 1] : 0.0f;
-            const uint32_t pair = (uint32_t)f32_to_bf16(p0) | ((uint32_t)f32_to_bf16(p1) << 16);
-            pp[g] = (__m512bh)_mm512_set1_epi32((int32_t)pair);
+            int32_t pair;
+            memcpy(&pair, pb + g * padded + t, 4);
+            pp[g] = (__m512bh)_mm512_set1_epi32(pair);
         }
         for (int64_t c = 0; c < C; c++) {
             __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
@@ -161,7 +168,7 @@ static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, 
         }
       }
     }
-    free(scores);
+    free(pb);
     for (int64_t g = 0; g < G; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
         uint16_t *o = out + s * out_stride + (h * G + g) * D;
@@ -177,6 +184,14 @@ static void attend_item_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, 
         }
     }
 }
+
+/* All work items with constant G and C (GG, CC), or with runtime ones (GG, CC = G, C). */
+#define FAST_ITEMS(GG, CC)                                                                                         \
+    _Pragma("omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)")                           \
+    for (int64_t item = 0; item < items; item++)                                                                  \
+        attend_item_bf16_avx512((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,         \
+                                block_tables, seq_lens, (uint16_t *)out, item, num_kv_heads, GG, CC, block_size,   \
+                                bt_stride, q_stride, out_stride, scale);
 #endif
 
 /* One head's row of one token as float32. */
@@ -281,11 +296,25 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     const int64_t items = num_seqs * num_kv_heads;
 #ifdef HAVE_AVX512_BF16
     if (is_bf16 && D % 32 == 0 && G <= FAST_MAX_G && block_size % 16 == 0 && !force_generic) {
-        #pragma omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)
-        for (int64_t item = 0; item < items; item++)
-            attend_item_bf16_avx512((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
-                                    block_tables, seq_lens, (uint16_t *)out, item, num_kv_heads, G, D, block_size,
-                                    bt_stride, q_stride, out_stride, scale);
+        const int64_t C = D / 32;
+        /* the common head shapes get their own copy of the loops (D 64 or 128, up to 8 query heads per KV head) */
+        if (C == 2) {
+            switch (G) {
+                case 1: FAST_ITEMS(1, 2) return 0;
+                case 2: FAST_ITEMS(2, 2) return 0;
+                case 3: FAST_ITEMS(3, 2) return 0;
+                case 4: FAST_ITEMS(4, 2) return 0;
+                case 8: FAST_ITEMS(8, 2) return 0;
+            }
+        } else if (C == 4) {
+            switch (G) {
+                case 1: FAST_ITEMS(1, 4) return 0;
+                case 2: FAST_ITEMS(2, 4) return 0;
+                case 4: FAST_ITEMS(4, 4) return 0;
+                case 8: FAST_ITEMS(8, 4) return 0;
+            }
+        }
+        FAST_ITEMS(G, C)
         return 0;
     }
 #endif

@@ -16,6 +16,8 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no workin
     ((4, 4), 16, [0, 5, 31, 47, 90]),  # MHA; a request with no context (only the new token)
     ((9, 3), 64, [3, 200, 16, 15]),  # SmolLM2's GQA; block-boundary lengths
     ((32, 8), 128, [600, 1]),
+    ((12, 2), 32, [40, 7]),  # shapes without their own copy of the SIMD loops: G 6, D 32
+    ((6, 3), 96, [33, 64]),  # G 2, D 96
 ])  # fmt: skip
 def test_decode_kernel_matches_reference(dtype, generic, heads, head_dim, ctx_lens):
     num_heads, num_kv_heads = heads
