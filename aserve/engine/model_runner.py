@@ -349,7 +349,8 @@ class ModelRunner:
                 end = layout.query_start[where[id(s)] + 1]
                 rows.extend(range(end - 1 - len(s.spec_token_ids), end))
             self.buffers.np["logits_indices"][: len(rows)] = rows
-            logits = self.model.compute_logits(hidden[self.buffers.to_device("logits_indices", len(rows))])
+            # In the model's dtype: the sampler widens them to float32 unless a greedy batch needs only the maxima.
+            logits = self.model.compute_logits(hidden[self.buffers.to_device("logits_indices", len(rows))], None)
             requests = [s.request for s in sampled]
             if overlap:
                 return PendingStep(sampled, self.sampler.launch(logits, requests))

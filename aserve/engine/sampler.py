@@ -131,14 +131,18 @@ class Sampler:
         drafts = drafts or [[] for _ in requests]
         rows = [SampleRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
-        # One reduction: the sum of a row is finite iff every logit in it is (a quarter of an argmax's cost on CPU).
-        nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-
-        logits = self._mask_min_tokens(logits, rows)
-        if any(row.params.needs_penalties for row in rows):
-            logits = self._apply_penalties(logits, rows)
-        candidates, accepted = self._candidates(logits, rows, drafts, draft_probs)
+        raw_logprobs = None
+        if not want_logprobs and (picked := self._greedy_pick(logits, rows)) is not None:
+            argmax, nonfinite = picked
+            candidates, accepted = self._candidates(logits, rows, drafts, draft_probs, argmax)
+        else:
+            logits = logits.float()
+            nonfinite = self._nonfinite(logits)
+            raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+            logits = self._mask_min_tokens(logits, rows)
+            if any(row.params.needs_penalties for row in rows):
+                logits = self._apply_penalties(logits, rows)
+            candidates, accepted = self._candidates(logits, rows, drafts, draft_probs)
 
         # One sync: per row, the token to emit if the run stops there, whether its logits were finite, and whether
         # its draft is accepted.
@@ -170,11 +174,16 @@ class Sampler:
         # A request's own token in this step is in flight already (the scheduler counted it), and so is the
         # previous step's when that one is still running.
         rows = [SampleRow(r, [], max(r.num_inflight - 1, 0)) for r in requests]
-        nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = self._mask_min_tokens(logits, rows)
-        candidates, _ = self._candidates(logits, rows, [[] for _ in requests], None)
+        raw_logprobs = None
+        if not want_logprobs and (picked := self._greedy_pick(logits, rows)) is not None:
+            candidates, nonfinite = picked
+        else:
+            logits = logits.float()
+            nonfinite = self._nonfinite(logits)
+            raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+            logits = self._mask_min_tokens(logits, rows)
+            candidates, _ = self._candidates(logits, rows, [[] for _ in requests], None)
         device = {"tokens": candidates, "nonfinite": nonfinite}
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, candidates.unsqueeze(1))
@@ -275,12 +284,34 @@ class Sampler:
         idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         return idx.clamp_(max=probs.shape[1] - 1)
 
-    def _candidates(self, logits, rows, drafts, draft_probs):
-        """-> (candidate token per row, whether each row's draft is accepted (None without drafts))."""
+    @staticmethod
+    def _nonfinite(logits: torch.Tensor) -> torch.Tensor:
+        # One reduction: the sum of a row is finite iff every logit in it is (a quarter of an argmax's cost on CPU).
+        return ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+
+    @staticmethod
+    def _greedy_pick(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """CPU, every row greedy with nothing that changes its logits (penalties, min_tokens still to reach):
+        (first-maximum index, non-finite flag) per row from one C kernel over the logits in the model's dtype
+        (kernels/cpu_sample.py); None otherwise."""
+        if logits.device.type != "cpu":
+            return None
+        for row in rows:
+            p = row.params
+            if not p.greedy or p.needs_penalties or row.num_output_tokens < p.min_tokens:
+                return None
+        from kernels import cpu_sample
+
+        return cpu_sample.greedy_pick(logits) if cpu_sample.supports(logits) else None
+
+    def _candidates(self, logits, rows, drafts, draft_probs, argmax: torch.Tensor | None = None):
+        """-> (candidate token per row, whether each row's draft is accepted (None without drafts)). `argmax`: the
+        rows' first-maximum indices, where the caller has them already."""
         greedy = [row.params.greedy for row in rows]
         # max(dim).indices: the same first-maximum index as argmax, ~35 % faster on CPU ([64, 49152] float32:
         # 1.8 vs 2.8 ms, docs/benchmarks.md)
-        argmax = logits.max(dim=-1).indices
+        if argmax is None:
+            argmax = logits.max(dim=-1).indices
         has_drafts = any(drafts)
         if all(greedy):
             if not has_drafts:

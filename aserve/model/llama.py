@@ -161,9 +161,10 @@ class LlamaForCausalLM(nn.Module):
         if CPU_ONE_TOKEN and OneTokenForward.applies(self):
             self.cpu_one_token = OneTokenForward(self)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] of the positions that sample -> float32 logits [N, vocab]."""
-        return self.lm_head(self.norm(hidden)[0]).float()
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in `dtype` (None: the model's)."""
+        logits = self.lm_head(self.norm(hidden)[0])
+        return logits if dtype is None else logits.to(dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named tensors into the (fused) parameters. Returns the names of parameters it filled."""

@@ -1,0 +1,58 @@
+"""kernels/cpu_sample.py: the greedy pick against torch (first maximum, non-finite rows flagged), and the sampler
+using it for greedy batches with the same tokens as its float32 path."""
+
+import pytest
+import torch
+
+from kernels import cpu_sample
+
+pytestmark = pytest.mark.skipif(cpu_sample.library() is None, reason="no C compiler")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152 + 7])
+def test_greedy_pick_matches_torch(dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(9, vocab, generator=g) * 4).to(dtype)
+    if vocab > 3:
+        logits[1, :] = 1.0  # all tied: the first index
+        logits[2, vocab // 2] = logits[2, vocab - 1] = 100.0  # a tie between two maxima
+        logits[3, 2] = float("nan")
+        logits[4, vocab - 1] = float("inf")
+        logits[5, 0] = float("-inf")
+        logits[6, :] = -0.0
+        logits[6, 3] = 0.0  # -0.0 == 0.0: the first index still
+    idx, bad = cpu_sample.greedy_pick(logits)
+    want_bad = ~torch.isfinite(logits.float().sum(dim=-1))
+    assert torch.equal(bad, want_bad)
+    ok = ~want_bad
+    assert torch.equal(idx[ok], logits.float().max(dim=-1).indices[ok])
+
+
+def test_greedy_pick_strided_rows():
+    logits = torch.randn(4, 100, dtype=torch.bfloat16)[:, :64]  # row stride 100
+    idx, bad = cpu_sample.greedy_pick(logits)
+    assert torch.equal(idx, logits.float().max(dim=-1).indices) and not bad.any()
+
+
+def test_sampler_greedy_batch_uses_bf16_logits_same_tokens():
+    """The sampler on bf16 logits of a greedy batch (the C pick) emits what it emits from the float32 logits (torch
+    path), drafts included, and flags a NaN row."""
+    from aserve.engine.request import Request
+    from aserve.engine.sampler import Sampler
+    from aserve.sampling_params import SamplingParams
+
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), eos_token_id=0) for i in range(3)]
+    logits = torch.randn(3, 1000).to(torch.bfloat16)
+    logits[2, 5] = float("nan")
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    fast = sampler(logits, reqs)
+    slow = sampler(logits.float(), reqs)
+    assert Sampler._greedy_pick(logits, []) is not None
+    assert fast.token_ids[:2] == slow.token_ids[:2] == [[int(logits[i].float().argmax())] for i in range(2)]
+    assert fast.nonfinite == slow.nonfinite == [False, False, True]
+    # drafts: row 0's draft is its argmax (accepted), row 1's is not
+    top = logits[:2].float().argmax(dim=-1).tolist()
+    rows = torch.cat([logits[0:1], logits[0:1], logits[1:2], logits[1:2]])
+    out = sampler(rows, reqs[:2], [[top[0]], [top[1] + 1]])
+    assert out.token_ids == [[top[0], top[0]], [top[1]]]
