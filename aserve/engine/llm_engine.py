@@ -27,6 +27,7 @@ from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max
 from aserve.engine.block_hash import BlockHasher
 from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.kv_cache_manager import InvariantError, KVCacheManager, cdiv
+from aserve.engine.host_memory import retain_freed_memory
 from aserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from aserve.engine.request import Request, RequestStatus
 from aserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -103,6 +104,8 @@ class LLMEngine:
         self.eos_token_id = _eos_token_id(self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
 
+        if self.device.type == "cpu":
+            retain_freed_memory()
         self.runner = ModelRunner(
             self.hf_config,
             model_dir,
