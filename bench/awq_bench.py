@@ -3,16 +3,20 @@ batch-1 decode against the bf16 one, in one command:
 
     PYTHONPATH=. python bench/awq_bench.py --out DIR [--sections correctness,tune,kernels,decode]
 
-correctness  the kernels against the pure-torch reference at full shapes (bf16 activations, group 128)
-diag         a load-only kernel with the GEMV's tiles and grid: the bandwidth its access pattern can reach
-tune         launch-config sweeps: the M = 1 GEMV (summed over the three shapes; the best becomes the config the
-             later sections use, print it and copy it into kernels/awq.py), the dequantise kernel
+correctness  the kernels against the pure-torch reference at full shapes (bf16 activations, group 128); the M = 1
+             f16x2 GEMV inside a CUDA graph with programmatic dependent launch, back-to-back launches sharing
+             one set of split-K counters, against eager launches
+diag         a load-only kernel with a GEMV's tiles and grid: the bandwidth its access pattern can reach
+tune         launch-config sweeps: the M = 1 f16x2 GEMV inside CUDA graphs (summed over the three shapes; the best
+             becomes the config the later sections use, print it and copy it into kernels/awq.py), the dequantise
+             kernel
 kernels      int4 vs bf16 cuBLAS (F.linear, as aserve's bf16 layers) for M = 1, 4, 16, 64, 256, 2048 on
              4096x4096, 4096x14336, 14336x4096 (K x N): time, speed-up, and the path awq_linear picks; plus each
              path alone where it applies (gemv M <= 16; dequantise + cuBLAS M >= 16). Targets: GEMV at M = 1 >= 3x
              (ideal ~3.9x: 4.25 vs 16 bits per weight), M = 2048 >= 0.8x
-tune_graph   the M = 1 config sweep again, inside CUDA graphs (summed over the three shapes)
-m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies (how decode runs: no launch gaps)
+tune_graph   the M = 1 sweep of tune alone
+m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies (how decode runs: no launch gaps), with
+             and without programmatic dependent launch
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -71,37 +75,71 @@ def correctness() -> None:
                 out = fn(x, qweight, qzeros, scales, GROUP).float()
                 errs.append(((out - ref).norm() / ref.norm()).item())
         record(f"correct_{k}x{n}", f"max rel err {max(errs):.2e}", "", f"(dequantise exact: {exact}; bf16 ~4e-3)")
+    m1_graph_pdl_check()
+
+
+def m1_graph_pdl_check() -> None:
+    """The M = 1 GEMV as decode runs it: 24 back-to-back launches on different weights of one shape (so one shared
+    set of split-K counters) in a CUDA graph, with programmatic dependent launch, replayed 3 times; every output must
+    equal an eager launch's bit for bit (the reduction order is fixed) and the counters must end at zero."""
+    from kernels import awq, pdl
+
+    k, n = 4096, 14336
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    weights = [random_awq(k, n) for _ in range(24)]
+    eager = [awq.awq_gemv(x, *w, GROUP) for w in weights]
+    pdl.enable(True)
+    try:
+        awq.awq_gemv(x, *weights[0], GROUP)  # compiles the PDL variant outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [awq.awq_gemv(x, *w, GROUP) for w in weights]
+        same = True
+        for _ in range(3):
+            for o in outs:
+                o.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            same &= all(torch.equal(o, e) for o, e in zip(outs, eager))
+    finally:
+        pdl.enable(False)
+    counters = awq._shared_counters(n, x.device)
+    record("correct_m1_graph_pdl", bool(same and not counters.any()), "",
+           "(24 launches sharing counters, graph + PDL, 3 replays == eager; counters back at 0)")  # fmt: skip
+
+
+def tune_gemv1() -> None:
+    """M = 1 f16x2 GEMV configurations timed inside CUDA graphs over rotating weight copies (graph_us; do_bench's
+    per-call L2 flush and event overhead put a ~10 us floor under every config, which hides the differences),
+    summed over the three shapes. The best becomes awq.GEMV1_CONFIG for the later sections."""
+    from kernels import awq
+
+    configs = [dict(BLOCK_N=bn, BLOCK_K=bk, R=r, TILES=t, num_warps=w, num_stages=1)
+               for bn, w in ((64, 1), (128, 2), (256, 4)) for bk in (64, 128) for r in (8, 16) for t in (1, 2, 4)]
+    totals: dict[int, list[float]] = {}
+    for k, n in SHAPES:
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        qs = [(x, *random_awq(k, n)) for _ in range(max(4, int(400e6 // awq_bytes(k, n))))]
+        for i, cfg in enumerate(configs):
+            try:
+                us = graph_us(lambda x_, qw, qz, sc, cfg=cfg: awq.awq_gemv(x_, qw, qz, sc, GROUP, config=cfg), qs)
+            except Exception as e:  # noqa: BLE001  (out of resources)
+                print(f"   config failed {cfg} {type(e).__name__}", flush=True)
+                continue
+            totals.setdefault(i, []).append(us)
+        del qs
+    ranked = sorted((i for i in totals if len(totals[i]) == len(SHAPES)), key=lambda i: sum(totals[i]))
+    for i in ranked[:10]:
+        print(f"   gemv M=1 {configs[i]}: {' / '.join(f'{t:.1f}' for t in totals[i])} us (graph)", flush=True)
+    awq.GEMV1_CONFIG = configs[ranked[0]]
+    record("tune_gemv_m1", " / ".join(f"{t:.1f}" for t in totals[ranked[0]]), "us (graph)", str(configs[ranked[0]]))
 
 
 def tune() -> None:
-    """M = 1 GEMV configurations timed inside CUDA graphs over rotating weight copies (graph_us): do_bench's
-    per-call L2 flush and event overhead put a ~10 us floor under every config, which hides the differences."""
     from kernels import awq
 
-    sets = []
-    for k, n in SHAPES:
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        sets.append([(x, *random_awq(k, n), GROUP) for _ in range(max(4, int(300e6 // awq_bytes(k, n))))])
-    timings = []
-    for block_n, block_k, warps in itertools.product((128, 256, 512), (32, 64, 128), (4, 8)):
-        for tiles, each in itertools.product((1, 2, 4), (True, False)):
-            if not each and 8 * block_k * (block_n // 8) > 128 * 32 * warps:  # accumulators > 128 registers/thread
-                continue
-            cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, TILES_PER_PROGRAM=tiles, EACH_TILE=each, num_warps=warps,
-                       num_stages=1 if tiles == 1 else 2)  # fmt: skip
-            awq.GEMV1_CONFIG = cfg
-            try:
-                us = [graph_us(awq.awq_gemv, inputs) for inputs in sets]
-                timings.append((sum(us), us, cfg))
-            except Exception as e:  # out of resources
-                print("   config failed", cfg, type(e).__name__, flush=True)
-    timings.sort(key=lambda t: t[0])
-    for total, us, cfg in timings[:10]:
-        print(f"   gemv M=1 {cfg}: {' / '.join(f'{t:.1f}' for t in us)} us (graph)", flush=True)
-    awq.GEMV1_CONFIG = timings[0][2]
-    record("tune_gemv_m1", " / ".join(f"{t:.1f}" for t in timings[0][1]), "us (graph)", str(timings[0][2]))
-    del sets
-
+    tune_gemv1()
     weights = [random_awq(k, n) for k, n in SHAPES]
     k, n = 4096, 14336
     qweight, qzeros, scales = weights[1]
@@ -175,11 +213,12 @@ def graph_us(fn, inputs: list) -> float:
 
 
 def m1_graph() -> None:
-    """M = 1 inside CUDA graphs: bf16 cuBLAS vs the int4 GEMV (and its split-K reduce alone)."""
-    from kernels import awq
+    """M = 1 inside CUDA graphs: bf16 cuBLAS vs the int4 f16x2 GEMV (split-K reduction fused in), with and without
+    programmatic dependent launch (which decode uses on Hopper)."""
+    from kernels import awq, pdl
 
-    print("\n| K x N | bf16 us | int4 us | speed-up | int4 TB/s | of which split-K reduce us (SPLIT_K) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| K x N | bf16 us | int4 us | speed-up | int4 TB/s | int4 us, PDL | speed-up, PDL | SPLIT_K |")
+    print("|---|---|---|---|---|---|---|---|")
     for k, n in SHAPES:
         copies_bf16 = max(4, int(400e6 // (2 * k * n)))
         copies_int4 = max(4, int(400e6 // awq_bytes(k, n)))
@@ -189,48 +228,22 @@ def m1_graph() -> None:
         del ws
         qs = [(x, *random_awq(k, n), GROUP) for _ in range(copies_int4)]
         int4 = graph_us(awq.awq_gemv, qs)
+        pdl.enable(True)
+        try:
+            int4_pdl = graph_us(awq.awq_gemv, qs)
+        finally:
+            pdl.enable(False)
         del qs
         split_k = awq.gemv_config(1, n, k, GROUP)["SPLIT_K"]
-        parts = [(torch.randn(split_k, 1, n, device="cuda"), None, torch.empty(1, n, device="cuda",
-                  dtype=torch.bfloat16)) for _ in range(16)]  # fmt: skip
-        reduce = graph_us(awq.split_k_reduce, parts) if split_k > 1 else 0.0
         print(f"| {k}x{n} | {bf16:.1f} | {int4:.1f} | {bf16 / int4:.2f}x | {awq_bytes(k, n) / int4 / 1e6:.2f} | "
-              f"{reduce:.1f} ({split_k}) |", flush=True)  # fmt: skip
+              f"{int4_pdl:.1f} | {bf16 / int4_pdl:.2f}x | {split_k} |", flush=True)  # fmt: skip
         record(f"graph_m1_{k}x{n}", round(bf16 / int4, 2), "x",
-               f"bf16 {bf16:.1f} us, int4 {int4:.1f} us ({awq_bytes(k, n) / int4 / 1e6:.2f} TB/s; reduce {reduce:.1f} "
-               f"us); target >= 3x")  # fmt: skip
+               f"bf16 {bf16:.1f} us, int4 {int4:.1f} us ({awq_bytes(k, n) / int4 / 1e6:.2f} TB/s), with PDL "
+               f"{int4_pdl:.1f} us ({bf16 / int4_pdl:.2f}x); SPLIT_K {split_k}; target >= 3x")  # fmt: skip
 
 
 def tune_graph() -> None:
-    """M = 1 launch-config sweep inside CUDA graphs over rotating weight copies (how decode runs), summed over the
-    three shapes. Nsight Compute on the default config (4096 x 14336) showed 128 registers per thread (25 %
-    occupancy), 1.7 waves (a half-empty last wave), DRAM at 32 % and issue slots at 52 %: latency-bound."""
-    from kernels import awq
-
-    configs = [dict(BLOCK_N=bn, BLOCK_K=bk, TILES=t, EACH_TILE=True, num_warps=w, num_stages=1)
-               for bn in (128, 256, 512) for bk in (64, 128) for t in (1, 2, 4) for w in (4, 8)]  # fmt: skip
-    totals: dict[int, list[float]] = {}
-    for k, n in SHAPES:
-        copies = max(4, int(400e6 // awq_bytes(k, n)))
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        qs = [(x, *random_awq(k, n)) for _ in range(copies)]
-        for i, c in enumerate(configs):
-            cfg = {key: v for key, v in c.items() if key != "TILES"}
-            cfg["SPLIT_K"] = max(1, k // (c["BLOCK_K"] * c["TILES"]))
-            try:
-                us = graph_us(lambda x_, qw, qz, sc, cfg=cfg: awq.awq_gemv(x_, qw, qz, sc, GROUP, config=cfg), qs)
-            except Exception as e:  # noqa: BLE001
-                print(f"tune_graph {k}x{n} {c} failed: {type(e).__name__}", flush=True)
-                continue
-            totals.setdefault(i, []).append(us)
-        default = graph_us(lambda x_, qw, qz, sc: awq.awq_gemv(x_, qw, qz, sc, GROUP), qs)
-        record(f"tune_graph_default_{k}x{n}", round(default, 2), "us")
-        del qs
-    ranked = sorted((i for i in totals if len(totals[i]) == len(SHAPES)), key=lambda i: sum(totals[i]))
-    for i in ranked[:8]:
-        print(f"   {[round(u, 1) for u in totals[i]]} us (sum {sum(totals[i]):.1f}) {configs[i]}", flush=True)
-    best = ranked[0]
-    record("tune_graph_best", round(sum(totals[best]), 1), "us summed", f"{configs[best]} {totals[best]}")
+    tune_gemv1()
 
 
 def diag() -> None:

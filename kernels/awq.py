@@ -1,22 +1,57 @@
 """Triton kernels for AWQ int4 linear layers (AutoAWQ "gemm" layout; see kernels/awq_reference.py for the layout
 and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M:
 
-    M == 1       awq_gemv     batch-1 decode: memory-bound. Each program streams [BLOCK_K, BLOCK_N/8] tiles of
-                              packed weights and keeps eight element-wise float32 accumulators (one per nibble)
-                              in registers: x * (q - z) * s per weight, one reduction over K at the very end.
-                              Split-K spreads K over programs (float32 partials + a reduce kernel in a fixed
-                              order, so results do not depend on scheduling).
+    M == 1       awq_gemv     batch-1 decode: memory-bound. fp16 / bf16 activations: packed f16x2 arithmetic in
+                              inline PTX (below) and a split-K reduction fused into the same launch (below).
+                              float32 activations take the M <= 16 kernel (f16 would round them).
     1 < M <= 16  awq_gemv     small batches / speculative verification: a dequantised K tile, then tl.dot.
     M > 16       dequantise the whole weight once (awq_dequantize, at ~3.3 TB/s of bytes moved on an H200), then
                  cuBLAS. A fused dequantise + tl.dot GEMM was 2-4x slower than this on the H200 at every M from
                  64 to 2048 (bench/awq_bench.py, docs/benchmarks.md), so there is none.
 
-Unpacking without per-weight shifts or int-to-float conversions (a slow path on NVIDIA GPUs): for nibble i < 5 of an
-int32 v, (v & (15 << 4i)) | 0x4B000000 read as a float32 is exactly 2**23 + q * 16**i (the nibble lands in the
-mantissa of 2**23), so (that - the same for the zero point) = (q - z) * 16**i exactly, and 16**-i is folded into the
-scale. The three top nibbles do the same on v >> 20. One AND-OR (a single LOP3) and one subtraction per weight.
+M = 1, f16x2. Unpacking and multiplying each weight alone in float32 took ~6 instructions per weight and left the
+GEMV instruction-bound; here the work is done two columns at a time in f16x2 (two halves of a 32-bit register):
 
-Nibble i holds column 8j + AWQ_ORDER[i]; joining the eight nibble planes as a binary tree,
+  * Nibble i of an int32 holds column AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i], so nibbles p and p + 4 hold the
+    column pair (2p, 2p + 1), 16 bits apart: exactly the two halves of an f16x2.
+  * lop3(v, 0x000F000F, 0x64006400) is (1024 + q0, 1024 + q4) as f16x2 (the nibble lands in the mantissa of
+    1024.0 = 0x6400); mask 0x00F000F0 gives (1024 + 16 q1, 1024 + 16 q5); v >> 8 and the same two masks give the
+    pairs (2, 6) and (3, 7). One shift and four LOP3 per int32 (8 weights).
+  * Zero points: the same on the group's qzeros int32 gives 1024 + z (pairs 0, 2) and, times -1/16, -(64 + z)
+    (pairs 1, 3), once per tile and column group. Then q - z exactly: sub.f16x2 (pairs 0, 2) or
+    fma.f16x2(1024 + 16 q, 1/16, -(64 + z)) (pairs 1, 3). One instruction per 2 weights.
+  * acc = fma.f16x2(q - z, (x/16, x/16), acc) over R rows of one column group (rows k0 + r BLOCK_K/R + i, r < R),
+    then cvt to eight float32, times the group's scale * 16, summed element-wise in float32 over the program's
+    tiles and reduced over rows once at the end. Per weight ~(5 + 4 + 4) / 8 + 2 / R instructions.
+  * Overflow: an f16 partial is at most R * 15 * |x| / 16 (|q - z| <= 15), so it stays finite (< 65504) while the
+    R inputs of one asm call (R rows BLOCK_K / R apart inside one group) are below 69871 / R in magnitude: 4367 for
+    R = 16. A single input may go up to ~69000 (and |x| >= 2**20 overflows the conversion of x / 16 itself). Outlier
+    channels of LLM activations are few (on an H200, 8 outliers up to 3e4 stayed finite), but a whole group of 128
+    consecutive inputs at ~1e4 gives inf. R = 8 doubles the bound (8734; that group then has 1-3 inf outputs) but
+    cost ~30 % (H200, R = 8 vs 16 at the same tiles: 10.0 / 22.2 / 22.0 vs 7.9 / 16.9 / 16.5 us on 4096x4096 /
+    4096x14336 / 14336x4096), so GEMV1_CONFIG has R = 16; R is a config key (1, 2, 4, 8, 16).
+  * Error: fp16 rounding of the R-row partials; relative error 1.8e-3 against a float64 reference with bf16
+    activations at Llama-3-8B shapes (the float32 kernel before it: 1.7e-3; both mostly the bf16 output rounding).
+
+M = 1, fused split-K. Programs split K (TILES tiles of BLOCK_K rows each) and write float32 partials [SPLIT_K, N];
+each then increments its column block's int32 counter (atomic, acq_rel, after a barrier so the whole program's
+partials are released). The program that takes it to SPLIT_K - 1 sums the partials in a fixed order (so results do
+not depend on scheduling), adds the bias, writes the output and sets the counter back to 0: one launch instead of a
+GEMV and a reduce kernel, and the counters are zero again for the next launch or CUDA-graph replay. Counters are
+allocated once (gemv_counters: AWQLinear keeps one set per layer; plain awq_gemv calls share one per device and
+output size), never during graph capture. Two launches that share counters must not overlap: kernels in one stream
+do not, also with programmatic dependent launch (kernels/pdl.py), which this kernel uses like the rest of kernels/:
+every program waits for the previous kernel (gdc_sync) before it touches memory, counters included.
+
+Triton's interpreter (the tests on CPU) cannot run inline asm: there the asm helpers have twins in plain tl ops
+(same interface, f16 rounding after every multiply-add), so the tests check indexing, nibble order, scales and the
+counter logic on CPU, and the asm itself on a GPU.
+
+M <= 16 and the dequantise kernel unpack without per-weight shifts or int-to-float conversions (a slow path on
+NVIDIA GPUs): for nibble i < 5 of an int32 v, (v & (15 << 4i)) | 0x4B000000 read as a float32 is exactly
+2**23 + q * 16**i (the nibble lands in the mantissa of 2**23), so (that - the same for the zero point) =
+(q - z) * 16**i exactly, and 16**-i is folded into the scale. The three top nibbles do the same on v >> 20. One
+AND-OR (a single LOP3) and one subtraction per weight. Joining the eight nibble planes as a binary tree,
 join(join(join(n0, n2), join(n1, n3)), join(join(n4, n6), join(n5, n7))), puts them in column order (AutoAWQ's
 interleave is exactly that tree), so tiles come out [BLOCK_K, BLOCK_N] with natural columns.
 
@@ -31,10 +66,16 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels import pdl
 
 GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
 # Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
-GEMV1_CONFIG = dict(BLOCK_N=512, BLOCK_K=128, TILES_PER_PROGRAM=1, EACH_TILE=True, num_warps=4, num_stages=1)
+# M = 1 (f16x2): BLOCK_N columns and TILES K tiles of BLOCK_K rows per program, R rows per asm call (overflow: see
+# the module docstring). The fastest of the configurations tried on an H200 (docs/benchmarks.md, session 8).
+GEMV1_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, R=16, TILES=2, num_warps=1, num_stages=1)
+F16X2_DTYPES = (torch.float16, torch.bfloat16)  # float32 activations take the tl.dot kernel (f16 would round them)
 DEQUANT_CONFIG = dict(BLOCK_N=256, BLOCK_K=32, num_warps=4)
 
 
@@ -92,86 +133,6 @@ def _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, rk, rj, j_ok, N, GROUP: tl.constexp
         _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 6), _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 7),
         BLOCK_K, BLOCK_N8,
     )  # fmt: skip
-
-
-@triton.jit
-def _gemv1_zeros(BLOCK_K: tl.constexpr, BLOCK_N8: tl.constexpr, EACH_TILE: tl.constexpr):
-    if EACH_TILE:
-        return tl.zeros([BLOCK_N8], dtype=tl.float32)
-    else:
-        return tl.zeros([BLOCK_K, BLOCK_N8], dtype=tl.float32)
-
-
-@triton.jit
-def _gemv1_nibble(acc, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, NIB: tl.constexpr, EACH_TILE: tl.constexpr):
-    if EACH_TILE:  # the tile lies inside one group: scale after the reduction over K
-        return acc + tl.sum(x * _diff(qw, qz, qw_hi, qz_hi, NIB), 0) * _scale(s_row, rj, j_ok, NIB)
-    else:  # element-wise, reduced once at the end
-        return acc + x * _plane(qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, NIB)
-
-
-@triton.jit
-def _gemv1_total(acc, EACH_TILE: tl.constexpr):
-    if EACH_TILE:
-        return acc[None, :]
-    else:
-        return tl.sum(acc, 0)[None, :]
-
-
-@triton.jit
-def _awq_gemv1_kernel(
-    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, N, K, stride_os, k_per_split,
-    GROUP: tl.constexpr, BLOCK_N8: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EACH_TILE: tl.constexpr,
-):  # fmt: skip
-    """One row. Each program does TILES_PER_PROGRAM K tiles (a large grid keeps many loads in flight, which a GEMV
-    needs to reach memory bandwidth). Per nibble one accumulator: EACH_TILE reduces every tile over K right away
-    ([BN8]); otherwise it is element-wise ([BLOCK_K, BN8]) and reduced once at the end."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    N8 = N // 8
-    rj = pid_n * BLOCK_N8 + tl.arange(0, BLOCK_N8)
-    j_ok = rj < N8
-    rk = tl.arange(0, BLOCK_K)
-    a0 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
-    a1 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
-    a2 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
-    a3 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
-    a4 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
-    a5 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
-    a6 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
-    a7 = _gemv1_zeros(BLOCK_K, BLOCK_N8, EACH_TILE)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        qw = tl.load(qw_ptr + (k0 + rk)[:, None].to(tl.int64) * N8 + rj[None, :], mask=j_ok[None, :], other=0)
-        g = k0 // GROUP
-        qz = tl.load(qz_ptr + g * N8 + rj, mask=j_ok, other=0)
-        x = tl.load(x_ptr + k0 + rk).to(tl.float32)[:, None]
-        s_row = s_ptr + g * N
-        qw_hi = qw >> 20
-        qz_hi = qz >> 20
-        a0 = _gemv1_nibble(a0, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 0, EACH_TILE)
-        a1 = _gemv1_nibble(a1, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 1, EACH_TILE)
-        a2 = _gemv1_nibble(a2, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 2, EACH_TILE)
-        a3 = _gemv1_nibble(a3, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 3, EACH_TILE)
-        a4 = _gemv1_nibble(a4, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 4, EACH_TILE)
-        a5 = _gemv1_nibble(a5, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 5, EACH_TILE)
-        a6 = _gemv1_nibble(a6, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 6, EACH_TILE)
-        a7 = _gemv1_nibble(a7, x, qw, qz, qw_hi, qz_hi, s_row, rj, j_ok, 7, EACH_TILE)
-    y = _in_column_order(
-        _gemv1_total(a0, EACH_TILE), _gemv1_total(a1, EACH_TILE), _gemv1_total(a2, EACH_TILE),
-        _gemv1_total(a3, EACH_TILE), _gemv1_total(a4, EACH_TILE), _gemv1_total(a5, EACH_TILE),
-        _gemv1_total(a6, EACH_TILE), _gemv1_total(a7, EACH_TILE), 1, BLOCK_N8,
-    )  # fmt: skip
-    rn = pid_n * BLOCK_N8 * 8 + tl.arange(0, BLOCK_N8 * 8)[None, :]
-    n_ok = rn < N
-    if PARTIAL:  # split K: float32 partials [SPLIT_K, N]
-        tl.store(out_ptr + pid_k * stride_os + rn, y, mask=n_ok)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -251,6 +212,322 @@ def _awq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, GROUP: tl.constexpr, 
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(rn < N)[None, :])
 
 
+# -- M = 1: packed f16x2 arithmetic (inline PTX) and a fused split-K reduction -----------------------------------
+# Outputs of the asm are written only by its last instructions, after every input was read: LLVM may give an output
+# the register of an input. Pair p of an int32 v = nibbles (p, p + 4) = columns (2p, 2p + 1), 16 bits apart.
+
+# qzeros int32 -> z0 = (1024 + z) of pair 0, z1 = -(64 + z) of pair 1, z2 = (1024 + z) of pair 2, z3 = -(64 + z) of
+# pair 3, each as f16x2 (0xAC00 = -1/16)
+_ZEROS_ASM = tl.constexpr("""
+{
+.reg .b32 t1, t3, u, c, r0, r1, r2, r3;
+mov.b32 c, 0xAC00AC00;
+lop3.b32 r0, $4, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 u, $4, 8;
+lop3.b32 r2, u, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t3, u, 0x00F000F0, 0x64006400, 0xEA;
+mul.rn.f16x2 r1, t1, c;
+mul.rn.f16x2 r3, t3, c;
+mov.b32 $0, r0;
+mov.b32 $1, r1;
+mov.b32 $2, r2;
+mov.b32 $3, r3;
+}
+""")
+
+# The unpacking shared by both steps: w0..w3 = (q - z) of the four pairs as f16x2 (q int32 at Q, z0..z3 at Z..Z+3,
+# 0x2C00 = 1/16), then `{0}` (an accumulating fma or the first row's mul) per pair.
+_UNPACK_PTX = """
+{{
+.reg .b32 t, c, w0, w1, w2, w3, r0, r1, r2, r3;
+mov.b32 c, 0x2C002C00;
+lop3.b32 w0, ${q}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 w1, ${q}, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 t, ${q}, 8;
+lop3.b32 w2, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 w3, t, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 w0, w0, ${z0};
+fma.rn.f16x2 w1, w1, c, ${z1};
+sub.f16x2 w2, w2, ${z2};
+fma.rn.f16x2 w3, w3, c, ${z3};
+{ops}
+mov.b32 $0, r0;
+mov.b32 $1, r1;
+mov.b32 $2, r2;
+mov.b32 $3, r3;
+}}
+"""
+# (a0..a3 $4..$7, q $8, x $9, z0..z3 $10..$13) -> a + x * (q - z)
+_STEP_ASM = tl.constexpr(_UNPACK_PTX.format(q=8, z0=10, z1=11, z2=12, z3=13, ops="\n".join(
+    f"fma.rn.f16x2 r{p}, w{p}, $9, ${4 + p};" for p in range(4))))  # fmt: skip
+# the first row, no accumulator (q $4, x $5, z0..z3 $6..$9) -> x * (q - z)
+_FIRST_STEP_ASM = tl.constexpr(_UNPACK_PTX.format(q=4, z0=6, z1=7, z2=8, z3=9, ops="\n".join(
+    f"mul.rn.f16x2 r{p}, w{p}, $5;" for p in range(4))))  # fmt: skip
+
+# 4 f16x2 accumulators ($8..$11) -> 8 float32 ($0..$7), columns 0..7 in order
+_FINISH_ASM = tl.constexpr("""
+{
+.reg .b16 l0, h0, l1, h1, l2, h2, l3, h3;
+.reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;
+mov.b32 {l0, h0}, $8;
+mov.b32 {l1, h1}, $9;
+mov.b32 {l2, h2}, $10;
+mov.b32 {l3, h3}, $11;
+cvt.f32.f16 f0, l0;
+cvt.f32.f16 f1, h0;
+cvt.f32.f16 f2, l1;
+cvt.f32.f16 f3, h1;
+cvt.f32.f16 f4, l2;
+cvt.f32.f16 f5, h2;
+cvt.f32.f16 f6, l3;
+cvt.f32.f16 f7, h3;
+mov.b32 $0, f0;
+mov.b32 $1, f1;
+mov.b32 $2, f2;
+mov.b32 $3, f3;
+mov.b32 $4, f4;
+mov.b32 $5, f5;
+mov.b32 $6, f6;
+mov.b32 $7, f7;
+}
+""")
+
+
+# Twins of the asm helpers in plain tl ops, for Triton's interpreter (which cannot run inline asm). Same interface
+# and the same f16 rounding after every multiply-add, but their own encoding of the zero points (pair p of qz as
+# integers, (qz >> 4p) & 0x000F000F), so on CPU the tests check everything but the asm itself.
+
+
+@triton.jit
+def _f16_lo(v):
+    """The low f16 of an f16x2 in an int32, as float32."""
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16x2(lo, hi):
+    """float32 lo, hi -> one int32 holding (lo, hi) rounded to f16."""
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def _twin_pair_step(a, q, x, z, P: tl.constexpr, FIRST: tl.constexpr):
+    """Pair P: a + x * (q - z) (FIRST: x * (q - z)) with f16 rounding, a and x f16x2, z = (qz >> 4P) & 0x000F000F."""
+    qp = (q >> (4 * P)) & 0x000F000F
+    xv = _f16_lo(x)
+    lo = xv * ((qp & 0xF) - (z & 0xF)).to(tl.float32)
+    hi = xv * ((qp >> 16) - (z >> 16)).to(tl.float32)
+    if not FIRST:
+        lo += _f16_lo(a)
+        hi += _f16_lo(a >> 16)
+    return _f16x2(lo, hi)
+
+
+@triton.jit
+def _zero_consts(qz, ASM: tl.constexpr):
+    """The group's zero points ([BN8] int32) in the form _step takes (4 int32s per column group)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_ZEROS_ASM, "=r,=r,=r,=r,r", [qz], dtype=(tl.int32, tl.int32, tl.int32,
+                                         tl.int32), is_pure=True, pack=1)  # fmt: skip
+    else:
+        return qz & 0x000F000F, (qz >> 4) & 0x000F000F, (qz >> 8) & 0x000F000F, (qz >> 12) & 0x000F000F
+
+
+@triton.jit
+def _step(a0, a1, a2, a3, q, x, z0, z1, z2, z3, FIRST: tl.constexpr, ASM: tl.constexpr):
+    """One row of packed weights q [BKR, BN8] times x [BKR, 1] (f16x2 (x/16, x/16)) into the four f16x2 accumulators
+    (pair p: columns 2p, 2p + 1 of each column group); FIRST: a0..a3 are ignored (the first row)."""
+    if ASM:
+        if FIRST:
+            return tl.inline_asm_elementwise(_FIRST_STEP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [q, x, z0, z1, z2, z3],
+                                             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                _STEP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", [a0, a1, a2, a3, q, x, z0, z1, z2, z3],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1,
+            )  # fmt: skip
+    else:
+        return (_twin_pair_step(a0, q, x, z0, 0, FIRST), _twin_pair_step(a1, q, x, z1, 1, FIRST),
+                _twin_pair_step(a2, q, x, z2, 2, FIRST), _twin_pair_step(a3, q, x, z3, 3, FIRST))  # fmt: skip
+
+
+@triton.jit
+def _finish(a0, a1, a2, a3, ASM: tl.constexpr):
+    """Four f16x2 accumulators -> eight float32 [BKR, BN8], column 8j + c in the c-th."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _FINISH_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return (_f16_lo(a0), _f16_lo(a0 >> 16), _f16_lo(a1), _f16_lo(a1 >> 16), _f16_lo(a2), _f16_lo(a2 >> 16),
+                _f16_lo(a3), _f16_lo(a3 >> 16))  # fmt: skip
+
+
+@triton.jit
+def _rows(qw_ptr, x_ptr, rows, rj, j_ok, N8, EVEN_N: tl.constexpr):
+    """Packed weights [BKR, BN8] of `rows`, and x[rows] / 16 as an f16x2 (x/16, x/16) in an int32, [BKR, 1]. int32
+    offsets (the launcher checks K * N / 8 < 2**31); EVEN_N: no mask, so the loads are 16-byte vectors."""
+    if EVEN_N:
+        q = tl.load(qw_ptr + rows[:, None] * N8 + rj[None, :])
+    else:
+        q = tl.load(qw_ptr + rows[:, None] * N8 + rj[None, :], mask=j_ok[None, :], other=0)
+    xb = (tl.load(x_ptr + rows).to(tl.float32) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    xb = xb & 0xFFFF
+    return q, (xb | (xb << 16))[:, None]
+
+
+@triton.jit
+def _scaled(acc, f, s_row, j_ok, C: tl.constexpr, EVEN_N: tl.constexpr):
+    """acc [BKR, BN8] + f * 16 s of column 8j + C (f holds (q - z) x / 16; the sum over rows comes at the end)."""
+    if EVEN_N:
+        s = tl.load(s_row + C)
+    else:
+        s = tl.load(s_row + C, mask=j_ok, other=0.0)
+    return acc + f * (s.to(tl.float32) * 16.0)[None, :]
+
+
+@triton.jit
+def _f16x2_tile(c0, c1, c2, c3, c4, c5, c6, c7, x_ptr, qw_ptr, qz_ptr, s_ptr, k0, rj, j_ok, N, N8,
+                GROUP: tl.constexpr, BKR: tl.constexpr, R: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr):
+    """One K tile of R * BKR rows inside one group: all loads first (so they are in flight together), then rows
+    k0 + r BKR + i (r < R) of each [BKR, BN8] slice into f16x2 accumulators, then float32 with the group's scales."""
+    ri = k0 + tl.arange(0, BKR)
+    q0, x0 = _rows(qw_ptr, x_ptr, ri, rj, j_ok, N8, EVEN_N)
+    if R > 1:
+        q1, x1 = _rows(qw_ptr, x_ptr, ri + 1 * BKR, rj, j_ok, N8, EVEN_N)
+    if R > 2:
+        q2, x2 = _rows(qw_ptr, x_ptr, ri + 2 * BKR, rj, j_ok, N8, EVEN_N)
+        q3, x3 = _rows(qw_ptr, x_ptr, ri + 3 * BKR, rj, j_ok, N8, EVEN_N)
+    if R > 4:
+        q4, x4 = _rows(qw_ptr, x_ptr, ri + 4 * BKR, rj, j_ok, N8, EVEN_N)
+        q5, x5 = _rows(qw_ptr, x_ptr, ri + 5 * BKR, rj, j_ok, N8, EVEN_N)
+        q6, x6 = _rows(qw_ptr, x_ptr, ri + 6 * BKR, rj, j_ok, N8, EVEN_N)
+        q7, x7 = _rows(qw_ptr, x_ptr, ri + 7 * BKR, rj, j_ok, N8, EVEN_N)
+    if R > 8:
+        q8, x8 = _rows(qw_ptr, x_ptr, ri + 8 * BKR, rj, j_ok, N8, EVEN_N)
+        q9, x9 = _rows(qw_ptr, x_ptr, ri + 9 * BKR, rj, j_ok, N8, EVEN_N)
+        q10, x10 = _rows(qw_ptr, x_ptr, ri + 10 * BKR, rj, j_ok, N8, EVEN_N)
+        q11, x11 = _rows(qw_ptr, x_ptr, ri + 11 * BKR, rj, j_ok, N8, EVEN_N)
+        q12, x12 = _rows(qw_ptr, x_ptr, ri + 12 * BKR, rj, j_ok, N8, EVEN_N)
+        q13, x13 = _rows(qw_ptr, x_ptr, ri + 13 * BKR, rj, j_ok, N8, EVEN_N)
+        q14, x14 = _rows(qw_ptr, x_ptr, ri + 14 * BKR, rj, j_ok, N8, EVEN_N)
+        q15, x15 = _rows(qw_ptr, x_ptr, ri + 15 * BKR, rj, j_ok, N8, EVEN_N)
+    g = k0 // GROUP
+    if EVEN_N:
+        qz = tl.load(qz_ptr + g * N8 + rj)
+    else:
+        qz = tl.load(qz_ptr + g * N8 + rj, mask=j_ok, other=0)
+    z0, z1, z2, z3 = _zero_consts(qz, ASM)
+    z0 = z0[None, :]
+    z1 = z1[None, :]
+    z2 = z2[None, :]
+    z3 = z3[None, :]
+    a0, a1, a2, a3 = _step(q0, q0, q0, q0, q0, x0, z0, z1, z2, z3, True, ASM)
+    if R > 1:
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q1, x1, z0, z1, z2, z3, False, ASM)
+    if R > 2:
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q2, x2, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q3, x3, z0, z1, z2, z3, False, ASM)
+    if R > 4:
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q4, x4, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q5, x5, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q6, x6, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q7, x7, z0, z1, z2, z3, False, ASM)
+    if R > 8:
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q8, x8, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q9, x9, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q10, x10, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q11, x11, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q12, x12, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q13, x13, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q14, x14, z0, z1, z2, z3, False, ASM)
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q15, x15, z0, z1, z2, z3, False, ASM)
+    f0, f1, f2, f3, f4, f5, f6, f7 = _finish(a0, a1, a2, a3, ASM)
+    s_row = s_ptr + g * N + rj * 8
+    c0 = _scaled(c0, f0, s_row, j_ok, 0, EVEN_N)
+    c1 = _scaled(c1, f1, s_row, j_ok, 1, EVEN_N)
+    c2 = _scaled(c2, f2, s_row, j_ok, 2, EVEN_N)
+    c3 = _scaled(c3, f3, s_row, j_ok, 3, EVEN_N)
+    c4 = _scaled(c4, f4, s_row, j_ok, 4, EVEN_N)
+    c5 = _scaled(c5, f5, s_row, j_ok, 5, EVEN_N)
+    c6 = _scaled(c6, f6, s_row, j_ok, 6, EVEN_N)
+    c7 = _scaled(c7, f7, s_row, j_ok, 7, EVEN_N)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _awq_gemv1_kernel(
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, N8, split_k,
+    GROUP: tl.constexpr, BLOCK_N8: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr, TILES: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """x [K] -> out [N]. Program (pid_n, pid_k): columns pid_n * 8 BLOCK_N8 ..., K tiles pid_k * TILES ... (each
+    tile BLOCK_K rows inside one group). SPLIT (split_k > 1): float32 partials [split_k, N] and the column block's
+    counter; the program that takes it to split_k - 1 sums the partials in a fixed order, writes out, and sets the
+    counter back to 0 for the next launch (or graph replay)."""
+    pdl.gdc_sync(USE_PDL)
+    BKR: tl.constexpr = BLOCK_K // R
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rj = pid_n * BLOCK_N8 + tl.arange(0, BLOCK_N8)
+    j_ok = rj < N8
+    c0 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)  # column 8j + c, element-wise: summed over rows at the end
+    c1 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
+    c2 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
+    c3 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
+    c4 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
+    c5 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
+    c6 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
+    c7 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        k0 = (pid_k * TILES + t) * BLOCK_K
+        c0, c1, c2, c3, c4, c5, c6, c7 = _f16x2_tile(
+            c0, c1, c2, c3, c4, c5, c6, c7, x_ptr, qw_ptr, qz_ptr, s_ptr, k0, rj, j_ok, N, N8, GROUP, BKR, R, EVEN_N,
+            ASM,
+        )  # fmt: skip
+    # [BN8, 2, 2, 2] flattened: index 4a + 2b + c of join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), ...))
+    # is column 8j + (4a + 2b + c)
+    y = tl.join(
+        tl.join(tl.join(tl.sum(c0, 0), tl.sum(c4, 0)), tl.join(tl.sum(c2, 0), tl.sum(c6, 0))),
+        tl.join(tl.join(tl.sum(c1, 0), tl.sum(c5, 0)), tl.join(tl.sum(c3, 0), tl.sum(c7, 0))),
+    )
+    y = tl.reshape(y, [BLOCK_N8 * 8])
+    rn = pid_n * BLOCK_N8 * 8 + tl.arange(0, BLOCK_N8 * 8)
+    if EVEN_N:  # a constant mask, folded away
+        n_ok = tl.full([BLOCK_N8 * 8], 1, tl.int1)
+    else:
+        n_ok = rn < N
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + rn, y, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is stored before the (one-thread) release below
+        cnt = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if cnt == split_k - 1:  # the last program of this column block
+            y = tl.zeros([BLOCK_N8 * 8], dtype=tl.float32)
+            for c in tl.static_range(SPLIT_PAD // RED_CH):  # unrolled: all loads can be in flight
+                rs = c * RED_CH + tl.arange(0, RED_CH)
+                p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
+                            other=0.0, cache_modifier=".cg")  # fmt: skip
+                y += tl.sum(p, 0)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(cnt_ptr + pid_n, 0)  # ready for the next launch
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
+_INTERPRETED = isinstance(_awq_gemv1_kernel, InterpretedFunction)
+
+
 # -- launchers --------------------------------------------------------------------------------------------------
 
 
@@ -269,15 +546,26 @@ def _check(x, qweight, qzeros, scales, group_size):
     assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
 
 
-def gemv_config(m: int, n: int, k: int, group_size: int, device_index: int | None = None) -> dict:
-    """BLOCK_N / BLOCK_K / SPLIT_K / warps / stages for awq_gemv. M = 1: each program does TILES_PER_PROGRAM K
-    tiles (K split accordingly). M > 1: K is split until there are two programs per SM."""
-    if m == 1:
-        cfg = dict(GEMV1_CONFIG)
-        tiles = cfg.pop("TILES_PER_PROGRAM")
-        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], group_size)
-        cfg["SPLIT_K"] = max(1, k // (cfg["BLOCK_K"] * tiles))
-        return cfg
+def _gemv1_config(n: int, k: int, group_size: int, overrides: dict | None = None) -> dict:
+    """GEMV1_CONFIG (+ overrides) resolved for one shape: BLOCK_K inside a group, R rows per asm call at most
+    BLOCK_K, TILES K tiles per program where they divide K's tiles (else 1), and the SPLIT_K that follows."""
+    cfg = {**GEMV1_CONFIG, **(overrides or {})}
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], group_size)
+    cfg["R"] = min(cfg["R"], cfg["BLOCK_K"])
+    k_tiles = k // cfg["BLOCK_K"]
+    if k_tiles % cfg["TILES"]:
+        cfg["TILES"] = 1
+    cfg["SPLIT_K"] = k_tiles // cfg["TILES"]
+    return cfg
+
+
+def gemv_config(m: int, n: int, k: int, group_size: int, device_index: int | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> dict:  # fmt: skip
+    """The launch configuration of awq_gemv. M = 1 in fp16 / bf16: the f16x2 kernel (GEMV1_CONFIG resolved, see
+    _gemv1_config). Otherwise (M > 1, or float32 activations, which f16 arithmetic would round): the tl.dot
+    kernel, BLOCK_N / BLOCK_K / SPLIT_K / warps / stages, K split until there are two programs per SM."""
+    if m == 1 and dtype in F16X2_DTYPES:
+        return _gemv1_config(n, k, group_size)
     cfg = dict(BLOCK_N=128 if n >= 2048 else 64, BLOCK_K=min(64, group_size), num_warps=4, num_stages=3)
     tiles_n = triton.cdiv(n, cfg["BLOCK_N"])
     num_tiles_k = k // cfg["BLOCK_K"]
@@ -288,35 +576,75 @@ def gemv_config(m: int, n: int, k: int, group_size: int, device_index: int | Non
     return cfg
 
 
-def awq_gemv(x, qweight, qzeros, scales, group_size: int, bias=None, config: dict | None = None) -> torch.Tensor:
-    """x [M <= 16, in] -> [M, out] in x's dtype. `config` overrides gemv_config (tuning, tests)."""
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def gemv_counters(n: int, device) -> torch.Tensor:
+    """Zeroed int32 counters for the M = 1 kernel's fused split-K reduction of an [.., n] output: one per column
+    block at any BLOCK_N (n / 8 of them). Each launch leaves them at zero again, so one set serves every launch
+    that cannot overlap with another user of it: AWQLinear keeps one per layer; awq_gemv without `counters` shares
+    one per (device, n). Not during CUDA graph capture (the graph's memory pool would hold them)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("AWQ M = 1 GEMV: run it once before CUDA graph capture (a warm-up), or pass `counters`")
+    return torch.zeros(max(1, n // 8), dtype=torch.int32, device=device)
+
+
+def _shared_counters(n: int, device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index, n)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = gemv_counters(n, device)
+    return _COUNTERS[key]
+
+
+def _awq_gemv1(x, qweight, qzeros, scales, group_size: int, bias, config: dict | None, counters) -> torch.Tensor:
+    k, n8 = qweight.shape
+    n = n8 * 8
+    cfg = _gemv1_config(n, k, group_size, config)
+    block_n, block_k, r, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["R"], cfg["SPLIT_K"]
+    assert group_size % block_k == 0 and block_k % r == 0 and r in (1, 2, 4, 8, 16) and block_n % 8 == 0
+    assert k * n8 < 2**31, "int32 offsets"
+    n_blocks = triton.cdiv(n, block_n)
+    if counters is None:
+        counters = _shared_counters(n, x.device)
+    assert counters.dtype == torch.int32 and counters.numel() >= n_blocks
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    split_pad = triton.next_power_of_2(split_k)
+    _awq_gemv1_kernel[(n_blocks, split_k)](
+        x, qweight, qzeros, scales, bias if bias is not None else scales, out, partials, counters, n, n8, split_k,
+        GROUP=group_size, BLOCK_N8=block_n // 8, BLOCK_K=block_k, R=r, TILES=cfg["TILES"], SPLIT=split_k > 1,
+        SPLIT_PAD=split_pad, RED_CH=max(1, min(split_pad, 4096 // block_n)), EVEN_N=n % block_n == 0,
+        HAS_BIAS=bias is not None, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl.launch_kwargs(),
+    )  # fmt: skip
+    return out
+
+
+def awq_gemv(x, qweight, qzeros, scales, group_size: int, bias=None, config: dict | None = None,
+             counters: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M <= 16, in] -> [M, out] in x's dtype. `config` overrides gemv_config (tuning, tests). `counters`
+    (gemv_counters) for M = 1: the call site's own; default one shared per (device, out)."""
     _check(x, qweight, qzeros, scales, group_size)
     m, k = x.shape
     n = scales.shape[1]
     assert m <= GEMV_MAX_M
-    cfg = {**gemv_config(m, n, k, group_size, x.device.index), **(config or {})}
+    if m == 1 and x.dtype in F16X2_DTYPES:
+        return _awq_gemv1(x, qweight, qzeros, scales, group_size, bias, config, counters)
+    cfg = {**gemv_config(m, n, k, group_size, x.device.index, x.dtype), **(config or {})}
     block_k, split_k, block_n = cfg["BLOCK_K"], cfg["SPLIT_K"], cfg["BLOCK_N"]
     assert group_size % block_k == 0 and block_n % 8 == 0
     k_per_split = triton.cdiv(k // block_k, split_k) * block_k  # whole K tiles, so no tile straddles two groups
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    bias_arg = bias if bias is not None else scales
-    grid = (triton.cdiv(n, block_n), split_k)
-    if m == 1:
-        _awq_gemv1_kernel[grid](
-            x, qweight, qzeros, scales, bias_arg, target, n, k, target.stride(0) if split_k > 1 else 0, k_per_split,
-            GROUP=group_size, BLOCK_N8=block_n // 8, BLOCK_K=block_k, PARTIAL=split_k > 1, HAS_BIAS=bias is not None,
-            EACH_TILE=cfg["EACH_TILE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
-    else:
-        _awq_gemv_kernel[grid](
-            x, qweight, qzeros, scales, bias_arg, target, m, n, k, x.stride(0), target.stride(-2),
-            target.stride(0) if split_k > 1 else 0, k_per_split,
-            GROUP=group_size, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split_k > 1,
-            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
+    _awq_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, qweight, qzeros, scales, bias if bias is not None else scales, target, m, n, k, x.stride(0),
+        target.stride(-2), target.stride(0) if split_k > 1 else 0, k_per_split,
+        GROUP=group_size, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=split_k > 1,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
     if split_k > 1:
         split_k_reduce(target, bias, out)
     return out
@@ -336,10 +664,10 @@ def awq_dequantize(qweight, qzeros, scales, group_size: int, dtype: torch.dtype,
     return out
 
 
-def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None) -> torch.Tensor:
-    """x [M, in] -> [M, out]: the kernel for M (see the module docstring)."""
+def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=None) -> torch.Tensor:
+    """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's."""
     m = x.shape[0]
     if m <= GEMV_MAX_M:
-        return awq_gemv(x, qweight, qzeros, scales, group_size, bias)
+        return awq_gemv(x, qweight, qzeros, scales, group_size, bias, counters=counters)
     w = awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)
     return torch.addmm(bias.to(x.dtype), x, w) if bias is not None else x @ w

@@ -179,8 +179,10 @@ def test_fused_awq_linear_equals_its_parts_on_every_backend():
     x = torch.randn(5, 64, generator=gen)
     expected = torch.cat([awq_matmul(x, p["qweight"], p["qzeros"], p["scales"], 32, p["bias"]) for p in parts], 1)
     assert torch.equal(layer(x), expected)  # reference backend on CPU
-    layer.backend = "triton"
-    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    layer.backend = "triton"  # on a GPU, on the GPU (Triton's launcher takes no CPU tensors there)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.testing.assert_close(layer.to(device)(x.to(device)).cpu(), expected, atol=1e-5, rtol=1e-5)
+    layer.to("cpu")
     layer.backend = "auto"
     assert layer.prepack() and layer.dense is not None
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)

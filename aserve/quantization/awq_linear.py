@@ -26,9 +26,11 @@ _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 class AWQLinear(nn.Module):
     """y = x @ ((q - z) * s) + bias, from AutoAWQ gemm tensors.
 
-    CUDA: the Triton kernels of kernels/awq.py. CPU: the pure-torch reference (dequantise, then matmul) on every
-    call; after `prepack()` (which optimize_for_cpu calls) a dequantised oneDNN-prepacked copy instead: aserve has
-    no CPU int4 kernel, and dequantising ~100M weights per step would cost more than the matmuls."""
+    CUDA: the Triton kernels of kernels/awq.py, with this layer's own counters for the M = 1 kernel's fused split-K
+    reduction (allocated on the first call, which is a warm-up outside CUDA graph capture). CPU: the pure-torch
+    reference (dequantise, then matmul) on every call; after `prepack()` (which optimize_for_cpu calls) a
+    dequantised oneDNN-prepacked copy instead: aserve has no CPU int4 kernel, and dequantising ~100M weights per
+    step would cost more than the matmuls."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int) -> None:
         super().__init__()
@@ -50,6 +52,8 @@ class AWQLinear(nn.Module):
         self.backend = "auto"  # auto | torch | triton (tests run the Triton kernels on CPU through the interpreter)
         # CPU: the dequantised, prepacked copy. Kept out of the module tree: it is a cache, not a model parameter.
         self.__dict__["dense"] = None
+        # Triton: kernels.awq.gemv_counters on the weights' device (out of the module tree too: state, not weights)
+        self.__dict__["gemv_counters"] = None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
@@ -85,9 +89,12 @@ class AWQLinear(nn.Module):
         if self.dense is not None and self.dense.weight.dtype == x.dtype:
             return self.dense(x)
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            from kernels.awq import awq_linear
+            from kernels.awq import awq_linear, gemv_counters
 
-            return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
+            counters = self.gemv_counters
+            if counters is None or counters.device != x.device:
+                counters = self.__dict__["gemv_counters"] = gemv_counters(self.out_features, x.device)
+            return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, counters)
         return awq_matmul(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
 
 
