@@ -2,9 +2,11 @@
 replaces (block gather with index_select + SDPA, TorchAttentionBackend with DECODE_KERNEL off), SmolLM2 shapes
 (9 query / 3 KV heads, head_dim 64, bf16), in one command:
 
-    python bench/cpu_attention.py [--threads N] [--repeats 3] [--e2e]
+    python bench/cpu_attention.py [--threads N] [--repeats 3] [--e2e] [--baseline REV]
 
 Cases: batch 64 x 300-token contexts (the throughput workload's decode steps) and batch 1 x 256.
+--baseline REV adds the AVX512-BF16 kernel as it was at git revision REV (its source compiled beside the current
+one), timed in the same alternating rounds, and checks that both give the same bits.
 --e2e adds the engine with the kernel on and off (TorchAttentionBackend.DECODE_KERNEL), alternating in one process
 (this VM drifts by +-20 % between runs): bench/offline_throughput.py's two workloads, the embedded SmolLM2 in bf16 —
 64 requests x 256 random prompt tokens / 128 output tokens (output tok/s), and batch 1 x 128 / 256 (decode ms per
@@ -61,11 +63,37 @@ def e2e(repeats: int) -> None:
         print(f"| {key} | {', '.join(f'{v:.1f}' for v in values)} | {statistics.median(values):.1f} |")
 
 
+def baseline_kernel(rev: str):
+    """The compiled kernel library of kernels/cpu_attention.py at git revision `rev`."""
+    import subprocess
+    import types
+
+    from kernels import cpu_build
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    text = subprocess.run(["git", "show", f"{rev}:kernels/cpu_attention.py"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout  # fmt: skip
+    module = types.ModuleType("cpu_attention_baseline")
+    exec(compile(text, f"{rev}:kernels/cpu_attention.py", "exec"), module.__dict__)
+    return cpu_build.library(f"paged_decode_{rev}", module._SOURCE, module._SIGNATURES)
+
+
+def raw_call(lib, q, kv, meta, out):
+    """paged_decode_attention through a library's C entry point (bf16, the SIMD path)."""
+    n, num_heads, head_dim = q.shape
+    lib.paged_decode_attention(
+        q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(),
+        out.data_ptr(), n, num_heads, kv.shape[3], head_dim, kv.shape[2], meta.block_tables.stride(0), q.stride(0),
+        out.stride(0), head_dim**-0.5, 1, torch.get_num_threads(), 0,
+    )  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--e2e", action="store_true")
+    p.add_argument("--baseline", help="also time the kernel at this git revision")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_attention.available(), "no working C compiler"
@@ -86,6 +114,12 @@ def main() -> None:
             )
 
         fns = {"kernel (AVX512-BF16)": kernel(False), "kernel (generic C)": kernel(True), "gather + SDPA": torch_path}
+        if args.baseline:
+            lib, base_out = baseline_kernel(args.baseline), torch.empty_like(q)
+            fns[f"kernel at {args.baseline}"] = lambda: raw_call(lib, q, kv, meta, base_out)
+            fns["kernel (AVX512-BF16)"]()
+            fns[f"kernel at {args.baseline}"]()
+            assert torch.equal(out, base_out), "the kernel's output differs from the baseline's"
         calls = 30 if batch > 1 else 300
         best = dict.fromkeys(fns, float("inf"))
         TorchAttentionBackend.DECODE_KERNEL = False

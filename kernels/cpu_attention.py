@@ -18,8 +18,8 @@ bfloat16 takes a vectorised path: q . k as bf16 pair dot products (vdpbf16ps) fo
 with one transpose-and-add tree, and P @ V with two tokens' V rows interleaved so that one vdpbf16ps adds both (P
 rounded to bf16 once, vectorised, as flash attention kernels round it). The common head shapes (head_dim 64 or 128;
 1, 2, 3, 4 or 8 query heads per KV head) get their own copy of those loops with G and D fixed at compile time, so
-the query, the accumulators and the per-token loops stay in registers (22-27 % faster than one copy with runtime
-G and D, docs/benchmarks.md). Reference: kernels/reference.py paged_attention.
+the query, the accumulators and the per-token loops stay in registers (bit-identical output, 3-17 % less time per
+call than one copy with runtime G and D, docs/benchmarks.md: the kernel is mostly bound by its memory reads). Reference: kernels/reference.py paged_attention.
 `available()` is False where no compiler works; callers then keep the torch path.
 """
 
