@@ -18,8 +18,20 @@ bfloat16 takes a vectorised path: q . k as bf16 pair dot products (vdpbf16ps) fo
 with one transpose-and-add tree, and P @ V with two tokens' V rows interleaved so that one vdpbf16ps adds both (P
 rounded to bf16 once, vectorised, as flash attention kernels round it). The common head shapes (head_dim 64 or 128;
 1, 2, 3, 4 or 8 query heads per KV head) get their own copy of those loops with G and D fixed at compile time, so
-the query, the accumulators and the per-token loops stay in registers (bit-identical output, 3-17 % less time per
-call than one copy with runtime G and D, docs/benchmarks.md: the kernel is mostly bound by its memory reads). Reference: kernels/reference.py paged_attention.
+the query, the accumulators and the per-token loops stay in registers.
+
+With AMX (Sapphire Rapids and newer; Linux grants the tile state on request; ASERVE_CPU_AMX=0 turns it off), both
+products run on tiles where head_dim <= 128: Q . K^T takes 16 K rows straight from the cache (a tile load with the
+cache's row stride) against Q held in tiles for the whole item, and P @ V (head_dim <= 64) multiplies 32 tokens'
+bf16 weights by their V rows interleaved pairwise into a tile. The sums run in another order than vdpbf16ps's, so
+results differ from the AVX-512 path by float32 rounding.
+
+The K/V rows of coming blocks are prefetched (32-64 tokens ahead). prefetch_rows must be always inlined: GCC
+dropped its prefetches when it stayed an out-of-line call, which made the kernel ~40 % slower when the cache is in
+DRAM (the engine's case: every layer's K/V in turn) while a benchmark that repeats one layer, whose cache stays in
+L3, saw nothing. On the 2-core development VM, over 30 layer caches of 64 requests x 320 tokens (SmolLM2 heads):
+1.07-1.18 ms per call with AMX, 1.35 without, 1.33-1.49 for the kernel before the compile-time shapes
+(docs/benchmarks.md). Reference: kernels/reference.py paged_attention.
 `available()` is False where no compiler works; callers then keep the torch path.
 """
 
@@ -65,9 +77,33 @@ static inline float exp2_neg(float x) {
 #define HAVE_AVX512_BF16 1
 #define FAST_MAX_G 8
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Whether AMX tiles may be used: Linux hands a process the tile state on request (oneDNN, in the same process,
+   asks too); ASERVE_CPU_AMX=0 says no. Called outside parallel regions. */
+static int amx_ready(void) {
+    static int state = -1;
+    if (state < 0) {
+        const char *env = getenv("ASERVE_CPU_AMX");
+        state = !(env && env[0] == '0') && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return state;
+}
+#endif
+
 /* Prefetch the rows of up to 16 tokens (from `first` in block `blk`; a whole block when block_size is 16) of one
    head into L1. */
-static inline void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t first, int64_t block_size, int64_t row,
+static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t first, int64_t block_size, int64_t row,
                                  int64_t head_off, int64_t D) {
     const int64_t last = first + 16 < block_size ? first + 16 : block_size;
     for (int64_t j = first; j < last; j++) {
@@ -83,7 +119,7 @@ static inline void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t fir
 static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
         const int32_t *seq_lens, uint16_t *out, int64_t item, int64_t num_kv_heads, const int64_t G, const int64_t C,
-        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale) {
+        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int amx) {
     const int64_t D = 32 * C;
     const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t len = seq_lens[s], row = num_kv_heads * D;
@@ -95,6 +131,52 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
     const int64_t padded = (len + 15) / 16 * 16 + 16;  /* + 16: pass 3 reads one weight past an odd end */
     float *scores = (float *)aligned_alloc(64, sizeof(float) * padded * G);  /* [G][padded] */
     uint16_t *pb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * padded * G);  /* softmax weights in bf16 */
+#ifdef HAVE_AMX
+    if (amx) {
+        /* pass 1 on AMX tiles: scores[16 tokens][G] = K rows (a tile of 16 rows x 32 dims, read in place with the
+           cache's row stride) . Q^T (tiles of Q in pair-interleaved layout, loaded once), 32 dims per tile
+           multiply; then each query head's column of the 16 x 16 result gathered into a row of `scores`.
+           Rows past the request's end (inside the same block) give scores that pass 2 masks out. */
+        uint32_t qt[MAX_D / 32][16][16] __attribute__((aligned(64)));
+        float cbuf[16 * 16] __attribute__((aligned(64)));
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        cfg.rows[0] = 16, cfg.colsb[0] = G * 4;    /* tmm0: scores [16 tokens][G] float32 */
+        cfg.rows[1] = 16, cfg.colsb[1] = 64;       /* tmm1: K [16 tokens][32 dims] bf16 */
+        for (int64_t c = 0; c < C; c++) {         /* tmm2 + c: Q^T [16 dim pairs][G] bf16 pairs */
+            cfg.rows[2 + c] = 16, cfg.colsb[2 + c] = G * 4;
+            for (int64_t k = 0; k < 16; k++)
+                for (int64_t g = 0; g < G; g++)
+                    memcpy(&qt[c][k][g], q + s * q_stride + (h * G + g) * D + 32 * c + 2 * k, 4);
+        }
+        _tile_loadconfig(&cfg);
+        _tile_loadd(2, qt[0], 64);
+        if (C > 1) _tile_loadd(3, qt[1], 64);
+        if (C > 2) _tile_loadd(4, qt[2], 64);
+        if (C > 3) _tile_loadd(5, qt[3], 64);
+        const __m512i col = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+            const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
+            if (t0 + 32 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + (t0 + 32) / block_size], (t0 + 32)
+                                             % block_size, block_size, row, h * D, D);
+            if (t0 == 0 && 16 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + 16 / block_size], 16
+                                             % block_size, block_size, row, h * D, D);
+            const uint16_t *kb = k_cache + (blk * block_size + t0 % block_size) * row + h * D;
+            _tile_zero(0);
+            _tile_loadd(1, kb, row * 2);
+            _tile_dpbf16ps(0, 1, 2);
+            if (C > 1) { _tile_loadd(1, kb + 32, row * 2); _tile_dpbf16ps(0, 1, 3); }
+            if (C > 2) { _tile_loadd(1, kb + 64, row * 2); _tile_dpbf16ps(0, 1, 4); }
+            if (C > 3) { _tile_loadd(1, kb + 96, row * 2); _tile_dpbf16ps(0, 1, 5); }
+            _tile_stored(0, cbuf, 64);
+            for (int64_t g = 0; g < G; g++)
+                _mm512_store_ps(scores + g * padded + t0, _mm512_mul_ps(
+                    _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32((int)g)), cbuf, 4), sl));
+        }
+        _tile_release();
+    } else
+#endif
     /* pass 1 (the next 16 tokens' K rows are prefetched: the loads, not the arithmetic, bound this loop) */
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
@@ -117,7 +199,10 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
         }
     }
     /* pass 2: scores -> softmax weights: l sums them unrounded, pass 3 takes them rounded to bf16 (zero past
-       the end) */
+       the end). The first V rows are fetched meanwhile. */
+    for (int64_t tt = 0; tt < 32 && tt < len; tt += 16)
+        prefetch_rows(v_cache, block_tables[s * bt_stride + tt / block_size], tt % block_size, block_size, row, h * D,
+                      D);
     float l[FAST_MAX_G];
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * padded;
@@ -141,6 +226,57 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
     __m512 acc_lo[FAST_MAX_G][MAX_D / 32], acc_hi[FAST_MAX_G][MAX_D / 32];
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < C; c++) acc_lo[g][c] = acc_hi[g][c] = _mm512_setzero_ps();
+#ifdef HAVE_AMX
+    if (amx && C <= 2) {
+        /* P @ V on AMX tiles, 32 tokens at a time: A = P [G][32 tokens] bf16 (rows of pb), B = the V rows of 16
+           token pairs interleaved as pass 3 below interleaves them (same lane order), one B tile per (c, lo/hi),
+           accumulating in tiles tmm3.. (G rows x 16 lanes each). */
+        uint32_t vb[2][2][16][16] __attribute__((aligned(64)));
+        float ab[2][2][FAST_MAX_G][16] __attribute__((aligned(64)));
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        cfg.rows[1] = G, cfg.colsb[1] = 64;        /* tmm1: P [G][32 tokens] */
+        cfg.rows[2] = 16, cfg.colsb[2] = 64;       /* tmm2: V pairs [16][16 lanes] */
+        for (int64_t i = 0; i < 2 * C; i++) cfg.rows[3 + i] = G, cfg.colsb[3 + i] = 64;
+        _tile_loadconfig(&cfg);
+        _tile_zero(3);
+        _tile_zero(4);
+        if (C > 1) { _tile_zero(5); _tile_zero(6); }
+        for (int64_t t0 = 0; t0 < len; t0 += 32) {
+            for (int64_t tt = t0 == 0 ? 32 : t0 + 64; tt < t0 + 96 && tt < len; tt += 16)  /* 64 tokens ahead */
+                prefetch_rows(v_cache, block_tables[s * bt_stride + tt / block_size], tt % block_size, block_size,
+                              row, h * D, D);
+            for (int64_t p = 0; p < 16; p++) {
+                const int64_t ta = t0 + 2 * p < len ? t0 + 2 * p : len - 1;
+                const int64_t tb = t0 + 2 * p + 1 < len ? t0 + 2 * p + 1 : len - 1;  /* past the end: weight 0 */
+                const uint16_t *v0 = v_cache + (block_tables[s * bt_stride + ta / block_size] * block_size
+                                                + ta % block_size) * row + h * D;
+                const uint16_t *v1 = v_cache + (block_tables[s * bt_stride + tb / block_size] * block_size
+                                                + tb % block_size) * row + h * D;
+                for (int64_t c = 0; c < C; c++) {
+                    __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+                    _mm512_store_si512(vb[c][0][p], _mm512_unpacklo_epi16(a, b));
+                    _mm512_store_si512(vb[c][1][p], _mm512_unpackhi_epi16(a, b));
+                }
+            }
+            _tile_loadd(1, pb + t0, padded * 2);
+            _tile_loadd(2, vb[0][0], 64); _tile_dpbf16ps(3, 1, 2);
+            _tile_loadd(2, vb[0][1], 64); _tile_dpbf16ps(4, 1, 2);
+            if (C > 1) {
+                _tile_loadd(2, vb[1][0], 64); _tile_dpbf16ps(5, 1, 2);
+                _tile_loadd(2, vb[1][1], 64); _tile_dpbf16ps(6, 1, 2);
+            }
+        }
+        _tile_stored(3, ab[0][0], 64);
+        _tile_stored(4, ab[0][1], 64);
+        if (C > 1) { _tile_stored(5, ab[1][0], 64); _tile_stored(6, ab[1][1], 64); }
+        _tile_release();
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < C; c++)
+                acc_lo[g][c] = _mm512_load_ps(ab[c][0][g]), acc_hi[g][c] = _mm512_load_ps(ab[c][1][g]);
+    } else
+#endif
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {  /* block by block: no division per token */
       const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
       if (t0 + 2 * block_size < len)
@@ -191,7 +327,7 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
     for (int64_t item = 0; item < items; item++)                                                                  \
         attend_item_bf16_avx512((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,         \
                                 block_tables, seq_lens, (uint16_t *)out, item, num_kv_heads, GG, CC, block_size,   \
-                                bt_stride, q_stride, out_stride, scale);
+                                bt_stride, q_stride, out_stride, scale, amx);
 #endif
 
 /* One head's row of one token as float32. */
@@ -297,6 +433,11 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 #ifdef HAVE_AVX512_BF16
     if (is_bf16 && D % 32 == 0 && G <= FAST_MAX_G && block_size % 16 == 0 && !force_generic) {
         const int64_t C = D / 32;
+#ifdef HAVE_AMX
+        const int amx = D <= 128 && amx_ready();
+#else
+        const int amx = 0;
+#endif
         /* the common head shapes get their own copy of the loops (D 64 or 128, up to 8 query heads per KV head) */
         if (C == 2) {
             switch (G) {
