@@ -103,8 +103,9 @@ static int amx_ready(void) {
 
 /* Prefetch the rows of up to 16 tokens (from `first` in block `blk`; a whole block when block_size is 16) of one
    head into L1. */
-static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t first, int64_t block_size, int64_t row,
-                                 int64_t head_off, int64_t D) {
+static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t first,
+                                                                 int64_t block_size, int64_t row, int64_t head_off,
+                                                                 int64_t D) {
     const int64_t last = first + 16 < block_size ? first + 16 : block_size;
     for (int64_t j = first; j < last; j++) {
         const char *p = (const char *)(cache + (blk * block_size + j) * row + head_off);
@@ -112,10 +113,18 @@ static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t *
     }
 }
 
+/* prefetch_rows for the tokens from position t of a request (bt: its block-table row), if t < len. Always inlined
+   like prefetch_rows: see the module docstring. */
+static inline __attribute__((always_inline)) void prefetch_from(const uint16_t *cache, const int32_t *bt, int64_t t,
+                                                                 int64_t len, int64_t block_size, int64_t row,
+                                                                 int64_t head_off, int64_t D) {
+    if (t < len) prefetch_rows(cache, bt[t / block_size], t % block_size, block_size, row, head_off, D);
+}
+
 /* bf16 work item with AVX512-BF16: q . k as bf16 pair dot products (vdpbf16ps) 16 tokens at a time, P @ V with
    two tokens' V rows interleaved so one vdpbf16ps adds both (P rounded to bf16, as flash attention kernels do).
    D = 32 C, G <= FAST_MAX_G, block_size % 16 == 0. Always inlined at call sites with constant G and C, so the
-   query, the accumulators and the per-token loops live in registers. `scratch`: 4 (G + 1) padded floats. */
+   query, the accumulators and the per-token loops live in registers. */
 static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
         const int32_t *seq_lens, uint16_t *out, int64_t item, int64_t num_kv_heads, const int64_t G, const int64_t C,
@@ -123,12 +132,14 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
     const int64_t D = 32 * C;
     const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t len = seq_lens[s], row = num_kv_heads * D;
+    const int32_t *bt = block_tables + s * bt_stride;  /* this request's block-table row */
     const __m512 sl = _mm512_set1_ps(scale * 1.4426950408889634f);
     __m512bh qv[FAST_MAX_G][MAX_D / 32];
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < C; c++)
             qv[g][c] = (__m512bh)_mm512_loadu_si512(q + s * q_stride + (h * G + g) * D + 32 * c);
-    const int64_t padded = (len + 15) / 16 * 16 + 16;  /* + 16: pass 3 reads one weight past an odd end */
+    /* + 16: pass 3 reads one weight past an odd end (AMX: up to the next multiple of 32), zero there */
+    const int64_t padded = (len + 15) / 16 * 16 + 16;
     float *scores = (float *)aligned_alloc(64, sizeof(float) * padded * G);  /* [G][padded] */
     uint16_t *pb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * padded * G);  /* softmax weights in bf16 */
 #ifdef HAVE_AMX
@@ -157,11 +168,9 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
         if (C > 3) _tile_loadd(5, qt[3], 64);
         const __m512i col = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
-            const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
-            if (t0 + 32 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + (t0 + 32) / block_size], (t0 + 32)
-                                             % block_size, block_size, row, h * D, D);
-            if (t0 == 0 && 16 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + 16 / block_size], 16
-                                             % block_size, block_size, row, h * D, D);
+            const int64_t blk = bt[t0 / block_size];
+            prefetch_from(k_cache, bt, t0 + 32, len, block_size, row, h * D, D);
+            if (t0 == 0) prefetch_from(k_cache, bt, 16, len, block_size, row, h * D, D);
             const uint16_t *kb = k_cache + (blk * block_size + t0 % block_size) * row + h * D;
             _tile_zero(0);
             _tile_loadd(1, kb, row * 2);
@@ -179,12 +188,10 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
 #endif
     /* pass 1 (the next 16 tokens' K rows are prefetched: the loads, not the arithmetic, bound this loop) */
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
+        const int64_t blk = bt[t0 / block_size];
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        if (t0 + 32 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + (t0 + 32) / block_size], (t0 + 32)
-                                         % block_size, block_size, row, h * D, D);
-        if (t0 == 0 && 16 < len) prefetch_rows(k_cache, block_tables[s * bt_stride + 16 / block_size], 16
-                                         % block_size, block_size, row, h * D, D);
+        prefetch_from(k_cache, bt, t0 + 32, len, block_size, row, h * D, D);
+        if (t0 == 0) prefetch_from(k_cache, bt, 16, len, block_size, row, h * D, D);
         const uint16_t *kb = k_cache + (blk * block_size + t0 % block_size) * row + h * D;
         for (int64_t g = 0; g < G; g++) {
             __m512 v[16];
@@ -200,9 +207,8 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
     }
     /* pass 2: scores -> softmax weights: l sums them unrounded, pass 3 takes them rounded to bf16 (zero past
        the end). The first V rows are fetched meanwhile. */
-    for (int64_t tt = 0; tt < 32 && tt < len; tt += 16)
-        prefetch_rows(v_cache, block_tables[s * bt_stride + tt / block_size], tt % block_size, block_size, row, h * D,
-                      D);
+    prefetch_from(v_cache, bt, 0, len, block_size, row, h * D, D);
+    prefetch_from(v_cache, bt, 16, len, block_size, row, h * D, D);
     float l[FAST_MAX_G];
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * padded;
@@ -244,16 +250,13 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
         _tile_zero(4);
         if (C > 1) { _tile_zero(5); _tile_zero(6); }
         for (int64_t t0 = 0; t0 < len; t0 += 32) {
-            for (int64_t tt = t0 == 0 ? 32 : t0 + 64; tt < t0 + 96 && tt < len; tt += 16)  /* 64 tokens ahead */
-                prefetch_rows(v_cache, block_tables[s * bt_stride + tt / block_size], tt % block_size, block_size,
-                              row, h * D, D);
+            for (int64_t tt = t0 == 0 ? 32 : t0 + 64; tt < t0 + 96; tt += 16)  /* 64 tokens ahead */
+                prefetch_from(v_cache, bt, tt, len, block_size, row, h * D, D);
             for (int64_t p = 0; p < 16; p++) {
                 const int64_t ta = t0 + 2 * p < len ? t0 + 2 * p : len - 1;
                 const int64_t tb = t0 + 2 * p + 1 < len ? t0 + 2 * p + 1 : len - 1;  /* past the end: weight 0 */
-                const uint16_t *v0 = v_cache + (block_tables[s * bt_stride + ta / block_size] * block_size
-                                                + ta % block_size) * row + h * D;
-                const uint16_t *v1 = v_cache + (block_tables[s * bt_stride + tb / block_size] * block_size
-                                                + tb % block_size) * row + h * D;
+                const uint16_t *v0 = v_cache + (bt[ta / block_size] * block_size + ta % block_size) * row + h * D;
+                const uint16_t *v1 = v_cache + (bt[tb / block_size] * block_size + tb % block_size) * row + h * D;
                 for (int64_t c = 0; c < C; c++) {
                     __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
                     _mm512_store_si512(vb[c][0][p], _mm512_unpacklo_epi16(a, b));
@@ -278,11 +281,9 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
     } else
 #endif
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {  /* block by block: no division per token */
-      const int64_t blk = block_tables[s * bt_stride + t0 / block_size];
-      if (t0 + 2 * block_size < len)
-          prefetch_rows(v_cache, block_tables[s * bt_stride + t0 / block_size + 2], 0, block_size, row, h * D, D);
-      if (t0 == 0 && block_size < len)
-          prefetch_rows(v_cache, block_tables[s * bt_stride + 1], 0, block_size, row, h * D, D);
+      const int64_t blk = bt[t0 / block_size];
+      prefetch_from(v_cache, bt, t0 + 2 * block_size, len, block_size, row, h * D, D);
+      if (t0 == 0) prefetch_from(v_cache, bt, block_size, len, block_size, row, h * D, D);
       const uint16_t *vb = v_cache + blk * block_size * row + h * D;
       const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
       for (int64_t t = t0; t < t_end; t += 2) {
