@@ -136,10 +136,7 @@ class Sampler:
             argmax, nonfinite = picked
             candidates, accepted = self._candidates(logits, rows, drafts, draft_probs, argmax)
         else:
-            logits = logits.float()
-            nonfinite = self._nonfinite(logits)
-            raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-            logits = self._mask_min_tokens(logits, rows)
+            logits, nonfinite, raw_logprobs = self._widen(logits, rows, want_logprobs)
             if any(row.params.needs_penalties for row in rows):
                 logits = self._apply_penalties(logits, rows)
             candidates, accepted = self._candidates(logits, rows, drafts, draft_probs)
@@ -179,10 +176,7 @@ class Sampler:
         if not want_logprobs and (picked := self._greedy_pick(logits, rows)) is not None:
             candidates, nonfinite = picked
         else:
-            logits = logits.float()
-            nonfinite = self._nonfinite(logits)
-            raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-            logits = self._mask_min_tokens(logits, rows)
+            logits, nonfinite, raw_logprobs = self._widen(logits, rows, want_logprobs)
             candidates, _ = self._candidates(logits, rows, [[] for _ in requests], None)
         device = {"tokens": candidates, "nonfinite": nonfinite}
         if raw_logprobs is not None:
@@ -284,10 +278,14 @@ class Sampler:
         idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         return idx.clamp_(max=probs.shape[1] - 1)
 
-    @staticmethod
-    def _nonfinite(logits: torch.Tensor) -> torch.Tensor:
+    def _widen(self, logits: torch.Tensor, rows: list[SampleRow], want_logprobs: bool):
+        """The general path's start: float32 logits with min_tokens masked, each row's non-finite flag and (if
+        asked) the raw logprobs, both of the logits as they came."""
+        logits = logits.float()
         # One reduction: the sum of a row is finite iff every logit in it is (a quarter of an argmax's cost on CPU).
-        return ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        return self._mask_min_tokens(logits, rows), nonfinite, raw_logprobs
 
     @staticmethod
     def _greedy_pick(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
