@@ -242,10 +242,6 @@ def m1_graph() -> None:
                f"{int4_pdl:.1f} us ({bf16 / int4_pdl:.2f}x); SPLIT_K {split_k}; target >= 3x")  # fmt: skip
 
 
-def tune_graph() -> None:
-    tune_gemv1()
-
-
 def diag() -> None:
     """What the GEMV's access pattern alone can reach: a kernel that only streams the packed weights in the same
     tiles and grid (XOR-reducing them so the loads stay), inside CUDA graphs, on 4096x14336."""
@@ -318,7 +314,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
-    run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_graph, "kernels": kernels,
+    run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1, "kernels": kernels,
            "m1_graph": m1_graph, "decode": lambda: decode(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])

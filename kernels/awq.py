@@ -546,7 +546,7 @@ def _check(x, qweight, qzeros, scales, group_size):
     assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
 
 
-def _gemv1_config(n: int, k: int, group_size: int, overrides: dict | None = None) -> dict:
+def _gemv1_config(k: int, group_size: int, overrides: dict | None = None) -> dict:
     """GEMV1_CONFIG (+ overrides) resolved for one shape: BLOCK_K inside a group, R rows per asm call at most
     BLOCK_K, TILES K tiles per program where they divide K's tiles (else 1), and the SPLIT_K that follows."""
     cfg = {**GEMV1_CONFIG, **(overrides or {})}
@@ -565,7 +565,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, device_index: int | Non
     _gemv1_config). Otherwise (M > 1, or float32 activations, which f16 arithmetic would round): the tl.dot
     kernel, BLOCK_N / BLOCK_K / SPLIT_K / warps / stages, K split until there are two programs per SM."""
     if m == 1 and dtype in F16X2_DTYPES:
-        return _gemv1_config(n, k, group_size)
+        return _gemv1_config(k, group_size)
     cfg = dict(BLOCK_N=128 if n >= 2048 else 64, BLOCK_K=min(64, group_size), num_warps=4, num_stages=3)
     tiles_n = triton.cdiv(n, cfg["BLOCK_N"])
     num_tiles_k = k // cfg["BLOCK_K"]
@@ -600,7 +600,7 @@ def _shared_counters(n: int, device: torch.device) -> torch.Tensor:
 def _awq_gemv1(x, qweight, qzeros, scales, group_size: int, bias, config: dict | None, counters) -> torch.Tensor:
     k, n8 = qweight.shape
     n = n8 * 8
-    cfg = _gemv1_config(n, k, group_size, config)
+    cfg = _gemv1_config(k, group_size, config)
     block_n, block_k, r, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["R"], cfg["SPLIT_K"]
     assert group_size % block_k == 0 and block_k % r == 0 and r in (1, 2, 4, 8, 16) and block_n % 8 == 0
     assert k * n8 < 2**31, "int32 offsets"
