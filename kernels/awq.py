@@ -41,7 +41,18 @@ GEMV and a reduce kernel, and the counters are zero again for the next launch or
 allocated once (gemv_counters: AWQLinear keeps one set per layer; plain awq_gemv calls share one per device and
 output size), never during graph capture. Two launches that share counters must not overlap: kernels in one stream
 do not, also with programmatic dependent launch (kernels/pdl.py), which this kernel uses like the rest of kernels/:
-every program waits for the previous kernel (gdc_sync) before it touches memory, counters included.
+every program waits for the previous kernel (gdc_sync) before it touches x, the partials or the counters. Its first
+tile's weights, zeros and scales are loaded before that wait (nothing in a decode step writes them), so with PDL
+their DRAM latency overlaps the previous kernel's tail.
+
+M = 1, memory-level parallelism (H200, docs/benchmarks.md session 9). A load-only kernel reaches ~3.2 TB/s in CUDA
+graphs (9.0 us for 4096x14336's 29 MB of packed weights) with one-warp programs reading rows of 64 bytes, and
+flat streaming, cp.async (num_stages) and TMA descriptor loads were no faster; programs of 4-8 warps were much
+slower for the GEMV (2-4x). What separated the GEMV from that: loads issued late (x and scales after the first
+arithmetic: serial round trips), the split-K reduction (a program's atomic round trip, and the last program's
+partials: ~6 us at SPLIT_K 56 vs ~1 us at 16) and per-program instruction overhead. So: one warp per program,
+BLOCK_N 128, each tile's loads (weights, zeros, scales, x) issued together, the next tile's before this one's
+arithmetic in a loop the compiler does not unroll, and 2-4 tiles per program to keep SPLIT_K at 8-28.
 
 Triton's interpreter (the tests on CPU) cannot run inline asm: there the asm helpers have twins in plain tl ops
 (same interface, f16 rounding after every multiply-add), so the tests check indexing, nibble order, scales and the
@@ -73,8 +84,11 @@ from kernels import pdl
 GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
 # Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
 # M = 1 (f16x2): BLOCK_N columns and TILES K tiles of BLOCK_K rows per program, R rows per asm call (overflow: see
-# the module docstring). The fastest of the configurations tried on an H200 (docs/benchmarks.md, session 8).
-GEMV1_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, R=16, TILES=2, num_warps=1, num_stages=1)
+# the module docstring); TILES None: 4 or 2 where that leaves GEMV1_MIN_PROGRAMS programs (one warp each), else 1.
+# The fastest of the configurations tried on an H200 (docs/benchmarks.md, session 9): rows of 64 bytes per program
+# (BLOCK_N 128), 4 tiles for 4096x14336 and 14336x4096 (896 programs), 2 for 4096x4096 (512).
+GEMV1_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, R=16, TILES=None, num_warps=1, num_stages=1)
+GEMV1_MIN_PROGRAMS = 512
 F16X2_DTYPES = (torch.float16, torch.bfloat16)  # float32 activations take the tl.dot kernel (f16 would round them)
 DEQUANT_CONFIG = dict(BLOCK_N=256, BLOCK_K=32, num_warps=4)
 
@@ -369,133 +383,169 @@ def _finish(a0, a1, a2, a3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _rows(qw_ptr, x_ptr, rows, rj, j_ok, N8, EVEN_N: tl.constexpr):
-    """Packed weights [BKR, BN8] of `rows`, and x[rows] / 16 as an f16x2 (x/16, x/16) in an int32, [BKR, 1]. int32
-    offsets (the launcher checks K * N / 8 < 2**31); EVEN_N: no mask, so the loads are 16-byte vectors."""
-    if EVEN_N:
-        q = tl.load(qw_ptr + rows[:, None] * N8 + rj[None, :])
-    else:
-        q = tl.load(qw_ptr + rows[:, None] * N8 + rj[None, :], mask=j_ok[None, :], other=0)
-    xb = (tl.load(x_ptr + rows).to(tl.float32) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    xb = xb & 0xFFFF
-    return q, (xb | (xb << 16))[:, None]
-
-
-@triton.jit
-def _scaled(acc, f, s_row, j_ok, C: tl.constexpr, EVEN_N: tl.constexpr):
-    """acc [BKR, BN8] + f * 16 s of column 8j + C (f holds (q - z) x / 16; the sum over rows comes at the end)."""
-    if EVEN_N:
-        s = tl.load(s_row + C)
-    else:
-        s = tl.load(s_row + C, mask=j_ok, other=0.0)
-    return acc + f * (s.to(tl.float32) * 16.0)[None, :]
-
-
-@triton.jit
-def _f16x2_tile(c0, c1, c2, c3, c4, c5, c6, c7, x_ptr, qw_ptr, qz_ptr, s_ptr, k0, rj, j_ok, N, N8,
-                GROUP: tl.constexpr, BKR: tl.constexpr, R: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr):
-    """One K tile of R * BKR rows inside one group: all loads first (so they are in flight together), then rows
-    k0 + r BKR + i (r < R) of each [BKR, BN8] slice into f16x2 accumulators, then float32 with the group's scales."""
-    ri = k0 + tl.arange(0, BKR)
-    q0, x0 = _rows(qw_ptr, x_ptr, ri, rj, j_ok, N8, EVEN_N)
+def _load_weights(qw_ptr, qz_ptr, s_ptr, k0, rj, j_ok, N, N8, ok, GROUP: tl.constexpr, BKR: tl.constexpr,
+                  R: tl.constexpr, EVEN_N: tl.constexpr):  # fmt: skip
+    """One K tile's weight-side loads, all issued together: the packed weights of rows k0 + r BKR + i as R slices
+    [BKR, BN8] (a 16-tuple; slots r >= R repeat slice 0 and are never used), the group's zeros [BN8] and its 8
+    scale vectors [BN8] (column 8j + c in the c-th). `ok` (a [1] mask) masks the whole tile: the tile after a
+    program's last loads nothing. int32 offsets (the launcher checks K * N / 8 < 2**31)."""
+    p = qw_ptr + (k0 + tl.arange(0, BKR))[:, None] * N8 + rj[None, :]
+    m = ok if EVEN_N else j_ok[None, :] & ok  # EVEN_N: a scalar mask, so the loads stay 16-byte vectors
+    d = BKR * N8
+    q0 = tl.load(p, mask=m, other=0)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    q4 = q0
+    q5 = q0
+    q6 = q0
+    q7 = q0
+    q8 = q0
+    q9 = q0
+    q10 = q0
+    q11 = q0
+    q12 = q0
+    q13 = q0
+    q14 = q0
+    q15 = q0
     if R > 1:
-        q1, x1 = _rows(qw_ptr, x_ptr, ri + 1 * BKR, rj, j_ok, N8, EVEN_N)
+        q1 = tl.load(p + d, mask=m, other=0)
     if R > 2:
-        q2, x2 = _rows(qw_ptr, x_ptr, ri + 2 * BKR, rj, j_ok, N8, EVEN_N)
-        q3, x3 = _rows(qw_ptr, x_ptr, ri + 3 * BKR, rj, j_ok, N8, EVEN_N)
+        q2 = tl.load(p + 2 * d, mask=m, other=0)
+        q3 = tl.load(p + 3 * d, mask=m, other=0)
     if R > 4:
-        q4, x4 = _rows(qw_ptr, x_ptr, ri + 4 * BKR, rj, j_ok, N8, EVEN_N)
-        q5, x5 = _rows(qw_ptr, x_ptr, ri + 5 * BKR, rj, j_ok, N8, EVEN_N)
-        q6, x6 = _rows(qw_ptr, x_ptr, ri + 6 * BKR, rj, j_ok, N8, EVEN_N)
-        q7, x7 = _rows(qw_ptr, x_ptr, ri + 7 * BKR, rj, j_ok, N8, EVEN_N)
+        q4 = tl.load(p + 4 * d, mask=m, other=0)
+        q5 = tl.load(p + 5 * d, mask=m, other=0)
+        q6 = tl.load(p + 6 * d, mask=m, other=0)
+        q7 = tl.load(p + 7 * d, mask=m, other=0)
     if R > 8:
-        q8, x8 = _rows(qw_ptr, x_ptr, ri + 8 * BKR, rj, j_ok, N8, EVEN_N)
-        q9, x9 = _rows(qw_ptr, x_ptr, ri + 9 * BKR, rj, j_ok, N8, EVEN_N)
-        q10, x10 = _rows(qw_ptr, x_ptr, ri + 10 * BKR, rj, j_ok, N8, EVEN_N)
-        q11, x11 = _rows(qw_ptr, x_ptr, ri + 11 * BKR, rj, j_ok, N8, EVEN_N)
-        q12, x12 = _rows(qw_ptr, x_ptr, ri + 12 * BKR, rj, j_ok, N8, EVEN_N)
-        q13, x13 = _rows(qw_ptr, x_ptr, ri + 13 * BKR, rj, j_ok, N8, EVEN_N)
-        q14, x14 = _rows(qw_ptr, x_ptr, ri + 14 * BKR, rj, j_ok, N8, EVEN_N)
-        q15, x15 = _rows(qw_ptr, x_ptr, ri + 15 * BKR, rj, j_ok, N8, EVEN_N)
+        q8 = tl.load(p + 8 * d, mask=m, other=0)
+        q9 = tl.load(p + 9 * d, mask=m, other=0)
+        q10 = tl.load(p + 10 * d, mask=m, other=0)
+        q11 = tl.load(p + 11 * d, mask=m, other=0)
+        q12 = tl.load(p + 12 * d, mask=m, other=0)
+        q13 = tl.load(p + 13 * d, mask=m, other=0)
+        q14 = tl.load(p + 14 * d, mask=m, other=0)
+        q15 = tl.load(p + 15 * d, mask=m, other=0)
     g = k0 // GROUP
-    if EVEN_N:
-        qz = tl.load(qz_ptr + g * N8 + rj)
-    else:
-        qz = tl.load(qz_ptr + g * N8 + rj, mask=j_ok, other=0)
+    mj = ok if EVEN_N else j_ok & ok
+    qz = tl.load(qz_ptr + g * N8 + rj, mask=mj, other=0)
+    sp = s_ptr + g * N + rj * 8
+    s = (tl.load(sp, mask=mj, other=0.0), tl.load(sp + 1, mask=mj, other=0.0), tl.load(sp + 2, mask=mj, other=0.0),
+         tl.load(sp + 3, mask=mj, other=0.0), tl.load(sp + 4, mask=mj, other=0.0), tl.load(sp + 5, mask=mj, other=0.0),
+         tl.load(sp + 6, mask=mj, other=0.0), tl.load(sp + 7, mask=mj, other=0.0))  # fmt: skip
+    return (q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15), qz, s
+
+
+@triton.jit
+def _x_pair(x_ptr, rows, ok):
+    """x[rows] / 16 as an f16x2 (x/16, x/16) in an int32, [BKR, 1]."""
+    xb = (tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True)
+    xb = xb.to(tl.int32) & 0xFFFF
+    return (xb | (xb << 16))[:, None]
+
+
+@triton.jit
+def _load_x(x_ptr, k0, ok, BKR: tl.constexpr, R: tl.constexpr):
+    """The inputs of one K tile, slice by slice as _load_weights (a 16-tuple, slots r >= R repeat slice 0)."""
+    ri = k0 + tl.arange(0, BKR)
+    x0 = _x_pair(x_ptr, ri, ok)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    x4 = x0
+    x5 = x0
+    x6 = x0
+    x7 = x0
+    x8 = x0
+    x9 = x0
+    x10 = x0
+    x11 = x0
+    x12 = x0
+    x13 = x0
+    x14 = x0
+    x15 = x0
+    if R > 1:
+        x1 = _x_pair(x_ptr, ri + BKR, ok)
+    if R > 2:
+        x2 = _x_pair(x_ptr, ri + 2 * BKR, ok)
+        x3 = _x_pair(x_ptr, ri + 3 * BKR, ok)
+    if R > 4:
+        x4 = _x_pair(x_ptr, ri + 4 * BKR, ok)
+        x5 = _x_pair(x_ptr, ri + 5 * BKR, ok)
+        x6 = _x_pair(x_ptr, ri + 6 * BKR, ok)
+        x7 = _x_pair(x_ptr, ri + 7 * BKR, ok)
+    if R > 8:
+        x8 = _x_pair(x_ptr, ri + 8 * BKR, ok)
+        x9 = _x_pair(x_ptr, ri + 9 * BKR, ok)
+        x10 = _x_pair(x_ptr, ri + 10 * BKR, ok)
+        x11 = _x_pair(x_ptr, ri + 11 * BKR, ok)
+        x12 = _x_pair(x_ptr, ri + 12 * BKR, ok)
+        x13 = _x_pair(x_ptr, ri + 13 * BKR, ok)
+        x14 = _x_pair(x_ptr, ri + 14 * BKR, ok)
+        x15 = _x_pair(x_ptr, ri + 15 * BKR, ok)
+    return (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+
+
+@triton.jit
+def _f16x2_tile(c, w, x, R: tl.constexpr, ASM: tl.constexpr):
+    """c (8 float32 [BKR, BN8], column 8j + c in the c-th, element-wise) + one K tile: rows k0 + r BKR + i (r < R)
+    of each slice into f16x2 accumulators, then float32 times the group's scales * 16."""
+    q, qz, s = w
     z0, z1, z2, z3 = _zero_consts(qz, ASM)
     z0 = z0[None, :]
     z1 = z1[None, :]
     z2 = z2[None, :]
     z3 = z3[None, :]
-    a0, a1, a2, a3 = _step(q0, q0, q0, q0, q0, x0, z0, z1, z2, z3, True, ASM)
-    if R > 1:
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q1, x1, z0, z1, z2, z3, False, ASM)
-    if R > 2:
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q2, x2, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q3, x3, z0, z1, z2, z3, False, ASM)
-    if R > 4:
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q4, x4, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q5, x5, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q6, x6, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q7, x7, z0, z1, z2, z3, False, ASM)
-    if R > 8:
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q8, x8, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q9, x9, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q10, x10, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q11, x11, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q12, x12, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q13, x13, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q14, x14, z0, z1, z2, z3, False, ASM)
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q15, x15, z0, z1, z2, z3, False, ASM)
+    a0, a1, a2, a3 = _step(q[0], q[0], q[0], q[0], q[0], x[0], z0, z1, z2, z3, True, ASM)
+    for r in tl.static_range(1, R):
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, q[r], x[r], z0, z1, z2, z3, False, ASM)
     f0, f1, f2, f3, f4, f5, f6, f7 = _finish(a0, a1, a2, a3, ASM)
-    s_row = s_ptr + g * N + rj * 8
-    c0 = _scaled(c0, f0, s_row, j_ok, 0, EVEN_N)
-    c1 = _scaled(c1, f1, s_row, j_ok, 1, EVEN_N)
-    c2 = _scaled(c2, f2, s_row, j_ok, 2, EVEN_N)
-    c3 = _scaled(c3, f3, s_row, j_ok, 3, EVEN_N)
-    c4 = _scaled(c4, f4, s_row, j_ok, 4, EVEN_N)
-    c5 = _scaled(c5, f5, s_row, j_ok, 5, EVEN_N)
-    c6 = _scaled(c6, f6, s_row, j_ok, 6, EVEN_N)
-    c7 = _scaled(c7, f7, s_row, j_ok, 7, EVEN_N)
-    return c0, c1, c2, c3, c4, c5, c6, c7
+    return (c[0] + f0 * (s[0].to(tl.float32) * 16.0)[None, :], c[1] + f1 * (s[1].to(tl.float32) * 16.0)[None, :],
+            c[2] + f2 * (s[2].to(tl.float32) * 16.0)[None, :], c[3] + f3 * (s[3].to(tl.float32) * 16.0)[None, :],
+            c[4] + f4 * (s[4].to(tl.float32) * 16.0)[None, :], c[5] + f5 * (s[5].to(tl.float32) * 16.0)[None, :],
+            c[6] + f6 * (s[6].to(tl.float32) * 16.0)[None, :], c[7] + f7 * (s[7].to(tl.float32) * 16.0)[None, :])
 
 
 @triton.jit
 def _awq_gemv1_kernel(
-    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, N8, split_k,
-    GROUP: tl.constexpr, BLOCK_N8: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr, TILES: tl.constexpr,
+    x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, N8, split_k, tiles,
+    GROUP: tl.constexpr, BLOCK_N8: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """x [K] -> out [N]. Program (pid_n, pid_k): columns pid_n * 8 BLOCK_N8 ..., K tiles pid_k * TILES ... (each
-    tile BLOCK_K rows inside one group). SPLIT (split_k > 1): float32 partials [split_k, N] and the column block's
-    counter; the program that takes it to split_k - 1 sums the partials in a fixed order, writes out, and sets the
-    counter back to 0 for the next launch (or graph replay)."""
-    pdl.gdc_sync(USE_PDL)
+    """x [K] -> out [N]. Program (pid_n, pid_k): columns pid_n * 8 BLOCK_N8 ..., the `tiles` K tiles from
+    pid_k * tiles (each BLOCK_K rows inside one group), in a loop that is not unrolled: tile t + 1's loads are
+    issued before tile t's arithmetic (two tiles in registers; unrolled, the compiler hoisted every tile's loads
+    and spilled). The first tile's weights are loaded before waiting for the previous kernel (PDL): weights are
+    never written by the kernels before it. SPLIT (split_k > 1): float32 partials [split_k, N] and the column
+    block's counter; the program that takes it to split_k - 1 sums the partials in a fixed order, writes out, and
+    sets the counter back to 0 for the next launch (or graph replay)."""
     BKR: tl.constexpr = BLOCK_K // R
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rj = pid_n * BLOCK_N8 + tl.arange(0, BLOCK_N8)
     j_ok = rj < N8
-    c0 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)  # column 8j + c, element-wise: summed over rows at the end
-    c1 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
-    c2 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
-    c3 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
-    c4 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
-    c5 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
-    c6 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
-    c7 = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
-    for t in tl.static_range(TILES):
-        k0 = (pid_k * TILES + t) * BLOCK_K
-        c0, c1, c2, c3, c4, c5, c6, c7 = _f16x2_tile(
-            c0, c1, c2, c3, c4, c5, c6, c7, x_ptr, qw_ptr, qz_ptr, s_ptr, k0, rj, j_ok, N, N8, GROUP, BKR, R, EVEN_N,
-            ASM,
-        )  # fmt: skip
+    k_first = pid_k * tiles * BLOCK_K
+    one = tl.full([1], 1, tl.int1)  # tile masks as [1] tensors (the interpreter takes no Python bool as a mask)
+    w = _load_weights(qw_ptr, qz_ptr, s_ptr, k_first, rj, j_ok, N, N8, one, GROUP, BKR, R, EVEN_N)
+    pdl.gdc_sync(USE_PDL)  # x, the partials and the counters only from here on
+    x = _load_x(x_ptr, k_first, one, BKR, R)
+    zero = tl.zeros([BKR, BLOCK_N8], dtype=tl.float32)
+    c = (zero, zero, zero, zero, zero, zero, zero, zero)  # summed over rows at the end
+    for t in range(tiles):
+        k_next = k_first + (t + 1) * BLOCK_K
+        more = one & (t + 1 < tiles)
+        w_next = _load_weights(qw_ptr, qz_ptr, s_ptr, k_next, rj, j_ok, N, N8, more, GROUP, BKR, R, EVEN_N)
+        x_next = _load_x(x_ptr, k_next, more, BKR, R)
+        c = _f16x2_tile(c, w, x, R, ASM)
+        w = w_next
+        x = x_next
     # [BN8, 2, 2, 2] flattened: index 4a + 2b + c of join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), ...))
     # is column 8j + (4a + 2b + c)
     y = tl.join(
-        tl.join(tl.join(tl.sum(c0, 0), tl.sum(c4, 0)), tl.join(tl.sum(c2, 0), tl.sum(c6, 0))),
-        tl.join(tl.join(tl.sum(c1, 0), tl.sum(c5, 0)), tl.join(tl.sum(c3, 0), tl.sum(c7, 0))),
+        tl.join(tl.join(tl.sum(c[0], 0), tl.sum(c[4], 0)), tl.join(tl.sum(c[2], 0), tl.sum(c[6], 0))),
+        tl.join(tl.join(tl.sum(c[1], 0), tl.sum(c[5], 0)), tl.join(tl.sum(c[3], 0), tl.sum(c[7], 0))),
     )
     y = tl.reshape(y, [BLOCK_N8 * 8])
     rn = pid_n * BLOCK_N8 * 8 + tl.arange(0, BLOCK_N8 * 8)
@@ -509,8 +559,8 @@ def _awq_gemv1_kernel(
         cnt = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if cnt == split_k - 1:  # the last program of this column block
             y = tl.zeros([BLOCK_N8 * 8], dtype=tl.float32)
-            for c in tl.static_range(SPLIT_PAD // RED_CH):  # unrolled: all loads can be in flight
-                rs = c * RED_CH + tl.arange(0, RED_CH)
+            for ch in tl.static_range(SPLIT_PAD // RED_CH):  # unrolled: all loads can be in flight
+                rs = ch * RED_CH + tl.arange(0, RED_CH)
                 p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
                             other=0.0, cache_modifier=".cg")  # fmt: skip
                 y += tl.sum(p, 0)
@@ -546,13 +596,18 @@ def _check(x, qweight, qzeros, scales, group_size):
     assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
 
 
-def _gemv1_config(k: int, group_size: int, overrides: dict | None = None) -> dict:
+def _gemv1_config(k: int, n: int, group_size: int, overrides: dict | None = None) -> dict:
     """GEMV1_CONFIG (+ overrides) resolved for one shape: BLOCK_K inside a group, R rows per asm call at most
-    BLOCK_K, TILES K tiles per program where they divide K's tiles (else 1), and the SPLIT_K that follows."""
+    BLOCK_K, TILES K tiles per program where they divide K's tiles (else 1; TILES None: the most of 4, 2, 1 that
+    leaves GEMV1_MIN_PROGRAMS programs), and the SPLIT_K that follows."""
     cfg = {**GEMV1_CONFIG, **(overrides or {})}
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], group_size)
     cfg["R"] = min(cfg["R"], cfg["BLOCK_K"])
     k_tiles = k // cfg["BLOCK_K"]
+    if cfg["TILES"] is None:
+        n_blocks = -(-n // cfg["BLOCK_N"])
+        fits = [t for t in (4, 2) if k_tiles % t == 0 and n_blocks * k_tiles // t >= GEMV1_MIN_PROGRAMS]
+        cfg["TILES"] = fits[0] if fits else 1
     if k_tiles % cfg["TILES"]:
         cfg["TILES"] = 1
     cfg["SPLIT_K"] = k_tiles // cfg["TILES"]
@@ -565,7 +620,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, device_index: int | Non
     _gemv1_config). Otherwise (M > 1, or float32 activations, which f16 arithmetic would round): the tl.dot
     kernel, BLOCK_N / BLOCK_K / SPLIT_K / warps / stages, K split until there are two programs per SM."""
     if m == 1 and dtype in F16X2_DTYPES:
-        return _gemv1_config(k, group_size)
+        return _gemv1_config(k, n, group_size)
     cfg = dict(BLOCK_N=128 if n >= 2048 else 64, BLOCK_K=min(64, group_size), num_warps=4, num_stages=3)
     tiles_n = triton.cdiv(n, cfg["BLOCK_N"])
     num_tiles_k = k // cfg["BLOCK_K"]
@@ -600,7 +655,7 @@ def _shared_counters(n: int, device: torch.device) -> torch.Tensor:
 def _awq_gemv1(x, qweight, qzeros, scales, group_size: int, bias, config: dict | None, counters) -> torch.Tensor:
     k, n8 = qweight.shape
     n = n8 * 8
-    cfg = _gemv1_config(k, group_size, config)
+    cfg = _gemv1_config(k, n, group_size, config)
     block_n, block_k, r, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["R"], cfg["SPLIT_K"]
     assert group_size % block_k == 0 and block_k % r == 0 and r in (1, 2, 4, 8, 16) and block_n % 8 == 0
     assert k * n8 < 2**31, "int32 offsets"
@@ -611,10 +666,11 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size: int, bias, config: dict |
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     partials = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     split_pad = triton.next_power_of_2(split_k)
+    red_ch = max(1, min(split_pad, 1024 * cfg["num_warps"] // block_n))  # <= 32 partials per thread at a time
     _awq_gemv1_kernel[(n_blocks, split_k)](
         x, qweight, qzeros, scales, bias if bias is not None else scales, out, partials, counters, n, n8, split_k,
-        GROUP=group_size, BLOCK_N8=block_n // 8, BLOCK_K=block_k, R=r, TILES=cfg["TILES"], SPLIT=split_k > 1,
-        SPLIT_PAD=split_pad, RED_CH=max(1, min(split_pad, 4096 // block_n)), EVEN_N=n % block_n == 0,
+        cfg["TILES"], GROUP=group_size, BLOCK_N8=block_n // 8, BLOCK_K=block_k, R=r, SPLIT=split_k > 1,
+        SPLIT_PAD=split_pad, RED_CH=red_ch, EVEN_N=n % block_n == 0,
         HAS_BIAS=bias is not None, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl.launch_kwargs(),
     )  # fmt: skip

@@ -53,7 +53,8 @@ def test_gemv_matches_reference(case, dtype, split_k):
 # M = 1, f16x2 kernel: (K, N, group, config overrides, bias) -> K splits of 1 (no counters), 2, 3, 4 and 16; N a
 # multiple of BLOCK_N (unmasked loads) or not; R = 4, 8, 16 rows per asm call (R = 16 on BLOCK_K = 32: 2 per slice)
 GEMV1_CASES = [
-    (256, 72, 32, {}, True),  # BLOCK_K 32, TILES 2: split 4; partial column block
+    (256, 72, 32, {}, True),  # BLOCK_K 32, TILES auto (1: one column block): split 8; partial column block
+    (256, 72, 32, {"TILES": 2, "BLOCK_N": 64}, False),  # split 4, two tiles per program
     (192, 200, 64, {"TILES": 1}, False),  # split 3
     (384, 1032, 128, {"BLOCK_N": 128, "TILES": 3}, True),  # split 1: written directly
     (512, 256, 128, {"R": 8}, True),  # split 2, full column blocks
@@ -76,6 +77,13 @@ def test_gemv1_f16x2_matches_reference(case, dtype):
     assert out.dtype == dtype and out.shape == (1, n)
     assert rel_err(out, ref) < REL_TOL[dtype]
     assert not counters.any()  # every column block's last program reset its counter
+
+
+def test_gemv1_tiles_per_program():
+    """TILES auto: 4 or 2 K tiles per program where that leaves GEMV1_MIN_PROGRAMS programs, else 1."""
+    cfg = {shape: awq.gemv_config(1, shape[1], shape[0], 128) for shape in ((4096, 4096), (4096, 14336), (14336, 4096),
+                                                                              (256, 72))}  # fmt: skip
+    assert [(c["TILES"], c["SPLIT_K"]) for c in cfg.values()] == [(2, 16), (4, 8), (4, 28), (1, 2)]
 
 
 def test_gemv1_counters_reset_across_calls():
