@@ -45,6 +45,12 @@ every program waits for the previous kernel (gdc_sync) before it touches x, the 
 tile's weights, zeros and scales are loaded before that wait (nothing in a decode step writes them), so with PDL
 their DRAM latency overlaps the previous kernel's tail.
 
+M = 1 over a repacked copy (awq_repack, built once at load time; AWQLinear keeps it next to the AutoAWQ tensors,
+which the other kernels read): the same arithmetic and reduction over a layout where each warp load is 512
+contiguous bytes, a program's tiles are one contiguous chunk, zero points (already in the asm's form) and scales sit
+beside the weights (16-byte loads) and inputs come as row pairs; 9-13 % faster on an H200 (docs/benchmarks.md,
+session 10). Group size 128 and outputs a multiple of 128 only; other layers keep awq_gemv's kernel.
+
 M = 1, memory-level parallelism (H200, docs/benchmarks.md session 9). A load-only kernel reaches ~3.2 TB/s in CUDA
 graphs (9.0 us for 4096x14336's 29 MB of packed weights) with one-warp programs reading rows of 64 bytes, and
 flat streaming, cp.async (num_stages) and TMA descriptor loads were no faster; programs of 4-8 warps were much
@@ -73,6 +79,7 @@ and scales.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -80,6 +87,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import pdl
+from kernels.awq_reference import unpack_int4
 
 GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
 # Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
@@ -508,6 +516,45 @@ def _f16x2_tile(c, w, x, R: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, BLOCK_N8: tl.constexpr,
+                    SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr, EVEN_N: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The M = 1 kernels' end: c (8 float32 [rows, BLOCK_N8], column 8j + c in the c-th) summed over rows -> out,
+    directly (+ bias) or through the float32 partials and the column block's counter (SPLIT)."""
+    # [BN8, 2, 2, 2] flattened: index 4a + 2b + c of join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), ...))
+    # is column 8j + (4a + 2b + c)
+    y = tl.join(
+        tl.join(tl.join(tl.sum(c[0], 0), tl.sum(c[4], 0)), tl.join(tl.sum(c[2], 0), tl.sum(c[6], 0))),
+        tl.join(tl.join(tl.sum(c[1], 0), tl.sum(c[5], 0)), tl.join(tl.sum(c[3], 0), tl.sum(c[7], 0))),
+    )
+    y = tl.reshape(y, [BLOCK_N8 * 8])
+    rn = pid_n * BLOCK_N8 * 8 + tl.arange(0, BLOCK_N8 * 8)
+    if EVEN_N:  # a constant mask, folded away
+        n_ok = tl.full([BLOCK_N8 * 8], 1, tl.int1)
+    else:
+        n_ok = rn < N
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + rn, y, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is stored before the (one-thread) release below
+        cnt = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if cnt == split_k - 1:  # the last program of this column block
+            y = tl.zeros([BLOCK_N8 * 8], dtype=tl.float32)
+            for ch in tl.static_range(SPLIT_PAD // RED_CH):  # unrolled: all loads can be in flight
+                rs = ch * RED_CH + tl.arange(0, RED_CH)
+                p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
+                            other=0.0, cache_modifier=".cg")  # fmt: skip
+                y += tl.sum(p, 0)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(cnt_ptr + pid_n, 0)  # ready for the next launch
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _awq_gemv1_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, N8, split_k, tiles,
     GROUP: tl.constexpr, BLOCK_N8: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
@@ -541,38 +588,226 @@ def _awq_gemv1_kernel(
         c = _f16x2_tile(c, w, x, R, ASM)
         w = w_next
         x = x_next
-    # [BN8, 2, 2, 2] flattened: index 4a + 2b + c of join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), ...))
-    # is column 8j + (4a + 2b + c)
-    y = tl.join(
-        tl.join(tl.join(tl.sum(c[0], 0), tl.sum(c[4], 0)), tl.join(tl.sum(c[2], 0), tl.sum(c[6], 0))),
-        tl.join(tl.join(tl.sum(c[1], 0), tl.sum(c[5], 0)), tl.join(tl.sum(c[3], 0), tl.sum(c[7], 0))),
-    )
-    y = tl.reshape(y, [BLOCK_N8 * 8])
-    rn = pid_n * BLOCK_N8 * 8 + tl.arange(0, BLOCK_N8 * 8)
-    if EVEN_N:  # a constant mask, folded away
-        n_ok = tl.full([BLOCK_N8 * 8], 1, tl.int1)
-    else:
-        n_ok = rn < N
-    if SPLIT:
-        tl.store(part_ptr + pid_k * N + rn, y, mask=n_ok)
-        tl.debug_barrier()  # every thread's partial is stored before the (one-thread) release below
-        cnt = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if cnt == split_k - 1:  # the last program of this column block
-            y = tl.zeros([BLOCK_N8 * 8], dtype=tl.float32)
-            for ch in tl.static_range(SPLIT_PAD // RED_CH):  # unrolled: all loads can be in flight
-                rs = ch * RED_CH + tl.arange(0, RED_CH)
-                p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
-                            other=0.0, cache_modifier=".cg")  # fmt: skip
-                y += tl.sum(p, 0)
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
-            tl.store(cnt_ptr + pid_n, 0)  # ready for the next launch
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, BLOCK_N8, SPLIT, SPLIT_PAD,
+                    RED_CH, EVEN_N, HAS_BIAS)  # fmt: skip
 
+# -- M = 1 over a repacked copy of the weights (awq_repack) ------------------------------------------------------
+# The same f16x2 arithmetic and fused split-K reduction as _awq_gemv1_kernel, over a layout built once at load time
+# (docs/benchmarks.md session 10: 9-13 % faster on an H200 at the three Llama-3-8B shapes, with PDL):
+#
+#   wq    int32 [N/128, K/128, 16, 8, 16]: column block b (128 columns), K tile t (128 rows = one group), slice r,
+#         row group i, column group j  <-  qweight[128 t + 16 i + r, 16 b + j]
+#   meta  int32 [N/128, K/128, 8, 16]: per tile and column group, words 0-3 the zero points as _ZEROS_ASM makes
+#         them (f16x2 1024 + z for column pairs 0, 2; -(64 + z) for pairs 1, 3), words 4-7 the scales * 16 as
+#         f16x2 pairs (columns 2p, 2p + 1)
+#
+# A slice [8, 16] is 512 contiguous bytes (one 16-byte load per lane of a warp) and a program's tiles one contiguous
+# chunk; a lane's 16 rows of a tile are consecutive, so its inputs come as 8 bf16 / fp16 pairs (one 4-byte load
+# each), and zero points and scales as 8 16-byte loads per tile instead of 8 scalar 2-byte scale loads and a zero
+# point decode.
+REPACK_BLOCK_N8 = 16  # column groups (of 8) per program
+REPACK_GROUP = 128  # the layout's K tile: one group
+
+# (x/16, x/16) as f16x2 for the two rows of a bf16x2 ($2) -> $0 (low row), $1 (high row)
+_XPAIR_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 l, h;
+shl.b32 l, $2, 16;
+and.b32 h, $2, 0xFFFF0000;
+mul.f32 l, l, 0f3D800000;
+mul.f32 h, h, 0f3D800000;
+cvt.rn.f16x2.f32 $0, l, l;
+cvt.rn.f16x2.f32 $1, h, h;
+}
+""")
+# the same for an f16x2 ($2): 0x2C00 = 1/16
+_XPAIR_F16_ASM = tl.constexpr("""
+{
+.reg .b16 l, h;
+.reg .b32 a, b, c;
+mov.b32 c, 0x2C002C00;
+mov.b32 {l, h}, $2;
+mov.b32 a, {l, l};
+mov.b32 b, {h, h};
+mul.rn.f16x2 $0, a, c;
+mul.rn.f16x2 $1, b, c;
+}
+""")
+# c0..c7 ($8..$15, float32 bits) + float32(a_p) * float32(s_p) for the four f16x2 accumulators a ($16..$19) and
+# scale pairs s ($20..$23): column 2p from the low halves, 2p + 1 from the high ones (outputs written last)
+_SCALE_ACC_ASM = tl.constexpr("""
+{
+.reg .b16 al, ah, sl, sh;
+.reg .f32 fa, fs, o0, o1, o2, o3, o4, o5, o6, o7;
+""" + "".join(f"""mov.b32 {{al, ah}}, ${16 + p};
+mov.b32 {{sl, sh}}, ${20 + p};
+cvt.f32.f16 fa, al;
+cvt.f32.f16 fs, sl;
+fma.rn.f32 o{2 * p}, fa, fs, ${8 + 2 * p};
+cvt.f32.f16 fa, ah;
+cvt.f32.f16 fs, sh;
+fma.rn.f32 o{2 * p + 1}, fa, fs, ${9 + 2 * p};
+""" for p in range(4)) + "".join(f"mov.b32 ${c}, o{c};\n" for c in range(8)) + "}\n")
+
+
+@triton.jit
+def _f16_bits(v):
+    """The f16 in the low 16 bits of an int32, as float32."""
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_pack(v):
+    """float32 -> its f16 bits in the low 16 bits of an int32."""
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _x_pairs(v, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """Two rows of x (a bf16x2 / f16x2 in an int32) -> ((x0/16, x0/16), (x1/16, x1/16)) as f16x2."""
+    if ASM:
+        if X_BF16:
+            return tl.inline_asm_elementwise(_XPAIR_BF16_ASM, "=r,=r,r", [v], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)  # fmt: skip
+        else:
+            return tl.inline_asm_elementwise(_XPAIR_F16_ASM, "=r,=r,r", [v], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)  # fmt: skip
+    else:
+        if X_BF16:
+            lo = (v << 16).to(tl.float32, bitcast=True)
+            hi = (v & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = _f16_bits(v)
+            hi = _f16_bits(v >> 16)
+        lo = _f16_pack(lo * 0.0625)
+        hi = _f16_pack(hi * 0.0625)
+        return lo | (lo << 16), hi | (hi << 16)
+
+
+@triton.jit
+def _twin_half_zc(a, q, x, zc, P: tl.constexpr, SH: tl.constexpr, FIRST: tl.constexpr):
+    """_STEP_ASM for one half (SH 0 / 16) of pair P with the zero-point words of the repacked meta (f16 bits)."""
+    qn = ((q >> (4 * P + SH)) & 15).to(tl.float32)
+    if P % 2 == 0:
+        w = (1024.0 + qn) - _f16_bits(zc >> SH)  # (1024 + q) - (1024 + z)
+    else:
+        w = (64.0 + qn) + _f16_bits(zc >> SH)  # (1024 + 16 q) / 16 - (64 + z)
+    r = _f16_bits(x) * w
+    if not FIRST:
+        r += _f16_bits(a >> SH)
+    return _f16_pack(r)
+
+
+@triton.jit
+def _step_zc(a0, a1, a2, a3, q, x, z0, z1, z2, z3, FIRST: tl.constexpr, ASM: tl.constexpr):
+    """_step with zero points already in _ZEROS_ASM's form (the repacked meta); the twins decode those."""
+    if ASM:
+        return _step(a0, a1, a2, a3, q, x, z0, z1, z2, z3, FIRST, True)
+    else:
+        return (_twin_half_zc(a0, q, x, z0, 0, 0, FIRST) | (_twin_half_zc(a0, q, x, z0, 0, 16, FIRST) << 16),
+                _twin_half_zc(a1, q, x, z1, 1, 0, FIRST) | (_twin_half_zc(a1, q, x, z1, 1, 16, FIRST) << 16),
+                _twin_half_zc(a2, q, x, z2, 2, 0, FIRST) | (_twin_half_zc(a2, q, x, z2, 2, 16, FIRST) << 16),
+                _twin_half_zc(a3, q, x, z3, 3, 0, FIRST) | (_twin_half_zc(a3, q, x, z3, 3, 16, FIRST) << 16))
+
+
+@triton.jit
+def _scale_acc(c, a0, a1, a2, a3, s, ASM: tl.constexpr):
+    """c (8 float32, column 8j + c in the c-th) + the four f16x2 accumulators times the f16x2 scale pairs s."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _SCALE_ACC_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [c[0].to(tl.int32, bitcast=True), c[1].to(tl.int32, bitcast=True), c[2].to(tl.int32, bitcast=True),
+             c[3].to(tl.int32, bitcast=True), c[4].to(tl.int32, bitcast=True), c[5].to(tl.int32, bitcast=True),
+             c[6].to(tl.int32, bitcast=True), c[7].to(tl.int32, bitcast=True), a0, a1, a2, a3, s[0], s[1], s[2],
+             s[3]],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return (c[0] + _f16_bits(a0) * _f16_bits(s[0]), c[1] + _f16_bits(a0 >> 16) * _f16_bits(s[0] >> 16),
+                c[2] + _f16_bits(a1) * _f16_bits(s[1]), c[3] + _f16_bits(a1 >> 16) * _f16_bits(s[1] >> 16),
+                c[4] + _f16_bits(a2) * _f16_bits(s[2]), c[5] + _f16_bits(a2 >> 16) * _f16_bits(s[2] >> 16),
+                c[6] + _f16_bits(a3) * _f16_bits(s[3]), c[7] + _f16_bits(a3 >> 16) * _f16_bits(s[3] >> 16))
+
+
+@triton.jit
+def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
+    """One tile's weight-side loads: 16 slices [8, 16] and the 8 meta words [1, 16]. `ok` (a [1] mask) masks the
+    whole tile; masked-off lanes are left undefined (the tile after a program's last is never used)."""
+    p = w_ptr + woff
+    q = (tl.load(p, mask=ok), tl.load(p + 128, mask=ok), tl.load(p + 256, mask=ok), tl.load(p + 384, mask=ok),
+         tl.load(p + 512, mask=ok), tl.load(p + 640, mask=ok), tl.load(p + 768, mask=ok), tl.load(p + 896, mask=ok),
+         tl.load(p + 1024, mask=ok), tl.load(p + 1152, mask=ok), tl.load(p + 1280, mask=ok),
+         tl.load(p + 1408, mask=ok), tl.load(p + 1536, mask=ok), tl.load(p + 1664, mask=ok),
+         tl.load(p + 1792, mask=ok), tl.load(p + 1920, mask=ok))  # fmt: skip
+    m = m_ptr + moff
+    z = (tl.load(m, mask=ok), tl.load(m + 16, mask=ok), tl.load(m + 32, mask=ok), tl.load(m + 48, mask=ok))
+    s = (tl.load(m + 64, mask=ok), tl.load(m + 80, mask=ok), tl.load(m + 96, mask=ok), tl.load(m + 112, mask=ok))
+    return q, z, s
+
+
+@triton.jit
+def _load_x_pairs(x_ptr, xoff, ok):
+    """One tile's inputs: 8 row pairs [8, 1] (rows 16 i + 2p, + 1 as one int32)."""
+    p = x_ptr + xoff
+    return (tl.load(p, mask=ok), tl.load(p + 1, mask=ok), tl.load(p + 2, mask=ok), tl.load(p + 3, mask=ok),
+            tl.load(p + 4, mask=ok), tl.load(p + 5, mask=ok), tl.load(p + 6, mask=ok), tl.load(p + 7, mask=ok))
+
+
+@triton.jit
+def _repacked_tile(c, w, xp, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    q, z, s = w
+    x0, x1 = _x_pairs(xp[0], X_BF16, ASM)
+    x2, x3 = _x_pairs(xp[1], X_BF16, ASM)
+    x4, x5 = _x_pairs(xp[2], X_BF16, ASM)
+    x6, x7 = _x_pairs(xp[3], X_BF16, ASM)
+    x8, x9 = _x_pairs(xp[4], X_BF16, ASM)
+    x10, x11 = _x_pairs(xp[5], X_BF16, ASM)
+    x12, x13 = _x_pairs(xp[6], X_BF16, ASM)
+    x14, x15 = _x_pairs(xp[7], X_BF16, ASM)
+    x = (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    a0, a1, a2, a3 = _step_zc(q[0], q[0], q[0], q[0], q[0], x[0], z[0], z[1], z[2], z[3], True, ASM)
+    for r in tl.static_range(1, 16):
+        a0, a1, a2, a3 = _step_zc(a0, a1, a2, a3, q[r], x[r], z[0], z[1], z[2], z[3], False, ASM)
+    return _scale_acc(c, a0, a1, a2, a3, s, ASM)
+
+
+@triton.jit
+def _awq_gemv1_repacked_kernel(
+    x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, KT, split_k, tiles,
+    SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
+    ASM: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """x [K] (row pairs as int32s) -> out [N] over awq_repack's layout. Program (pid_n, pid_k): column block pid_n,
+    the `tiles` K tiles from pid_k * tiles, one warp, in a runtime loop with tile t + 1's loads issued before tile
+    t's arithmetic; the first tile's weights before the PDL wait. Split K as _awq_gemv1_kernel (float32 partials,
+    counter, the last program sums them in a fixed order and resets the counter)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t0 = pid_k * tiles
+    iv = tl.arange(0, 8)[:, None]
+    jv = tl.arange(0, 16)[None, :]
+    w_ptr = wq_ptr + (pid_n * KT + t0) * 2048
+    m_ptr = meta_ptr + (pid_n * KT + t0) * 128
+    x_ptr = x_ptr + t0 * 64
+    woff = iv * 16 + jv  # [8, 16]
+    moff = jv  # [1, 16]
+    xoff = iv * 8  # [8, 1]
+    one = tl.full([1], 1, tl.int1)  # tile masks as [1] tensors (the interpreter takes no Python bool as a mask)
+    w = _load_repacked(w_ptr, m_ptr, woff, moff, one)
+    pdl.gdc_sync(USE_PDL)  # x, the partials and the counters only from here on
+    xp = _load_x_pairs(x_ptr, xoff, one)
+    zero = tl.zeros([8, 16], dtype=tl.float32)
+    c = (zero, zero, zero, zero, zero, zero, zero, zero)  # summed over rows at the end
+    for t in range(tiles):
+        more = one & (t + 1 < tiles)
+        w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
+        xp_next = _load_x_pairs(x_ptr + (t + 1) * 64, xoff, more)
+        c = _repacked_tile(c, w, xp, X_BF16, ASM)
+        w = w_next
+        xp = xp_next
+    _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, 16, SPLIT, SPLIT_PAD, 8, True,
+                    HAS_BIAS)  # fmt: skip
 
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
 _INTERPRETED = isinstance(_awq_gemv1_kernel, InterpretedFunction)
@@ -720,9 +955,67 @@ def awq_dequantize(qweight, qzeros, scales, group_size: int, dtype: torch.dtype,
     return out
 
 
-def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=None) -> torch.Tensor:
-    """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's."""
+class RepackedAWQ(NamedTuple):
+    """awq_repack's copy of one layer's weights (layout above _awq_gemv1_repacked_kernel)."""
+
+    wq: torch.Tensor  # int32 [N/128 * K/128 * 2048]
+    meta: torch.Tensor  # int32 [N/128 * K/128 * 128]
+    in_features: int
+    out_features: int
+
+
+def awq_repack(qweight, qzeros, scales, group_size: int) -> RepackedAWQ | None:
+    """AutoAWQ gemm tensors -> the M = 1 kernel's layout (once, at load time); None where it does not apply (group
+    size other than 128, output size not a multiple of 128: those keep awq_gemv's kernel)."""
+    k, n8 = qweight.shape
+    assert qzeros.shape == (k // group_size, n8) and scales.shape == (k // group_size, n8 * 8)
+    if group_size != REPACK_GROUP or n8 % REPACK_BLOCK_N8 or k * n8 >= 2**31:
+        return None
+    if scales.abs().max().item() * 16 >= 65504:  # the scales * 16 are stored as fp16
+        return None
+    kt, nb = k // REPACK_GROUP, n8 // REPACK_BLOCK_N8
+    wq = qweight.view(kt, 8, 16, nb, REPACK_BLOCK_N8).permute(3, 0, 2, 1, 4).contiguous().view(-1)
+    z = unpack_int4(qzeros).float().view(kt, n8, 8)  # natural column order
+    odd_pair = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1], dtype=torch.bool, device=z.device)
+    words = torch.cat([torch.where(odd_pair, -(64.0 + z), 1024.0 + z), scales.float().view(kt, n8, 8) * 16.0], -1)
+    h = words.half().view(torch.int16).to(torch.int32) & 0xFFFF  # [kt, n8, 16] f16 bits
+    meta = h[..., 0::2] | (h[..., 1::2] << 16)  # [kt, n8, 8]: word w = (value 2w, value 2w + 1)
+    meta = meta.view(kt, nb, REPACK_BLOCK_N8, 8).permute(1, 0, 3, 2).contiguous().view(-1)
+    return RepackedAWQ(wq, meta, k, n8 * 8)
+
+
+def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None) -> torch.Tensor:
+    """x [1, in] (fp16 / bf16) -> [1, out] over awq_repack's copy. `tiles`: K tiles per program (default: as
+    _gemv1_config's TILES None); `counters`: gemv_counters (default one set shared per (device, out))."""
+    k, n = packed.in_features, packed.out_features
+    assert x.shape == (1, k) and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
+    kt, nb = k // REPACK_GROUP, n // (8 * REPACK_BLOCK_N8)
+    if tiles is None:
+        fits = [t for t in (4, 2) if kt % t == 0 and nb * kt // t >= GEMV1_MIN_PROGRAMS]
+        tiles = fits[0] if fits else 1
+    assert kt % tiles == 0
+    split_k = kt // tiles
+    if counters is None:
+        counters = _shared_counters(n, x.device)
+    assert counters.dtype == torch.int32 and counters.numel() >= nb
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    _awq_gemv1_repacked_kernel[(nb, split_k)](
+        x.view(torch.int32), packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, n,
+        kt, split_k, tiles, SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
+        HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
+        num_warps=1, num_stages=1, **pdl.launch_kwargs(),
+    )  # fmt: skip
+    return out
+
+
+def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=None,
+               packed: RepackedAWQ | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's; `packed`
+    (awq_repack's copy of the same weights): M = 1 in fp16 / bf16 runs over it."""
     m = x.shape[0]
+    if m == 1 and packed is not None and x.dtype in F16X2_DTYPES:
+        return awq_gemv_repacked(x, packed, bias, counters)
     if m <= GEMV_MAX_M:
         return awq_gemv(x, qweight, qzeros, scales, group_size, bias, counters=counters)
     w = awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)

@@ -27,7 +27,9 @@ class AWQLinear(nn.Module):
     """y = x @ ((q - z) * s) + bias, from AutoAWQ gemm tensors.
 
     CUDA: the Triton kernels of kernels/awq.py, with this layer's own counters for the M = 1 kernel's fused split-K
-    reduction (allocated on the first call, which is a warm-up outside CUDA graph capture). CPU: the pure-torch
+    reduction and a copy of the weights repacked for that kernel (kernels.awq.awq_repack; the other kernels read
+    the AutoAWQ tensors), both made on the first call (the engine's memory-profiling step, so the KV cache is sized
+    with the copy counted; outside CUDA graph capture). CPU: the pure-torch
     reference (dequantise, then matmul) on every call; after `prepack()` (which optimize_for_cpu calls) a
     dequantised oneDNN-prepacked copy instead: aserve has no CPU int4 kernel, and dequantising ~100M weights per
     step would cost more than the matmuls."""
@@ -54,12 +56,15 @@ class AWQLinear(nn.Module):
         self.__dict__["dense"] = None
         # Triton: kernels.awq.gemv_counters on the weights' device (out of the module tree too: state, not weights)
         self.__dict__["gemv_counters"] = None
+        # Triton: kernels.awq.awq_repack's copy for M = 1 (False: the layout does not apply to this layer)
+        self.__dict__["repacked"] = None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
 
     def load_output_slice(self, param: nn.Parameter, start: int, size: int, tensor: torch.Tensor) -> None:
         """Copies one part of a fused layer (output features [start, start + size)) into `param`."""
+        self.__dict__["repacked"] = None  # made again from the new weights on the next call
         if param.dim() == 1:  # bias
             param.data[start : start + size].copy_(tensor)
             return
@@ -89,12 +94,19 @@ class AWQLinear(nn.Module):
         if self.dense is not None and self.dense.weight.dtype == x.dtype:
             return self.dense(x)
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            from kernels.awq import awq_linear, gemv_counters
+            from kernels.awq import awq_linear, awq_repack, gemv_counters
 
             counters = self.gemv_counters
             if counters is None or counters.device != x.device:
                 counters = self.__dict__["gemv_counters"] = gemv_counters(self.out_features, x.device)
-            return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, counters)
+            packed = self.repacked
+            if packed is None or (packed is not False and packed.wq.device != x.device):
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("AWQLinear: run it once before CUDA graph capture (a warm-up)")
+                packed = awq_repack(self.qweight, self.qzeros, self.scales, self.group_size)
+                self.__dict__["repacked"] = packed = packed if packed is not None else False
+            return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, counters,
+                              packed or None)  # fmt: skip
         return awq_matmul(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
 
 

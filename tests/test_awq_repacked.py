@@ -1,0 +1,84 @@
+"""The M = 1 AWQ GEMV over awq_repack's layout (kernels/awq.py) against the pure-torch reference: the layout itself
+in torch, the kernel through Triton's interpreter on CPU at small shapes (the asm helpers' tl twins), on a GPU the
+same with the asm; and AWQLinear's use of the repacked copy."""
+
+import pytest
+import torch
+from test_awq_kernels import DEVICE, random_awq, rel_err
+
+from kernels import awq
+from kernels.awq_reference import awq_matmul, unpack_int4
+
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def f16_halves(words: torch.Tensor) -> torch.Tensor:
+    """int32 [...] of f16x2 -> float32 [..., 2] (low half, high half)."""
+    h = torch.stack([words & 0xFFFF, (words >> 16) & 0xFFFF], -1).to(torch.int16)
+    return h.view(torch.float16).float()
+
+
+def test_repack_layout():
+    """wq[b, t, r, i, j] = qweight[128 t + 16 i + r, 16 b + j]; meta words 0-3 decode to the zero points, 4-7 to the
+    scales * 16, column pair by column pair."""
+    k, n = 256, 256
+    qweight, qzeros, scales, _ = random_awq(k, n, 128, seed=5)
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    kt, nb = k // 128, n // 128
+    wq = packed.wq.view(nb, kt, 16, 8, 16)
+    for b, t, r, i, j in ((0, 0, 0, 0, 0), (1, 1, 15, 7, 15), (1, 0, 3, 5, 9), (0, 1, 9, 2, 4)):
+        assert wq[b, t, r, i, j] == qweight[128 * t + 16 * i + r, 16 * b + j]
+    meta = packed.meta.view(nb, kt, 8, 16).permute(1, 0, 3, 2).reshape(kt, n // 8, 8)  # [group, column group, word]
+    zc = f16_halves(meta[..., :4]).reshape(kt, n)  # column 8j + 2p + h
+    z = unpack_int4(qzeros).float()
+    odd_pair = (torch.arange(n, device=z.device) % 8 // 2) % 2 == 1
+    assert torch.equal(zc, torch.where(odd_pair, -(64 + z), 1024 + z))
+    assert torch.equal(f16_halves(meta[..., 4:]).reshape(kt, n), scales.float() * 16)
+
+
+def test_repack_applies_to_group_128_and_whole_column_blocks_only():
+    assert awq.awq_repack(*random_awq(256, 256, 64, seed=1)[:3], 64) is None
+    assert awq.awq_repack(*random_awq(256, 136, 128, seed=1)[:3], 128) is None
+    assert awq.awq_repack(*random_awq(256, 128, 128, seed=1)[:3], 128) is not None
+
+
+# (K, N, tiles per program, bias): K splits of 1 (written directly), 2, 4 and 8; 1-3 column blocks
+CASES = [(128, 128, None, True), (512, 256, 1, False), (512, 384, 2, True), (1024, 128, None, False)]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_repacked_gemv_matches_reference(case, dtype):
+    k, n, tiles, with_bias = case
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + n)
+    bias = bias.to(dtype) if with_bias else None
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    counters = awq.gemv_counters(n, DEVICE)
+    for seed in (1, 2):  # twice: the counters are back at zero for the next launch
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+        out = awq.awq_gemv_repacked(x, packed, bias, counters, tiles)
+        ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, None if bias is None else bias.float())
+        assert out.dtype == dtype and out.shape == (1, n)
+        assert rel_err(out, ref) < REL_TOL[dtype]
+        assert not counters.any()
+
+
+def test_awq_linear_keeps_a_repacked_copy():
+    """M = 1 runs over the copy made on the first call; loading weights drops it (made again from the new ones);
+    a layer the layout does not fit (group 64) keeps the AutoAWQ kernel."""
+    from aserve.quantization.awq_linear import AWQLinear
+
+    for k, n, g in ((256, 128, 128), (256, 128, 64)):
+        layer = AWQLinear(k, n, bias=True, group_size=g).to(DEVICE)
+        layer.backend = "triton"
+        for seed in (3, 4):
+            qweight, qzeros, scales, bias = random_awq(k, n, g, seed=seed)
+            for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+                layer.load_output_slice(getattr(layer, name), 0, n, t)
+            layer.load_output_slice(layer.bias, 0, n, bias)
+            assert layer.repacked is None
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, torch.float16)
+            ref = awq_matmul(x.float(), qweight, qzeros, scales, g, bias.float())
+            assert rel_err(layer(x), ref) < REL_TOL[torch.float16]
+            assert (layer.repacked is False) == (g != 128)
