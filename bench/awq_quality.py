@@ -3,6 +3,7 @@ round-to-nearest, AWQ, GPTQ, AWQ + GPTQ, per group size) on held-out text, plus 
 
     python bench/awq_quality.py [--groups 64,32] [--methods rtn,awq,gptq,awq-gptq] [--window 512] [--max-windows N]
                                 [--num-samples 16] [--sequential] [--no-act-order] [--out DIR]
+                                [--tune-steps N [--tune-lr 1e-3] [--tune-codes-lr LR]]
 
 Held-out text: aserve/quantization/data/heldout.txt (Alice's Adventures in Wonderland); the quantiser calibrates
 on calibration.txt (As You Like It, Paradise Lost I-III). Quantised checkpoints go to --out (reused if present).
@@ -38,6 +39,9 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=16, help="calibration sequences of 512 tokens")
     p.add_argument("--sequential", action="store_true", help="calibrate on the quantised model's activations")
     p.add_argument("--no-act-order", action="store_true", help="GPTQ in input order (the default: act order)")
+    p.add_argument("--tune-steps", type=int, default=0, help="end-to-end tuning after rounding (tune.py)")
+    p.add_argument("--tune-lr", type=float, default=1e-3)
+    p.add_argument("--tune-codes-lr", type=float, default=0.0)
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "aserve-awq-quality"))
     args = p.parse_args()
     with open(data_path("heldout.txt"), encoding="utf-8") as f:
@@ -50,11 +54,14 @@ def main() -> None:
     print(f"bf16: perplexity {base:.3f} over {count} tokens", flush=True)
     for group in (int(g) for g in args.groups.split(",")):
         for method in args.methods.split(","):
-            out = os.path.join(args.out, f"{method}-g{group}")
+            tuned = f"-tune{args.tune_steps}-{args.tune_lr:g}-{args.tune_codes_lr:g}" if args.tune_steps else ""
+            out = os.path.join(args.out, f"{method}-g{group}{tuned}")
             seconds = None
             if not os.path.exists(os.path.join(out, "model.safetensors")):
                 seconds = quantize_model(None, out, group_size=group, method=method, num_samples=args.num_samples,
-                                         sequential=args.sequential, act_order=not args.no_act_order)["seconds"]  # fmt: skip
+                                         sequential=args.sequential, act_order=not args.no_act_order,
+                                         tune_steps=args.tune_steps, tune_lr=args.tune_lr,
+                                         tune_codes_lr=args.tune_codes_lr)["seconds"]  # fmt: skip
             t0 = time.perf_counter()
             ppl, _ = perplexity(out, text, args.window, args.max_windows)
             rows.append((method.upper(), group, ppl, time.perf_counter() - t0, seconds, chat_answer(out)))

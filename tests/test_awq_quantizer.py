@@ -14,7 +14,7 @@ from aserve.quantization.awq_format import fake_quantize, pack_quantized, quanti
 from aserve.quantization.awq_search import apply_clip, awq_layer, search_clip, search_scales
 from aserve.quantization.dense_layer import DenseDecoderLayer
 from aserve.quantization.gptq import SEARCHES, dequantize, gptq_quantize, gram, output_error
-from kernels.awq_reference import dequantize as dequantize_packed
+from kernels.awq_reference import dequantize as dequantize_packed, unpack_int4
 
 TEXT = "The quick brown fox jumps over the lazy dog. Prefix caching shares blocks between requests. " * 6
 
@@ -187,7 +187,8 @@ def test_perplexity_matches_transformers_loss(tiny_model_factory):
 def test_smollm2_awq_g64_quality(tmp_path):
     """The issue's quality bar, on held-out text (Alice in Wonderland; calibration is Shakespeare and Milton):
     the default quantiser (GPTQ in act order, AutoAWQ format) at g64 within 5 % of bf16 perplexity and below RTN
-    g64; greedy chat still answers Paris. bench/awq_quality.py prints the full table (not met yet: +8.4 %)."""
+    g64; greedy chat still answers Paris. bench/awq_quality.py prints the full table (not met yet: +8.4-8.7 %;
+    +6.0 % with --tune-steps 80 --tune-codes-lr 2e-2, docs/quantization.md)."""
     from aserve import LLM, SamplingParams
     from aserve.quantization.perplexity import perplexity
     from aserve.quantization.quantize import data_path, quantize_model
@@ -204,3 +205,43 @@ def test_smollm2_awq_g64_quality(tmp_path):
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text  # fmt: skip
     assert "Paris" in answer
+
+
+@pytest.mark.parametrize("method, variant, codes_lr", [("gptq", "gqa", "0"), ("awq", "qwen2", "0.03")])
+def test_tune_steps_lower_the_kl_and_keep_the_format(tiny_model_factory, tmp_path, capsys, method, variant, codes_lr):
+    """`aserve quantize --tune-steps`: the scales and norms (and, with --tune-codes-lr, some codes) train against the
+    float model, so the KL per token on the probe windows falls; zero points, biases and embeddings stay those of the
+    untuned run, codes too unless they are trained; the checkpoint serves exactly like its dequantised weights under
+    transformers. qwen2: q/k/v biases and AWQ's folded scales."""
+    import re
+
+    from test_awq_model import MAX_NEW, PROMPTS, aserve_greedy, dequantized_checkpoint
+    from tiny_models import hf_greedy
+
+    from aserve.cli import main as cli_main
+
+    model = tiny_model_factory(variant)
+    common = ["quantize", "--model", model, "--group-size", "32", "--num-samples", "4", "--seq-len", "64",
+              "--method", method]  # fmt: skip
+    cli_main([*common, "--out", str(tmp_path / "plain")])
+    capsys.readouterr()
+    cli_main([*common, "--out", str(tmp_path / "tuned"), "--tune-steps", "100", "--tune-lr", "1e-2",
+              "--tune-codes-lr", codes_lr])  # fmt: skip
+    out = capsys.readouterr().out
+    found = re.search(r"end-to-end tuning, 100 steps in .* float model ([\d.]+) -> ([\d.]+), (\d+) codes moved", out)
+    before, after, moved = float(found[1]), float(found[2]), int(found[3])
+    assert after < 0.9 * before, out
+    plain = load_file(f"{tmp_path}/plain/model.safetensors")
+    tuned = load_file(f"{tmp_path}/tuned/model.safetensors")
+    assert plain.keys() == tuned.keys()
+    changed_codes = 0
+    for key in plain:
+        if key.endswith(".qweight"):
+            changed_codes += int((unpack_int4(tuned[key]) != unpack_int4(plain[key])).sum())
+        elif key.endswith((".qzeros", ".bias", "embed_tokens.weight", "lm_head.weight")):
+            assert torch.equal(plain[key], tuned[key]), key
+        else:  # scales and norms
+            assert tuned[key].dtype == plain[key].dtype and not torch.equal(plain[key], tuned[key]), key
+    assert changed_codes == moved and (moved > 0) == (codes_lr != "0")
+    expected = hf_greedy(dequantized_checkpoint(str(tmp_path / "tuned"), str(tmp_path / "deq")), PROMPTS, MAX_NEW)
+    assert aserve_greedy(str(tmp_path / "tuned")) == expected

@@ -31,6 +31,7 @@ from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear
 from aserve.quantization.awq_search import awq_layer
 from aserve.quantization.dense_layer import DenseDecoderLayer
 from aserve.quantization.gptq import gptq_layer
+from aserve.quantization.tune import tune_scales
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
@@ -68,13 +69,18 @@ def quantize_model(
     sequential: bool = False,
     gptq_search: str = "weighted",
     act_order: bool = True,
+    tune_steps: int = 0,
+    tune_lr: float = 1e-3,
+    tune_codes_lr: float = 0.0,
 ) -> dict:
     """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "linears":
     [{linear: {"rtn", "gptq"}}], "seconds"} (per layer: AWQ's block errors, GPTQ's linear output errors).
     `sequential`: each layer calibrates on the outputs of the already quantised layers before it, instead of the
     float model's (AutoAWQ's way). `clip`: AWQ's clipping search, or GPTQ's search for each group's grid (else
     its min/max); `gptq_search` says which error that search minimises (gptq.SEARCHES); `act_order`: GPTQ rounds
-    the input channels by decreasing activation energy (grids fixed beforehand), else in order."""
+    the input channels by decreasing activation energy (grids fixed beforehand), else in order. `tune_steps` > 0:
+    then train the group scales and norms end to end against the float model on all the calibration text's windows
+    (tune.py; report["tune"])."""
     from transformers import AutoConfig, AutoTokenizer
 
     from aserve.model.loader import iterate_safetensors, resolve_model
@@ -99,9 +105,11 @@ def quantize_model(
     num_layers = cfg.num_hidden_layers
 
     x = None
-    if method != "rtn":
+    if method != "rtn" or tune_steps:
         with open(calib or data_path("calibration.txt"), encoding="utf-8") as f:
-            ids = calibration_ids(tokenizer, f.read(), num_samples, seq_len)
+            calib_text = f.read()
+    if method != "rtn":
+        ids = calibration_ids(tokenizer, calib_text, num_samples, seq_len)
         seq_len = ids.shape[1]
         x = state["model.embed_tokens.weight"].float()[ids.flatten()]  # the residual stream, [N * seq_len, hidden]
 
@@ -142,6 +150,10 @@ def quantize_model(
                 out[f"{prefix}{name}.bias"] = weights.pop(f"{name}.bias").to(stored[f"{name}.bias"].dtype)
         for key, tensor in weights.items():  # norms (with AWQ scales folded in)
             out[prefix + key] = tensor.to(stored[key].dtype)
+    if tune_steps:
+        windows = calibration_ids(tokenizer, calib_text, 1 << 30, seq_len)
+        report["tune"] = tune_scales(state, out, cfg, LINEARS, windows, group_size, tune_steps, tune_lr,
+                                     progress=progress, codes_lr=tune_codes_lr)  # fmt: skip
     write_checkpoint(model_dir, out_dir, out, AWQConfig(group_size=group_size), tokenizer)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
@@ -183,12 +195,20 @@ def add_quantize_parser(sub) -> None:
                    help="GPTQ rounds input channels in order (default: by decreasing activation energy)")
     p.add_argument("--sequential", action="store_true",
                    help="calibrate each layer on the quantised model's activations, not the float model's")
+    p.add_argument("--tune-steps", type=int, default=0,
+                   help="after rounding, train the group scales and norms end to end against the float model for "
+                        "this many steps of 2 calibration windows (0: off; SmolLM2-135M: ~8 s per step on 2 cores)")
+    p.add_argument("--tune-lr", type=float, default=1e-3,
+                   help="Adam learning rate of --tune-steps for the scales and norms (cosine schedule)")
+    p.add_argument("--tune-codes-lr", type=float, default=0.0,
+                   help="with --tune-steps, also move 4-bit codes (straight-through), at this learning rate; 0: off")
     p.add_argument("--log-level", default="info")
 
 
 def run_quantize(ns: argparse.Namespace) -> None:
     report = quantize_model(ns.model, ns.out, ns.group_size, ns.method, ns.calib, ns.num_samples, ns.seq_len,
-                            clip=not ns.no_clip, sequential=ns.sequential, act_order=not ns.no_act_order)  # fmt: skip
+                            clip=not ns.no_clip, sequential=ns.sequential, act_order=not ns.no_act_order,
+                            tune_steps=ns.tune_steps, tune_lr=ns.tune_lr, tune_codes_lr=ns.tune_codes_lr)  # fmt: skip
     print(f"aserve: wrote {ns.method.upper()} int4 (group {ns.group_size}) to {ns.out} in {report['seconds']} s")
     if report["layers"]:
         rtn = sum(sum(g["rtn"] for g in layer.values()) for layer in report["layers"])
@@ -198,3 +218,7 @@ def run_quantize(ns: argparse.Namespace) -> None:
         rtn = sum(sum(e["rtn"] for e in layer.values()) for layer in report["linears"])
         gptq = sum(sum(e["gptq"] for e in layer.values()) for layer in report["linears"])
         print(f"aserve: calibration linear output error, summed over linears: RTN {rtn:.4g} -> GPTQ {gptq:.4g}")
+    if "tune" in report:
+        tune = report["tune"]
+        print(f"aserve: end-to-end tuning, {tune['steps']} steps in {tune['seconds']} s: KL per token to the float "
+              f"model {tune['kl_before']:.4g} -> {tune['kl_after']:.4g}, {tune['codes_changed']} codes moved")
