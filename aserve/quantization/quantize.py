@@ -31,7 +31,7 @@ from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear
 from aserve.quantization.awq_search import awq_layer
 from aserve.quantization.dense_layer import DenseDecoderLayer
 from aserve.quantization.gptq import gptq_layer
-from aserve.quantization.tune import tune_scales
+from aserve.quantization.tune import tune_end_to_end
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
@@ -152,8 +152,8 @@ def quantize_model(
             out[prefix + key] = tensor.to(stored[key].dtype)
     if tune_steps:
         windows = calibration_ids(tokenizer, calib_text, 1 << 30, seq_len)
-        report["tune"] = tune_scales(state, out, cfg, LINEARS, windows, group_size, tune_steps, tune_lr,
-                                     progress=progress, codes_lr=tune_codes_lr)  # fmt: skip
+        report["tune"] = tune_end_to_end(state, out, cfg, LINEARS, windows, group_size, tune_steps, tune_lr,
+                                         progress=progress, codes_lr=tune_codes_lr)  # fmt: skip
     write_checkpoint(model_dir, out_dir, out, AWQConfig(group_size=group_size), tokenizer)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report

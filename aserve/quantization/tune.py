@@ -71,7 +71,7 @@ def _logits(layers: list[DenseDecoderLayer], embed: torch.Tensor, norm: torch.Te
     return F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), head)
 
 
-def tune_scales(
+def tune_end_to_end(
     float_state: dict[str, torch.Tensor],
     quantized: dict[str, torch.Tensor],
     hf_config,
@@ -86,9 +86,9 @@ def tune_scales(
     codes_lr: float = 0.0,
 ) -> dict:
     """Trains the scales and norms (and, with codes_lr > 0, the codes) of `quantized` (a packed checkpoint's
-    tensors, HF names) in place. `windows`
-    [N, seq_len] calibration token ids; each step takes `batch_size` of them at random. -> a report with the KL per
-    token on a fixed batch of windows before and after, the number of codes that moved, and the seconds taken."""
+    tensors, HF names) in place. `windows` [N, seq_len] calibration token ids; each step takes `batch_size` of them
+    at random. -> a report with the KL per token on a fixed batch of windows before and after, the number of codes
+    that moved, and the seconds taken."""
     t0 = time.perf_counter()
     train_codes = codes_lr > 0
     num_layers, eps = hf_config.num_hidden_layers, hf_config.rms_norm_eps
@@ -138,7 +138,7 @@ def tune_scales(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(bar, desc="tune scales", unit="step")
+        bar = tqdm(bar, desc="end-to-end tuning", unit="step")
     for _ in bar:
         batch = windows[torch.randint(0, len(windows), (batch_size,), generator=gen)]
         loss = kl(batch)
@@ -159,4 +159,5 @@ def tune_scales(
                 quantized[p + ".qweight"] = pack_int4(codes.t().contiguous())
         for name, w in norms.items():
             quantized[name] = w.detach().to(quantized[name].dtype).contiguous()
-    return {"kl_before": kl_before, "kl_after": kl_after, "steps": steps, "codes_changed": changed, "seconds": round(time.perf_counter() - t0, 1)}
+    seconds = round(time.perf_counter() - t0, 1)
+    return {"kl_before": kl_before, "kl_after": kl_after, "steps": steps, "codes_changed": changed, "seconds": seconds}
