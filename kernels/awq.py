@@ -831,6 +831,13 @@ def _check(x, qweight, qzeros, scales, group_size):
     assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
 
 
+def _tiles_per_program(k_tiles: int, n_blocks: int) -> int:
+    """The M = 1 kernels' K tiles per program: the most of 4, 2 that divides K's tiles and leaves at least
+    GEMV1_MIN_PROGRAMS programs, else 1."""
+    fits = [t for t in (4, 2) if k_tiles % t == 0 and n_blocks * k_tiles // t >= GEMV1_MIN_PROGRAMS]
+    return fits[0] if fits else 1
+
+
 def _gemv1_config(k: int, n: int, group_size: int, overrides: dict | None = None) -> dict:
     """GEMV1_CONFIG (+ overrides) resolved for one shape: BLOCK_K inside a group, R rows per asm call at most
     BLOCK_K, TILES K tiles per program where they divide K's tiles (else 1; TILES None: the most of 4, 2, 1 that
@@ -840,9 +847,7 @@ def _gemv1_config(k: int, n: int, group_size: int, overrides: dict | None = None
     cfg["R"] = min(cfg["R"], cfg["BLOCK_K"])
     k_tiles = k // cfg["BLOCK_K"]
     if cfg["TILES"] is None:
-        n_blocks = -(-n // cfg["BLOCK_N"])
-        fits = [t for t in (4, 2) if k_tiles % t == 0 and n_blocks * k_tiles // t >= GEMV1_MIN_PROGRAMS]
-        cfg["TILES"] = fits[0] if fits else 1
+        cfg["TILES"] = _tiles_per_program(k_tiles, -(-n // cfg["BLOCK_N"]))
     if k_tiles % cfg["TILES"]:
         cfg["TILES"] = 1
     cfg["SPLIT_K"] = k_tiles // cfg["TILES"]
@@ -985,14 +990,13 @@ def awq_repack(qweight, qzeros, scales, group_size: int) -> RepackedAWQ | None:
 
 
 def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None) -> torch.Tensor:
-    """x [1, in] (fp16 / bf16) -> [1, out] over awq_repack's copy. `tiles`: K tiles per program (default: as
-    _gemv1_config's TILES None); `counters`: gemv_counters (default one set shared per (device, out))."""
+    """x [1, in] (fp16 / bf16) -> [1, out] over awq_repack's copy. `tiles`: K tiles per program (default:
+    _tiles_per_program, as for awq_gemv); `counters`: gemv_counters (default one set shared per (device, out))."""
     k, n = packed.in_features, packed.out_features
     assert x.shape == (1, k) and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
     kt, nb = k // REPACK_GROUP, n // (8 * REPACK_BLOCK_N8)
     if tiles is None:
-        fits = [t for t in (4, 2) if kt % t == 0 and nb * kt // t >= GEMV1_MIN_PROGRAMS]
-        tiles = fits[0] if fits else 1
+        tiles = _tiles_per_program(kt, nb)
     assert kt % tiles == 0
     split_k = kt // tiles
     if counters is None:

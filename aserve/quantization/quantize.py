@@ -79,8 +79,8 @@ def quantize_model(
     float model's (AutoAWQ's way). `clip`: AWQ's clipping search, or GPTQ's search for each group's grid (else
     its min/max); `gptq_search` says which error that search minimises (gptq.SEARCHES); `act_order`: GPTQ rounds
     the input channels by decreasing activation energy (grids fixed beforehand), else in order. `tune_steps` > 0:
-    then train the group scales and norms end to end against the float model on all the calibration text's windows
-    (tune.py; report["tune"])."""
+    then train the group scales and norms (and, with `tune_codes_lr` > 0, the codes) end to end against the float
+    model on all the calibration text's windows (tune.py; report["tune"])."""
     from transformers import AutoConfig, AutoTokenizer
 
     from aserve.model.loader import iterate_safetensors, resolve_model

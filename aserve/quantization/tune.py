@@ -11,10 +11,10 @@ windows (the float model is the teacher; no labels); Adam with a cosine schedule
 distillation from the float model as the loss.
 
 The output is the same AutoAWQ checkpoint (zero points unchanged; new fp16 scales, norm weights and, with codes_lr,
-some codes), so it loads wherever the untuned one does. Float32 on CPU: both models' forwards are DenseDecoderLayer's,
-so rope scaling, q/k/v biases and untied heads are handled as in calibration. Memory: the codes minus zero points
-and zero points as uint8 (one byte per weight; with codes_lr 12 more for the shifts and their Adam state) plus the
-float model; meant for small models on CPU (SmolLM2-135M: ~7.5 s per step of 2 x 512 tokens on 2 cores).
+some codes), so it loads wherever the untuned one does. Float32 on CPU: both models' forwards are
+DenseDecoderLayer's, so rope scaling, q/k/v biases and untied heads are handled as in calibration. Memory: the codes
+as uint8 (one byte per weight; with codes_lr 12 more for the shifts and their Adam state) plus the float model;
+meant for small models on CPU (SmolLM2-135M: ~7.5 s per step of 2 x 512 tokens on 2 cores).
 """
 
 from __future__ import annotations
