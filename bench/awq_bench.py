@@ -15,8 +15,10 @@ kernels      int4 vs bf16 cuBLAS (F.linear, as aserve's bf16 layers) for M = 1, 
              path alone where it applies (gemv M <= 16; dequantise + cuBLAS M >= 16). Targets: GEMV at M = 1 >= 3x
              (ideal ~3.9x: 4.25 vs 16 bits per weight), M = 2048 >= 0.8x
 tune_graph   the M = 1 sweep of tune alone
-m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies (how decode runs: no launch gaps), with
-             and without programmatic dependent launch
+tune_repacked  launch-config sweeps of the tl.dot GEMV (M = 4, 16) and the dequantise kernel over awq_repack's
+             layout (the layout AWQLinear keeps: the kernels section times the engine's path on it)
+m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies with programmatic dependent launch (how
+             decode runs: no launch gaps), over the repacked copy (the engine's path) and the AutoAWQ tensors
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -59,7 +61,7 @@ def awq_bytes(k: int, n: int, group: int = GROUP) -> int:
 
 
 def correctness() -> None:
-    from kernels.awq import awq_dequantize, awq_gemv, awq_linear
+    from kernels.awq import awq_dequantize, awq_dequantize_repacked, awq_gemv, awq_linear, awq_repack
     from kernels.awq_reference import awq_matmul, dequantize
 
     for k, n in SHAPES:
@@ -75,6 +77,16 @@ def correctness() -> None:
                 out = fn(x, qweight, qzeros, scales, GROUP).float()
                 errs.append(((out - ref).norm() / ref.norm()).item())
         record(f"correct_{k}x{n}", f"max rel err {max(errs):.2e}", "", f"(dequantise exact: {exact}; bf16 ~4e-3)")
+        packed = awq_repack(qweight, qzeros, scales, GROUP)
+        exact = torch.equal(awq_dequantize_repacked(packed, torch.float32), dequantize(qweight, qzeros, scales, GROUP))
+        errs = []
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = awq_matmul(x.float(), qweight, qzeros, scales, GROUP)
+            out = awq_linear(x, None, None, None, GROUP, packed=packed).float()
+            errs.append(((out - ref).norm() / ref.norm()).item())
+        record(f"correct_repacked_{k}x{n}", f"max rel err {max(errs):.2e}", "",
+               f"(repacked copy alone, every M; its dequantise exact: {exact})")  # fmt: skip
     m1_graph_pdl_check()
 
 
@@ -161,27 +173,74 @@ def tune() -> None:
            f"{timings[0][1]} ({moved / timings[0][0] / 1e9:.2f} TB/s read + written)")  # fmt: skip
 
 
+def _sweep(name: str, configs: list[dict], ms_of) -> tuple[float, dict]:
+    """Times every config (ms_of(config)); prints the five fastest -> (best ms, best config)."""
+    timings = []
+    for cfg in configs:
+        try:
+            timings.append((ms_of(cfg), cfg))
+        except Exception as e:  # noqa: BLE001  (out of resources)
+            print("   config failed", cfg, type(e).__name__, flush=True)
+    timings.sort(key=lambda t: t[0])
+    for ms, cfg in timings[:5]:
+        print(f"   {name} {cfg}: {ms * 1e3:.1f} us", flush=True)
+    return timings[0]
+
+
+def tune_repacked() -> None:
+    """Launch-config sweeps of the kernels over awq_repack's layout: the tl.dot GEMV (M = 4 and 16, summed over the
+    three shapes) and the dequantise kernel (4096x14336). The best become the configs the later sections use."""
+    from kernels import awq
+
+    sets = [awq.awq_repack(*random_awq(k, n), GROUP) for k, n in SHAPES]
+
+    def dot_ms(cfg: dict) -> float:
+        total = 0.0
+        for packed in sets:
+            for m in (4, 16):
+                x = torch.randn(m, packed.in_features, device="cuda", dtype=torch.bfloat16)
+                total += bench_ms(lambda: awq.awq_gemv_repacked_dot(x, packed, None, cfg), 5, 25)
+        return total
+
+    configs = [dict(BP=bp, num_warps=w, num_stages=st)
+               for bp, w, st in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]  # fmt: skip
+    best_ms, awq.REPACKED_DOT_CONFIG = _sweep("dot (M 4 + 16 summed)", configs, dot_ms)
+    record("tune_repacked_dot", f"{best_ms * 1e3:.1f}", "us", f"{awq.REPACKED_DOT_CONFIG} (M 4 + 16, three shapes)")
+    packed = sets[1]
+    k, n = SHAPES[1]
+    configs = [dict(BP=bp, num_warps=w) for bp, w in itertools.product((16, 32, 64, 128), (4, 8))]
+    best_ms, awq.REPACKED_DEQUANT_CONFIG = _sweep(
+        "dequant", configs,
+        lambda cfg: bench_ms(lambda: awq.awq_dequantize_repacked(packed, torch.bfloat16, cfg), 5, 25))  # fmt: skip
+    moved = awq_bytes(k, n) + 2 * k * n
+    record("tune_repacked_dequant", f"{best_ms * 1e3:.1f}", "us",
+           f"{awq.REPACKED_DEQUANT_CONFIG} ({moved / best_ms / 1e9:.2f} TB/s read + written)")  # fmt: skip
+
+
 def kernels() -> None:
     from kernels import awq
 
-    print("\n| K x N | M | bf16 cuBLAS us | int4 us (path) | speed-up | gemv us | dequant+mm us |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| K x N | M | bf16 cuBLAS us | int4 us (path) | speed-up | AutoAWQ-tensor kernels us | gemv us | "
+          "dequant+mm us |")
+    print("|---|---|---|---|---|---|---|---|")
     for k, n in SHAPES:
         qweight, qzeros, scales = random_awq(k, n)
+        packed = awq.awq_repack(qweight, qzeros, scales, GROUP)  # what AWQLinear runs on (and all it keeps)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             bf16 = bench_ms(lambda: F.linear(x, w))
-            int4 = bench_ms(lambda: awq.awq_linear(x, qweight, qzeros, scales, GROUP))
+            int4 = bench_ms(lambda: awq.awq_linear(x, None, None, None, GROUP, packed=packed))
+            autoawq = bench_ms(lambda: awq.awq_linear(x, qweight, qzeros, scales, GROUP))
             path = "gemv" if m <= awq.GEMV_MAX_M else "dequant+mm"
             gemv = bench_ms(lambda: awq.awq_gemv(x, qweight, qzeros, scales, GROUP)) if m <= 16 else None
             deq = bench_ms(lambda: x @ awq.awq_dequantize(qweight, qzeros, scales, GROUP, x.dtype)) if m >= 16 else None
             fmt = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
             print(f"| {k}x{n} | {m} | {bf16 * 1e3:.1f} | {int4 * 1e3:.1f} ({path}) | {bf16 / int4:.2f}x | "
-                  f"{fmt(gemv)} | {fmt(deq)} |", flush=True)  # fmt: skip
+                  f"{autoawq * 1e3:.1f} | {fmt(gemv)} | {fmt(deq)} |", flush=True)  # fmt: skip
             RESULTS[f"kernel_{k}x{n}_m{m}"] = {"value": round(bf16 / int4, 3), "unit": "x", "note": (
-                f"bf16 {bf16 * 1e3:.1f} us, int4 {int4 * 1e3:.1f} us ({path}); gemv {fmt(gemv)}, "
-                f"dequant+mm {fmt(deq)}")}  # fmt: skip
+                f"bf16 {bf16 * 1e3:.1f} us, int4 repacked {int4 * 1e3:.1f} us ({path}), AutoAWQ-tensor kernels "
+                f"{autoawq * 1e3:.1f} us; gemv {fmt(gemv)}, dequant+mm {fmt(deq)}")}  # fmt: skip
             if m == 1:
                 record(f"gemv_m1_{k}x{n}_bandwidth", round(awq_bytes(k, n) / int4 / 1e9, 2), "TB/s",
                        f"(speed-up {bf16 / int4:.2f}x; target >= 3x)")  # fmt: skip
@@ -213,12 +272,12 @@ def graph_us(fn, inputs: list) -> float:
 
 
 def m1_graph() -> None:
-    """M = 1 inside CUDA graphs: bf16 cuBLAS vs the int4 f16x2 GEMV (split-K reduction fused in), with and without
-    programmatic dependent launch (which decode uses on Hopper)."""
+    """M = 1 inside CUDA graphs with programmatic dependent launch (as decode runs on Hopper): bf16 cuBLAS vs the
+    int4 f16x2 GEMV over the repacked copy (what AWQLinear runs) and over the AutoAWQ tensors."""
     from kernels import awq, pdl
 
-    print("\n| K x N | bf16 us | int4 us | speed-up | int4 TB/s | int4 us, PDL | speed-up, PDL | SPLIT_K |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| K x N | bf16 us | int4 repacked us | speed-up | int4 TB/s | AutoAWQ-tensor kernel us | SPLIT_K |")
+    print("|---|---|---|---|---|---|---|")
     for k, n in SHAPES:
         copies_bf16 = max(4, int(400e6 // (2 * k * n)))
         copies_int4 = max(4, int(400e6 // awq_bytes(k, n)))
@@ -226,20 +285,22 @@ def m1_graph() -> None:
         ws = [(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies_bf16)]
         bf16 = graph_us(F.linear, ws)
         del ws
-        qs = [(x, *random_awq(k, n), GROUP) for _ in range(copies_int4)]
-        int4 = graph_us(awq.awq_gemv, qs)
         pdl.enable(True)
         try:
-            int4_pdl = graph_us(awq.awq_gemv, qs)
+            qs = [(x, *random_awq(k, n), GROUP) for _ in range(copies_int4)]
+            autoawq = graph_us(awq.awq_gemv, qs)
+            ps = [(x, awq.awq_repack(*q[1:4], GROUP)) for q in qs]
+            del qs
+            int4 = graph_us(awq.awq_gemv_repacked, ps)
+            del ps
         finally:
             pdl.enable(False)
-        del qs
         split_k = awq.gemv_config(1, n, k, GROUP)["SPLIT_K"]
         print(f"| {k}x{n} | {bf16:.1f} | {int4:.1f} | {bf16 / int4:.2f}x | {awq_bytes(k, n) / int4 / 1e6:.2f} | "
-              f"{int4_pdl:.1f} | {bf16 / int4_pdl:.2f}x | {split_k} |", flush=True)  # fmt: skip
+              f"{autoawq:.1f} | {split_k} |", flush=True)  # fmt: skip
         record(f"graph_m1_{k}x{n}", round(bf16 / int4, 2), "x",
-               f"bf16 {bf16:.1f} us, int4 {int4:.1f} us ({awq_bytes(k, n) / int4 / 1e6:.2f} TB/s), with PDL "
-               f"{int4_pdl:.1f} us ({bf16 / int4_pdl:.2f}x); SPLIT_K {split_k}; target >= 3x")  # fmt: skip
+               f"bf16 {bf16:.1f} us, int4 repacked {int4:.1f} us ({awq_bytes(k, n) / int4 / 1e6:.2f} TB/s), "
+               f"AutoAWQ-tensor kernel {autoawq:.1f} us; PDL; target >= 3x")  # fmt: skip
 
 
 def diag() -> None:
@@ -279,12 +340,36 @@ def diag() -> None:
            f"BN={block_n} BK={block_k} tiles={tiles} warps={warps}: {us:.1f} us (the GEMV's ceiling with this tiling)")
 
 
-def decode_ms_per_token(model_dir: str) -> float:
+def decode_profile(llm, name: str, steps: int = 64) -> None:
+    """GPU time per decode step by kernel (torch.profiler over a batch-1 request of `steps` tokens): where the step
+    goes besides the quantised linears."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from aserve import SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(1000, 1128))}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    rows = [(e.device_time_total, e.count, e.key) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"\n{name}: GPU time per decode step by kernel ({steps} steps; us per step, calls per step)")
+    for t, count, key in rows[:20]:
+        print(f"  {t / steps:9.1f} us  {count / steps:6.1f}  {key[:110]}")
+    record(f"decode_profile_{name}", round(total / steps, 1), "us GPU per step", f"(top: {rows[0][2][:60]})")
+
+
+def decode_ms_per_token(model_dir: str, profile: bool = False) -> float:
     from aserve import LLM
 
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
     ms = batch1_decode_ms(llm)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    model = llm.engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes += sum(t.numel() * t.element_size() for m in model.modules()
+                        for t in (getattr(m, "repacked", None) or ())[:2])  # AWQ: the repacked copy  # fmt: skip
+    if profile:
+        decode_profile(llm, os.path.basename(os.path.dirname(model_dir)))
     record(f"decode_weights_{os.path.basename(os.path.dirname(model_dir))}", round(weight_bytes / 1e9, 2), "GB")
     del llm
     gc.collect()
@@ -301,9 +386,9 @@ def decode(root: str) -> None:
                                      "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
     with open(os.path.join(awq_dir, "config.json"), "w") as f:
         json.dump(config, f)
-    bf16 = decode_ms_per_token(bf16_dir)
+    bf16 = decode_ms_per_token(bf16_dir, profile=True)
     record("decode_b1_bf16", round(bf16, 3), "ms/token")
-    int4 = decode_ms_per_token(awq_dir)
+    int4 = decode_ms_per_token(awq_dir, profile=True)
     record("decode_b1_awq_int4", round(int4, 3), "ms/token", f"({bf16 / int4:.2f}x bf16; target >= 3x)")
 
 
@@ -314,7 +399,8 @@ def main() -> None:
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
-    run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1, "kernels": kernels,
+    run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
+           "tune_repacked": tune_repacked, "kernels": kernels,
            "m1_graph": m1_graph, "decode": lambda: decode(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])

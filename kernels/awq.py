@@ -1,5 +1,6 @@
 """Triton kernels for AWQ int4 linear layers (AutoAWQ "gemm" layout; see kernels/awq_reference.py for the layout
-and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M:
+and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M (AWQLinear
+on a GPU: the same kernels' twins over awq_repack's layout, *_repacked, which is all it keeps of the weights):
 
     M == 1       awq_gemv     batch-1 decode: memory-bound. fp16 / bf16 activations: packed f16x2 arithmetic in
                               inline PTX (below) and a split-K reduction fused into the same launch (below).
@@ -45,11 +46,12 @@ every program waits for the previous kernel (gdc_sync) before it touches x, the 
 tile's weights, zeros and scales are loaded before that wait (nothing in a decode step writes them), so with PDL
 their DRAM latency overlaps the previous kernel's tail.
 
-M = 1 over a repacked copy (awq_repack, built once at load time; AWQLinear keeps it next to the AutoAWQ tensors,
-which the other kernels read): the same arithmetic and reduction over a layout where each warp load is 512
-contiguous bytes, a program's tiles are one contiguous chunk, zero points (already in the asm's form) and scales sit
-beside the weights (16-byte loads) and inputs come as row pairs; 9-13 % faster on an H200 (docs/benchmarks.md,
-session 10). Group size 128 and outputs a multiple of 128 only; other layers keep awq_gemv's kernel.
+M = 1 over a repacked copy (awq_repack, built once at load time; AWQLinear.repack then frees the AutoAWQ tensors,
+and the M <= 16 tl.dot GEMV and the dequantise kernel read the copy too): the same arithmetic and reduction over a
+layout where each warp load is 512 contiguous bytes, a program's tiles are one contiguous chunk, zero points
+(already in the asm's form) and scales sit beside the weights (16-byte loads) and inputs come as row pairs; 9-13 %
+faster on an H200 (docs/benchmarks.md, session 10). Group size 128 and outputs a multiple of 128 only; other layers
+keep the AutoAWQ tensors and awq_gemv's kernels.
 
 M = 1, memory-level parallelism (H200, docs/benchmarks.md session 9). A load-only kernel reaches ~3.2 TB/s in CUDA
 graphs (9.0 us for 4096x14336's 29 MB of packed weights) with one-warp programs reading rows of 64 bytes, and
@@ -1013,14 +1015,168 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     return out
 
 
+# -- M > 1 over the repacked copy: tl.dot GEMV (M <= 16) and the dequantise kernel (M > 16) ---------------------
+# With these, a layer that awq_repack fits needs no AutoAWQ tensors on the GPU: AWQLinear.repack drops them, so the
+# int4 weights are held once. Both decode awq_repack's meta back to (z, s) per column and unpack nibbles with the
+# float32 mantissa trick of _diff (exact: (q - z) * 16**e, then times s * 16**-e), so the weights they produce are
+# bit-identical to the AutoAWQ kernels' (and the reference's). K row 16 i + r of a tile sits at layout position
+# 8 r + i; the kernels gather rows in K order (_repacked_rows), so x loads and W stores stay contiguous.
+
+
+@triton.jit
+def _repacked_plane(qw, qw_hi, zw, sw, NIB: tl.constexpr):
+    """float32 (q - z) * s of nibble NIB ([BP, 16]; columns 8j + AWQ_ORDER[NIB]) from the tile's words qw and the
+    meta words zw / sw ([16]) holding its column's zero point and scale * 16."""
+    C: tl.constexpr = (NIB % 4) * 2 + NIB // 4  # the nibble's column within its group of 8
+    E: tl.constexpr = NIB if NIB < 5 else NIB - 5
+    MULT: tl.constexpr = float(1 << (4 * E))
+    zc = _f16_bits(zw >> (16 * (C % 2)))
+    s = _f16_bits(sw >> (16 * (C % 2)))
+    if (C // 2) % 2 == 0:
+        z = zc - 1024.0  # stored as 1024 + z
+    else:
+        z = -zc - 64.0  # stored as -(64 + z)
+    zm = 8388608.0 + z * MULT  # what _mant gives for the zero point (2**23 + z * 16**E, exact)
+    if NIB < 5:
+        qm = _mant(qw, 4 * NIB)
+    else:
+        qm = _mant(qw_hi, 4 * (NIB - 5))
+    return (qm - zm[None, :]) * (s * (0.0625 / MULT))[None, :]
+
+
+@triton.jit
+def _repacked_dequant_tile(w_ptr, m_ptr, rp, BP: tl.constexpr):
+    """The rows at layout positions rp ([BP]) of the repacked tile at w_ptr / m_ptr -> float32 [BP, 128]."""
+    rj = tl.arange(0, 16)
+    qw = tl.load(w_ptr + rp[:, None] * 16 + rj[None, :])
+    z0, z1, z2, z3 = tl.load(m_ptr + rj), tl.load(m_ptr + 16 + rj), tl.load(m_ptr + 32 + rj), tl.load(m_ptr + 48 + rj)
+    s0, s1, s2, s3 = (tl.load(m_ptr + 64 + rj), tl.load(m_ptr + 80 + rj), tl.load(m_ptr + 96 + rj),
+                      tl.load(m_ptr + 112 + rj))  # fmt: skip
+    qw_hi = qw >> 20
+    # nibble i holds column (0, 2, 4, 6, 1, 3, 5, 7)[i], whose words are z / s [column // 2]
+    return _in_column_order(
+        _repacked_plane(qw, qw_hi, z0, s0, 0), _repacked_plane(qw, qw_hi, z1, s1, 1),
+        _repacked_plane(qw, qw_hi, z2, s2, 2), _repacked_plane(qw, qw_hi, z3, s3, 3),
+        _repacked_plane(qw, qw_hi, z0, s0, 4), _repacked_plane(qw, qw_hi, z1, s1, 5),
+        _repacked_plane(qw, qw_hi, z2, s2, 6), _repacked_plane(qw, qw_hi, z3, s3, 7), BP, 16,
+    )  # fmt: skip
+
+
+@triton.jit
+def _repacked_rows(c, CH: tl.constexpr, BP: tl.constexpr):
+    """Chunk c (of CH per tile) -> (layout positions, K rows inside the tile) of its BP rows: K rows c % CH * BP ..
+    + BP in order, so x loads and W stores are contiguous (each row's 64 bytes of weights are too). Taking the
+    positions in order instead (rows scattered) made the M <= 16 GEMV ~35 % slower on an H200 (docs/benchmarks.md,
+    session 11)."""
+    q = (c % CH) * BP + tl.arange(0, BP)
+    return (q % 16) * 8 + q // 16, q
+
+
+@triton.jit
+def _awq_dequant_repacked_kernel(wq_ptr, meta_ptr, out_ptr, N, KT, BP: tl.constexpr):
+    """Program (column block, K tile, row chunk): BP rows of one tile -> W [K, N]."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    pos, rows = _repacked_rows(tl.program_id(2), 128 // BP, BP)
+    tile = pid_n * KT + t
+    w = _repacked_dequant_tile(wq_ptr + tile * 2048, meta_ptr + tile * 128, pos, BP)
+    rn = pid_n * 128 + tl.arange(0, 128)
+    tl.store(out_ptr + (t * 128 + rows)[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _awq_gemv_repacked_dot_kernel(
+    x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, M, N, KT, stride_xm, stride_om, stride_os, tiles,
+    BLOCK_M: tl.constexpr, BP: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """x [M <= 16, K] -> [M, N] over awq_repack's layout (M padded to BLOCK_M = 16 for tl.dot). Program (pid_n,
+    pid_k): column block pid_n, K tiles pid_k * tiles .. + tiles; split K as _awq_gemv_kernel (float32 partials
+    [SPLIT_K, M, N], then split_k_reduce)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rn = pid_n * 128 + tl.arange(0, 128)
+    acc = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+    CH: tl.constexpr = 128 // BP  # chunks of BP rows per tile, one loop step each
+    c_lo = pid_k * tiles * CH
+    for c in range(c_lo, tl.minimum(c_lo + tiles * CH, KT * CH)):
+        t = c // CH
+        pos, rows = _repacked_rows(c, CH, BP)
+        tile = pid_n * KT + t
+        w = _repacked_dequant_tile(wq_ptr + tile * 2048, meta_ptr + tile * 128, pos, BP)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (t * 128 + rows)[None, :], mask=m_ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    ok = m_ok[:, None] & (rn < N)[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Launch configurations (H200, bench/awq_bench.py; awq_bench may override them)
+REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=3)
+REPACKED_DEQUANT_CONFIG = dict(BP=64, num_warps=4)
+
+
+def awq_gemv_repacked_dot(x, packed: RepackedAWQ, bias=None, config: dict | None = None) -> torch.Tensor:
+    """x [M <= 16, in] -> [M, out] in x's dtype over awq_repack's copy (the tl.dot kernel: M > 1, or float32). K
+    split until there are two programs per SM (at most 32 ways)."""
+    m, k = x.shape
+    n = packed.out_features
+    assert k == packed.in_features and x.stride(-1) == 1 and m <= GEMV_MAX_M
+    cfg = {**REPACKED_DOT_CONFIG, **(config or {})}
+    kt, nb = k // REPACK_GROUP, n // (8 * REPACK_BLOCK_N8)
+    split_k = cfg.get("SPLIT_K")
+    if split_k is None:
+        split_k = 1
+        while nb * split_k < 2 * _num_sms(x.device.index) and split_k * 2 <= min(kt, 32):
+            split_k *= 2
+    tiles = triton.cdiv(kt, max(1, min(split_k, kt)))
+    split_k = triton.cdiv(kt, tiles)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    _awq_gemv_repacked_dot_kernel[(nb, split_k)](
+        x, packed.wq, packed.meta, bias if bias is not None else out, target, m, n, kt, x.stride(0),
+        target.stride(-2), target.stride(0) if split_k > 1 else 0, tiles, BLOCK_M=16, BP=cfg["BP"],
+        PARTIAL=split_k > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if split_k > 1:
+        split_k_reduce(target, bias, out)
+    return out
+
+
+def awq_dequantize_repacked(packed: RepackedAWQ, dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """awq_repack's copy -> W [in, out] in `dtype` (the same values as awq_dequantize of the AutoAWQ tensors)."""
+    k, n = packed.in_features, packed.out_features
+    cfg = {**REPACKED_DEQUANT_CONFIG, **(config or {})}
+    out = torch.empty(k, n, dtype=dtype, device=packed.wq.device)
+    _awq_dequant_repacked_kernel[(n // 128, k // 128, 128 // cfg["BP"])](
+        packed.wq, packed.meta, out, n, k // 128, BP=cfg["BP"], num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return out
+
+
 def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=None,
                packed: RepackedAWQ | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's; `packed`
-    (awq_repack's copy of the same weights): M = 1 in fp16 / bf16 runs over it."""
+    (awq_repack's copy of the same weights): every M runs over it, so qweight / qzeros / scales are not read then
+    (AWQLinear passes None for them once it has dropped them)."""
     m = x.shape[0]
-    if m == 1 and packed is not None and x.dtype in F16X2_DTYPES:
-        return awq_gemv_repacked(x, packed, bias, counters)
-    if m <= GEMV_MAX_M:
+    if packed is not None:
+        if m == 1 and x.dtype in F16X2_DTYPES:
+            return awq_gemv_repacked(x, packed, bias, counters)
+        if m <= GEMV_MAX_M:
+            return awq_gemv_repacked_dot(x, packed, bias)
+        w = awq_dequantize_repacked(packed, x.dtype)
+    elif m <= GEMV_MAX_M:
         return awq_gemv(x, qweight, qzeros, scales, group_size, bias, counters=counters)
-    w = awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)
+    else:
+        w = awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)
     return torch.addmm(bias.to(x.dtype), x, w) if bias is not None else x @ w

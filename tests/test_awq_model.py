@@ -186,3 +186,18 @@ def test_fused_awq_linear_equals_its_parts_on_every_backend():
     layer.backend = "auto"
     assert layer.prepack() and layer.dense is not None
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine repacks AWQ weights on GPUs only")
+def test_gpu_engine_holds_awq_weights_once_and_matches_transformers(tiny_model_factory, tmp_path):
+    """Group 128 on a GPU: the engine repacks the layers the layout fits and frees their AutoAWQ tensors (qkv, 192
+    outputs, keeps its own); greedy output still equals transformers on the dequantised weights."""
+    awq_dir = autoawq_checkpoint(tiny_model_factory("wide"), str(tmp_path / "awq"), 128)
+    expected = hf_greedy(dequantized_checkpoint(awq_dir, str(tmp_path / "deq")), PROMPTS, MAX_NEW)
+    llm = LLM(awq_dir, dtype="float32", enforce_eager=True, max_model_len=256)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    layers = {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, AWQLinear)}
+    dropped = {n.split(".")[-1] for n, m in layers.items() if m.autoawq_dropped}
+    assert dropped == {"o_proj", "gate_up_proj", "down_proj"}
+    assert all(m.qweight.numel() == 0 for m in layers.values() if m.autoawq_dropped)

@@ -7,7 +7,7 @@ import torch
 from test_awq_kernels import DEVICE, random_awq, rel_err
 
 from kernels import awq
-from kernels.awq_reference import awq_matmul, unpack_int4
+from kernels.awq_reference import awq_matmul, dequantize, unpack_int4
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -82,3 +82,62 @@ def test_awq_linear_keeps_a_repacked_copy():
             ref = awq_matmul(x.float(), qweight, qzeros, scales, g, bias.float())
             assert rel_err(layer(x), ref) < REL_TOL[torch.float16]
             assert (layer.repacked is False) == (g != 128)
+
+
+# -- M > 1 (and float32) over the repacked copy, and AWQLinear holding only that copy ------------------------------
+
+
+@pytest.mark.parametrize("k, n", [(256, 256), (384, 128)])
+def test_repacked_dequantise_is_exact(k, n):
+    """The repacked copy dequantises to exactly the reference's weights, rows back in their places."""
+    qweight, qzeros, scales, _ = random_awq(k, n, 128, seed=k)
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    for bp in (32, 128):
+        w = awq.awq_dequantize_repacked(packed, torch.float32, dict(BP=bp))
+        assert w.shape == (k, n) and torch.equal(w, dequantize(qweight, qzeros, scales, 128))
+
+
+# (M, K, N, dtype, split K): float32 M = 1 (f16x2 does not take it), fp16 M = 2..16; K splits 1, 2, 3 (uneven)
+DOT_CASES = [(1, 256, 128, torch.float32, None), (2, 384, 256, torch.float16, 3), (16, 256, 128, torch.float16, 1),
+             (5, 512, 128, torch.float32, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DOT_CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_repacked_dot_gemv_matches_reference(case, with_bias):
+    m, k, n, dtype, split_k = case
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=m + k)
+    bias = bias.to(dtype) if with_bias else None
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    out = awq.awq_gemv_repacked_dot(x, packed, bias, dict(BP=64 if m % 2 else 32, SPLIT_K=split_k))
+    ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, None if bias is None else bias.float())
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else REL_TOL[dtype])
+
+
+def test_awq_linear_repack_holds_the_weights_once():
+    """repack() frees the AutoAWQ tensors; every M (1 in fp16, 1 in float32, 4, 20) and both backends then run over
+    the repacked copy alone; loading into it afterwards is refused. A layer the layout does not fit keeps its
+    tensors."""
+    from aserve.quantization.awq_linear import AWQLinear
+
+    k, n = 256, 256
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=11)
+    layer = AWQLinear(k, n, bias=True, group_size=128).to(DEVICE)
+    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
+        layer.load_output_slice(getattr(layer, name), 0, n, t)
+    assert layer.repack() and layer.autoawq_dropped
+    assert layer.qweight.numel() == layer.qzeros.numel() == layer.scales.numel() == 0
+    assert torch.equal(layer.dequantized_weight(torch.float32), dequantize(qweight, qzeros, scales, 128).t())
+    for backend, m, dtype in (("triton", 1, torch.float16), ("triton", 1, torch.float32), ("triton", 4, torch.float16),
+                              ("triton", 20, torch.float32), ("torch", 3, torch.float32)):  # fmt: skip
+        layer.backend = backend
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+        ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, bias.float())
+        assert rel_err(layer(x), ref) < (1e-5 if dtype == torch.float32 else REL_TOL[dtype]), (backend, m, dtype)
+    with pytest.raises(RuntimeError, match="repack"):
+        layer.load_output_slice(layer.scales, 0, n, scales)
+
+    small = AWQLinear(k, 64 + 8, bias=False, group_size=128).to(DEVICE)  # 72 outputs: not a whole column block
+    assert not small.repack() and not small.autoawq_dropped and small.qweight.numel() == k * 9

@@ -76,6 +76,9 @@ def make_config(variant: str):
                 "original_max_position_embeddings": 64,
             },
         )
+    if variant == "wide":  # AWQ group 128: o / gate_up / down fit the GPU's repacked layout, qkv (192 outputs) not
+        return LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8,
+                              "num_key_value_heads": 2, "head_dim": 16})  # fmt: skip
     if variant == "vocab8":  # for statistical tests of sampling: every next-token distribution is spread out
         return LlamaConfig(**{**common, "vocab_size": 8, "num_key_value_heads": 2, "initializer_range": 0.08})
     if variant == "qwen2":

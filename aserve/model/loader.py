@@ -159,7 +159,12 @@ def build_model(hf_config, model_dir: str, dtype, device, max_model_len: int, ba
         model.optimize_for_cpu(compile_elementwise=compile_model)
     elif device.type == "cuda":
         model.ops.use_triton()
+        from aserve.quantization.awq_linear import AWQLinear
         from kernels import pdl
+
+        # AWQ: the weights in the layout every kernel reads, the AutoAWQ tensors freed (int4 weights held once)
+        if any([module.repack() for module in model.modules() if isinstance(module, AWQLinear)]):
+            torch.cuda.empty_cache()
 
         # Programmatic dependent launch of aserve's kernels (Hopper and newer; ASERVE_PDL=0: off, for A/B runs).
         pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("ASERVE_PDL", "1") != "0")

@@ -27,9 +27,11 @@ class AWQLinear(nn.Module):
     """y = x @ ((q - z) * s) + bias, from AutoAWQ gemm tensors.
 
     CUDA: the Triton kernels of kernels/awq.py, with this layer's own counters for the M = 1 kernel's fused split-K
-    reduction and a copy of the weights repacked for that kernel (kernels.awq.awq_repack; the other kernels read
-    the AutoAWQ tensors), both made on the first call (the engine's memory-profiling step, so the KV cache is sized
-    with the copy counted; outside CUDA graph capture). CPU: the pure-torch
+    reduction (made on the first call, outside CUDA graph capture) and the weights repacked into the layout every
+    M's kernel reads (kernels.awq.awq_repack): the engine calls `repack()` once after loading, which frees the
+    AutoAWQ tensors, so the int4 weights are held once. Layers the layout does not fit (group size other than 128,
+    outputs not a multiple of 128) keep the AutoAWQ tensors and kernels; without `repack()` (tests, direct use) the
+    first call makes the copy and keeps both. CPU: the pure-torch
     reference (dequantise, then matmul) on every call; after `prepack()` (which optimize_for_cpu calls) a
     dequantised oneDNN-prepacked copy instead: aserve has no CPU int4 kernel, and dequantising ~100M weights per
     step would cost more than the matmuls."""
@@ -56,14 +58,18 @@ class AWQLinear(nn.Module):
         self.__dict__["dense"] = None
         # Triton: kernels.awq.gemv_counters on the weights' device (out of the module tree too: state, not weights)
         self.__dict__["gemv_counters"] = None
-        # Triton: kernels.awq.awq_repack's copy for M = 1 (False: the layout does not apply to this layer)
+        # Triton: kernels.awq.awq_repack's copy (False: the layout does not apply to this layer)
         self.__dict__["repacked"] = None
+        self.autoawq_dropped = False  # repack() freed qweight / qzeros / scales: the repacked copy is the weights
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
+        held = ", repacked" if self.autoawq_dropped else ""
+        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}{held}"
 
     def load_output_slice(self, param: nn.Parameter, start: int, size: int, tensor: torch.Tensor) -> None:
         """Copies one part of a fused layer (output features [start, start + size)) into `param`."""
+        if self.autoawq_dropped:
+            raise RuntimeError("AWQLinear: weights are loaded before repack(), which freed the AutoAWQ tensors")
         self.__dict__["repacked"] = None  # made again from the new weights on the next call
         if param.dim() == 1:  # bias
             param.data[start : start + size].copy_(tensor)
@@ -77,7 +83,25 @@ class AWQLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """-> W [out, in] in `dtype` (nn.Linear's layout)."""
+        if self.autoawq_dropped:
+            from kernels.awq import awq_dequantize_repacked
+
+            return awq_dequantize_repacked(self.repacked, dtype).t()
         return dequantize(self.qweight, self.qzeros, self.scales, self.group_size).t().to(dtype)
+
+    def repack(self, drop_autoawq: bool = True) -> bool:
+        """Builds kernels.awq.awq_repack's copy of the loaded weights, which the Triton kernels read at every M, and
+        with `drop_autoawq` frees the AutoAWQ tensors (the engine does this once after loading on a GPU: the int4
+        weights are then held once). -> whether the layout fits this layer (if not, nothing changes)."""
+        from kernels.awq import awq_repack
+
+        packed = awq_repack(self.qweight, self.qzeros, self.scales, self.group_size)
+        self.__dict__["repacked"] = packed if packed is not None else False
+        if packed is not None and drop_autoawq:
+            for param in (self.qweight, self.qzeros, self.scales):
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self.autoawq_dropped = True
+        return packed is not None
 
     def prepack(self) -> bool:
         if not self.qweight.is_cpu:
@@ -94,7 +118,7 @@ class AWQLinear(nn.Module):
         if self.dense is not None and self.dense.weight.dtype == x.dtype:
             return self.dense(x)
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            from kernels.awq import awq_linear, awq_repack, gemv_counters
+            from kernels.awq import awq_linear, gemv_counters
 
             counters = self.gemv_counters
             if counters is None or counters.device != x.device:
@@ -103,10 +127,15 @@ class AWQLinear(nn.Module):
             if packed is None or (packed is not False and packed.wq.device != x.device):
                 if x.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("AWQLinear: run it once before CUDA graph capture (a warm-up)")
-                packed = awq_repack(self.qweight, self.qzeros, self.scales, self.group_size)
-                self.__dict__["repacked"] = packed = packed if packed is not None else False
+                if self.autoawq_dropped:
+                    raise RuntimeError("AWQLinear: repacked weights are on another device than the input")
+                self.repack(drop_autoawq=False)
+                packed = self.repacked
             return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, counters,
                               packed or None)  # fmt: skip
+        if self.autoawq_dropped:  # the torch backend after repack(): dequantise the repacked copy
+            w = self.dequantized_weight(x.dtype)
+            return torch.nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         return awq_matmul(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
 
 
