@@ -15,6 +15,8 @@ kernels      int4 vs bf16 cuBLAS (F.linear, as aserve's bf16 layers) for M = 1, 
              path alone where it applies (gemv M <= 16; dequantise + cuBLAS M >= 16). Targets: GEMV at M = 1 >= 3x
              (ideal ~3.9x: 4.25 vs 16 bits per weight), M = 2048 >= 0.8x
 tune_graph   the M = 1 sweep of tune alone
+small_m      M = 1-16 in CUDA graphs with PDL: bf16 vs the f16x2 kernel (one program per row) vs tl.dot, both
+             over the repacked copy; sets the row count up to which the f16x2 kernel is used
 tune_repacked  launch-config sweeps of the tl.dot GEMV (M = 4, 16) and the dequantise kernel over awq_repack's
              layout (the layout AWQLinear keeps: the kernels section times the engine's path on it)
 m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies with programmatic dependent launch (how
@@ -246,6 +248,41 @@ def kernels() -> None:
                        f"(speed-up {bf16 / int4:.2f}x; target >= 3x)")  # fmt: skip
 
 
+def small_m() -> None:
+    """M = 1-16 inside CUDA graphs with PDL (decode batches, speculative verification): bf16 cuBLAS vs the two
+    kernels over the repacked copy, the f16x2 one (one program per row) and the tl.dot one. Sets
+    awq.REPACKED_GEMV1_MAX_M to the largest M up to which the f16x2 kernel is the faster, summed over the shapes."""
+    from kernels import awq, pdl
+
+    rows = (1, 2, 3, 4, 6, 8, 16)
+    sums = {m: [0.0, 0.0] for m in rows}
+    print("\n| K x N | M | bf16 us | f16x2 per row us | tl.dot us | best speed-up |")
+    print("|---|---|---|---|---|---|")
+    pdl.enable(True)
+    try:
+        for k, n in SHAPES:
+            copies = max(4, int(400e6 // (2 * k * n)))
+            bf16_w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            packs = [awq.awq_repack(*random_awq(k, n), GROUP) for _ in range(max(4, int(400e6 // awq_bytes(k, n))))]
+            for m in rows:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                bf16 = graph_us(F.linear, [(x, w) for w in bf16_w])
+                f16x2 = graph_us(awq.awq_gemv_repacked, [(x, p) for p in packs])
+                dot = graph_us(awq.awq_gemv_repacked_dot, [(x, p) for p in packs])
+                sums[m][0] += f16x2
+                sums[m][1] += dot
+                print(f"| {k}x{n} | {m} | {bf16:.1f} | {f16x2:.1f} | {dot:.1f} | {bf16 / min(f16x2, dot):.2f}x |",
+                      flush=True)  # fmt: skip
+                RESULTS[f"small_m_{k}x{n}_m{m}"] = {"value": round(bf16 / min(f16x2, dot), 3), "unit": "x", "note": (
+                    f"graph + PDL: bf16 {bf16:.1f} us, f16x2 per row {f16x2:.1f} us, tl.dot {dot:.1f} us")}
+            del bf16_w, packs
+    finally:
+        pdl.enable(False)
+    awq.REPACKED_GEMV1_MAX_M = max(m for m in rows if all(sums[r][0] <= sums[r][1] for r in rows if r <= m))
+    record("small_m_f16x2_max_rows", awq.REPACKED_GEMV1_MAX_M, "",
+           "(largest M up to which one f16x2 program per row beats tl.dot, summed over the shapes)")
+
+
 def graph_us(fn, inputs: list) -> float:
     """Time per call of fn(*inputs[i]) for rotating inputs, all calls in one CUDA graph (as decode runs): no launch
     gaps, and the inputs together exceed the L2 cache several times, so weights come from memory. Median of 5."""
@@ -400,7 +437,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
-           "tune_repacked": tune_repacked, "kernels": kernels,
+           "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
            "m1_graph": m1_graph, "decode": lambda: decode(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])

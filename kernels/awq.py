@@ -2,7 +2,8 @@
 and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M (AWQLinear
 on a GPU: the same kernels' twins over awq_repack's layout, *_repacked, which is all it keeps of the weights):
 
-    M == 1       awq_gemv     batch-1 decode: memory-bound. fp16 / bf16 activations: packed f16x2 arithmetic in
+    M == 1       awq_gemv     batch-1 decode: memory-bound. (Over the repacked copy: M <= REPACKED_GEMV1_MAX_M = 4,
+                              one program per row, the rows of a tile together, so the weights come from DRAM once.) fp16 / bf16 activations: packed f16x2 arithmetic in
                               inline PTX (below) and a split-K reduction fused into the same launch (below).
                               float32 activations take the M <= 16 kernel (f16 would round them).
     1 < M <= 16  awq_gemv     small batches / speculative verification: a dequantised K tile, then tl.dot.
@@ -776,22 +777,25 @@ def _repacked_tile(c, w, xp, X_BF16: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _awq_gemv1_repacked_kernel(
-    x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, KT, split_k, tiles,
+    x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
     ASM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """x [K] (row pairs as int32s) -> out [N] over awq_repack's layout. Program (pid_n, pid_k): column block pid_n,
-    the `tiles` K tiles from pid_k * tiles, one warp, in a runtime loop with tile t + 1's loads issued before tile
-    t's arithmetic; the first tile's weights before the PDL wait. Split K as _awq_gemv1_kernel (float32 partials,
-    counter, the last program sums them in a fixed order and resets the counter)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    """x [M, K] (row pairs as int32s, stride_xm of them per row) -> out [M, N] over awq_repack's layout. Program
+    (pid_m, pid_n, pid_k): row pid_m, column block pid_n, the `tiles` K tiles from pid_k * tiles, one warp, in a
+    runtime loop with tile t + 1's loads issued before tile t's arithmetic; the first tile's weights before the PDL
+    wait. Split K as _awq_gemv1_kernel (float32 partials [M, SPLIT_K, N], one counter per row and column block, the
+    last program sums them in a fixed order and resets the counter). Rows are the fastest grid axis, so the M
+    programs of a tile run together and all but the first find its weights in L2 (M > 1: small decode batches)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     t0 = pid_k * tiles
     iv = tl.arange(0, 8)[:, None]
     jv = tl.arange(0, 16)[None, :]
     w_ptr = wq_ptr + (pid_n * KT + t0) * 2048
     m_ptr = meta_ptr + (pid_n * KT + t0) * 128
-    x_ptr = x_ptr + t0 * 64
+    x_ptr = x_ptr + pid_m * stride_xm + t0 * 64
     woff = iv * 16 + jv  # [8, 16]
     moff = jv  # [1, 16]
     xoff = iv * 8  # [8, 1]
@@ -808,8 +812,8 @@ def _awq_gemv1_repacked_kernel(
         c = _repacked_tile(c, w, xp, X_BF16, ASM)
         w = w_next
         xp = xp_next
-    _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, 16, SPLIT, SPLIT_PAD, 8, True,
-                    HAS_BIAS)  # fmt: skip
+    _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + pid_m * N, part_ptr + pid_m * split_k * N,
+                    cnt_ptr + pid_m * (N // 128), 16, SPLIT, SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
 
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
 _INTERPRETED = isinstance(_awq_gemv1_kernel, InterpretedFunction)
@@ -992,10 +996,12 @@ def awq_repack(qweight, qzeros, scales, group_size: int) -> RepackedAWQ | None:
 
 
 def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None) -> torch.Tensor:
-    """x [1, in] (fp16 / bf16) -> [1, out] over awq_repack's copy. `tiles`: K tiles per program (default:
-    _tiles_per_program, as for awq_gemv); `counters`: gemv_counters (default one set shared per (device, out))."""
+    """x [M <= 16, in] (fp16 / bf16) -> [M, out] over awq_repack's copy (one program per row, column block and K
+    split). `tiles`: K tiles per program (default: _tiles_per_program, as for awq_gemv); `counters`: gemv_counters
+    (default one set shared per (device, out))."""
     k, n = packed.in_features, packed.out_features
-    assert x.shape == (1, k) and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
+    m = x.shape[0]
+    assert x.shape[1] == k and m <= GEMV_MAX_M and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
     kt, nb = k // REPACK_GROUP, n // (8 * REPACK_BLOCK_N8)
     if tiles is None:
         tiles = _tiles_per_program(kt, nb)
@@ -1003,12 +1009,13 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     split_k = kt // tiles
     if counters is None:
         counters = _shared_counters(n, x.device)
-    assert counters.dtype == torch.int32 and counters.numel() >= nb
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    partials = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    _awq_gemv1_repacked_kernel[(nb, split_k)](
-        x.view(torch.int32), packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, n,
-        kt, split_k, tiles, SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
+    assert counters.dtype == torch.int32 and counters.numel() >= m * nb
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    x32 = x.view(torch.int32)  # row pairs
+    _awq_gemv1_repacked_kernel[(m, nb, split_k)](
+        x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, n,
+        kt, split_k, tiles, x32.stride(0), SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
         HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
         num_warps=1, num_stages=1, **pdl.launch_kwargs(),
     )  # fmt: skip
@@ -1120,6 +1127,7 @@ def _awq_gemv_repacked_dot_kernel(
 
 
 # Launch configurations (H200, bench/awq_bench.py; awq_bench may override them)
+REPACKED_GEMV1_MAX_M = 4  # up to this many rows (fp16 / bf16) the f16x2 kernel, one program per row; more: tl.dot
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=3)
 REPACKED_DEQUANT_CONFIG = dict(BP=64, num_warps=4)
 
@@ -1170,7 +1178,7 @@ def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=
     (AWQLinear passes None for them once it has dropped them)."""
     m = x.shape[0]
     if packed is not None:
-        if m == 1 and x.dtype in F16X2_DTYPES:
+        if m <= REPACKED_GEMV1_MAX_M and x.dtype in F16X2_DTYPES:
             return awq_gemv_repacked(x, packed, bias, counters)
         if m <= GEMV_MAX_M:
             return awq_gemv_repacked_dot(x, packed, bias)

@@ -49,17 +49,18 @@ CASES = [(128, 128, None, True), (512, 256, 1, False), (512, 384, 2, True), (102
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_repacked_gemv_matches_reference(case, dtype):
+@pytest.mark.parametrize("m", [1, 3])  # one program per row (rows share the counters array, one slice each)
+def test_repacked_gemv_matches_reference(case, dtype, m):
     k, n, tiles, with_bias = case
     qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + n)
     bias = bias.to(dtype) if with_bias else None
     packed = awq.awq_repack(qweight, qzeros, scales, 128)
     counters = awq.gemv_counters(n, DEVICE)
     for seed in (1, 2):  # twice: the counters are back at zero for the next launch
-        x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
         out = awq.awq_gemv_repacked(x, packed, bias, counters, tiles)
         ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, None if bias is None else bias.float())
-        assert out.dtype == dtype and out.shape == (1, n)
+        assert out.dtype == dtype and out.shape == (m, n)
         assert rel_err(out, ref) < REL_TOL[dtype]
         assert not counters.any()
 
@@ -117,9 +118,9 @@ def test_repacked_dot_gemv_matches_reference(case, with_bias):
 
 
 def test_awq_linear_repack_holds_the_weights_once():
-    """repack() frees the AutoAWQ tensors; every M (1 in fp16, 1 in float32, 4, 20) and both backends then run over
-    the repacked copy alone; loading into it afterwards is refused. A layer the layout does not fit keeps its
-    tensors."""
+    """repack() frees the AutoAWQ tensors; every M (1 and 4 in fp16: the f16x2 kernel; 1 in float32 and 7: tl.dot;
+    20: dequantise) and both backends then run over the repacked copy alone; loading into it afterwards is refused.
+    A layer the layout does not fit keeps its tensors."""
     from aserve.quantization.awq_linear import AWQLinear
 
     k, n = 256, 256
@@ -131,7 +132,8 @@ def test_awq_linear_repack_holds_the_weights_once():
     assert layer.qweight.numel() == layer.qzeros.numel() == layer.scales.numel() == 0
     assert torch.equal(layer.dequantized_weight(torch.float32), dequantize(qweight, qzeros, scales, 128).t())
     for backend, m, dtype in (("triton", 1, torch.float16), ("triton", 1, torch.float32), ("triton", 4, torch.float16),
-                              ("triton", 20, torch.float32), ("torch", 3, torch.float32)):  # fmt: skip
+                              ("triton", 7, torch.float16), ("triton", 20, torch.float32),
+                              ("torch", 3, torch.float32)):  # fmt: skip
         layer.backend = backend
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
         ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, bias.float())
