@@ -2,10 +2,11 @@
 and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M (AWQLinear
 on a GPU: the same kernels' twins over awq_repack's layout, *_repacked, which is all it keeps of the weights):
 
-    M == 1       awq_gemv     batch-1 decode: memory-bound. (Over the repacked copy: M <= REPACKED_GEMV1_MAX_M = 4,
-                              one program per row, the rows of a tile together, so the weights come from DRAM once.) fp16 / bf16 activations: packed f16x2 arithmetic in
+    M == 1       awq_gemv     batch-1 decode: memory-bound. fp16 / bf16 activations: packed f16x2 arithmetic in
                               inline PTX (below) and a split-K reduction fused into the same launch (below).
-                              float32 activations take the M <= 16 kernel (f16 would round them).
+                              float32 activations take the M <= 16 kernel (f16 would round them). Over the
+                              repacked copy up to REPACKED_GEMV1_MAX_M = 4 rows, one program per row (the rows of
+                              a tile run together, so its weights come from DRAM once).
     1 < M <= 16  awq_gemv     small batches / speculative verification: a dequantised K tile, then tl.dot.
     M > 16       dequantise the whole weight once (awq_dequantize, at ~3.3 TB/s of bytes moved on an H200), then
                  cuBLAS. A fused dequantise + tl.dot GEMM was 2-4x slower than this on the H200 at every M from
