@@ -249,15 +249,16 @@ def kernels() -> None:
 
 
 def small_m() -> None:
-    """M = 1-16 inside CUDA graphs with PDL (decode batches, speculative verification): bf16 cuBLAS vs the two
-    kernels over the repacked copy, the f16x2 one (one program per row) and the tl.dot one. Sets
-    awq.REPACKED_GEMV1_MAX_M to the largest M up to which the f16x2 kernel is the faster, summed over the shapes."""
+    """M = 1-16 inside CUDA graphs with PDL (decode batches, speculative verification): bf16 cuBLAS vs the kernels
+    over the repacked copy: the f16x2 one with one or two rows per program, and the tl.dot one. Sets
+    awq.REPACKED_GEMV1_ROWS to the faster f16x2 variant (summed over M 2-16 and the shapes) and
+    awq.REPACKED_GEMV1_MAX_M to the largest M up to which it beats tl.dot, summed over the shapes."""
     from kernels import awq, pdl
 
     rows = (1, 2, 3, 4, 6, 8, 16)
-    sums = {m: [0.0, 0.0] for m in rows}
-    print("\n| K x N | M | bf16 us | f16x2 per row us | tl.dot us | best speed-up |")
-    print("|---|---|---|---|---|---|")
+    sums = {m: [0.0, 0.0, 0.0] for m in rows}  # f16x2 one row, f16x2 two rows, tl.dot
+    print("\n| K x N | M | bf16 us | f16x2, 1 row / program us | f16x2, 2 rows / program us | tl.dot us | best |")
+    print("|---|---|---|---|---|---|---|")
     pdl.enable(True)
     try:
         for k, n in SHAPES:
@@ -267,20 +268,26 @@ def small_m() -> None:
             for m in rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 bf16 = graph_us(F.linear, [(x, w) for w in bf16_w])
-                f16x2 = graph_us(awq.awq_gemv_repacked, [(x, p) for p in packs])
+                one = graph_us(lambda x_, p: awq.awq_gemv_repacked(x_, p, rows=1), [(x, p) for p in packs])
+                two = graph_us(lambda x_, p: awq.awq_gemv_repacked(x_, p, rows=2), [(x, p) for p in packs])
                 dot = graph_us(awq.awq_gemv_repacked_dot, [(x, p) for p in packs])
-                sums[m][0] += f16x2
-                sums[m][1] += dot
-                print(f"| {k}x{n} | {m} | {bf16:.1f} | {f16x2:.1f} | {dot:.1f} | {bf16 / min(f16x2, dot):.2f}x |",
+                for i, v in enumerate((one, two, dot)):
+                    sums[m][i] += v
+                best = min(one, two, dot)
+                print(f"| {k}x{n} | {m} | {bf16:.1f} | {one:.1f} | {two:.1f} | {dot:.1f} | {bf16 / best:.2f}x |",
                       flush=True)  # fmt: skip
-                RESULTS[f"small_m_{k}x{n}_m{m}"] = {"value": round(bf16 / min(f16x2, dot), 3), "unit": "x", "note": (
-                    f"graph + PDL: bf16 {bf16:.1f} us, f16x2 per row {f16x2:.1f} us, tl.dot {dot:.1f} us")}
+                RESULTS[f"small_m_{k}x{n}_m{m}"] = {"value": round(bf16 / best, 3), "unit": "x", "note": (
+                    f"graph + PDL: bf16 {bf16:.1f} us, f16x2 1 / 2 rows per program {one:.1f} / {two:.1f} us, "
+                    f"tl.dot {dot:.1f} us")}  # fmt: skip
             del bf16_w, packs
     finally:
         pdl.enable(False)
-    awq.REPACKED_GEMV1_MAX_M = max(m for m in rows if all(sums[r][0] <= sums[r][1] for r in rows if r <= m))
-    record("small_m_f16x2_max_rows", awq.REPACKED_GEMV1_MAX_M, "",
-           "(largest M up to which one f16x2 program per row beats tl.dot, summed over the shapes)")
+    two_rows = sum(sums[m][1] for m in rows if m > 1) < sum(sums[m][0] for m in rows if m > 1)
+    awq.REPACKED_GEMV1_ROWS = 2 if two_rows else 1
+    f16x2 = 1 if two_rows else 0
+    awq.REPACKED_GEMV1_MAX_M = max(m for m in rows if all(sums[r][f16x2] <= sums[r][2] for r in rows if r <= m))
+    record("small_m_f16x2", f"{awq.REPACKED_GEMV1_ROWS} rows / program up to M = {awq.REPACKED_GEMV1_MAX_M}", "",
+           "(the faster f16x2 variant over M 2-16, and the largest M up to which it beats tl.dot)")
 
 
 def graph_us(fn, inputs: list) -> float:

@@ -5,8 +5,9 @@ on a GPU: the same kernels' twins over awq_repack's layout, *_repacked, which is
     M == 1       awq_gemv     batch-1 decode: memory-bound. fp16 / bf16 activations: packed f16x2 arithmetic in
                               inline PTX (below) and a split-K reduction fused into the same launch (below).
                               float32 activations take the M <= 16 kernel (f16 would round them). Over the
-                              repacked copy up to REPACKED_GEMV1_MAX_M = 4 rows, one program per row (the rows of
-                              a tile run together, so its weights come from DRAM once).
+                              repacked copy up to REPACKED_GEMV1_MAX_M = 6 rows, two rows per program (each
+                              weight unpacked once for both; a tile's programs run together, so its weights come
+                              from DRAM once).
     1 < M <= 16  awq_gemv     small batches / speculative verification: a dequantised K tile, then tl.dot.
     M > 16       dequantise the whole weight once (awq_dequantize, at ~3.3 TB/s of bytes moved on an H200), then
                  cuBLAS. A fused dequantise + tl.dot GEMM was 2-4x slower than this on the H200 at every M from
@@ -290,6 +291,32 @@ _STEP_ASM = tl.constexpr(_UNPACK_PTX.format(q=8, z0=10, z1=11, z2=12, z3=13, ops
 # the first row, no accumulator (q $4, x $5, z0..z3 $6..$9) -> x * (q - z)
 _FIRST_STEP_ASM = tl.constexpr(_UNPACK_PTX.format(q=4, z0=6, z1=7, z2=8, z3=9, ops="\n".join(
     f"mul.rn.f16x2 r{p}, w{p}, $5;" for p in range(4))))  # fmt: skip
+
+# Two rows at once, one unpack: (a0..a3 $8..$11, b0..b3 $12..$15, q $16, x $17, y $18, z0..z3 $19..$22) ->
+# (a + x * (q - z), b + y * (q - z)) in $0..$3, $4..$7; the first row of a tile (q $8, x $9, y $10, z0..z3 $11..$14)
+# -> (x * (q - z), y * (q - z))
+def _step2_ptx(q: int, x: int, y: int, z: int, acc: int | None) -> str:
+    ops = []
+    for p in range(4):
+        if acc is None:
+            ops += [f"mul.rn.f16x2 r{p}, w{p}, ${x};", f"mul.rn.f16x2 r{p + 4}, w{p}, ${y};"]
+        else:
+            ops += [f"fma.rn.f16x2 r{p}, w{p}, ${x}, ${acc + p};",
+                    f"fma.rn.f16x2 r{p + 4}, w{p}, ${y}, ${acc + 4 + p};"]
+    return (
+        "{\n.reg .b32 t, c, w0, w1, w2, w3, r0, r1, r2, r3, r4, r5, r6, r7;\nmov.b32 c, 0x2C002C00;\n"
+        f"lop3.b32 w0, ${q}, 0x000F000F, 0x64006400, 0xEA;\nlop3.b32 w1, ${q}, 0x00F000F0, 0x64006400, 0xEA;\n"
+        f"shr.u32 t, ${q}, 8;\nlop3.b32 w2, t, 0x000F000F, 0x64006400, 0xEA;\n"
+        "lop3.b32 w3, t, 0x00F000F0, 0x64006400, 0xEA;\n"
+        f"sub.f16x2 w0, w0, ${z};\nfma.rn.f16x2 w1, w1, c, ${z + 1};\nsub.f16x2 w2, w2, ${z + 2};\n"
+        f"fma.rn.f16x2 w3, w3, c, ${z + 3};\n" + "\n".join(ops) + "\n"
+        + "".join(f"mov.b32 ${k}, r{k};\n" for k in range(8)) + "}\n"
+    )
+
+
+_STEP2_ASM = tl.constexpr(_step2_ptx(q=16, x=17, y=18, z=19, acc=8))
+_I32X8 = tl.constexpr((tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32))
+_FIRST_STEP2_ASM = tl.constexpr(_step2_ptx(q=8, x=9, y=10, z=11, acc=None))
 
 # 4 f16x2 accumulators ($8..$11) -> 8 float32 ($0..$7), columns 0..7 in order
 _FINISH_ASM = tl.constexpr("""
@@ -759,8 +786,8 @@ def _load_x_pairs(x_ptr, xoff, ok):
 
 
 @triton.jit
-def _repacked_tile(c, w, xp, X_BF16: tl.constexpr, ASM: tl.constexpr):
-    q, z, s = w
+def _x_pair_rows(xp, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """A tile's 8 input row pairs -> its 16 rows as f16x2 (x/16, x/16)."""
     x0, x1 = _x_pairs(xp[0], X_BF16, ASM)
     x2, x3 = _x_pairs(xp[1], X_BF16, ASM)
     x4, x5 = _x_pairs(xp[2], X_BF16, ASM)
@@ -769,7 +796,13 @@ def _repacked_tile(c, w, xp, X_BF16: tl.constexpr, ASM: tl.constexpr):
     x10, x11 = _x_pairs(xp[5], X_BF16, ASM)
     x12, x13 = _x_pairs(xp[6], X_BF16, ASM)
     x14, x15 = _x_pairs(xp[7], X_BF16, ASM)
-    x = (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    return (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+
+
+@triton.jit
+def _repacked_tile(c, w, xp, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    q, z, s = w
+    x = _x_pair_rows(xp, X_BF16, ASM)
     a0, a1, a2, a3 = _step_zc(q[0], q[0], q[0], q[0], q[0], x[0], z[0], z[1], z[2], z[3], True, ASM)
     for r in tl.static_range(1, 16):
         a0, a1, a2, a3 = _step_zc(a0, a1, a2, a3, q[r], x[r], z[0], z[1], z[2], z[3], False, ASM)
@@ -777,17 +810,51 @@ def _repacked_tile(c, w, xp, X_BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _step2_zc(a, b, q, x, y, z, FIRST: tl.constexpr, ASM: tl.constexpr):
+    """_step_zc for two rows (inputs x and y, accumulators a and b: 4-tuples), unpacking q once."""
+    if ASM:
+        if FIRST:
+            r = tl.inline_asm_elementwise(_FIRST_STEP2_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r",
+                                          [q, x, y, z[0], z[1], z[2], z[3]], dtype=_I32X8, is_pure=True,
+                                          pack=1)  # fmt: skip
+        else:
+            r = tl.inline_asm_elementwise(
+                _STEP2_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], q, x, y, z[0], z[1], z[2], z[3]],
+                dtype=_I32X8, is_pure=True, pack=1,
+            )  # fmt: skip
+        return (r[0], r[1], r[2], r[3]), (r[4], r[5], r[6], r[7])
+    else:
+        a = _step_zc(a[0], a[1], a[2], a[3], q, x, z[0], z[1], z[2], z[3], FIRST, False)
+        b = _step_zc(b[0], b[1], b[2], b[3], q, y, z[0], z[1], z[2], z[3], FIRST, False)
+        return a, b
+
+
+@triton.jit
+def _repacked_tile2(c, d, w, xp, yp, X_BF16: tl.constexpr, ASM: tl.constexpr):
+    """_repacked_tile for two input rows (x pairs xp, yp; float32 accumulators c, d) over one load of the tile."""
+    q, z, s = w
+    x = _x_pair_rows(xp, X_BF16, ASM)
+    y = _x_pair_rows(yp, X_BF16, ASM)
+    a, b = _step2_zc(z, z, q[0], x[0], y[0], z, True, ASM)
+    for r in tl.static_range(1, 16):
+        a, b = _step2_zc(a, b, q[r], x[r], y[r], z, False, ASM)
+    return _scale_acc(c, a[0], a[1], a[2], a[3], s, ASM), _scale_acc(d, b[0], b[1], b[2], b[3], s, ASM)
+
+
+@triton.jit
 def _awq_gemv1_repacked_kernel(
-    x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, KT, split_k, tiles, stride_xm,
+    x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-    ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """x [M, K] (row pairs as int32s, stride_xm of them per row) -> out [M, N] over awq_repack's layout. Program
     (pid_m, pid_n, pid_k): row pid_m, column block pid_n, the `tiles` K tiles from pid_k * tiles, one warp, in a
     runtime loop with tile t + 1's loads issued before tile t's arithmetic; the first tile's weights before the PDL
     wait. Split K as _awq_gemv1_kernel (float32 partials [M, SPLIT_K, N], one counter per row and column block, the
     last program sums them in a fixed order and resets the counter). Rows are the fastest grid axis, so the M
-    programs of a tile run together and all but the first find its weights in L2 (M > 1: small decode batches)."""
+    programs of a tile run together and all but the first find its weights in L2 (M > 1: small decode batches).
+    ROWS = 2: each program takes rows 2 pid_m and 2 pid_m + 1 (if < M) and unpacks each weight once for both."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -796,7 +863,8 @@ def _awq_gemv1_repacked_kernel(
     jv = tl.arange(0, 16)[None, :]
     w_ptr = wq_ptr + (pid_n * KT + t0) * 2048
     m_ptr = meta_ptr + (pid_n * KT + t0) * 128
-    x_ptr = x_ptr + pid_m * stride_xm + t0 * 64
+    row = pid_m * ROWS
+    x_ptr = x_ptr + row * stride_xm + t0 * 64
     woff = iv * 16 + jv  # [8, 16]
     moff = jv  # [1, 16]
     xoff = iv * 8  # [8, 1]
@@ -806,15 +874,33 @@ def _awq_gemv1_repacked_kernel(
     xp = _load_x_pairs(x_ptr, xoff, one)
     zero = tl.zeros([8, 16], dtype=tl.float32)
     c = (zero, zero, zero, zero, zero, zero, zero, zero)  # summed over rows at the end
-    for t in range(tiles):
-        more = one & (t + 1 < tiles)
-        w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
-        xp_next = _load_x_pairs(x_ptr + (t + 1) * 64, xoff, more)
-        c = _repacked_tile(c, w, xp, X_BF16, ASM)
-        w = w_next
-        xp = xp_next
-    _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + pid_m * N, part_ptr + pid_m * split_k * N,
-                    cnt_ptr + pid_m * (N // 128), 16, SPLIT, SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
+    if ROWS == 1:
+        for t in range(tiles):
+            more = one & (t + 1 < tiles)
+            w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
+            xp_next = _load_x_pairs(x_ptr + (t + 1) * 64, xoff, more)
+            c = _repacked_tile(c, w, xp, X_BF16, ASM)
+            w = w_next
+            xp = xp_next
+    else:
+        second = one & (row + 1 < M)
+        yp = _load_x_pairs(x_ptr + stride_xm, xoff, second)
+        d = c
+        for t in range(tiles):
+            more = one & (t + 1 < tiles)
+            w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
+            xp_next = _load_x_pairs(x_ptr + (t + 1) * 64, xoff, more)
+            yp_next = _load_x_pairs(x_ptr + stride_xm + (t + 1) * 64, xoff, more & second)
+            c, d = _repacked_tile2(c, d, w, xp, yp, X_BF16, ASM)
+            w = w_next
+            xp = xp_next
+            yp = yp_next
+        if row + 1 < M:
+            _gemv1_epilogue(d, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + (row + 1) * N,
+                            part_ptr + (row + 1) * split_k * N, cnt_ptr + (row + 1) * (N // 128), 16, SPLIT,
+                            SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
+    _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + row * N, part_ptr + row * split_k * N,
+                    cnt_ptr + row * (N // 128), 16, SPLIT, SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
 
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
 _INTERPRETED = isinstance(_awq_gemv1_kernel, InterpretedFunction)
@@ -996,10 +1082,11 @@ def awq_repack(qweight, qzeros, scales, group_size: int) -> RepackedAWQ | None:
     return RepackedAWQ(wq, meta, k, n8 * 8)
 
 
-def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None) -> torch.Tensor:
-    """x [M <= 16, in] (fp16 / bf16) -> [M, out] over awq_repack's copy (one program per row, column block and K
-    split). `tiles`: K tiles per program (default: _tiles_per_program, as for awq_gemv); `counters`: gemv_counters
-    (default one set shared per (device, out))."""
+def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None,
+                      rows: int | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M <= 16, in] (fp16 / bf16) -> [M, out] over awq_repack's copy (one program per `rows` rows (1 or 2;
+    default REPACKED_GEMV1_ROWS for M > 1), column block and K split). `tiles`: K tiles per program (default:
+    _tiles_per_program, as for awq_gemv); `counters`: gemv_counters (default one set shared per (device, out))."""
     k, n = packed.in_features, packed.out_features
     m = x.shape[0]
     assert x.shape[1] == k and m <= GEMV_MAX_M and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
@@ -1014,9 +1101,11 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     x32 = x.view(torch.int32)  # row pairs
-    _awq_gemv1_repacked_kernel[(m, nb, split_k)](
-        x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, n,
-        kt, split_k, tiles, x32.stride(0), SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
+    rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
+    assert rows in (1, 2)
+    _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
+        x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
+        tiles, x32.stride(0), SPLIT=split_k > 1, ROWS=rows, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
         HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
         num_warps=1, num_stages=1, **pdl.launch_kwargs(),
     )  # fmt: skip
@@ -1128,7 +1217,11 @@ def _awq_gemv_repacked_dot_kernel(
 
 
 # Launch configurations (H200, bench/awq_bench.py; awq_bench may override them)
-REPACKED_GEMV1_MAX_M = 4  # up to this many rows (fp16 / bf16) the f16x2 kernel, one program per row; more: tl.dot
+# Up to REPACKED_GEMV1_MAX_M rows (fp16 / bf16) the f16x2 kernel, REPACKED_GEMV1_ROWS rows per program (2: each
+# weight unpacked once for both); more rows: tl.dot. H200, CUDA graphs (docs/benchmarks.md, session 11 run 8): two
+# rows per program beat one at M = 4 (9.9 / 26.1 / 26.0 vs 11.7 / 32.2 / 32.2 us), both beat tl.dot up to M = 6.
+REPACKED_GEMV1_MAX_M = 6
+REPACKED_GEMV1_ROWS = 2
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=3)
 REPACKED_DEQUANT_CONFIG = dict(BP=64, num_warps=4)
 

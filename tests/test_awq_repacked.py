@@ -49,8 +49,8 @@ CASES = [(128, 128, None, True), (512, 256, 1, False), (512, 384, 2, True), (102
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 3])  # one program per row (rows share the counters array, one slice each)
-def test_repacked_gemv_matches_reference(case, dtype, m):
+@pytest.mark.parametrize("m, rows", [(1, 1), (3, 1), (3, 2), (4, 2)])  # rows per program; counters: a slice per row
+def test_repacked_gemv_matches_reference(case, dtype, m, rows):
     k, n, tiles, with_bias = case
     qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + n)
     bias = bias.to(dtype) if with_bias else None
@@ -58,7 +58,7 @@ def test_repacked_gemv_matches_reference(case, dtype, m):
     counters = awq.gemv_counters(n, DEVICE)
     for seed in (1, 2):  # twice: the counters are back at zero for the next launch
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
-        out = awq.awq_gemv_repacked(x, packed, bias, counters, tiles)
+        out = awq.awq_gemv_repacked(x, packed, bias, counters, tiles, rows)
         ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, None if bias is None else bias.float())
         assert out.dtype == dtype and out.shape == (m, n)
         assert rel_err(out, ref) < REL_TOL[dtype]
