@@ -49,7 +49,7 @@ CASES = [(128, 128, None, True), (512, 256, 1, False), (512, 384, 2, True), (102
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m, rows", [(1, 1), (3, 1), (3, 2), (4, 2)])  # rows per program; counters: a slice per row
+@pytest.mark.parametrize("m, rows", [(1, 1), (2, 1), (3, 2)])  # rows per program (odd M: one masked)
 def test_repacked_gemv_matches_reference(case, dtype, m, rows):
     k, n, tiles, with_bias = case
     qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + n)
