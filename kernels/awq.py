@@ -1269,7 +1269,7 @@ def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=
                packed: RepackedAWQ | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's; `packed`
     (awq_repack's copy of the same weights): every M runs over it, so qweight / qzeros / scales are not read then
-    (AWQLinear passes None for them once it has dropped them)."""
+    (after AWQLinear.repack they are empty)."""
     m = x.shape[0]
     if packed is not None:
         if m <= REPACKED_GEMV1_MAX_M and x.dtype in F16X2_DTYPES:
