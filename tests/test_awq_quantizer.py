@@ -245,3 +245,39 @@ def test_tune_steps_lower_the_kl_and_keep_the_format(tiny_model_factory, tmp_pat
     assert changed_codes == moved and (moved > 0) == (codes_lr != "0")
     expected = hf_greedy(dequantized_checkpoint(str(tmp_path / "tuned"), str(tmp_path / "deq")), PROMPTS, MAX_NEW)
     assert aserve_greedy(str(tmp_path / "tuned")) == expected
+
+
+def test_tune_generated_windows_join_the_tuning(tiny_model_factory, tmp_path, capsys):
+    """`--tune-generated N`: the float model writes N windows continuing calibration prefixes (deterministic per
+    seed), tuning runs on the calibration windows plus those, and the checkpoint serves like its dequantised weights."""
+    import re
+
+    from test_awq_model import MAX_NEW, PROMPTS, aserve_greedy, dequantized_checkpoint
+    from tiny_models import hf_greedy
+
+    from aserve.cli import main as cli_main
+    from aserve.quantization.quantize import self_generated_windows
+
+    model = tiny_model_factory("gqa")
+    calibration = torch.randint(3, 300, (3, 48), generator=torch.Generator().manual_seed(0))
+    windows = self_generated_windows(model, calibration, 4, progress=False, prefix=16)
+    assert windows.shape == (4, 48) and windows.dtype == calibration.dtype
+    assert all(torch.equal(windows[i, :16], calibration[i % 3, :16]) for i in range(4))
+    assert torch.equal(windows, self_generated_windows(model, calibration, 4, progress=False, prefix=16))
+    assert len({tuple(w[16:].tolist()) for w in windows}) == 4  # each its own seed
+
+    cli_main(["quantize", "--model", model, "--group-size", "32", "--num-samples", "4", "--seq-len", "64", "--out",
+              str(tmp_path / "tuned"), "--tune-steps", "6", "--tune-generated", "5"])  # fmt: skip
+    out = capsys.readouterr().out
+    found = re.search(r"KL per token to the float model ([\d.]+) -> ([\d.]+), \d+ codes moved; (\d+) windows \(5 "
+                      r"self-generated\)", out)  # fmt: skip
+    assert found, out
+    from transformers import AutoTokenizer
+
+    from aserve.quantization.quantize import calibration_ids, data_path
+
+    with open(data_path("calibration.txt"), encoding="utf-8") as f:
+        shipped = len(calibration_ids(AutoTokenizer.from_pretrained(model), f.read(), 1 << 30, 64))
+    assert int(found[3]) == shipped + 5
+    expected = hf_greedy(dequantized_checkpoint(str(tmp_path / "tuned"), str(tmp_path / "deq")), PROMPTS, MAX_NEW)
+    assert aserve_greedy(str(tmp_path / "tuned")) == expected
