@@ -263,60 +263,42 @@ mov.b32 $3, r3;
 }
 """)
 
-# The unpacking shared by both steps: w0..w3 = (q - z) of the four pairs as f16x2 (q int32 at Q, z0..z3 at Z..Z+3,
-# 0x2C00 = 1/16), then `{0}` (an accumulating fma or the first row's mul) per pair.
-_UNPACK_PTX = """
-{{
-.reg .b32 t, c, w0, w1, w2, w3, r0, r1, r2, r3;
-mov.b32 c, 0x2C002C00;
-lop3.b32 w0, ${q}, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 w1, ${q}, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 t, ${q}, 8;
-lop3.b32 w2, t, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 w3, t, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 w0, w0, ${z0};
-fma.rn.f16x2 w1, w1, c, ${z1};
-sub.f16x2 w2, w2, ${z2};
-fma.rn.f16x2 w3, w3, c, ${z3};
-{ops}
-mov.b32 $0, r0;
-mov.b32 $1, r1;
-mov.b32 $2, r2;
-mov.b32 $3, r3;
-}}
-"""
-# (a0..a3 $4..$7, q $8, x $9, z0..z3 $10..$13) -> a + x * (q - z)
-_STEP_ASM = tl.constexpr(_UNPACK_PTX.format(q=8, z0=10, z1=11, z2=12, z3=13, ops="\n".join(
-    f"fma.rn.f16x2 r{p}, w{p}, $9, ${4 + p};" for p in range(4))))  # fmt: skip
-# the first row, no accumulator (q $4, x $5, z0..z3 $6..$9) -> x * (q - z)
-_FIRST_STEP_ASM = tl.constexpr(_UNPACK_PTX.format(q=4, z0=6, z1=7, z2=8, z3=9, ops="\n".join(
-    f"mul.rn.f16x2 r{p}, w{p}, $5;" for p in range(4))))  # fmt: skip
-
-# Two rows at once, one unpack: (a0..a3 $8..$11, b0..b3 $12..$15, q $16, x $17, y $18, z0..z3 $19..$22) ->
-# (a + x * (q - z), b + y * (q - z)) in $0..$3, $4..$7; the first row of a tile (q $8, x $9, y $10, z0..z3 $11..$14)
-# -> (x * (q - z), y * (q - z))
-def _step2_ptx(q: int, x: int, y: int, z: int, acc: int | None) -> str:
-    ops = []
-    for p in range(4):
-        if acc is None:
-            ops += [f"mul.rn.f16x2 r{p}, w{p}, ${x};", f"mul.rn.f16x2 r{p + 4}, w{p}, ${y};"]
-        else:
-            ops += [f"fma.rn.f16x2 r{p}, w{p}, ${x}, ${acc + p};",
-                    f"fma.rn.f16x2 r{p + 4}, w{p}, ${y}, ${acc + 4 + p};"]
+def _unpack_ptx(q: int, z: int, ops: list[str], outputs: int) -> str:
+    """The unpacking shared by all steps: w0..w3 = (q - z) of the four pairs as f16x2 (q int32 at $q, z0..z3 at
+    $z..$z+3, 0x2C00 = 1/16), then `ops` (accumulating fmas or a first row's muls into r0 .. r{outputs - 1}), then
+    those to $0 .. $(outputs - 1)."""
+    regs = ", ".join(f"r{k}" for k in range(outputs))
     return (
-        "{\n.reg .b32 t, c, w0, w1, w2, w3, r0, r1, r2, r3, r4, r5, r6, r7;\nmov.b32 c, 0x2C002C00;\n"
-        f"lop3.b32 w0, ${q}, 0x000F000F, 0x64006400, 0xEA;\nlop3.b32 w1, ${q}, 0x00F000F0, 0x64006400, 0xEA;\n"
-        f"shr.u32 t, ${q}, 8;\nlop3.b32 w2, t, 0x000F000F, 0x64006400, 0xEA;\n"
+        "\n{\n"
+        f".reg .b32 t, c, w0, w1, w2, w3, {regs};\n"
+        "mov.b32 c, 0x2C002C00;\n"
+        f"lop3.b32 w0, ${q}, 0x000F000F, 0x64006400, 0xEA;\n"
+        f"lop3.b32 w1, ${q}, 0x00F000F0, 0x64006400, 0xEA;\n"
+        f"shr.u32 t, ${q}, 8;\n"
+        "lop3.b32 w2, t, 0x000F000F, 0x64006400, 0xEA;\n"
         "lop3.b32 w3, t, 0x00F000F0, 0x64006400, 0xEA;\n"
-        f"sub.f16x2 w0, w0, ${z};\nfma.rn.f16x2 w1, w1, c, ${z + 1};\nsub.f16x2 w2, w2, ${z + 2};\n"
-        f"fma.rn.f16x2 w3, w3, c, ${z + 3};\n" + "\n".join(ops) + "\n"
-        + "".join(f"mov.b32 ${k}, r{k};\n" for k in range(8)) + "}\n"
+        f"sub.f16x2 w0, w0, ${z};\n"
+        f"fma.rn.f16x2 w1, w1, c, ${z + 1};\n"
+        f"sub.f16x2 w2, w2, ${z + 2};\n"
+        f"fma.rn.f16x2 w3, w3, c, ${z + 3};\n"
+        + "\n".join(ops) + "\n"
+        + "".join(f"mov.b32 ${k}, r{k};\n" for k in range(outputs))
+        + "}\n"
     )
 
 
-_STEP2_ASM = tl.constexpr(_step2_ptx(q=16, x=17, y=18, z=19, acc=8))
+# (a0..a3 $4..$7, q $8, x $9, z0..z3 $10..$13) -> a + x * (q - z)
+_STEP_ASM = tl.constexpr(_unpack_ptx(8, 10, [f"fma.rn.f16x2 r{p}, w{p}, $9, ${4 + p};" for p in range(4)], 4))
+# the first row, no accumulator (q $4, x $5, z0..z3 $6..$9) -> x * (q - z)
+_FIRST_STEP_ASM = tl.constexpr(_unpack_ptx(4, 6, [f"mul.rn.f16x2 r{p}, w{p}, $5;" for p in range(4)], 4))
+# Two rows at once, one unpack: (a0..a3 $8..$11, b0..b3 $12..$15, q $16, x $17, y $18, z0..z3 $19..$22) ->
+# (a + x * (q - z), b + y * (q - z)) in $0..$3, $4..$7; the first row of a tile (q $8, x $9, y $10, z0..z3 $11..$14)
+# -> (x * (q - z), y * (q - z))
+_STEP2_ASM = tl.constexpr(_unpack_ptx(16, 19, [op for p in range(4) for op in (
+    f"fma.rn.f16x2 r{p}, w{p}, $17, ${8 + p};", f"fma.rn.f16x2 r{p + 4}, w{p}, $18, ${12 + p};")], 8))  # fmt: skip
+_FIRST_STEP2_ASM = tl.constexpr(_unpack_ptx(8, 11, [op for p in range(4) for op in (
+    f"mul.rn.f16x2 r{p}, w{p}, $9;", f"mul.rn.f16x2 r{p + 4}, w{p}, $10;")], 8))  # fmt: skip
 _I32X8 = tl.constexpr((tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32))
-_FIRST_STEP2_ASM = tl.constexpr(_step2_ptx(q=8, x=9, y=10, z=11, acc=None))
 
 # 4 f16x2 accumulators ($8..$11) -> 8 float32 ($0..$7), columns 0..7 in order
 _FINISH_ASM = tl.constexpr("""
