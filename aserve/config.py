@@ -76,7 +76,10 @@ class EngineArgs:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA GPU here (use auto or cpu)")
+    return resolved
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:

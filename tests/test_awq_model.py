@@ -141,6 +141,17 @@ def test_quantize_cli_names_a_group_size_that_fits(tiny_model_factory, tmp_path,
     assert "hidden_size 64 is not a multiple of group size 128; use --group-size 64" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_quantize_cli_device_cuda_without_a_gpu_fails_at_once(tiny_model_factory, tmp_path, capsys):
+    """`--device cuda` where torch sees no GPU: a clear error before any rounding, no output written."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["quantize", "--model", tiny_model_factory("gqa"), "--out", str(tmp_path / "x"), "--group-size", "32",
+                  "--tune-steps", "2", "--device", "cuda"])  # fmt: skip
+    assert exc.value.code == 2
+    assert "device 'cuda' was asked for, but torch sees no CUDA GPU here" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
+
+
 def test_quantization_arg_checks_the_checkpoint(tiny_model_factory):
     with pytest.raises(ValueError, match="is not an AWQ checkpoint"):
         LLM(tiny_model_factory("gqa"), quantization="awq", enforce_eager=True)

@@ -183,13 +183,20 @@ def test_perplexity_matches_transformers_loss(tiny_model_factory):
     assert ppl == pytest.approx(math.exp(nll / count), rel=1e-5)
 
 
+def _paris(model: str) -> str:
+    from aserve import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=512, kv_cache_memory_gb=0.1)
+    return llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text  # fmt: skip
+
+
 @pytest.mark.slow
 def test_smollm2_awq_g64_quality(tmp_path):
-    """The issue's quality bar, on held-out text (Alice in Wonderland; calibration is Shakespeare and Milton):
-    the default quantiser (GPTQ in act order, AutoAWQ format) at g64 within 5 % of bf16 perplexity and below RTN
-    g64; greedy chat still answers Paris. bench/awq_quality.py prints the full table (not met yet: +8.4-8.7 %;
-    +6.0 % with --tune-steps 80 --tune-codes-lr 2e-2, docs/quantization.md)."""
-    from aserve import LLM, SamplingParams
+    """On held-out text (Alice in Wonderland; calibration is Shakespeare and Milton) the default quantiser (GPTQ in
+    act order, AutoAWQ format) at g64 beats RTN g64, and greedy chat still answers Paris. Rounding alone stays at
+    +8.4-8.7 % of bf16's perplexity; the 5 % bar is met with end-to-end tuning on a GPU (the next test).
+    bench/awq_quality.py prints the full table."""
     from aserve.quantization.perplexity import perplexity
     from aserve.quantization.quantize import data_path, quantize_model
 
@@ -199,12 +206,28 @@ def test_smollm2_awq_g64_quality(tmp_path):
     for method in ("rtn", "gptq"):
         quantize_model(None, str(tmp_path / method), group_size=64, method=method, progress=False)
         ppl[method] = perplexity(str(tmp_path / method), text, max_windows=24)[0]
-    assert ppl["gptq"] < ppl["rtn"]
-    assert ppl["gptq"] < 1.05 * ppl["bf16"], ppl
-    llm = LLM(str(tmp_path / "gptq"), max_model_len=512, kv_cache_memory_gb=0.1)
-    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                      SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text  # fmt: skip
-    assert "Paris" in answer
+    assert ppl["bf16"] < ppl["gptq"] < ppl["rtn"], ppl
+    assert "Paris" in _paris(str(tmp_path / "gptq"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="500 tuning steps of 16 windows: ~5 min on a GPU")
+def test_smollm2_awq_g64_tuned_within_5_percent(tmp_path):
+    """The issue's quality bar through the CLI: `aserve quantize` with end-to-end tuning on a GPU (the recipe of
+    docs/quantization.md: +3.84 % on an H200) is within 5 % of bf16's perplexity on the whole held-out text, and
+    greedy chat still answers Paris."""
+    from aserve.cli import main as cli_main
+    from aserve.quantization.perplexity import perplexity
+    from aserve.quantization.quantize import data_path
+
+    with open(data_path("heldout.txt")) as f:
+        text = f.read()
+    out = str(tmp_path / "tuned")
+    cli_main(["quantize", "--out", out, "--tune-steps", "500", "--tune-batch", "16", "--tune-codes-lr", "2e-2",
+              "--tune-generated", "2000", "--device", "cuda"])  # fmt: skip
+    bf16, tuned = perplexity(None, text)[0], perplexity(out, text)[0]
+    assert tuned < 1.05 * bf16, (tuned, bf16)
+    assert "Paris" in _paris(out)
 
 
 @pytest.mark.parametrize("method, variant, codes_lr", [("gptq", "gqa", "0"), ("awq", "qwen2", "0.03")])
@@ -249,7 +272,8 @@ def test_tune_steps_lower_the_kl_and_keep_the_format(tiny_model_factory, tmp_pat
 
 def test_tune_generated_windows_join_the_tuning(tiny_model_factory, tmp_path, capsys):
     """`--tune-generated N`: the float model writes N windows continuing calibration prefixes (deterministic per
-    seed), tuning runs on the calibration windows plus those, and the checkpoint serves like its dequantised weights."""
+    seed), tuning runs on the calibration windows plus those (`--tune-batch` of them per step), and the checkpoint
+    serves like its dequantised weights."""
     import re
 
     from test_awq_model import MAX_NEW, PROMPTS, aserve_greedy, dequantized_checkpoint
@@ -267,10 +291,10 @@ def test_tune_generated_windows_join_the_tuning(tiny_model_factory, tmp_path, ca
     assert len({tuple(w[16:].tolist()) for w in windows}) == 4  # each its own seed
 
     cli_main(["quantize", "--model", model, "--group-size", "32", "--num-samples", "4", "--seq-len", "64", "--out",
-              str(tmp_path / "tuned"), "--tune-steps", "6", "--tune-generated", "5"])  # fmt: skip
+              str(tmp_path / "tuned"), "--tune-steps", "6", "--tune-generated", "5", "--tune-batch", "3"])  # fmt: skip
     out = capsys.readouterr().out
     found = re.search(r"KL per token to the float model ([\d.]+) -> ([\d.]+), \d+ codes moved; (\d+) windows \(5 "
-                      r"self-generated\)", out)  # fmt: skip
+                      r"self-generated\), 3 per step", out)  # fmt: skip
     assert found, out
     from transformers import AutoTokenizer
 

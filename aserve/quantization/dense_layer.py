@@ -38,7 +38,7 @@ class DenseDecoderLayer:
         self.eps = hf_config.rms_norm_eps
         theta, scaling = rope_parameters(hf_config)
         rotary = RotaryEmbedding(self.head_dim, seq_len, theta, scaling)
-        rotary.materialize(torch.device("cpu"))
+        rotary.materialize(next(iter(weights.values())).device if weights else torch.device("cpu"))
         self.rotary = rotary
 
     def linear(self, name: str, x: torch.Tensor, override: Weights | None = None) -> torch.Tensor:
@@ -48,7 +48,7 @@ class DenseDecoderLayer:
     def attention(self, h: torch.Tensor, seq_len: int, override: Weights | None = None):
         """h [T = N * seq_len, hidden] -> (self_attn output [T, hidden], context [T, heads * head_dim])."""
         qkv = torch.cat([self.linear(f"self_attn.{p}_proj", h, override) for p in "qkv"], dim=-1)
-        positions = torch.arange(seq_len).repeat(h.shape[0] // seq_len)
+        positions = torch.arange(seq_len, device=h.device).repeat(h.shape[0] // seq_len)
         cos, sin = self.rotary(positions, h.dtype)
         q, k, v = split_rotate_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
 

@@ -27,6 +27,7 @@ from importlib import resources
 
 import torch
 
+from aserve.config import resolve_device
 from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear, pack_quantized
 from aserve.quantization.awq_search import awq_layer
 from aserve.quantization.dense_layer import DenseDecoderLayer
@@ -56,20 +57,21 @@ def calibration_ids(tokenizer, text: str, num_samples: int, seq_len: int) -> tor
 
 
 def self_generated_windows(model_dir: str, calibration: torch.Tensor, count: int, progress: bool = True,
-                           prefix: int = 32, seed: int = 0) -> torch.Tensor:  # fmt: skip
+                           prefix: int = 32, seed: int = 0, device: str = "auto") -> torch.Tensor:  # fmt: skip
     """`count` windows as long as the calibration windows [N, seq_len], written by the float model itself through
     aserve's offline engine (temperature 1, ignoring EOS), each continuing the first `prefix` tokens of a
     calibration window (cycled; seeds seed, seed + 1, ...): more text for end-to-end tuning than the shipped
-    calibration text holds, from the distribution the quantised model should match (SmolLM2 g64, session 11: 240
-    tuning steps on the 119 calibration windows + 238 windows made this way gave +5.77 % and, with other seeds,
-    +6.37 % held-out perplexity; docs/benchmarks.md). -> [count, seq_len] token ids."""
+    calibration text holds, from the distribution the quantised model should match (SmolLM2 g64, 500 tuning steps
+    of 8 windows: with 1000 such windows +5.2 % held-out perplexity, with 2000 +4.4 %; docs/quantization.md).
+    Runs on `device` (auto: a GPU if there is one). -> [count, seq_len] token ids."""
     import gc
 
     from aserve import LLM, SamplingParams
 
     seq_len = calibration.shape[1]
     prefix = min(prefix, seq_len - 1)
-    llm = LLM(model_dir, max_model_len=seq_len, max_num_seqs=min(count, 64))
+    on_gpu = resolve_device(device).type == "cuda"
+    llm = LLM(model_dir, max_model_len=seq_len, max_num_seqs=min(count, 256 if on_gpu else 64), device=device)
     prompts = [{"prompt_token_ids": calibration[i % len(calibration), :prefix].tolist()} for i in range(count)]
     params = [SamplingParams(temperature=1.0, max_tokens=seq_len - prefix, ignore_eos=True, seed=seed + i)
               for i in range(count)]  # fmt: skip
@@ -77,6 +79,8 @@ def self_generated_windows(model_dir: str, calibration: torch.Tensor, count: int
     ids = torch.tensor([p["prompt_token_ids"] + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)])
     del llm, outs
     gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()  # the engine's KV cache, back to the device for the tuning (or other processes)
     return ids.to(calibration.dtype)
 
 
@@ -98,6 +102,8 @@ def quantize_model(
     tune_lr: float = 1e-3,
     tune_codes_lr: float = 0.0,
     tune_generated: int = 0,
+    tune_batch: int = 2,
+    device: str = "auto",
 ) -> dict:
     """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "linears":
     [{linear: {"rtn", "gptq"}}], "seconds"} (per layer: AWQ's block errors, GPTQ's linear output errors).
@@ -107,13 +113,15 @@ def quantize_model(
     the input channels by decreasing activation energy (grids fixed beforehand), else in order. `tune_steps` > 0:
     then train the group scales and norms (and, with `tune_codes_lr` > 0, the codes) end to end against the float
     model on all the calibration text's windows (tune.py; report["tune"]), plus `tune_generated` windows the
-    float model writes itself (self_generated_windows)."""
+    float model writes itself (self_generated_windows); `tune_batch` windows per step. `device` (auto: a GPU if
+    there is one) runs the tuning and the self-generation; the rounding stays on the CPU."""
     from transformers import AutoConfig, AutoTokenizer
 
     from aserve.model.loader import iterate_safetensors, resolve_model
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    resolve_device(device)  # before minutes of rounding: --device cuda on a machine without one fails here
     t0 = time.perf_counter()
     model_dir, _ = resolve_model(model)
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -180,10 +188,12 @@ def quantize_model(
     if tune_steps:
         windows = calibration_ids(tokenizer, calib_text, 1 << 30, seq_len)
         if tune_generated:
-            windows = torch.cat([windows, self_generated_windows(model_dir, windows, tune_generated, progress)])
+            generated = self_generated_windows(model_dir, windows, tune_generated, progress, device=device)
+            windows = torch.cat([windows, generated])
         report["tune"] = tune_end_to_end(state, out, cfg, LINEARS, windows, group_size, tune_steps, tune_lr,
-                                         progress=progress, codes_lr=tune_codes_lr)  # fmt: skip
-        report["tune"].update(windows=len(windows), generated=tune_generated)
+                                         batch_size=tune_batch, progress=progress, codes_lr=tune_codes_lr,
+                                         device=resolve_device(device))  # fmt: skip
+        report["tune"].update(windows=len(windows), generated=tune_generated, batch=tune_batch)
     write_checkpoint(model_dir, out_dir, out, AWQConfig(group_size=group_size), tokenizer)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
@@ -227,7 +237,8 @@ def add_quantize_parser(sub) -> None:
                    help="calibrate each layer on the quantised model's activations, not the float model's")
     p.add_argument("--tune-steps", type=int, default=0,
                    help="after rounding, train the group scales and norms end to end against the float model for "
-                        "this many steps of 2 calibration windows (0: off; SmolLM2-135M: ~8 s per step on 2 cores)")
+                        "this many steps of --tune-batch calibration windows (0: off; SmolLM2-135M, 2 windows: "
+                        "~8 s per step on 2 CPU cores)")
     p.add_argument("--tune-lr", type=float, default=1e-3,
                    help="Adam learning rate of --tune-steps for the scales and norms (cosine schedule)")
     p.add_argument("--tune-codes-lr", type=float, default=0.0,
@@ -235,6 +246,10 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--tune-generated", type=int, default=0,
                    help="with --tune-steps, also tune on this many windows the float model writes itself "
                         "(temperature 1, each continuing a calibration window's first 32 tokens); 0: off")
+    p.add_argument("--tune-batch", type=int, default=2, help="calibration windows per --tune-steps step")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where --tune-steps and --tune-generated run (auto: the GPU if there is one); the rounding "
+                        "runs on the CPU")
     p.add_argument("--log-level", default="info")
 
 
@@ -242,7 +257,7 @@ def run_quantize(ns: argparse.Namespace) -> None:
     report = quantize_model(ns.model, ns.out, ns.group_size, ns.method, ns.calib, ns.num_samples, ns.seq_len,
                             clip=not ns.no_clip, sequential=ns.sequential, act_order=not ns.no_act_order,
                             tune_steps=ns.tune_steps, tune_lr=ns.tune_lr, tune_codes_lr=ns.tune_codes_lr,
-                            tune_generated=ns.tune_generated)  # fmt: skip
+                            tune_generated=ns.tune_generated, tune_batch=ns.tune_batch, device=ns.device)  # fmt: skip
     print(f"aserve: wrote {ns.method.upper()} int4 (group {ns.group_size}) to {ns.out} in {report['seconds']} s")
     if report["layers"]:
         rtn = sum(sum(g["rtn"] for g in layer.values()) for layer in report["layers"])
@@ -256,4 +271,4 @@ def run_quantize(ns: argparse.Namespace) -> None:
         tune = report["tune"]
         print(f"aserve: end-to-end tuning, {tune['steps']} steps in {tune['seconds']} s: KL per token to the float "
               f"model {tune['kl_before']:.4g} -> {tune['kl_after']:.4g}, {tune['codes_changed']} codes moved; "
-              f"{tune['windows']} windows ({tune['generated']} self-generated)")
+              f"{tune['windows']} windows ({tune['generated']} self-generated), {tune['batch']} per step")
