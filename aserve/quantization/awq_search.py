@@ -88,7 +88,7 @@ def search_clip_gram(gram: torch.Tensor, w: torch.Tensor, group_size: int, n_gri
     wg = w.float().reshape(w.shape[0], n_groups, group_size).transpose(0, 1)  # [G, out, g]
     org_min = wg.amin(-1, keepdim=True).clamp(max=0)  # [G, out, 1]; grids always include 0
     org_max = wg.amax(-1, keepdim=True).clamp(min=0)
-    best_err = torch.full(org_max.shape[:2], float("inf"))
+    best_err = torch.full(org_max.shape[:2], float("inf"), device=org_max.device)
     best_lo, best_hi = org_min.clone(), org_max.clone()
     steps = int(max_shrink * n_grid)
     highs = torch.stack([org_max * (1 - j / n_grid) for j in range(steps)])  # [steps, G, out, 1]

@@ -72,13 +72,13 @@ def gptq_quantize(
     w[:, dead] = 0.0
     group_gram = h.float()
     if search == "plain":
-        group_gram = torch.eye(in_features)
+        group_gram = torch.eye(in_features, device=w.device)
     h.diagonal().add_(damp * h.diagonal().mean())
 
-    q = torch.empty(out_features, in_features, dtype=torch.int32)
+    q = torch.empty(out_features, in_features, dtype=torch.int32, device=w.device)
     n_groups = in_features // group_size
-    scales = torch.empty(out_features, n_groups)
-    zeros = torch.empty(out_features, n_groups)
+    scales = torch.empty(out_features, n_groups, device=w.device)
+    zeros = torch.empty(out_features, n_groups, device=w.device)
 
     def set_grid(wg: torch.Tensor, g0: int) -> None:  # the grid of the group starting at input channel g0
         if search != "minmax":
@@ -93,7 +93,7 @@ def gptq_quantize(
         perm = torch.argsort(h.diagonal(), descending=True)
         h, w = h[perm][:, perm], w[:, perm]
     else:  # groups never straddle blocks: each grid sees all updates before its first column
-        perm = torch.arange(in_features)
+        perm = torch.arange(in_features, device=w.device)
         block = group_size * max(1, block // group_size)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     order = perm.tolist()  # the input channel of each position in the rounding order

@@ -114,14 +114,15 @@ def quantize_model(
     then train the group scales and norms (and, with `tune_codes_lr` > 0, the codes) end to end against the float
     model on all the calibration text's windows (tune.py; report["tune"]), plus `tune_generated` windows the
     float model writes itself (self_generated_windows); `tune_batch` windows per step. `device` (auto: a GPU if
-    there is one) runs the tuning and the self-generation; the rounding stays on the CPU."""
+    there is one) runs all of it: calibration forwards, rounding, self-generation and tuning; the checkpoint's
+    tensors come back to the CPU."""
     from transformers import AutoConfig, AutoTokenizer
 
     from aserve.model.loader import iterate_safetensors, resolve_model
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    resolve_device(device)  # before minutes of rounding: --device cuda on a machine without one fails here
+    dev = resolve_device(device)  # before minutes of work: --device cuda on a machine without one fails here
     t0 = time.perf_counter()
     model_dir, _ = resolve_model(model)
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -146,7 +147,7 @@ def quantize_model(
     if method != "rtn":
         ids = calibration_ids(tokenizer, calib_text, num_samples, seq_len)
         seq_len = ids.shape[1]
-        x = state["model.embed_tokens.weight"].float()[ids.flatten()]  # the residual stream, [N * seq_len, hidden]
+        x = state["model.embed_tokens.weight"].to(dev, torch.float32)[ids.flatten().to(dev)]  # [N * seq_len, hidden]
 
     out: dict[str, torch.Tensor] = {k: v for k, v in state.items() if not k.startswith("model.layers.")}
     report = {"layers": [], "linears": [], "method": method, "group_size": group_size}
@@ -158,7 +159,7 @@ def quantize_model(
     for i in layers:
         prefix = f"model.layers.{i}."
         stored = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-        weights = {k: v.float() for k, v in stored.items()}
+        weights = {k: v.to(dev, torch.float32) for k, v in stored.items()}
         grids = {}  # GPTQ's (q, z, s) per linear; the others are rounded to nearest when packed
         if x is not None:
             layer = DenseDecoderLayer(weights, cfg, seq_len)
@@ -180,11 +181,11 @@ def quantize_model(
             weight = weights.pop(f"{name}.weight")
             packed = pack_quantized(*grids[name]) if name in grids else pack_linear(weight, group_size)
             for key, tensor in packed.items():
-                out[f"{prefix}{name}.{key}"] = tensor
+                out[f"{prefix}{name}.{key}"] = tensor.cpu()
             if f"{name}.bias" in weights:
-                out[f"{prefix}{name}.bias"] = weights.pop(f"{name}.bias").to(stored[f"{name}.bias"].dtype)
+                out[f"{prefix}{name}.bias"] = weights.pop(f"{name}.bias").to("cpu", stored[f"{name}.bias"].dtype)
         for key, tensor in weights.items():  # norms (with AWQ scales folded in)
-            out[prefix + key] = tensor.to(stored[key].dtype)
+            out[prefix + key] = tensor.to("cpu", stored[key].dtype)
     if tune_steps:
         windows = calibration_ids(tokenizer, calib_text, 1 << 30, seq_len)
         if tune_generated:
@@ -192,7 +193,7 @@ def quantize_model(
             windows = torch.cat([windows, generated])
         report["tune"] = tune_end_to_end(state, out, cfg, LINEARS, windows, group_size, tune_steps, tune_lr,
                                          batch_size=tune_batch, progress=progress, codes_lr=tune_codes_lr,
-                                         device=resolve_device(device))  # fmt: skip
+                                         device=dev)  # fmt: skip
         report["tune"].update(windows=len(windows), generated=tune_generated, batch=tune_batch)
     write_checkpoint(model_dir, out_dir, out, AWQConfig(group_size=group_size), tokenizer)
     report["seconds"] = round(time.perf_counter() - t0, 1)
@@ -248,8 +249,8 @@ def add_quantize_parser(sub) -> None:
                         "(temperature 1, each continuing a calibration window's first 32 tokens); 0: off")
     p.add_argument("--tune-batch", type=int, default=2, help="calibration windows per --tune-steps step")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="where --tune-steps and --tune-generated run (auto: the GPU if there is one); the rounding "
-                        "runs on the CPU")
+                   help="where calibration, rounding and --tune-steps / --tune-generated run (auto: the GPU if "
+                        "there is one)")
     p.add_argument("--log-level", default="info")
 
 
