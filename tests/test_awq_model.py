@@ -152,6 +152,17 @@ def test_quantize_cli_device_cuda_without_a_gpu_fails_at_once(tiny_model_factory
     assert not os.path.exists(tmp_path / "x")
 
 
+@pytest.mark.parametrize("flag, value", [("--tune-batch", "0"), ("--tune-steps", "-1"), ("--tune-generated", "-2"),
+                                         ("--num-samples", "0")])
+def test_quantize_cli_rejects_impossible_counts(tiny_model_factory, tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["quantize", "--model", tiny_model_factory("gqa"), "--out", str(tmp_path / "x"), "--group-size", "32",
+                  flag, value])  # fmt: skip
+    assert exc.value.code == 2
+    assert f"{flag} must be at least" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
+
+
 def test_quantization_arg_checks_the_checkpoint(tiny_model_factory):
     with pytest.raises(ValueError, match="is not an AWQ checkpoint"):
         LLM(tiny_model_factory("gqa"), quantization="awq", enforce_eager=True)

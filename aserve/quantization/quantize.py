@@ -122,6 +122,10 @@ def quantize_model(
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    for name, value, least in (("tune_steps", tune_steps, 0), ("tune_generated", tune_generated, 0),
+                               ("tune_batch", tune_batch, 1), ("num_samples", num_samples, 1)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     dev = resolve_device(device)  # before minutes of work: --device cuda on a machine without one fails here
     t0 = time.perf_counter()
     model_dir, _ = resolve_model(model)
