@@ -23,6 +23,9 @@ m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies with pr
              decode runs: no launch gaps), over the repacked copy (the engine's path) and the AutoAWQ tensors
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
+prefetch     the M = 1 kernel with and without asking L2 for its later tiles before the PDL wait (in graphs, at
+             the five layer shapes), then AWQ decode with that prefetch up to 8 / 32 / 64 MB of weights; sets
+             REPACKED_GEMV1_PREFETCH_MAX_BYTES to the fastest (run decode after it to compare with bf16)
 
 Prints a table last; writes results.json under --out.
 """
@@ -347,6 +350,44 @@ def m1_graph() -> None:
                f"AutoAWQ-tensor kernel {autoawq:.1f} us; PDL; target >= 3x")  # fmt: skip
 
 
+def prefetch(root: str) -> None:
+    """REPACKED_GEMV1_PREFETCH_MAX_BYTES: M = 1 over the repacked copy in CUDA graphs with PDL, each program's later
+    tiles asked of L2 before its PDL wait (so they overlap the previous kernel) or not, on the Llama-3-8B layer
+    shapes (q/k/v 4096x6144 and gate/up 4096x28672 too); then batch-1 decode with it at 8, 32 and 64 MB. Sets
+    the threshold to the fastest decode's."""
+    from kernels import awq, pdl
+
+    print("\n| K x N | MB | int4 us, no prefetch | int4 us, L2 prefetch | change |")
+    print("|---|---|---|---|---|")
+    for k, n in [(4096, 6144), *SHAPES, (4096, 28672)]:
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        copies = max(4, int(400e6 // awq_bytes(k, n)))
+        ps = [(x, awq.awq_repack(*random_awq(k, n)[:3], GROUP)) for _ in range(copies)]
+        times = {}
+        pdl.enable(True)
+        try:
+            for limit in (0, 1 << 40):
+                awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = limit
+                times[limit] = graph_us(awq.awq_gemv_repacked, ps)
+        finally:
+            pdl.enable(False)
+            awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = 0
+        del ps
+        off, on = times[0], times[1 << 40]
+        print(f"| {k}x{n} | {k * n / 2e6:.1f} | {off:.1f} | {on:.1f} | {100 * (on / off - 1):+.1f} % |", flush=True)
+        record(f"prefetch_m1_{k}x{n}", round(on, 1), "us", f"without: {off:.1f} us")
+    awq_dir = awq_model_dir(root)
+    best = (decode_ms_per_token(awq_dir), 0)
+    record("prefetch_decode_0MB", round(best[0], 3), "ms/token")
+    for mb in (8, 32, 64):
+        awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = mb << 20
+        ms = decode_ms_per_token(awq_dir)
+        record(f"prefetch_decode_{mb}MB", round(ms, 3), "ms/token", "L2 prefetch for weights up to this size")
+        best = min(best, (ms, mb << 20))
+    awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = best[1]
+    record("prefetch_chosen", best[1] >> 20, "MB", f"{best[0]:.3f} ms/token")
+
+
 def diag() -> None:
     """What the GEMV's access pattern alone can reach: a kernel that only streams the packed weights in the same
     tiles and grid (XOR-reducing them so the loads stay), inside CUDA graphs, on 4096x14336."""
@@ -421,8 +462,8 @@ def decode_ms_per_token(model_dir: str, profile: bool = False) -> float:
     return ms
 
 
-def decode(root: str) -> None:
-    bf16_dir = dummy_model_dir(os.path.join(root, "bf16"), LLAMA3_8B)
+def awq_model_dir(root: str) -> str:
+    """A Llama-3-8B-shaped AWQ g128 model directory (load_format=dummy gives it random packed weights)."""
     awq_dir = dummy_model_dir(os.path.join(root, "awq"), LLAMA3_8B)
     with open(os.path.join(awq_dir, "config.json")) as f:
         config = json.load(f)
@@ -430,6 +471,12 @@ def decode(root: str) -> None:
                                      "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
     with open(os.path.join(awq_dir, "config.json"), "w") as f:
         json.dump(config, f)
+    return awq_dir
+
+
+def decode(root: str) -> None:
+    bf16_dir = dummy_model_dir(os.path.join(root, "bf16"), LLAMA3_8B)
+    awq_dir = awq_model_dir(root)
     bf16 = decode_ms_per_token(bf16_dir, profile=True)
     record("decode_b1_bf16", round(bf16, 3), "ms/token")
     int4 = decode_ms_per_token(awq_dir, profile=True)
@@ -445,7 +492,7 @@ def main() -> None:
     root = tempfile.mkdtemp()
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
-           "m1_graph": m1_graph, "decode": lambda: decode(root)}
+           "m1_graph": m1_graph, "decode": lambda: decode(root), "prefetch": lambda: prefetch(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)
