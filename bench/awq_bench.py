@@ -357,8 +357,8 @@ def prefetch(root: str) -> None:
     the threshold to the fastest decode's."""
     from kernels import awq, pdl
 
-    print("\n| K x N | MB | int4 us, no prefetch | int4 us, L2 prefetch | change |")
-    print("|---|---|---|---|---|")
+    print("\n| K x N | MB | no prefetch us | L2 prefetch us | change | prefetch, K tiles per program 2 / 4 / 8 us |")
+    print("|---|---|---|---|---|---|")
     for k, n in [(4096, 6144), *SHAPES, (4096, 28672)]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         copies = max(4, int(400e6 // awq_bytes(k, n)))
@@ -366,16 +366,18 @@ def prefetch(root: str) -> None:
         times = {}
         pdl.enable(True)
         try:
-            for limit in (0, 1 << 40):
+            for limit, tiles in ((0, None), (1 << 40, None), (1 << 40, 2), (1 << 40, 4), (1 << 40, 8)):
                 awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = limit
-                times[limit] = graph_us(awq.awq_gemv_repacked, ps)
+                times[limit, tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
         finally:
             pdl.enable(False)
             awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = 0
         del ps
-        off, on = times[0], times[1 << 40]
-        print(f"| {k}x{n} | {k * n / 2e6:.1f} | {off:.1f} | {on:.1f} | {100 * (on / off - 1):+.1f} % |", flush=True)
-        record(f"prefetch_m1_{k}x{n}", round(on, 1), "us", f"without: {off:.1f} us")
+        off, on = times[0, None], times[1 << 40, None]
+        by_tiles = " / ".join(f"{times[1 << 40, t]:.1f}" for t in (2, 4, 8))
+        print(f"| {k}x{n} | {k * n / 2e6:.1f} | {off:.1f} | {on:.1f} | {100 * (on / off - 1):+.1f} % | {by_tiles} |",
+              flush=True)  # fmt: skip
+        record(f"prefetch_m1_{k}x{n}", round(on, 1), "us", f"without: {off:.1f} us; tiles 2/4/8: {by_tiles} us")
     awq_dir = awq_model_dir(root)
     best = (decode_ms_per_token(awq_dir), 0)
     record("prefetch_decode_0MB", round(best[0], 3), "ms/token")
