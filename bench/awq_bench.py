@@ -207,8 +207,8 @@ def tune_repacked() -> None:
                 total += bench_ms(lambda: awq.awq_gemv_repacked_dot(x, packed, None, cfg), 5, 25)
         return total
 
-    configs = [dict(BP=bp, num_warps=w, num_stages=st)
-               for bp, w, st in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]  # fmt: skip
+    configs = [dict(BP=bp, num_warps=w, num_stages=st, SWAP=swap)  # SWAP: out^T = W^T x^T (wgmma on Hopper)
+               for swap, bp, w, st in itertools.product((False, True), (32, 64, 128), (4, 8), (1, 2, 3))]  # fmt: skip
     best_ms, awq.REPACKED_DOT_CONFIG = _sweep("dot (M 4 + 16 summed)", configs, dot_ms)
     record("tune_repacked_dot", f"{best_ms * 1e3:.1f}", "us", f"{awq.REPACKED_DOT_CONFIG} (M 4 + 16, three shapes)")
     packed = sets[1]
@@ -357,7 +357,7 @@ def prefetch(root: str) -> None:
     the threshold to the fastest decode's."""
     from kernels import awq, pdl
 
-    print("\n| K x N | MB | no prefetch us | L2 prefetch us | change | prefetch, K tiles per program 2 / 4 / 8 us |")
+    print("\n| K x N | MB | no prefetch us | L2 prefetch us | change | prefetch, 2 / 4 / 8 / 16 K tiles per program |")
     print("|---|---|---|---|---|---|")
     for k, n in [(4096, 6144), *SHAPES, (4096, 28672)]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -366,7 +366,7 @@ def prefetch(root: str) -> None:
         times = {}
         pdl.enable(True)
         try:
-            for limit, tiles in ((0, None), (1 << 40, None), (1 << 40, 2), (1 << 40, 4), (1 << 40, 8)):
+            for limit, tiles in ((0, None), (1 << 40, None), *(((1 << 40), t) for t in (2, 4, 8, 16))):
                 awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = limit
                 times[limit, tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
         finally:
@@ -374,10 +374,10 @@ def prefetch(root: str) -> None:
             awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = 0
         del ps
         off, on = times[0, None], times[1 << 40, None]
-        by_tiles = " / ".join(f"{times[1 << 40, t]:.1f}" for t in (2, 4, 8))
+        by_tiles = " / ".join(f"{times[1 << 40, t]:.1f}" for t in (2, 4, 8, 16))
         print(f"| {k}x{n} | {k * n / 2e6:.1f} | {off:.1f} | {on:.1f} | {100 * (on / off - 1):+.1f} % | {by_tiles} |",
               flush=True)  # fmt: skip
-        record(f"prefetch_m1_{k}x{n}", round(on, 1), "us", f"without: {off:.1f} us; tiles 2/4/8: {by_tiles} us")
+        record(f"prefetch_m1_{k}x{n}", round(on, 1), "us", f"without: {off:.1f} us; tiles 2/4/8/16: {by_tiles} us")
     awq_dir = awq_model_dir(root)
     best = (decode_ms_per_token(awq_dir), 0)
     record("prefetch_decode_0MB", round(best[0], 3), "ms/token")

@@ -1187,16 +1187,21 @@ def _awq_dequant_repacked_kernel(wq_ptr, meta_ptr, out_ptr, N, KT, BP: tl.conste
 def _awq_gemv_repacked_dot_kernel(
     x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, M, N, KT, stride_xm, stride_om, stride_os, tiles,
     BLOCK_M: tl.constexpr, BP: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """x [M <= 16, K] -> [M, N] over awq_repack's layout (M padded to BLOCK_M = 16 for tl.dot). Program (pid_n,
     pid_k): column block pid_n, K tiles pid_k * tiles .. + tiles; split K as _awq_gemv_kernel (float32 partials
-    [SPLIT_K, M, N], then split_k_reduce)."""
+    [SPLIT_K, M, N], then split_k_reduce). SWAP: out^T = W^T x^T, the weight tile as the dot's first operand
+    (128 rows: Hopper's wgmma instead of mma.sync; compiled for sm_90 here, not yet timed)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rn = pid_n * 128 + tl.arange(0, 128)
-    acc = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([128, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
     CH: tl.constexpr = 128 // BP  # chunks of BP rows per tile, one loop step each
     c_lo = pid_k * tiles * CH
     for c in range(c_lo, tl.minimum(c_lo + tiles * CH, KT * CH)):
@@ -1204,11 +1209,20 @@ def _awq_gemv_repacked_dot_kernel(
         pos, rows = _repacked_rows(c, CH, BP)
         tile = pid_n * KT + t
         w = _repacked_dequant_tile(wq_ptr + tile * 2048, meta_ptr + tile * 128, pos, BP)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (t * 128 + rows)[None, :], mask=m_ok[:, None], other=0.0)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+        if SWAP:
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (t * 128 + rows)[:, None], mask=m_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(tl.trans(w), xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(w).to(xt.dtype), xt, acc)
         else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + (t * 128 + rows)[None, :], mask=m_ok[:, None], other=0.0)
+            if IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)
+    if SWAP:
+        acc = tl.trans(acc)
     ok = m_ok[:, None] & (rn < N)[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=ok)
@@ -1229,7 +1243,7 @@ REPACKED_GEMV1_ROWS = 2
 # weights up to this many bytes (L2 must hold them until used: 50 MB on an H200). 0: off. Not yet measured: bench
 # section `prefetch` compares it on a GPU.
 REPACKED_GEMV1_PREFETCH_MAX_BYTES = 0
-REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=3)
+REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=3, SWAP=False)  # SWAP: see the kernel; not yet timed
 REPACKED_DEQUANT_CONFIG = dict(BP=64, num_warps=4)
 
 
@@ -1253,7 +1267,7 @@ def awq_gemv_repacked_dot(x, packed: RepackedAWQ, bias=None, config: dict | None
     _awq_gemv_repacked_dot_kernel[(nb, split_k)](
         x, packed.wq, packed.meta, bias if bias is not None else out, target, m, n, kt, x.stride(0),
         target.stride(-2), target.stride(0) if split_k > 1 else 0, tiles, BLOCK_M=16, BP=cfg["BP"],
-        PARTIAL=split_k > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        PARTIAL=split_k > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWAP=cfg.get("SWAP", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split_k > 1:

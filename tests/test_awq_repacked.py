@@ -127,14 +127,15 @@ DOT_CASES = [(1, 256, 128, torch.float32, None), (2, 384, 256, torch.float16, 3)
 
 
 @pytest.mark.parametrize("case", DOT_CASES)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_repacked_dot_gemv_matches_reference(case, with_bias):
+@pytest.mark.parametrize("with_bias, swap", [(False, False), (True, False), (True, True)])
+def test_repacked_dot_gemv_matches_reference(case, with_bias, swap):
+    """swap: the kernel computes out^T = W^T x^T (the weight tile as the dot's first operand)."""
     m, k, n, dtype, split_k = case
     qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=m + k)
     bias = bias.to(dtype) if with_bias else None
     packed = awq.awq_repack(qweight, qzeros, scales, 128)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
-    out = awq.awq_gemv_repacked_dot(x, packed, bias, dict(BP=64 if m % 2 else 32, SPLIT_K=split_k))
+    out = awq.awq_gemv_repacked_dot(x, packed, bias, dict(BP=64 if m % 2 else 32, SPLIT_K=split_k, SWAP=swap))
     ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, None if bias is None else bias.float())
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else REL_TOL[dtype])
