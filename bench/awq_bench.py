@@ -23,9 +23,6 @@ m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies with pr
              decode runs: no launch gaps), over the repacked copy (the engine's path) and the AutoAWQ tensors
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
-prefetch     the M = 1 kernel with and without asking L2 for its later tiles before the PDL wait (in graphs, at
-             the five layer shapes), then AWQ decode with that prefetch up to 8 / 32 / 64 MB of weights; sets
-             REPACKED_GEMV1_PREFETCH_MAX_BYTES to the fastest (run decode after it to compare with bf16)
 
 Prints a table last; writes results.json under --out.
 """
@@ -350,46 +347,6 @@ def m1_graph() -> None:
                f"AutoAWQ-tensor kernel {autoawq:.1f} us; PDL; target >= 3x")  # fmt: skip
 
 
-def prefetch(root: str) -> None:
-    """REPACKED_GEMV1_PREFETCH_MAX_BYTES: M = 1 over the repacked copy in CUDA graphs with PDL, each program's later
-    tiles asked of L2 before its PDL wait (so they overlap the previous kernel) or not, on the Llama-3-8B layer
-    shapes (q/k/v 4096x6144 and gate/up 4096x28672 too); then batch-1 decode with it at 8, 32 and 64 MB. Sets
-    the threshold to the fastest decode's."""
-    from kernels import awq, pdl
-
-    print("\n| K x N | MB | no prefetch us | L2 prefetch us | change | prefetch, 2 / 4 / 8 / 16 K tiles per program |")
-    print("|---|---|---|---|---|---|")
-    for k, n in [(4096, 6144), *SHAPES, (4096, 28672)]:
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        copies = max(4, int(400e6 // awq_bytes(k, n)))
-        ps = [(x, awq.awq_repack(*random_awq(k, n)[:3], GROUP)) for _ in range(copies)]
-        times = {}
-        pdl.enable(True)
-        try:
-            for limit, tiles in ((0, None), (1 << 40, None), *(((1 << 40), t) for t in (2, 4, 8, 16))):
-                awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = limit
-                times[limit, tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
-        finally:
-            pdl.enable(False)
-            awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = 0
-        del ps
-        off, on = times[0, None], times[1 << 40, None]
-        by_tiles = " / ".join(f"{times[1 << 40, t]:.1f}" for t in (2, 4, 8, 16))
-        print(f"| {k}x{n} | {k * n / 2e6:.1f} | {off:.1f} | {on:.1f} | {100 * (on / off - 1):+.1f} % | {by_tiles} |",
-              flush=True)  # fmt: skip
-        record(f"prefetch_m1_{k}x{n}", round(on, 1), "us", f"without: {off:.1f} us; tiles 2/4/8/16: {by_tiles} us")
-    awq_dir = awq_model_dir(root)
-    best = (decode_ms_per_token(awq_dir), 0)
-    record("prefetch_decode_0MB", round(best[0], 3), "ms/token")
-    for mb in (8, 32, 64):
-        awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = mb << 20
-        ms = decode_ms_per_token(awq_dir)
-        record(f"prefetch_decode_{mb}MB", round(ms, 3), "ms/token", "L2 prefetch for weights up to this size")
-        best = min(best, (ms, mb << 20))
-    awq.REPACKED_GEMV1_PREFETCH_MAX_BYTES = best[1]
-    record("prefetch_chosen", best[1] >> 20, "MB", f"{best[0]:.3f} ms/token")
-
-
 def diag() -> None:
     """What the GEMV's access pattern alone can reach: a kernel that only streams the packed weights in the same
     tiles and grid (XOR-reducing them so the loads stay), inside CUDA graphs, on 4096x14336."""
@@ -494,7 +451,7 @@ def main() -> None:
     root = tempfile.mkdtemp()
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
-           "m1_graph": m1_graph, "decode": lambda: decode(root), "prefetch": lambda: prefetch(root)}
+           "m1_graph": m1_graph, "decode": lambda: decode(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)

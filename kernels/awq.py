@@ -759,23 +759,6 @@ def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
     return q, z, s
 
 
-_PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
-
-
-@triton.jit
-def _prefetch_tiles(w_ptr, m_ptr, tiles):
-    """Asks L2 for tiles 1 .. tiles - 1 of a program's chunk (weights: 8 KB per tile, 64 lines of 128 bytes; meta:
-    4 lines), without waiting: issued before the PDL wait, these reads overlap the previous kernel instead of
-    following it (GPU only: the interpreter has no inline asm)."""
-    lines = tl.arange(0, 64) * 32  # int32 offsets of a tile's 128-byte lines
-    meta_lines = tl.arange(0, 4) * 32
-    for t in range(1, tiles):
-        tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [w_ptr + t * 2048 + lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-        tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [m_ptr + t * 128 + meta_lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-
-
 @triton.jit
 def _load_x_pairs(x_ptr, xoff, ok):
     """One tile's inputs: 8 row pairs [8, 1] (rows 16 i + 2p, + 1 as one int32)."""
@@ -845,7 +828,7 @@ def _repacked_tile2(c, d, w, xp, yp, X_BF16: tl.constexpr, ASM: tl.constexpr):
 def _awq_gemv1_repacked_kernel(
     x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-    ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+    ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """x [M, K] (row pairs as int32s, stride_xm of them per row) -> out [M, N] over awq_repack's layout. Program
     (pid_m, pid_n, pid_k): row pid_m, column block pid_n, the `tiles` K tiles from pid_k * tiles, one warp, in a
@@ -869,8 +852,6 @@ def _awq_gemv1_repacked_kernel(
     xoff = iv * 8  # [8, 1]
     one = tl.full([1], 1, tl.int1)  # tile masks as [1] tensors (the interpreter takes no Python bool as a mask)
     w = _load_repacked(w_ptr, m_ptr, woff, moff, one)
-    if PREFETCH:  # the program's other tiles into L2 while the previous kernel still runs
-        _prefetch_tiles(w_ptr, m_ptr, tiles)
     pdl.gdc_sync(USE_PDL)  # x, the partials and the counters only from here on
     xp = _load_x_pairs(x_ptr, xoff, one)
     zero = tl.zeros([8, 16], dtype=tl.float32)
@@ -1104,12 +1085,11 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     x32 = x.view(torch.int32)  # row pairs
     rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
     assert rows in (1, 2)
-    prefetch = pdl.ENABLED and not _INTERPRETED and tiles > 1 and k * n // 2 <= REPACKED_GEMV1_PREFETCH_MAX_BYTES
     _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
         x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
         tiles, x32.stride(0), SPLIT=split_k > 1, ROWS=rows, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
         HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
-        PREFETCH=prefetch, num_warps=1, num_stages=1, **pdl.launch_kwargs(),
+        num_warps=1, num_stages=1, **pdl.launch_kwargs(),
     )  # fmt: skip
     return out
 
@@ -1192,7 +1172,7 @@ def _awq_gemv_repacked_dot_kernel(
     """x [M <= 16, K] -> [M, N] over awq_repack's layout (M padded to BLOCK_M = 16 for tl.dot). Program (pid_n,
     pid_k): column block pid_n, K tiles pid_k * tiles .. + tiles; split K as _awq_gemv_kernel (float32 partials
     [SPLIT_K, M, N], then split_k_reduce). SWAP: out^T = W^T x^T, the weight tile as the dot's first operand
-    (128 rows: Hopper's wgmma instead of mma.sync; compiled for sm_90 here, not yet timed)."""
+    (128 rows: Hopper's wgmma instead of mma.sync; the H200's fastest config, see REPACKED_DOT_CONFIG)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -1238,12 +1218,9 @@ def _awq_gemv_repacked_dot_kernel(
 # rows per program beat one at M = 4 (9.9 / 26.1 / 26.0 vs 11.7 / 32.2 / 32.2 us), both beat tl.dot up to M = 6.
 REPACKED_GEMV1_MAX_M = 6
 REPACKED_GEMV1_ROWS = 2
-# With PDL, the f16x2 kernel over the repacked copy can ask L2 for all of a program's tiles before its PDL wait, so
-# its weight reads overlap the kernel before it (attention, a norm, another GEMV) instead of following it; only for
-# weights up to this many bytes (L2 must hold them until used: 50 MB on an H200). 0: off. Not yet measured: bench
-# section `prefetch` compares it on a GPU.
-REPACKED_GEMV1_PREFETCH_MAX_BYTES = 0
-REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=3, SWAP=False)  # SWAP: see the kernel; not yet timed
+# tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
+# best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
+REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)
 REPACKED_DEQUANT_CONFIG = dict(BP=64, num_warps=4)
 
 

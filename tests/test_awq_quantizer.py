@@ -226,6 +226,7 @@ def test_smollm2_awq_g64_tuned_within_5_percent(tmp_path):
     cli_main(["quantize", "--out", out, "--tune-steps", "500", "--tune-batch", "16", "--tune-codes-lr", "2e-2",
               "--tune-generated", "2000", "--device", "cuda"])  # fmt: skip
     bf16, tuned = perplexity(None, text)[0], perplexity(out, text)[0]
+    print(f"held-out perplexity: bf16 {bf16:.3f}, tuned g64 {tuned:.3f} ({100 * (tuned / bf16 - 1):+.2f} %)")
     assert tuned < 1.05 * bf16, (tuned, bf16)
     assert "Paris" in _paris(out)
 

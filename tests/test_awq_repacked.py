@@ -65,29 +65,6 @@ def test_repacked_gemv_matches_reference(case, dtype, m, rows):
         assert not counters.any()
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the L2 prefetch is inline asm under PDL: GPU only")
-@pytest.mark.parametrize("m", [1, 3])
-def test_repacked_gemv_with_l2_prefetch_gives_the_same_output(monkeypatch, m):
-    """REPACKED_GEMV1_PREFETCH_MAX_BYTES (the program's later tiles asked of L2 before the PDL wait) changes when
-    the weights are read, not what is computed: bit-identical outputs (under PDL, which it needs)."""
-    from kernels import pdl
-
-    k, n = 1024, 384  # 8 K tiles: 2 or 4 per program, so there are tiles to prefetch
-    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=11)
-    packed = awq.awq_repack(qweight, qzeros, scales, 128)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(awq, "REPACKED_GEMV1_PREFETCH_MAX_BYTES", 1 << 40 if on else 0)
-        for tiles in (2, 4):
-            monkeypatch.setattr(pdl, "ENABLED", True)
-            outs.append(awq.awq_gemv_repacked(x, packed, bias.bfloat16(), None, tiles))
-    torch.cuda.synchronize()
-    assert all(torch.equal(outs[i], outs[i + 2]) for i in range(2))
-    ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, bias.float())
-    assert rel_err(outs[3], ref) < REL_TOL[torch.bfloat16]
-
-
 def test_awq_linear_keeps_a_repacked_copy():
     """M = 1 runs over the copy made on the first call; loading weights drops it (made again from the new ones);
     a layer the layout does not fit (group 64) keeps the AutoAWQ kernel."""
