@@ -21,6 +21,8 @@ tune_repacked  launch-config sweeps of the tl.dot GEMV (M = 4, 16) and the dequa
              layout (the layout AWQLinear keeps: the kernels section times the engine's path on it)
 m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies with programmatic dependent launch (how
              decode runs: no launch gaps), over the repacked copy (the engine's path) and the AutoAWQ tensors
+silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV + silu_and_mul (graphs, M = 1, 2,
+             4), and AWQ decode with and without it
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -347,6 +349,42 @@ def m1_graph() -> None:
                f"AutoAWQ-tensor kernel {autoawq:.1f} us; PDL; target >= 3x")  # fmt: skip
 
 
+def silu(root: str) -> None:
+    """SiLU·mul applied by the gate/up projection's M <= 6 kernel (silu_mul_out: the last program of each gate / up
+    column-block pair) against that GEMV then kernels/fused.py's silu_and_mul, in CUDA graphs with PDL at
+    4096x28672, M = 1, 2, 4; then AWQ decode with it (the default) and without (AWQLinear.fuses_silu_mul patched
+    to False, so the MLP runs the GEMV, then silu_and_mul)."""
+    from aserve.quantization.awq_linear import AWQLinear
+    from kernels import awq, pdl
+    from kernels.fused import silu_and_mul
+
+    k, n = 4096, 28672
+    print("\n| M | GEMV + silu_and_mul us | fused us | change |")
+    print("|---|---|---|---|")
+    for m in (1, 2, 4):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        copies = max(4, int(400e6 // awq_bytes(k, n)))
+        ps = [(x, awq.awq_repack(*random_awq(k, n)[:3], GROUP)) for _ in range(copies)]
+        pdl.enable(True)
+        try:
+            unfused = graph_us(lambda x, p: silu_and_mul(awq.awq_gemv_repacked(x, p)), ps)
+            fused = graph_us(lambda x, p: awq.awq_gemv_repacked(x, p, silu_mul_out=True), ps)
+        finally:
+            pdl.enable(False)
+        del ps
+        print(f"| {m} | {unfused:.1f} | {fused:.1f} | {100 * (fused / unfused - 1):+.1f} % |", flush=True)
+        record(f"silu_gate_up_m{m}", round(fused, 1), "us", f"unfused (GEMV + silu_and_mul) {unfused:.1f} us")
+    awq_dir = awq_model_dir(root)
+    fused = decode_ms_per_token(awq_dir)
+    fuses = AWQLinear.fuses_silu_mul
+    AWQLinear.fuses_silu_mul = lambda self, x: False
+    try:
+        unfused = decode_ms_per_token(awq_dir)
+    finally:
+        AWQLinear.fuses_silu_mul = fuses
+    record("silu_decode_awq", round(fused, 3), "ms/token", f"without the fusion {unfused:.3f} ms/token")
+
+
 def diag() -> None:
     """What the GEMV's access pattern alone can reach: a kernel that only streams the packed weights in the same
     tiles and grid (XOR-reducing them so the loads stay), inside CUDA graphs, on 4096x14336."""
@@ -451,7 +489,7 @@ def main() -> None:
     root = tempfile.mkdtemp()
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
-           "m1_graph": m1_graph, "decode": lambda: decode(root)}
+           "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)

@@ -529,18 +529,24 @@ def _f16x2_tile(c, w, x, R: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, BLOCK_N8: tl.constexpr,
-                    SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr, EVEN_N: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):  # fmt: skip
-    """The M = 1 kernels' end: c (8 float32 [rows, BLOCK_N8], column 8j + c in the c-th) summed over rows -> out,
-    directly (+ bias) or through the float32 partials and the column block's counter (SPLIT)."""
+def _column_sums(c, BLOCK_N8: tl.constexpr):
+    """c (8 float32 [rows, BLOCK_N8], column 8j + c in the c-th) summed over rows -> [BLOCK_N8 * 8] in column order."""
     # [BN8, 2, 2, 2] flattened: index 4a + 2b + c of join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), ...))
     # is column 8j + (4a + 2b + c)
     y = tl.join(
         tl.join(tl.join(tl.sum(c[0], 0), tl.sum(c[4], 0)), tl.join(tl.sum(c[2], 0), tl.sum(c[6], 0))),
         tl.join(tl.join(tl.sum(c[1], 0), tl.sum(c[5], 0)), tl.join(tl.sum(c[3], 0), tl.sum(c[7], 0))),
     )
-    y = tl.reshape(y, [BLOCK_N8 * 8])
+    return tl.reshape(y, [BLOCK_N8 * 8])
+
+
+@triton.jit
+def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, BLOCK_N8: tl.constexpr,
+                    SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr, EVEN_N: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The M = 1 kernels' end: c (8 float32 [rows, BLOCK_N8], column 8j + c in the c-th) summed over rows -> out,
+    directly (+ bias) or through the float32 partials and the column block's counter (SPLIT)."""
+    y = _column_sums(c, BLOCK_N8)
     rn = pid_n * BLOCK_N8 * 8 + tl.arange(0, BLOCK_N8 * 8)
     if EVEN_N:  # a constant mask, folded away
         n_ok = tl.full([BLOCK_N8 * 8], 1, tl.int1)
@@ -565,6 +571,39 @@ def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cn
         if HAS_BIAS:
             y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT_PAD: tl.constexpr,
+                       RED_CH: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The end of a GEMV whose N outputs are [gate | up] (an MLP's gate/up projection; N / 2 a multiple of 128):
+    c's column sums -> the float32 partials; the last of the 2 split_k programs of column block pid_n and its
+    partner N / 256 blocks away (the pair's counter: pid_n mod N / 256) writes silu(gate) * up for their 128
+    columns (out: [N / 2]), rounded as the GEMV's output and then kernels/fused.py's silu_and_mul would round it."""
+    y = _column_sums(c, 16)
+    tl.store(part_ptr + pid_k * N + pid_n * 128 + tl.arange(0, 128), y)
+    tl.debug_barrier()  # every thread's partial is stored before the (one-thread) release below
+    pair = pid_n % (N // 256)
+    cnt = tl.atomic_add(cnt_ptr + pair, 1, sem="acq_rel", scope="gpu")
+    if cnt == 2 * split_k - 1:  # the last program of the pair
+        rg = pair * 128 + tl.arange(0, 128)
+        ru = N // 2 + rg
+        g = tl.zeros([128], dtype=tl.float32)
+        u = tl.zeros([128], dtype=tl.float32)
+        for ch in tl.static_range(SPLIT_PAD // RED_CH):  # unrolled: all loads can be in flight
+            rs = ch * RED_CH + tl.arange(0, RED_CH)
+            ok = (rs < split_k)[:, None]
+            g += tl.sum(tl.load(part_ptr + rs[:, None] * N + rg[None, :], mask=ok, other=0.0, cache_modifier=".cg"), 0)
+            u += tl.sum(tl.load(part_ptr + rs[:, None] * N + ru[None, :], mask=ok, other=0.0, cache_modifier=".cg"), 0)
+        if HAS_BIAS:
+            g += tl.load(bias_ptr + rg).to(tl.float32)
+            u += tl.load(bias_ptr + ru).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        g = g.to(dtype).to(tl.float32)
+        u = u.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + rg, (act * u).to(dtype))
+        tl.store(cnt_ptr + pair, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -825,10 +864,24 @@ def _repacked_tile2(c, d, w, xp, yp, X_BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT: tl.constexpr,
+                       SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr):  # fmt: skip
+    """Row `row`'s end of _awq_gemv1_repacked_kernel: _gemv1_epilogue, or _silu_mul_epilogue (out rows N / 2 wide)."""
+    part_ptr = part_ptr + row * split_k * N
+    cnt_ptr = cnt_ptr + row * (N // 128)
+    if SILU_OUT:
+        _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + row * (N // 2), part_ptr, cnt_ptr,
+                           SPLIT_PAD, 8, HAS_BIAS)  # fmt: skip
+    else:
+        _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + row * N, part_ptr, cnt_ptr, 16, SPLIT,
+                        SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
 def _awq_gemv1_repacked_kernel(
     x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-    ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, SILU_OUT: tl.constexpr = False,
 ):  # fmt: skip
     """x [M, K] (row pairs as int32s, stride_xm of them per row) -> out [M, N] over awq_repack's layout. Program
     (pid_m, pid_n, pid_k): row pid_m, column block pid_n, the `tiles` K tiles from pid_k * tiles, one warp, in a
@@ -836,7 +889,9 @@ def _awq_gemv1_repacked_kernel(
     wait. Split K as _awq_gemv1_kernel (float32 partials [M, SPLIT_K, N], one counter per row and column block, the
     last program sums them in a fixed order and resets the counter). Rows are the fastest grid axis, so the M
     programs of a tile run together and all but the first find its weights in L2 (M > 1: small decode batches).
-    ROWS = 2: each program takes rows 2 pid_m and 2 pid_m + 1 (if < M) and unpacks each weight once for both."""
+    ROWS = 2: each program takes rows 2 pid_m and 2 pid_m + 1 (if < M) and unpacks each weight once for both.
+    SILU_OUT: the N outputs are [gate | up] and out [M, N / 2] gets silu(gate) * up (_silu_mul_epilogue; partials
+    even without a K split)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -878,11 +933,10 @@ def _awq_gemv1_repacked_kernel(
             xp = xp_next
             yp = yp_next
         if row + 1 < M:
-            _gemv1_epilogue(d, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + (row + 1) * N,
-                            part_ptr + (row + 1) * split_k * N, cnt_ptr + (row + 1) * (N // 128), 16, SPLIT,
-                            SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
-    _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + row * N, part_ptr + row * split_k * N,
-                    cnt_ptr + row * (N // 128), 16, SPLIT, SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
+            _repacked_epilogue(d, pid_n, pid_k, row + 1, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT,
+                               SPLIT_PAD, HAS_BIAS, SILU_OUT)  # fmt: skip
+    _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
+                       HAS_BIAS, SILU_OUT)  # fmt: skip
 
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
 _INTERPRETED = isinstance(_awq_gemv1_kernel, InterpretedFunction)
@@ -1065,13 +1119,17 @@ def awq_repack(qweight, qzeros, scales, group_size: int) -> RepackedAWQ | None:
 
 
 def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None,
-                      rows: int | None = None) -> torch.Tensor:  # fmt: skip
+                      rows: int | None = None, silu_mul_out: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M <= 16, in] (fp16 / bf16) -> [M, out] over awq_repack's copy (one program per `rows` rows (1 or 2;
     default REPACKED_GEMV1_ROWS for M > 1), column block and K split). `tiles`: K tiles per program (default:
-    _tiles_per_program, as for awq_gemv); `counters`: gemv_counters (default one set shared per (device, out))."""
+    _tiles_per_program, as for awq_gemv); `counters`: gemv_counters (default one set shared per (device, out)).
+    silu_mul_out: the outputs are [gate | up] (out / 2 a multiple of 128) and the result is silu(gate) * up
+    [M, out / 2], bit-identical to kernels/fused.py's silu_and_mul of this GEMV's output (an MLP's activation in the
+    gate/up projection's last programs: one kernel less per layer)."""
     k, n = packed.in_features, packed.out_features
     m = x.shape[0]
     assert x.shape[1] == k and m <= GEMV_MAX_M and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
+    assert not silu_mul_out or n % 256 == 0
     kt, nb = k // REPACK_GROUP, n // (8 * REPACK_BLOCK_N8)
     if tiles is None:
         tiles = _tiles_per_program(kt, nb)
@@ -1080,8 +1138,8 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     if counters is None:
         counters = _shared_counters(n, x.device)
     assert counters.dtype == torch.int32 and counters.numel() >= m * nb
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 or silu_mul_out else out
     x32 = x.view(torch.int32)  # row pairs
     rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
     assert rows in (1, 2)
@@ -1089,7 +1147,7 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
         x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
         tiles, x32.stride(0), SPLIT=split_k > 1, ROWS=rows, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
         HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
-        num_warps=1, num_stages=1, **pdl.launch_kwargs(),
+        SILU_OUT=silu_mul_out, num_warps=1, num_stages=1, **pdl.launch_kwargs(),
     )  # fmt: skip
     return out
 

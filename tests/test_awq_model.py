@@ -223,3 +223,24 @@ def test_gpu_engine_holds_awq_weights_once_and_matches_transformers(tiny_model_f
     dropped = {n.split(".")[-1] for n, m in layers.items() if m.autoawq_dropped}
     assert dropped == {"o_proj", "gate_up_proj", "down_proj"}
     assert all(m.qweight.numel() == 0 for m in layers.values() if m.autoawq_dropped)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the f16x2 AWQ kernels run on GPUs only")
+def test_gpu_engine_applies_silu_mul_in_the_awq_gate_up_kernel(tiny_model_factory, tmp_path, monkeypatch):
+    """fp16 decode on a GPU: the MLP's SiLU·mul runs in the gate/up GEMV's last programs (fuses_silu_mul), and
+    greedy tokens equal those of the unfused path (the GEMV, then silu_and_mul: the same rounding)."""
+    awq_dir = autoawq_checkpoint(tiny_model_factory("wide"), str(tmp_path / "awq"), 128)
+    calls = []
+    fused = AWQLinear.forward_silu_mul_out
+    monkeypatch.setattr(AWQLinear, "forward_silu_mul_out", lambda self, x: calls.append(x.shape[0]) or fused(self, x))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    tokens = {}
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(AWQLinear, "fuses_silu_mul", lambda self, x: False)
+        llm = LLM(awq_dir, dtype="float16", enforce_eager=True, max_model_len=256)
+        tokens[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        del llm
+    assert calls and max(calls) <= 6
+    assert tokens[True] == tokens[False]

@@ -85,6 +85,50 @@ def test_awq_linear_keeps_a_repacked_copy():
             assert (layer.repacked is False) == (g != 128)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, tiles", [(128, None), (512, 2)])  # K splits of 1 (partials anyway) and 2
+@pytest.mark.parametrize("m, rows", [(1, 1), (3, 2)])
+def test_repacked_gemv_with_silu_mul_out_is_bit_identical(dtype, k, tiles, m, rows):
+    """silu_mul_out=True ([gate | up] outputs; the last program of each gate / up column-block pair applies
+    SiLU·mul) = this GEMV's output through kernels/fused.py's silu_and_mul, bit for bit; counters back at 0."""
+    from kernels.fused import silu_and_mul
+
+    n = 512  # gate and up 256 columns each: two column-block pairs
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + 9)
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    counters = awq.gemv_counters(n, DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    fused = awq.awq_gemv_repacked(x, packed, bias.to(dtype), counters, tiles, rows, silu_mul_out=True)
+    assert fused.shape == (m, n // 2) and not counters.any()
+    assert torch.equal(fused, silu_and_mul(awq.awq_gemv_repacked(x, packed, bias.to(dtype), counters, tiles, rows)))
+    ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, bias.float())
+    assert rel_err(fused, torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]) < 2 * REL_TOL[dtype]
+
+
+def test_awq_linear_applies_silu_mul_for_an_mlp():
+    """AWQLinear.fuses_silu_mul / forward_silu_mul_out (what the Llama MLP calls for small decode batches): only
+    once the repacked copy exists, up to REPACKED_GEMV1_MAX_M rows of fp16 / bf16, outputs a multiple of 256."""
+    from aserve.quantization.awq_linear import AWQLinear
+    from kernels.fused import silu_and_mul
+
+    k, n = 256, 256
+    layer = AWQLinear(k, n, bias=False, group_size=128).to(DEVICE)
+    layer.backend = "triton"
+    qweight, qzeros, scales, _ = random_awq(k, n, 128, seed=6)
+    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+        layer.load_output_slice(getattr(layer, name), 0, n, t)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+    assert not layer.fuses_silu_mul(x)  # no copy yet: the MLP runs the layer (which makes it), then silu_and_mul
+    expected = silu_and_mul(layer(x))
+    assert layer.fuses_silu_mul(x) and not layer.fuses_silu_mul(x.float())
+    assert not layer.fuses_silu_mul(torch.zeros(awq.REPACKED_GEMV1_MAX_M + 1, k, device=DEVICE, dtype=x.dtype))
+    assert torch.equal(layer.forward_silu_mul_out(x), expected)
+    narrow = AWQLinear(k, 128, bias=False, group_size=128).to(DEVICE)
+    narrow.backend = "triton"
+    narrow.__dict__["repacked"] = awq.awq_repack(*random_awq(k, 128, 128, seed=7)[:3], 128)
+    assert not narrow.fuses_silu_mul(x)  # 64 + 64 outputs: no whole column block per half
+
 # -- M > 1 (and float32) over the repacked copy, and AWQLinear holding only that copy ------------------------------
 
 

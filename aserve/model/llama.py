@@ -71,6 +71,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x):
+        fuses_silu_mul = getattr(self.gate_up_proj, "fuses_silu_mul", None)  # AWQLinear
+        if fuses_silu_mul is not None and fuses_silu_mul(x):  # GPU, small decode batches: SiLU·mul in the GEMV
+            return self.down_proj(self.gate_up_proj.forward_silu_mul_out(x))
         gate_up = self.gate_up_proj(x)
         if isinstance(self.down_proj, Linear) and self.down_proj.takes_gemv(gate_up):  # GPU, batch-1 decode
             return self.down_proj.forward_silu_mul(gate_up)

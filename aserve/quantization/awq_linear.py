@@ -114,15 +114,38 @@ class AWQLinear(nn.Module):
         self.__dict__["dense"] = dense
         return True
 
+    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
+        """For a [gate | up] layer: does this input (up to kernels.awq.REPACKED_GEMV1_MAX_M rows, fp16 / bf16, on
+        the repacked copy's GPU) run the f16x2 GEMV over the repacked copy, which can then apply the MLP's SiLU·mul
+        itself (forward_silu_mul_out)? False before the copy exists (the first CUDA call makes it)."""
+        from kernels.awq import F16X2_DTYPES, REPACKED_GEMV1_MAX_M
+
+        packed = self.repacked
+        return (bool(packed) and self.backend != "torch" and self.out_features % 256 == 0 and x.dim() == 2
+                and x.shape[0] <= REPACKED_GEMV1_MAX_M and x.dtype in F16X2_DTYPES
+                and packed.wq.device == x.device)  # fmt: skip
+
+    def forward_silu_mul_out(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's [gate | up] output, in one kernel (fuses_silu_mul must hold)."""
+        from kernels.awq import awq_gemv_repacked
+
+        return awq_gemv_repacked(x, self.repacked, self.bias, self._counters(x.device), silu_mul_out=True)
+
+    def _counters(self, device: torch.device) -> torch.Tensor:
+        from kernels.awq import gemv_counters
+
+        counters = self.gemv_counters
+        if counters is None or counters.device != device:
+            counters = self.__dict__["gemv_counters"] = gemv_counters(self.out_features, device)
+        return counters
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and self.dense.weight.dtype == x.dtype:
             return self.dense(x)
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            from kernels.awq import awq_linear, gemv_counters
+            from kernels.awq import awq_linear
 
-            counters = self.gemv_counters
-            if counters is None or counters.device != x.device:
-                counters = self.__dict__["gemv_counters"] = gemv_counters(self.out_features, x.device)
+            counters = self._counters(x.device)
             packed = self.repacked
             if packed is None or (packed is not False and packed.wq.device != x.device):
                 if x.is_cuda and torch.cuda.is_current_stream_capturing():
