@@ -23,6 +23,8 @@ m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies with pr
              decode runs: no launch gaps), over the repacked copy (the engine's path) and the AutoAWQ tensors
 silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV + silu_and_mul (graphs, M = 1, 2,
              4), and AWQ decode with and without it
+tma_diag     load-only ceilings of the repacked weights' stream in graphs: plain loads vs TMA through shared memory
+             (tiles per program, warps, pipeline stages)
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -422,6 +424,68 @@ def diag() -> None:
            f"BN={block_n} BK={block_k} tiles={tiles} warps={warps}: {us:.1f} us (the GEMV's ceiling with this tiling)")
 
 
+def tma_diag() -> None:
+    """Load-only ceilings of the repacked weights' stream (8 KB tiles, `tiles` consecutive ones per program) in CUDA
+    graphs: plain 16-byte loads vs TMA (a host tensor descriptor over [tiles * 8, 256] int32, Triton's pipeliner
+    keeping num_stages tiles in flight through shared memory). The question: does a deeper pipeline through shared
+    memory stream faster than the GEMV's registers can (load-only with plain loads: ~3.3 TB/s at 29 MB)?"""
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def tma_load_only(desc, out_ptr, tiles, NUM_STAGES: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([8, 256], tl.int32)
+        for t in tl.range(0, tiles, num_stages=NUM_STAGES):
+            acc ^= desc.load([(pid * tiles + t) * 8, 0])
+        tl.store(out_ptr + pid * 256 + tl.arange(0, 256), tl.xor_sum(acc, 0))
+
+    @triton.jit
+    def plain_load_only(w_ptr, out_ptr, tiles, NUM_STAGES: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = tl.arange(0, 8)[:, None] * 256 + tl.arange(0, 256)[None, :]
+        acc = tl.zeros([8, 256], tl.int32)
+        base = w_ptr + pid.to(tl.int64) * tiles * 2048
+        for t in tl.range(0, tiles, num_stages=NUM_STAGES):
+            acc ^= tl.load(base + t * 2048 + offs)
+        tl.store(out_ptr + pid * 256 + tl.arange(0, 256), tl.xor_sum(acc, 0))
+
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    print("\n| K x N | MB | plain loads: best us (TB/s), config | TMA: best us (TB/s), config |")
+    print("|---|---|---|---|")
+    for k, n in SHAPES:
+        words = k * n // 8  # int32 words of the packed weights
+        copies = max(4, int(400e6 // (4 * words)))
+        ws = [torch.randint(-(2**31), 2**31 - 1, (words // 256, 256), dtype=torch.int32, device="cuda")
+              for _ in range(copies)]  # fmt: skip
+        descs = [TensorDescriptor.from_tensor(w, [8, 256]) for w in ws]
+        out = torch.empty(words // 2048 * 256, dtype=torch.int32, device="cuda")
+        best = {}
+        for name, kernel, args in (("plain", plain_load_only, ws), ("tma", tma_load_only, descs)):
+            rows = []
+            for tiles, warps, stages in itertools.product((2, 4, 8, 16), (1, 2, 4), (1, 2, 3, 4)):
+                programs = words // 2048 // tiles
+
+                def run(a, kn=kernel, t=tiles, w=warps, st=stages, p=programs):
+                    kn[(p,)](a, out, t, NUM_STAGES=st, num_warps=w)
+
+                try:
+                    rows.append((graph_us(run, [(a,) for a in args]), tiles, warps, stages))
+                except Exception as e:  # noqa: BLE001  (out of resources)
+                    print(f"   {name} tiles {tiles} warps {warps} stages {stages}: {type(e).__name__}", flush=True)
+            rows.sort()
+            for us, tiles, warps, stages in rows[:3]:
+                print(f"   {name} {k}x{n} tiles {tiles} warps {warps} stages {stages}: {us:.2f} us "
+                      f"({4 * words / us / 1e6:.2f} TB/s)", flush=True)  # fmt: skip
+            best[name] = rows[0]
+        cells = [f"{b[0]:.2f} ({4 * words / b[0] / 1e6:.2f}), {b[1]} tiles / {b[2]} warps / {b[3]} stages"
+                 for b in (best["plain"], best["tma"])]  # fmt: skip
+        print(f"| {k}x{n} | {4 * words / 1e6:.1f} | {cells[0]} | {cells[1]} |", flush=True)
+        record(f"tma_diag_{k}x{n}", round(best["tma"][0], 2), "us", f"plain loads {best['plain'][0]:.2f} us")
+        del ws, descs
+
+
 def decode_profile(llm, name: str, steps: int = 64) -> None:
     """GPU time per decode step by kernel (torch.profiler over a batch-1 request of `steps` tokens): where the step
     goes besides the quantised linears."""
@@ -489,7 +553,8 @@ def main() -> None:
     root = tempfile.mkdtemp()
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
-           "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root)}
+           "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root),
+           "tma_diag": tma_diag}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)
