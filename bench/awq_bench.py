@@ -25,6 +25,8 @@ silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV +
              4), and AWQ decode with and without it
 tma_diag     load-only ceilings of the repacked weights' stream in graphs: plain loads vs TMA through shared memory
              (tiles per program, warps, pipeline stages)
+tma_gemv     the M = 1 kernel with its weights through TMA (2-4 pipeline stages, 2-16 tiles per program) vs the
+             plain one, in graphs at the five layer shapes, then AWQ decode with it
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -486,6 +488,54 @@ def tma_diag() -> None:
         del ws, descs
 
 
+def tma_gemv(root: str) -> None:
+    """REPACKED_GEMV1_TMA_STAGES: the M = 1 kernel reading its weights through TMA with 2-4 pipeline stages (and 2-16
+    K tiles per program) against the plain kernel, in CUDA graphs with PDL on the Llama-3-8B layer shapes (outputs
+    checked equal first); then AWQ decode with the fastest stage count (summed over the shapes at default tiles; the
+    gate/up projection keeps the plain kernel, which applies SiLU·mul)."""
+    from kernels import awq, pdl
+
+    print("\n| K x N | plain us | TMA 2 / 3 / 4 stages us | TMA best over tiles 2-16: us (stages, tiles) |")
+    print("|---|---|---|---|")
+    sums = {st: 0.0 for st in (2, 3, 4)}
+    for k, n in [(4096, 6144), *SHAPES, (4096, 28672)]:
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        copies = max(4, int(400e6 // awq_bytes(k, n)))
+        ps = [(x, awq.awq_repack(*random_awq(k, n)[:3], GROUP)) for _ in range(copies)]
+        plain_out = awq.awq_gemv_repacked(*ps[0])
+        times = {}
+        pdl.enable(True)
+        try:
+            times[0, None] = graph_us(awq.awq_gemv_repacked, ps)
+            for st, tiles in itertools.product((2, 3, 4), (None, 2, 4, 8, 16)):
+                awq.REPACKED_GEMV1_TMA_STAGES = st
+                if tiles is None:
+                    assert torch.equal(awq.awq_gemv_repacked(*ps[0]), plain_out), (k, n, st)
+                try:
+                    times[st, tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
+                except Exception as e:  # noqa: BLE001  (out of resources)
+                    print(f"   stages {st} tiles {tiles}: {type(e).__name__}", flush=True)
+        finally:
+            pdl.enable(False)
+            awq.REPACKED_GEMV1_TMA_STAGES = 0
+        del ps
+        for st in sums:
+            sums[st] += times.get((st, None), float("inf"))
+        by_st = " / ".join(f"{times.get((st, None), float('nan')):.1f}" for st in (2, 3, 4))
+        us, cfg = min((v, key) for key, v in times.items() if key[0])
+        print(f"| {k}x{n} | {times[0, None]:.1f} | {by_st} | {us:.1f} ({cfg[0]}, {cfg[1] or 'default'}) |", flush=True)
+        record(f"tma_gemv_m1_{k}x{n}", round(us, 1), "us", f"plain {times[0, None]:.1f} us; TMA stages 2/3/4 {by_st}")
+    best = min(sums, key=sums.get)
+    awq_dir = awq_model_dir(root)
+    plain = decode_ms_per_token(awq_dir)
+    awq.REPACKED_GEMV1_TMA_STAGES = best
+    try:
+        tma = decode_ms_per_token(awq_dir)
+    finally:
+        awq.REPACKED_GEMV1_TMA_STAGES = 0
+    record("tma_gemv_decode", round(tma, 3), "ms/token", f"TMA {best} stages; plain {plain:.3f} ms/token")
+
+
 def decode_profile(llm, name: str, steps: int = 64) -> None:
     """GPU time per decode step by kernel (torch.profiler over a batch-1 request of `steps` tokens): where the step
     goes besides the quantised linears."""
@@ -554,7 +604,7 @@ def main() -> None:
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
            "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root),
-           "tma_diag": tma_diag}
+           "tma_diag": tma_diag, "tma_gemv": lambda: tma_gemv(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)

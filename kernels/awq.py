@@ -783,6 +783,14 @@ def _scale_acc(c, a0, a1, a2, a3, s, ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_meta(m, ok):
+    """A tile's 8 meta words [1, 16] each: the zero-point words, then the scale words."""
+    z = (tl.load(m, mask=ok), tl.load(m + 16, mask=ok), tl.load(m + 32, mask=ok), tl.load(m + 48, mask=ok))
+    s = (tl.load(m + 64, mask=ok), tl.load(m + 80, mask=ok), tl.load(m + 96, mask=ok), tl.load(m + 112, mask=ok))
+    return z, s
+
+
+@triton.jit
 def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
     """One tile's weight-side loads: 16 slices [8, 16] and the 8 meta words [1, 16]. `ok` (a [1] mask) masks the
     whole tile; masked-off lanes are left undefined (the tile after a program's last is never used)."""
@@ -792,9 +800,7 @@ def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
          tl.load(p + 1024, mask=ok), tl.load(p + 1152, mask=ok), tl.load(p + 1280, mask=ok),
          tl.load(p + 1408, mask=ok), tl.load(p + 1536, mask=ok), tl.load(p + 1664, mask=ok),
          tl.load(p + 1792, mask=ok), tl.load(p + 1920, mask=ok))  # fmt: skip
-    m = m_ptr + moff
-    z = (tl.load(m, mask=ok), tl.load(m + 16, mask=ok), tl.load(m + 32, mask=ok), tl.load(m + 48, mask=ok))
-    s = (tl.load(m + 64, mask=ok), tl.load(m + 80, mask=ok), tl.load(m + 96, mask=ok), tl.load(m + 112, mask=ok))
+    z, s = _load_meta(m_ptr + moff, ok)
     return q, z, s
 
 
@@ -937,6 +943,51 @@ def _awq_gemv1_repacked_kernel(
                                SPLIT_PAD, HAS_BIAS, SILU_OUT)  # fmt: skip
     _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
                        HAS_BIAS, SILU_OUT)  # fmt: skip
+
+@triton.jit
+def _load_repacked_tma(w_desc, m_ptr, tile, moff, ok):
+    """_load_repacked with the 16 weight slices through TMA (w_desc: the copy as [tiles * 128, 16] int32, [8, 16]
+    boxes: slice r of tile T is rows 128 T + 8 r .. + 8); the meta words as plain loads."""
+    row = tile * 128
+    q = (w_desc.load([row, 0]), w_desc.load([row + 8, 0]), w_desc.load([row + 16, 0]), w_desc.load([row + 24, 0]),
+         w_desc.load([row + 32, 0]), w_desc.load([row + 40, 0]), w_desc.load([row + 48, 0]),
+         w_desc.load([row + 56, 0]), w_desc.load([row + 64, 0]), w_desc.load([row + 72, 0]),
+         w_desc.load([row + 80, 0]), w_desc.load([row + 88, 0]), w_desc.load([row + 96, 0]),
+         w_desc.load([row + 104, 0]), w_desc.load([row + 112, 0]), w_desc.load([row + 120, 0]))  # fmt: skip
+    z, s = _load_meta(m_ptr + moff, ok)
+    return q, z, s
+
+
+@triton.jit
+def _awq_gemv1_repacked_tma_kernel(
+    x_ptr, w_desc, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
+    SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
+    ASM: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """_awq_gemv1_repacked_kernel (one row per program) with the weights fed through TMA into shared memory and
+    Triton's software pipeline keeping STAGES - 1 tiles in flight (instead of one tile ahead in registers), so a
+    one-warp program can have several 8 KB tiles outstanding without their registers. Nothing is read before the
+    PDL wait here. Experimental (bench/awq_bench.py section tma_gemv; REPACKED_GEMV1_TMA_STAGES)."""
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    t0 = pid_k * tiles
+    tile0 = pid_n * KT + t0
+    m_ptr = meta_ptr + tile0 * 128
+    x_ptr = x_ptr + row * stride_xm + t0 * 64
+    moff = tl.arange(0, 16)[None, :]  # [1, 16]
+    xoff = tl.arange(0, 8)[:, None] * 8  # [8, 1]
+    one = tl.full([1], 1, tl.int1)
+    pdl.gdc_sync(USE_PDL)
+    zero = tl.zeros([8, 16], dtype=tl.float32)
+    c = (zero, zero, zero, zero, zero, zero, zero, zero)
+    for t in tl.range(0, tiles, num_stages=STAGES):
+        w = _load_repacked_tma(w_desc, m_ptr + t * 128, tile0 + t, moff, one)
+        xp = _load_x_pairs(x_ptr + t * 64, xoff, one)
+        c = _repacked_tile(c, w, xp, X_BF16, ASM)
+    _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
+                       HAS_BIAS, False)  # fmt: skip
+
 
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
 _INTERPRETED = isinstance(_awq_gemv1_kernel, InterpretedFunction)
@@ -1143,6 +1194,17 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     x32 = x.view(torch.int32)  # row pairs
     rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
     assert rows in (1, 2)
+    if REPACKED_GEMV1_TMA_STAGES and rows == 1 and not silu_mul_out:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _awq_gemv1_repacked_tma_kernel[(m, nb, split_k)](
+            x32, TensorDescriptor.from_tensor(packed.wq.view(-1, 16), [8, 16]), packed.meta,
+            bias if bias is not None else out, out, partials, counters, m, n, kt, split_k, tiles, x32.stride(0),
+            SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)), HAS_BIAS=bias is not None,
+            X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
+            STAGES=REPACKED_GEMV1_TMA_STAGES, num_warps=1, num_stages=REPACKED_GEMV1_TMA_STAGES, **pdl.launch_kwargs(),
+        )  # fmt: skip
+        return out
     _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
         x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
         tiles, x32.stride(0), SPLIT=split_k > 1, ROWS=rows, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
@@ -1276,6 +1338,9 @@ def _awq_gemv_repacked_dot_kernel(
 # rows per program beat one at M = 4 (9.9 / 26.1 / 26.0 vs 11.7 / 32.2 / 32.2 us), both beat tl.dot up to M = 6.
 REPACKED_GEMV1_MAX_M = 6
 REPACKED_GEMV1_ROWS = 2
+# > 0: one-row programs of that kernel read the weights through TMA with this many pipeline stages
+# (_awq_gemv1_repacked_tma_kernel). Experimental, off: not yet timed (bench section tma_gemv).
+REPACKED_GEMV1_TMA_STAGES = 0
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)

@@ -65,6 +65,22 @@ def test_repacked_gemv_matches_reference(case, dtype, m, rows):
         assert not counters.any()
 
 
+@pytest.mark.parametrize("case", CASES[1:3])
+@pytest.mark.parametrize("m", [1, 3])
+def test_repacked_gemv_through_tma_is_bit_identical(monkeypatch, case, m):
+    """REPACKED_GEMV1_TMA_STAGES (one-row programs reading the weights through TMA, pipelined): the same output
+    as the plain kernel, bit for bit, and the counters back at 0."""
+    k, n, tiles, with_bias = case
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + n + 1)
+    bias = bias.half() if with_bias else None
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    counters = awq.gemv_counters(n, DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float16)
+    plain = awq.awq_gemv_repacked(x, packed, bias, counters, tiles, 1)
+    monkeypatch.setattr(awq, "REPACKED_GEMV1_TMA_STAGES", 3)
+    assert torch.equal(awq.awq_gemv_repacked(x, packed, bias, counters, tiles, 1), plain)
+    assert not counters.any()
+
 def test_awq_linear_keeps_a_repacked_copy():
     """M = 1 runs over the copy made on the first call; loading weights drops it (made again from the new ones);
     a layer the layout does not fit (group 64) keeps the AutoAWQ kernel."""
