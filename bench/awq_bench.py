@@ -489,15 +489,17 @@ def tma_diag() -> None:
 
 
 def tma_gemv(root: str) -> None:
-    """REPACKED_GEMV1_TMA_STAGES: the M = 1 kernel reading its weights through TMA with 2-4 pipeline stages (and 2-16
-    K tiles per program) against the plain kernel, in CUDA graphs with PDL on the Llama-3-8B layer shapes (outputs
-    checked equal first); then AWQ decode with the fastest stage count (summed over the shapes at default tiles; the
-    gate/up projection keeps the plain kernel, which applies SiLU·mul)."""
+    """REPACKED_GEMV1_TMA_STAGES / _BOX: the M = 1 kernel reading its weights through TMA (boxes of one 8-row slice
+    or a whole 128-row tile; 2-4 pipeline stages; 2-16 K tiles per program) against the plain kernel, in CUDA graphs
+    with PDL on the Llama-3-8B layer shapes (outputs checked equal first); then AWQ decode with the fastest (box,
+    stages) summed over the shapes at default tiles (the gate/up projection keeps the plain kernel: SiLU·mul)."""
     from kernels import awq, pdl
 
-    print("\n| K x N | plain us | TMA 2 / 3 / 4 stages us | TMA best over tiles 2-16: us (stages, tiles) |")
-    print("|---|---|---|---|")
-    sums = {st: 0.0 for st in (2, 3, 4)}
+    print("\n| K x N | plain us | TMA box 8: 2 / 3 / 4 stages us | box 128: 2 / 3 / 4 stages us | TMA best: us (box, "
+          "stages, tiles) |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    variants = list(itertools.product((8, 128), (2, 3, 4)))
+    sums = dict.fromkeys(variants, 0.0)
     for k, n in [(4096, 6144), *SHAPES, (4096, 28672)]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         copies = max(4, int(400e6 // awq_bytes(k, n)))
@@ -506,34 +508,36 @@ def tma_gemv(root: str) -> None:
         times = {}
         pdl.enable(True)
         try:
-            times[0, None] = graph_us(awq.awq_gemv_repacked, ps)
-            for st, tiles in itertools.product((2, 3, 4), (None, 2, 4, 8, 16)):
-                awq.REPACKED_GEMV1_TMA_STAGES = st
-                if tiles is None:
-                    assert torch.equal(awq.awq_gemv_repacked(*ps[0]), plain_out), (k, n, st)
+            times[0, 0, None] = graph_us(awq.awq_gemv_repacked, ps)
+            for (box, st), tiles in itertools.product(variants, (None, 2, 4, 8, 16)):
+                awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = box, st
                 try:
-                    times[st, tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
-                except Exception as e:  # noqa: BLE001  (out of resources)
-                    print(f"   stages {st} tiles {tiles}: {type(e).__name__}", flush=True)
+                    if tiles is None:
+                        assert torch.equal(awq.awq_gemv_repacked(*ps[0]), plain_out), (k, n, box, st)
+                    times[box, st, tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
+                except Exception as e:  # noqa: BLE001  (out of resources, or a wrong output)
+                    print(f"   box {box} stages {st} tiles {tiles}: {type(e).__name__} {e}", flush=True)
         finally:
             pdl.enable(False)
-            awq.REPACKED_GEMV1_TMA_STAGES = 0
+            awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = 8, 0
         del ps
-        for st in sums:
-            sums[st] += times.get((st, None), float("inf"))
-        by_st = " / ".join(f"{times.get((st, None), float('nan')):.1f}" for st in (2, 3, 4))
+        for v in variants:
+            sums[v] += times.get((*v, None), float("inf"))
+        cells = [" / ".join(f"{times.get((box, st, None), float('nan')):.1f}" for st in (2, 3, 4)) for box in (8, 128)]
         us, cfg = min((v, key) for key, v in times.items() if key[0])
-        print(f"| {k}x{n} | {times[0, None]:.1f} | {by_st} | {us:.1f} ({cfg[0]}, {cfg[1] or 'default'}) |", flush=True)
-        record(f"tma_gemv_m1_{k}x{n}", round(us, 1), "us", f"plain {times[0, None]:.1f} us; TMA stages 2/3/4 {by_st}")
+        print(f"| {k}x{n} | {times[0, 0, None]:.1f} | {cells[0]} | {cells[1]} | {us:.1f} ({cfg[0]}, {cfg[1]}, "
+              f"{cfg[2] or 'default'}) |", flush=True)  # fmt: skip
+        record(f"tma_gemv_m1_{k}x{n}", round(us, 1), "us",
+               f"plain {times[0, 0, None]:.1f} us; box 8 / 128, stages 2/3/4: {cells[0]}; {cells[1]}")  # fmt: skip
     best = min(sums, key=sums.get)
     awq_dir = awq_model_dir(root)
     plain = decode_ms_per_token(awq_dir)
-    awq.REPACKED_GEMV1_TMA_STAGES = best
+    awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = best
     try:
         tma = decode_ms_per_token(awq_dir)
     finally:
-        awq.REPACKED_GEMV1_TMA_STAGES = 0
-    record("tma_gemv_decode", round(tma, 3), "ms/token", f"TMA {best} stages; plain {plain:.3f} ms/token")
+        awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = 8, 0
+    record("tma_gemv_decode", round(tma, 3), "ms/token", f"TMA box {best[0]}, {best[1]} stages; plain {plain:.3f}")
 
 
 def decode_profile(llm, name: str, steps: int = 64) -> None:

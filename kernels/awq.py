@@ -945,15 +945,43 @@ def _awq_gemv1_repacked_kernel(
                        HAS_BIAS, SILU_OUT)  # fmt: skip
 
 @triton.jit
-def _load_repacked_tma(w_desc, m_ptr, tile, moff, ok):
-    """_load_repacked with the 16 weight slices through TMA (w_desc: the copy as [tiles * 128, 16] int32, [8, 16]
-    boxes: slice r of tile T is rows 128 T + 8 r .. + 8); the meta words as plain loads."""
+def _slices16(t):
+    """A tile as one [128, 16] tensor (row 8 r + i) -> its 16 slices [8, 16] in r order (reshape, then four
+    levels of tl.split over r's bits, lowest first)."""
+    t = tl.reshape(tl.permute(tl.reshape(t, [16, 8, 16]), [1, 2, 0]), [8, 16, 2, 2, 2, 2])  # [i, j, r3, r2, r1, r0]
+    ev, od = tl.split(t)
+    r0, r2 = tl.split(ev)
+    r1, r3 = tl.split(od)
+    r0, r4 = tl.split(r0)
+    r2, r6 = tl.split(r2)
+    r1, r5 = tl.split(r1)
+    r3, r7 = tl.split(r3)
+    r0, r8 = tl.split(r0)
+    r4, r12 = tl.split(r4)
+    r2, r10 = tl.split(r2)
+    r6, r14 = tl.split(r6)
+    r1, r9 = tl.split(r1)
+    r5, r13 = tl.split(r5)
+    r3, r11 = tl.split(r3)
+    r7, r15 = tl.split(r7)
+    return (r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15)
+
+
+@triton.jit
+def _load_repacked_tma(w_desc, m_ptr, tile, moff, ok, BOX: tl.constexpr):
+    """_load_repacked with the weights through TMA (w_desc: the copy as [tiles * 128, 16] int32; slice r of tile
+    T is rows 128 T + 8 r .. + 8): BOX 8, one [8, 16] box per slice; BOX 128, the whole tile in one box, then
+    split into its slices. The meta words as plain loads."""
     row = tile * 128
-    q = (w_desc.load([row, 0]), w_desc.load([row + 8, 0]), w_desc.load([row + 16, 0]), w_desc.load([row + 24, 0]),
-         w_desc.load([row + 32, 0]), w_desc.load([row + 40, 0]), w_desc.load([row + 48, 0]),
-         w_desc.load([row + 56, 0]), w_desc.load([row + 64, 0]), w_desc.load([row + 72, 0]),
-         w_desc.load([row + 80, 0]), w_desc.load([row + 88, 0]), w_desc.load([row + 96, 0]),
-         w_desc.load([row + 104, 0]), w_desc.load([row + 112, 0]), w_desc.load([row + 120, 0]))  # fmt: skip
+    if BOX == 128:
+        q = _slices16(w_desc.load([row, 0]))
+    else:
+        q = (w_desc.load([row, 0]), w_desc.load([row + 8, 0]), w_desc.load([row + 16, 0]),
+             w_desc.load([row + 24, 0]), w_desc.load([row + 32, 0]), w_desc.load([row + 40, 0]),
+             w_desc.load([row + 48, 0]), w_desc.load([row + 56, 0]), w_desc.load([row + 64, 0]),
+             w_desc.load([row + 72, 0]), w_desc.load([row + 80, 0]), w_desc.load([row + 88, 0]),
+             w_desc.load([row + 96, 0]), w_desc.load([row + 104, 0]), w_desc.load([row + 112, 0]),
+             w_desc.load([row + 120, 0]))  # fmt: skip
     z, s = _load_meta(m_ptr + moff, ok)
     return q, z, s
 
@@ -962,7 +990,7 @@ def _load_repacked_tma(w_desc, m_ptr, tile, moff, ok):
 def _awq_gemv1_repacked_tma_kernel(
     x_ptr, w_desc, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-    ASM: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr,
+    ASM: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr, BOX: tl.constexpr,
 ):  # fmt: skip
     """_awq_gemv1_repacked_kernel (one row per program) with the weights fed through TMA into shared memory and
     Triton's software pipeline keeping STAGES - 1 tiles in flight (instead of one tile ahead in registers), so a
@@ -982,7 +1010,7 @@ def _awq_gemv1_repacked_tma_kernel(
     zero = tl.zeros([8, 16], dtype=tl.float32)
     c = (zero, zero, zero, zero, zero, zero, zero, zero)
     for t in tl.range(0, tiles, num_stages=STAGES):
-        w = _load_repacked_tma(w_desc, m_ptr + t * 128, tile0 + t, moff, one)
+        w = _load_repacked_tma(w_desc, m_ptr + t * 128, tile0 + t, moff, one, BOX)
         xp = _load_x_pairs(x_ptr + t * 64, xoff, one)
         c = _repacked_tile(c, w, xp, X_BF16, ASM)
     _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
@@ -1198,11 +1226,12 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         _awq_gemv1_repacked_tma_kernel[(m, nb, split_k)](
-            x32, TensorDescriptor.from_tensor(packed.wq.view(-1, 16), [8, 16]), packed.meta,
+            x32, TensorDescriptor.from_tensor(packed.wq.view(-1, 16), [REPACKED_GEMV1_TMA_BOX, 16]), packed.meta,
             bias if bias is not None else out, out, partials, counters, m, n, kt, split_k, tiles, x32.stride(0),
             SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)), HAS_BIAS=bias is not None,
             X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
-            STAGES=REPACKED_GEMV1_TMA_STAGES, num_warps=1, num_stages=REPACKED_GEMV1_TMA_STAGES, **pdl.launch_kwargs(),
+            STAGES=REPACKED_GEMV1_TMA_STAGES, BOX=REPACKED_GEMV1_TMA_BOX, num_warps=1,
+            num_stages=REPACKED_GEMV1_TMA_STAGES, **pdl.launch_kwargs(),
         )  # fmt: skip
         return out
     _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
@@ -1341,6 +1370,7 @@ REPACKED_GEMV1_ROWS = 2
 # > 0: one-row programs of that kernel read the weights through TMA with this many pipeline stages
 # (_awq_gemv1_repacked_tma_kernel). Experimental, off: not yet timed (bench section tma_gemv).
 REPACKED_GEMV1_TMA_STAGES = 0
+REPACKED_GEMV1_TMA_BOX = 8  # K rows per TMA box: 8 (a slice, 16 copies per tile) or 128 (the whole 8 KB tile)
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)

@@ -66,10 +66,10 @@ def test_repacked_gemv_matches_reference(case, dtype, m, rows):
 
 
 @pytest.mark.parametrize("case", CASES[1:3])
-@pytest.mark.parametrize("m", [1, 3])
-def test_repacked_gemv_through_tma_is_bit_identical(monkeypatch, case, m):
-    """REPACKED_GEMV1_TMA_STAGES (one-row programs reading the weights through TMA, pipelined): the same output
-    as the plain kernel, bit for bit, and the counters back at 0."""
+@pytest.mark.parametrize("m, box", [(1, 8), (3, 128)])
+def test_repacked_gemv_through_tma_is_bit_identical(monkeypatch, case, m, box):
+    """REPACKED_GEMV1_TMA_STAGES (one-row programs reading the weights through TMA, pipelined; boxes of one slice or
+    one whole tile): the same output as the plain kernel, bit for bit, and the counters back at 0."""
     k, n, tiles, with_bias = case
     qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + n + 1)
     bias = bias.half() if with_bias else None
@@ -78,6 +78,7 @@ def test_repacked_gemv_through_tma_is_bit_identical(monkeypatch, case, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float16)
     plain = awq.awq_gemv_repacked(x, packed, bias, counters, tiles, 1)
     monkeypatch.setattr(awq, "REPACKED_GEMV1_TMA_STAGES", 3)
+    monkeypatch.setattr(awq, "REPACKED_GEMV1_TMA_BOX", box)
     assert torch.equal(awq.awq_gemv_repacked(x, packed, bias, counters, tiles, 1), plain)
     assert not counters.any()
 
