@@ -505,10 +505,12 @@ def tma_gemv(root: str) -> None:
         copies = max(4, int(400e6 // awq_bytes(k, n)))
         ps = [(x, awq.awq_repack(*random_awq(k, n)[:3], GROUP)) for _ in range(copies)]
         plain_out = awq.awq_gemv_repacked(*ps[0])
-        times = {}
+        times, plain_tiles = {}, {}
         pdl.enable(True)
         try:
             times[0, 0, None] = graph_us(awq.awq_gemv_repacked, ps)
+            for tiles in (1, 2, 4, 8):  # the plain kernel at other K splits too (1 tile: all its weights before the wait)
+                plain_tiles[tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
             for (box, st), tiles in itertools.product(variants, (None, 2, 4, 8, 16)):
                 awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = box, st
                 try:
@@ -527,8 +529,11 @@ def tma_gemv(root: str) -> None:
         us, cfg = min((v, key) for key, v in times.items() if key[0])
         print(f"| {k}x{n} | {times[0, 0, None]:.1f} | {cells[0]} | {cells[1]} | {us:.1f} ({cfg[0]}, {cfg[1]}, "
               f"{cfg[2] or 'default'}) |", flush=True)  # fmt: skip
+        by_tiles = " / ".join(f"{plain_tiles[t]:.1f}" for t in (1, 2, 4, 8))
+        print(f"   plain kernel {k}x{n}, 1 / 2 / 4 / 8 tiles per program: {by_tiles} us", flush=True)
         record(f"tma_gemv_m1_{k}x{n}", round(us, 1), "us",
-               f"plain {times[0, 0, None]:.1f} us; box 8 / 128, stages 2/3/4: {cells[0]}; {cells[1]}")  # fmt: skip
+               f"plain {times[0, 0, None]:.1f} us (1/2/4/8 tiles: {by_tiles}); box 8 / 128, stages 2/3/4: {cells[0]}; "
+               f"{cells[1]}")  # fmt: skip
     best = min(sums, key=sums.get)
     awq_dir = awq_model_dir(root)
     plain = decode_ms_per_token(awq_dir)
