@@ -93,6 +93,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import pdl
 from kernels.awq_reference import unpack_int4
+from kernels.fused import silu_mul_rounded
 
 GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
 # Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
@@ -541,6 +542,19 @@ def _column_sums(c, BLOCK_N8: tl.constexpr):
 
 
 @triton.jit
+def _sum_partials(part_ptr, rn, n_ok, N, split_k, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr):
+    """Columns rn of the float32 partials [split_k, N] summed in a fixed order (chunks of RED_CH rows, unrolled so
+    all loads can be in flight; .cg: other programs wrote them)."""
+    y = tl.zeros(rn.shape, dtype=tl.float32)
+    for ch in tl.static_range(SPLIT_PAD // RED_CH):
+        rs = ch * RED_CH + tl.arange(0, RED_CH)
+        p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        y += tl.sum(p, 0)
+    return y
+
+
+@triton.jit
 def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, BLOCK_N8: tl.constexpr,
                     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr, EVEN_N: tl.constexpr,
                     HAS_BIAS: tl.constexpr):  # fmt: skip
@@ -557,12 +571,7 @@ def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cn
         tl.debug_barrier()  # every thread's partial is stored before the (one-thread) release below
         cnt = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if cnt == split_k - 1:  # the last program of this column block
-            y = tl.zeros([BLOCK_N8 * 8], dtype=tl.float32)
-            for ch in tl.static_range(SPLIT_PAD // RED_CH):  # unrolled: all loads can be in flight
-                rs = ch * RED_CH + tl.arange(0, RED_CH)
-                p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
-                            other=0.0, cache_modifier=".cg")  # fmt: skip
-                y += tl.sum(p, 0)
+            y = _sum_partials(part_ptr, rn, n_ok, N, split_k, SPLIT_PAD, RED_CH)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -588,21 +597,14 @@ def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr,
     if cnt == 2 * split_k - 1:  # the last program of the pair
         rg = pair * 128 + tl.arange(0, 128)
         ru = N // 2 + rg
-        g = tl.zeros([128], dtype=tl.float32)
-        u = tl.zeros([128], dtype=tl.float32)
-        for ch in tl.static_range(SPLIT_PAD // RED_CH):  # unrolled: all loads can be in flight
-            rs = ch * RED_CH + tl.arange(0, RED_CH)
-            ok = (rs < split_k)[:, None]
-            g += tl.sum(tl.load(part_ptr + rs[:, None] * N + rg[None, :], mask=ok, other=0.0, cache_modifier=".cg"), 0)
-            u += tl.sum(tl.load(part_ptr + rs[:, None] * N + ru[None, :], mask=ok, other=0.0, cache_modifier=".cg"), 0)
+        all_ok = tl.full([128], 1, tl.int1)
+        g = _sum_partials(part_ptr, rg, all_ok, N, split_k, SPLIT_PAD, RED_CH)
+        u = _sum_partials(part_ptr, ru, all_ok, N, split_k, SPLIT_PAD, RED_CH)
         if HAS_BIAS:
             g += tl.load(bias_ptr + rg).to(tl.float32)
             u += tl.load(bias_ptr + ru).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
-        g = g.to(dtype).to(tl.float32)
-        u = u.to(dtype).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + rg, (act * u).to(dtype))
+        tl.store(out_ptr + rg, silu_mul_rounded(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32), dtype))
         tl.store(cnt_ptr + pair, 0)  # ready for the next launch
 
 
@@ -944,6 +946,7 @@ def _awq_gemv1_repacked_kernel(
     _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
                        HAS_BIAS, SILU_OUT)  # fmt: skip
 
+
 @triton.jit
 def _slices16(t):
     """A tile as one [128, 16] tensor (row 8 r + i) -> its 16 slices [8, 16] in r order (reshape, then four
@@ -1222,24 +1225,22 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     x32 = x.view(torch.int32)  # row pairs
     rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
     assert rows in (1, 2)
+    common = dict(SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)), HAS_BIAS=bias is not None,
+                  X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED, num_warps=1,
+                  **pdl.launch_kwargs())  # fmt: skip
+    args = (bias if bias is not None else out, out, partials, counters, m, n, kt, split_k, tiles, x32.stride(0))
     if REPACKED_GEMV1_TMA_STAGES and rows == 1 and not silu_mul_out:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        w_desc = TensorDescriptor.from_tensor(packed.wq.view(-1, 16), [REPACKED_GEMV1_TMA_BOX, 16])
         _awq_gemv1_repacked_tma_kernel[(m, nb, split_k)](
-            x32, TensorDescriptor.from_tensor(packed.wq.view(-1, 16), [REPACKED_GEMV1_TMA_BOX, 16]), packed.meta,
-            bias if bias is not None else out, out, partials, counters, m, n, kt, split_k, tiles, x32.stride(0),
-            SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)), HAS_BIAS=bias is not None,
-            X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
-            STAGES=REPACKED_GEMV1_TMA_STAGES, BOX=REPACKED_GEMV1_TMA_BOX, num_warps=1,
-            num_stages=REPACKED_GEMV1_TMA_STAGES, **pdl.launch_kwargs(),
+            x32, w_desc, packed.meta, *args, STAGES=REPACKED_GEMV1_TMA_STAGES, BOX=REPACKED_GEMV1_TMA_BOX,
+            num_stages=REPACKED_GEMV1_TMA_STAGES, **common,
         )  # fmt: skip
-        return out
-    _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
-        x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
-        tiles, x32.stride(0), SPLIT=split_k > 1, ROWS=rows, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
-        HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED,
-        SILU_OUT=silu_mul_out, num_warps=1, num_stages=1, **pdl.launch_kwargs(),
-    )  # fmt: skip
+    else:
+        _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
+            x32, packed.wq, packed.meta, *args, ROWS=rows, SILU_OUT=silu_mul_out, num_stages=1, **common
+        )
     return out
 
 

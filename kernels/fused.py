@@ -142,6 +142,15 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
 
 
 @triton.jit
+def silu_mul_rounded(g, u, dtype: tl.constexpr):
+    """float32 gate and up (values of `dtype`) -> silu(g) * u in `dtype`, rounded after the SiLU and after the
+    product. Every kernel that fuses SiLU·mul (kernels/gemv.py, kernels/awq.py) uses this, so they stay bit-identical
+    to silu_and_mul below."""
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * u).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.gdc_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -149,9 +158,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.conste
     ok = offs < n
     g = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n + offs, mask=ok, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (act * u).to(dtype), mask=ok)
+    tl.store(out_ptr + row * stride_o + offs, silu_mul_rounded(g, u, out_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.fused import silu_mul_rounded
 
 # Launch configurations chosen on an H200 (bench/decode_kernels.py, docs/benchmarks.md): few output rows want
 # bigger row blocks (enough work per program), many rows small ones (more programs in flight).
@@ -42,8 +43,7 @@ def _x_tile(x_ptr, k, K, SILU_MUL: tl.constexpr):
     if SILU_MUL:
         g = tl.load(x_ptr + k).to(tl.float32)
         u = tl.load(x_ptr + K + k).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        return (act * u).to(dtype).to(tl.float32)
+        return silu_mul_rounded(g, u, dtype).to(tl.float32)
     else:
         return tl.load(x_ptr + k).to(tl.float32)
 

@@ -146,6 +146,7 @@ def test_awq_linear_applies_silu_mul_for_an_mlp():
     narrow.__dict__["repacked"] = awq.awq_repack(*random_awq(k, 128, 128, seed=7)[:3], 128)
     assert not narrow.fuses_silu_mul(x)  # 64 + 64 outputs: no whole column block per half
 
+
 # -- M > 1 (and float32) over the repacked copy, and AWQLinear holding only that copy ------------------------------
 
 
