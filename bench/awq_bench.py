@@ -25,8 +25,6 @@ silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV +
              4), and AWQ decode with and without it
 tma_diag     load-only ceilings of the repacked weights' stream in graphs: plain loads vs TMA through shared memory
              (tiles per program, warps, pipeline stages)
-tma_gemv     the M = 1 kernel with its weights through TMA (2-4 pipeline stages, 2-16 tiles per program) vs the
-             plain one, in graphs at the five layer shapes, then AWQ decode with it
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -488,63 +486,6 @@ def tma_diag() -> None:
         del ws, descs
 
 
-def tma_gemv(root: str) -> None:
-    """REPACKED_GEMV1_TMA_STAGES / _BOX: the M = 1 kernel reading its weights through TMA (boxes of one 8-row slice
-    or a whole 128-row tile; 2-4 pipeline stages; 2-16 K tiles per program) against the plain kernel, in CUDA graphs
-    with PDL on the Llama-3-8B layer shapes (outputs checked equal first); then AWQ decode with the fastest (box,
-    stages) summed over the shapes at default tiles (the gate/up projection keeps the plain kernel: SiLU·mul)."""
-    from kernels import awq, pdl
-
-    print("\n| K x N | plain us | TMA box 8: 2 / 3 / 4 stages us | box 128: 2 / 3 / 4 stages us | TMA best: us (box, "
-          "stages, tiles) |")  # fmt: skip
-    print("|---|---|---|---|---|")
-    variants = list(itertools.product((8, 128), (2, 3, 4)))
-    sums = dict.fromkeys(variants, 0.0)
-    for k, n in [(4096, 6144), *SHAPES, (4096, 28672)]:
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        copies = max(4, int(400e6 // awq_bytes(k, n)))
-        ps = [(x, awq.awq_repack(*random_awq(k, n)[:3], GROUP)) for _ in range(copies)]
-        plain_out = awq.awq_gemv_repacked(*ps[0])
-        times, plain_tiles = {}, {}
-        pdl.enable(True)
-        try:
-            times[0, 0, None] = graph_us(awq.awq_gemv_repacked, ps)
-            for tiles in (1, 2, 4, 8):  # the plain kernel at other K splits too (1 tile: all its weights before the wait)
-                plain_tiles[tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
-            for (box, st), tiles in itertools.product(variants, (None, 2, 4, 8, 16)):
-                awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = box, st
-                try:
-                    if tiles is None:
-                        assert torch.equal(awq.awq_gemv_repacked(*ps[0]), plain_out), (k, n, box, st)
-                    times[box, st, tiles] = graph_us(lambda x, p, t=tiles: awq.awq_gemv_repacked(x, p, tiles=t), ps)
-                except Exception as e:  # noqa: BLE001  (out of resources, or a wrong output)
-                    print(f"   box {box} stages {st} tiles {tiles}: {type(e).__name__} {e}", flush=True)
-        finally:
-            pdl.enable(False)
-            awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = 8, 0
-        del ps
-        for v in variants:
-            sums[v] += times.get((*v, None), float("inf"))
-        cells = [" / ".join(f"{times.get((box, st, None), float('nan')):.1f}" for st in (2, 3, 4)) for box in (8, 128)]
-        us, cfg = min((v, key) for key, v in times.items() if key[0])
-        print(f"| {k}x{n} | {times[0, 0, None]:.1f} | {cells[0]} | {cells[1]} | {us:.1f} ({cfg[0]}, {cfg[1]}, "
-              f"{cfg[2] or 'default'}) |", flush=True)  # fmt: skip
-        by_tiles = " / ".join(f"{plain_tiles[t]:.1f}" for t in (1, 2, 4, 8))
-        print(f"   plain kernel {k}x{n}, 1 / 2 / 4 / 8 tiles per program: {by_tiles} us", flush=True)
-        record(f"tma_gemv_m1_{k}x{n}", round(us, 1), "us",
-               f"plain {times[0, 0, None]:.1f} us (1/2/4/8 tiles: {by_tiles}); box 8 / 128, stages 2/3/4: {cells[0]}; "
-               f"{cells[1]}")  # fmt: skip
-    best = min(sums, key=sums.get)
-    awq_dir = awq_model_dir(root)
-    plain = decode_ms_per_token(awq_dir)
-    awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = best
-    try:
-        tma = decode_ms_per_token(awq_dir)
-    finally:
-        awq.REPACKED_GEMV1_TMA_BOX, awq.REPACKED_GEMV1_TMA_STAGES = 8, 0
-    record("tma_gemv_decode", round(tma, 3), "ms/token", f"TMA box {best[0]}, {best[1]} stages; plain {plain:.3f}")
-
-
 def decode_profile(llm, name: str, steps: int = 64) -> None:
     """GPU time per decode step by kernel (torch.profiler over a batch-1 request of `steps` tokens): where the step
     goes besides the quantised linears."""
@@ -613,7 +554,7 @@ def main() -> None:
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
            "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root),
-           "tma_diag": tma_diag, "tma_gemv": lambda: tma_gemv(root)}
+           "tma_diag": tma_diag}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)

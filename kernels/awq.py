@@ -63,7 +63,10 @@ slower for the GEMV (2-4x). What separated the GEMV from that: loads issued late
 arithmetic: serial round trips), the split-K reduction (a program's atomic round trip, and the last program's
 partials: ~6 us at SPLIT_K 56 vs ~1 us at 16) and per-program instruction overhead. So: one warp per program,
 BLOCK_N 128, each tile's loads (weights, zeros, scales, x) issued together, the next tile's before this one's
-arithmetic in a loop the compiler does not unroll, and 2-4 tiles per program to keep SPLIT_K at 8-28.
+arithmetic in a loop the compiler does not unroll, and 2-4 tiles per program to keep SPLIT_K at 8-28. Over the
+repacked copy (session 14): the fewest tiles per program whose programs fit one wave of 8 per SM (_repacked_tiles_m1;
+the kernel's 254 registers allow 8 one-warp programs per SM); TMA into a shared-memory pipeline and 2-4 warps per
+program (fewer registers, more warps per SM) were no faster.
 
 Triton's interpreter (the tests on CPU) cannot run inline asm: there the asm helpers have twins in plain tl ops
 (same interface, f16 rounding after every multiply-add), so the tests check indexing, nibble order, scales and the
@@ -947,79 +950,6 @@ def _awq_gemv1_repacked_kernel(
                        HAS_BIAS, SILU_OUT)  # fmt: skip
 
 
-@triton.jit
-def _slices16(t):
-    """A tile as one [128, 16] tensor (row 8 r + i) -> its 16 slices [8, 16] in r order (reshape, then four
-    levels of tl.split over r's bits, lowest first)."""
-    t = tl.reshape(tl.permute(tl.reshape(t, [16, 8, 16]), [1, 2, 0]), [8, 16, 2, 2, 2, 2])  # [i, j, r3, r2, r1, r0]
-    ev, od = tl.split(t)
-    r0, r2 = tl.split(ev)
-    r1, r3 = tl.split(od)
-    r0, r4 = tl.split(r0)
-    r2, r6 = tl.split(r2)
-    r1, r5 = tl.split(r1)
-    r3, r7 = tl.split(r3)
-    r0, r8 = tl.split(r0)
-    r4, r12 = tl.split(r4)
-    r2, r10 = tl.split(r2)
-    r6, r14 = tl.split(r6)
-    r1, r9 = tl.split(r1)
-    r5, r13 = tl.split(r5)
-    r3, r11 = tl.split(r3)
-    r7, r15 = tl.split(r7)
-    return (r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15)
-
-
-@triton.jit
-def _load_repacked_tma(w_desc, m_ptr, tile, moff, ok, BOX: tl.constexpr):
-    """_load_repacked with the weights through TMA (w_desc: the copy as [tiles * 128, 16] int32; slice r of tile
-    T is rows 128 T + 8 r .. + 8): BOX 8, one [8, 16] box per slice; BOX 128, the whole tile in one box, then
-    split into its slices. The meta words as plain loads."""
-    row = tile * 128
-    if BOX == 128:
-        q = _slices16(w_desc.load([row, 0]))
-    else:
-        q = (w_desc.load([row, 0]), w_desc.load([row + 8, 0]), w_desc.load([row + 16, 0]),
-             w_desc.load([row + 24, 0]), w_desc.load([row + 32, 0]), w_desc.load([row + 40, 0]),
-             w_desc.load([row + 48, 0]), w_desc.load([row + 56, 0]), w_desc.load([row + 64, 0]),
-             w_desc.load([row + 72, 0]), w_desc.load([row + 80, 0]), w_desc.load([row + 88, 0]),
-             w_desc.load([row + 96, 0]), w_desc.load([row + 104, 0]), w_desc.load([row + 112, 0]),
-             w_desc.load([row + 120, 0]))  # fmt: skip
-    z, s = _load_meta(m_ptr + moff, ok)
-    return q, z, s
-
-
-@triton.jit
-def _awq_gemv1_repacked_tma_kernel(
-    x_ptr, w_desc, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
-    SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-    ASM: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr, BOX: tl.constexpr,
-):  # fmt: skip
-    """_awq_gemv1_repacked_kernel (one row per program) with the weights fed through TMA into shared memory and
-    Triton's software pipeline keeping STAGES - 1 tiles in flight (instead of one tile ahead in registers), so a
-    one-warp program can have several 8 KB tiles outstanding without their registers. Nothing is read before the
-    PDL wait here. Experimental (bench/awq_bench.py section tma_gemv; REPACKED_GEMV1_TMA_STAGES)."""
-    row = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    t0 = pid_k * tiles
-    tile0 = pid_n * KT + t0
-    m_ptr = meta_ptr + tile0 * 128
-    x_ptr = x_ptr + row * stride_xm + t0 * 64
-    moff = tl.arange(0, 16)[None, :]  # [1, 16]
-    xoff = tl.arange(0, 8)[:, None] * 8  # [8, 1]
-    one = tl.full([1], 1, tl.int1)
-    pdl.gdc_sync(USE_PDL)
-    zero = tl.zeros([8, 16], dtype=tl.float32)
-    c = (zero, zero, zero, zero, zero, zero, zero, zero)
-    for t in tl.range(0, tiles, num_stages=STAGES):
-        w = _load_repacked_tma(w_desc, m_ptr + t * 128, tile0 + t, moff, one, BOX)
-        xp = _load_x_pairs(x_ptr + t * 64, xoff, one)
-        c = _repacked_tile(c, w, xp, X_BF16, ASM)
-    _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
-                       HAS_BIAS, False)  # fmt: skip
-
-
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
 _INTERPRETED = isinstance(_awq_gemv1_kernel, InterpretedFunction)
 
@@ -1200,11 +1130,22 @@ def awq_repack(qweight, qzeros, scales, group_size: int) -> RepackedAWQ | None:
     return RepackedAWQ(wq, meta, k, n8 * 8)
 
 
+def _repacked_tiles_m1(k_tiles: int, n_blocks: int, sms: int) -> int:
+    """K tiles per program of the one-row repacked kernel: the fewest of 1, 2, 4, 8, 16 (dividing K's tiles) whose
+    programs fit one wave, REPACKED_GEMV1_PER_SM one-warp programs per SM (the kernel's 254 registers allow 8);
+    else the most of them that divides. H200, graphs with PDL (docs/benchmarks.md, session 14): the fastest of 1 / 2
+    / 4 / 8 tiles at each of the five Llama-3-8B layer shapes was the one this picks (896-1024 programs)."""
+    fits = [t for t in (1, 2, 4, 8, 16) if k_tiles % t == 0]
+    wave = REPACKED_GEMV1_PER_SM * sms
+    return next((t for t in fits if n_blocks * k_tiles // t <= wave), fits[-1])
+
+
 def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None,
                       rows: int | None = None, silu_mul_out: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M <= 16, in] (fp16 / bf16) -> [M, out] over awq_repack's copy (one program per `rows` rows (1 or 2;
-    default REPACKED_GEMV1_ROWS for M > 1), column block and K split). `tiles`: K tiles per program (default:
-    _tiles_per_program, as for awq_gemv); `counters`: gemv_counters (default one set shared per (device, out)).
+    default REPACKED_GEMV1_ROWS for M > 1), column block and K split). `tiles`: K tiles per program (default: M = 1
+    _repacked_tiles_m1, else _tiles_per_program as for awq_gemv); `counters`: gemv_counters (default one set shared
+    per (device, out)).
     silu_mul_out: the outputs are [gate | up] (out / 2 a multiple of 128) and the result is silu(gate) * up
     [M, out / 2], bit-identical to kernels/fused.py's silu_and_mul of this GEMV's output (an MLP's activation in the
     gate/up projection's last programs: one kernel less per layer)."""
@@ -1214,7 +1155,7 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     assert not silu_mul_out or n % 256 == 0
     kt, nb = k // REPACK_GROUP, n // (8 * REPACK_BLOCK_N8)
     if tiles is None:
-        tiles = _tiles_per_program(kt, nb)
+        tiles = _tiles_per_program(kt, nb) if m > 1 else _repacked_tiles_m1(kt, nb, _num_sms(x.device.index))
     assert kt % tiles == 0
     split_k = kt // tiles
     if counters is None:
@@ -1225,22 +1166,12 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     x32 = x.view(torch.int32)  # row pairs
     rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
     assert rows in (1, 2)
-    common = dict(SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)), HAS_BIAS=bias is not None,
-                  X_BF16=x.dtype == torch.bfloat16, ASM=not _INTERPRETED, USE_PDL=pdl.ENABLED, num_warps=1,
-                  **pdl.launch_kwargs())  # fmt: skip
-    args = (bias if bias is not None else out, out, partials, counters, m, n, kt, split_k, tiles, x32.stride(0))
-    if REPACKED_GEMV1_TMA_STAGES and rows == 1 and not silu_mul_out:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w_desc = TensorDescriptor.from_tensor(packed.wq.view(-1, 16), [REPACKED_GEMV1_TMA_BOX, 16])
-        _awq_gemv1_repacked_tma_kernel[(m, nb, split_k)](
-            x32, w_desc, packed.meta, *args, STAGES=REPACKED_GEMV1_TMA_STAGES, BOX=REPACKED_GEMV1_TMA_BOX,
-            num_stages=REPACKED_GEMV1_TMA_STAGES, **common,
-        )  # fmt: skip
-    else:
-        _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
-            x32, packed.wq, packed.meta, *args, ROWS=rows, SILU_OUT=silu_mul_out, num_stages=1, **common
-        )
+    _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
+        x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
+        tiles, x32.stride(0), SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
+        HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ROWS=rows, ASM=not _INTERPRETED,
+        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, num_warps=1, num_stages=1, **pdl.launch_kwargs(),
+    )  # fmt: skip
     return out
 
 
@@ -1368,10 +1299,7 @@ def _awq_gemv_repacked_dot_kernel(
 # rows per program beat one at M = 4 (9.9 / 26.1 / 26.0 vs 11.7 / 32.2 / 32.2 us), both beat tl.dot up to M = 6.
 REPACKED_GEMV1_MAX_M = 6
 REPACKED_GEMV1_ROWS = 2
-# > 0: one-row programs of that kernel read the weights through TMA with this many pipeline stages
-# (_awq_gemv1_repacked_tma_kernel). Experimental, off: not yet timed (bench section tma_gemv).
-REPACKED_GEMV1_TMA_STAGES = 0
-REPACKED_GEMV1_TMA_BOX = 8  # K rows per TMA box: 8 (a slice, 16 copies per tile) or 128 (the whole 8 KB tile)
+REPACKED_GEMV1_PER_SM = 8  # one-row programs per SM in one wave (_repacked_tiles_m1)
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)
