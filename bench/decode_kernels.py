@@ -11,6 +11,8 @@ prefill  prefill attention, one 4096-token causal prompt: kernel variants (keys 
          of 3 each.
 silu     the down projection's GEMV with SiLU·mul fused in: launch-config sweep (kernels/gemv.py
          GEMV_CONFIG_SILU_MUL).
+sample   the greedy pick (kernels/greedy.py) vs the sampler's torch path on [1 / 8 / 64, 128256] bf16 logits, and
+         bf16 batch-1 decode with and without it
 e2e      engines side by side (E2E_VARIANTS: Triton GEMV + PDL, the same with the SiLU·mul GEMV on the plain
          config, cuBLAS without PDL; ASERVE_GEMV / ASERVE_PDL), alternating batch-1 decode ms/token
          (gpu_bench.batch1_decode_ms), the captured forward's GPU time, the GPU kernels of one decode step, and the
@@ -309,6 +311,55 @@ def section_e2e(repeats: int) -> None:
         TABLE.append((f"greedy 64 tokens, first difference {name} vs cuBLAS", str(same)))
 
 
+def section_sample(repeats: int) -> None:
+    """The greedy pick (kernels/greedy.py) vs the sampler's torch path (float32 copy, a sum for the finite check,
+    max(dim).indices) on bf16 logits [rows, 128256], eager as the sampler runs (CUDA events over 200 calls); then
+    batch-1 decode of the bf16 Llama-3-8B shape with the pick and without (Sampler._greedy_pick patched to the
+    CPU-only rule), alternating."""
+    from aserve import LLM
+    from aserve.engine.sampler import Sampler
+    from kernels import greedy
+
+    def torch_path(logits):
+        x = logits.float()
+        return x.max(dim=-1).indices, ~torch.isfinite(x.sum(dim=-1, dtype=torch.float32))
+
+    for rows in (1, 8, 64):
+        logits = torch.randn(rows, 128256, device="cuda").to(torch.bfloat16)
+        assert torch.equal(greedy.greedy_pick(logits)[0], torch_path(logits)[0])
+        us = {}
+        for name, fn in (("torch", torch_path), ("greedy_pick", greedy.greedy_pick)):
+            for _ in range(10):
+                fn(logits)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(200):
+                fn(logits)
+            end.record()
+            end.synchronize()
+            us[name] = start.elapsed_time(end) * 1e3 / 200
+        TABLE.append((f"greedy pick, bf16 [{rows}, 128256]: torch path / kernels/greedy.py us",
+                      f"{us['torch']:.1f} / {us['greedy_pick']:.1f}"))  # fmt: skip
+        print(TABLE[-1], flush=True)
+    model_dir = gb.dummy_model_dir(tempfile.mkdtemp(), gb.LLAMA3_8B)
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
+              kv_cache_memory_gb=8)  # fmt: skip
+    pick = Sampler.__dict__["_greedy_pick"]  # the staticmethod itself
+    ms = {"pick": [], "torch": []}
+    try:
+        for _ in range(repeats):
+            for name in ms:
+                Sampler._greedy_pick = pick if name == "pick" else staticmethod(lambda logits, rows: None)
+                ms[name].append(gb.batch1_decode_ms(llm))
+                print(f"{name}: {ms[name][-1]:.3f} ms/token", flush=True)
+    finally:
+        Sampler._greedy_pick = pick
+    for name, v in ms.items():
+        TABLE.append((f"bf16 batch-1 decode, greedy {name}: ms/token (median of {repeats})",
+                      f"{sorted(v)[len(v) // 2]:.3f} (all {[round(x, 3) for x in v]})"))  # fmt: skip
+    RESULTS["sample_decode_ms"] = ms
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
@@ -322,7 +373,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             {"gemv": lambda: section_gemv(args.quick), "pdl": section_pdl, "prefill": section_prefill,
-             "silu": section_silu,
+             "silu": section_silu, "sample": lambda: section_sample(args.repeats),
              "e2e": lambda: section_e2e(args.repeats)}[section]()  # fmt: skip
         except Exception as e:  # noqa: BLE001
             import traceback

@@ -289,15 +289,19 @@ class Sampler:
 
     @staticmethod
     def _greedy_pick(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """CPU, every row greedy with nothing that changes its logits (penalties, min_tokens still to reach):
-        (first-maximum index, non-finite flag) per row from one C kernel over the logits in the model's dtype
-        (kernels/cpu_sample.py); None otherwise."""
-        if logits.device.type != "cpu":
+        """Every row greedy with nothing that changes its logits (penalties, min_tokens still to reach): (first-
+        maximum index, non-finite flag) per row from one kernel over the logits in the model's dtype (CPU: C,
+        kernels/cpu_sample.py; CUDA: Triton, kernels/greedy.py); None otherwise."""
+        if logits.device.type not in ("cpu", "cuda") or logits.stride(-1) != 1:
             return None
         for row in rows:
             p = row.params
             if not p.greedy or p.needs_penalties or row.num_output_tokens < p.min_tokens:
                 return None
+        if logits.device.type == "cuda":
+            from kernels import greedy
+
+            return greedy.greedy_pick(logits)
         from kernels import cpu_sample
 
         return cpu_sample.greedy_pick(logits) if cpu_sample.supports(logits) else None

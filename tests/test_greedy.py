@@ -1,0 +1,69 @@
+"""kernels/greedy.py (the GPU greedy pick; Triton's interpreter on CPU) against torch: first maximum, non-finite rows
+flagged, indices inside the vocabulary; and, on a GPU, the sampler using it with the tokens of its float32 path."""
+
+import pytest
+import torch
+
+from kernels import greedy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 15, 4096, 3 * 4096 + 7])
+def test_greedy_pick_matches_torch(dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(10, vocab, generator=g) * 4).to(dtype)
+    if vocab > 3:
+        logits[1, :] = 1.0  # all tied: the first index
+        logits[2, vocab // 2] = logits[2, vocab - 1] = 100.0  # a tie between two maxima (two chunks when large)
+        logits[3, 2] = float("nan")
+        logits[4, vocab - 1] = float("inf")
+        logits[5, 0] = float("-inf")
+        logits[6, :] = -0.0
+        logits[6, 3] = 0.0  # -0.0 == 0.0: the first index still
+        logits[7, :] = float("nan")  # nothing compares: the index is clamped into the vocabulary
+    idx, bad = greedy.greedy_pick(logits.to(DEVICE))
+    assert idx.dtype == torch.int64 and bad.dtype == torch.bool
+    idx, bad = idx.cpu(), bad.cpu()
+    want_bad = ~torch.isfinite(logits.float().sum(dim=-1))
+    assert torch.equal(bad, want_bad)
+    ok = ~want_bad
+    assert torch.equal(idx[ok], logits.float().max(dim=-1).indices[ok])
+    assert ((idx >= 0) & (idx < vocab)).all()
+
+
+def test_greedy_pick_strided_rows_and_empty():
+    logits = torch.randn(4, 5000, dtype=torch.float16)[:, :4500].to(DEVICE)  # row stride 5000, two chunks
+    idx, bad = greedy.greedy_pick(logits)
+    assert torch.equal(idx.cpu(), logits.float().max(dim=-1).indices.cpu()) and not bad.any()
+    idx, bad = greedy.greedy_pick(logits[:0])
+    assert idx.shape == bad.shape == (0,)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the sampler takes the Triton pick for CUDA logits only")
+def test_sampler_greedy_batch_on_gpu_same_tokens():
+    """On CUDA bf16 logits of a greedy batch the sampler (Triton pick) emits what its float32 path emits, drafts
+    included, and flags a NaN row; launch() (async scheduling) too; min_tokens still to reach takes the torch path."""
+    from aserve.engine.request import Request
+    from aserve.engine.sampler import Sampler, SampleRow
+    from aserve.sampling_params import SamplingParams
+
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), eos_token_id=0) for i in range(3)]
+    logits = torch.randn(3, 128256, device="cuda").to(torch.bfloat16)
+    logits[2, 5] = float("nan")
+    sampler = Sampler(torch.device("cuda"), seed=0)
+    assert Sampler._greedy_pick(logits, [SampleRow(r, []) for r in reqs]) is not None
+    fast = sampler(logits, reqs)
+    slow = sampler(logits.float(), reqs)  # float32 logits take the pick too: compare with torch's own argmax
+    want = [[int(logits[i].float().argmax())] for i in range(2)]
+    assert fast.token_ids[:2] == slow.token_ids[:2] == want
+    assert fast.nonfinite == slow.nonfinite == [False, False, True]
+    top = [w[0] for w in want]
+    rows = torch.cat([logits[0:1], logits[0:1], logits[1:2], logits[1:2]])
+    out = sampler(rows, reqs[:2], [[top[0]], [top[1] + 1]])
+    assert out.token_ids == [[top[0], top[0]], [top[1]]]
+    assert sampler.launch(logits[:2], reqs[:2]).result().token_ids == want
+    reqs[0].sampling_params.min_tokens = 4
+    assert Sampler._greedy_pick(logits, [SampleRow(reqs[0], [])]) is None
