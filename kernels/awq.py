@@ -66,7 +66,8 @@ BLOCK_N 128, each tile's loads (weights, zeros, scales, x) issued together, the 
 arithmetic in a loop the compiler does not unroll, and 2-4 tiles per program to keep SPLIT_K at 8-28. Over the
 repacked copy (session 14): the fewest tiles per program whose programs fit one wave of 8 per SM (_repacked_tiles_m1;
 the kernel's 254 registers allow 8 one-warp programs per SM); TMA into a shared-memory pipeline and 2-4 warps per
-program (fewer registers, more warps per SM) were no faster.
+program (fewer registers, more warps per SM) were no faster, and the arithmetic is not the bound either: with the
+f16x2 step reduced to an XOR of the weights the kernel is only 0.4-1.7 us faster (bench/awq_alu_diag.py).
 
 Triton's interpreter (the tests on CPU) cannot run inline asm: there the asm helpers have twins in plain tl ops
 (same interface, f16 rounding after every multiply-add), so the tests check indexing, nibble order, scales and the
