@@ -54,15 +54,23 @@ def _row_kernel(val_ptr, idx_ptr, bad_ptr, chunks, vocab, out_idx_ptr, out_bad_p
     tl.store(out_bad_ptr + row, tl.max(b, 0) != 0)
 
 
+def supports(logits: torch.Tensor) -> bool:
+    return (
+        logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and logits.stride(-1) == 1
+        and logits.shape[1] > 0
+    )
+
+
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [rows, vocab] (bf16 / fp16 / float32, unit stride along vocab) -> (first-maximum index int64 [rows],
-    non-finite flag bool [rows])."""
-    assert logits.dim() == 2 and logits.stride(-1) == 1
+    """logits [rows, vocab] -> (first-maximum index int64 [rows], non-finite flag bool [rows]). `supports` must
+    hold."""
+    assert supports(logits)
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, BLOCK)
-    vals = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    idxs = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    bads = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    work = torch.empty(3, rows, chunks, dtype=torch.int32, device=logits.device)  # one allocation: host time
+    vals, idxs, bads = work[0].view(torch.float32), work[1], work[2]
     idx = torch.empty(rows, dtype=torch.int64, device=logits.device)
     bad = torch.empty(rows, dtype=torch.bool, device=logits.device)
     if rows == 0:

@@ -40,6 +40,8 @@ def test_greedy_pick_strided_rows_and_empty():
     assert torch.equal(idx.cpu(), logits.float().max(dim=-1).indices.cpu()) and not bad.any()
     idx, bad = greedy.greedy_pick(logits[:0])
     assert idx.shape == bad.shape == (0,)
+    assert not greedy.supports(logits[:, :0]) and not greedy.supports(logits.t()) and not greedy.supports(logits[0])
+    assert not greedy.supports(logits.to(torch.int32))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the sampler takes the Triton pick for CUDA logits only")

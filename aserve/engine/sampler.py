@@ -292,7 +292,7 @@ class Sampler:
         """Every row greedy with nothing that changes its logits (penalties, min_tokens still to reach): (first-
         maximum index, non-finite flag) per row from one kernel over the logits in the model's dtype (CPU: C,
         kernels/cpu_sample.py; CUDA: Triton, kernels/greedy.py); None otherwise."""
-        if logits.device.type not in ("cpu", "cuda") or logits.stride(-1) != 1:
+        if logits.device.type not in ("cpu", "cuda"):
             return None
         for row in rows:
             p = row.params
@@ -301,7 +301,7 @@ class Sampler:
         if logits.device.type == "cuda":
             from kernels import greedy
 
-            return greedy.greedy_pick(logits)
+            return greedy.greedy_pick(logits) if greedy.supports(logits) else None
         from kernels import cpu_sample
 
         return cpu_sample.greedy_pick(logits) if cpu_sample.supports(logits) else None
