@@ -25,6 +25,8 @@ silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV +
              4), and AWQ decode with and without it
 tma_diag     load-only ceilings of the repacked weights' stream in graphs: plain loads vs TMA through shared memory
              (tiles per program, warps, pipeline stages)
+fixed        REPACKED_GEMV1_FIXED_POINT (the split-K sum in fixed point, one atomic per column) vs the ordered sum,
+             graphs + PDL at the layer shapes (M = 1, 2, 4), then AWQ decode with and without it
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -486,6 +488,51 @@ def tma_diag() -> None:
         del ws, descs
 
 
+def fixed(root: str) -> None:
+    """REPACKED_GEMV1_FIXED_POINT (the split-K sum in 64-bit fixed point through one atomic per column: no fence,
+    no reload of partials) against the ordered float32 sum, in CUDA graphs with PDL at the five layer shapes for
+    M = 1 (and M = 2, 4: two-row programs), outputs checked close to the reference first; then AWQ decode with and
+    without it (alternating, twice)."""
+    from kernels import awq, pdl
+    from kernels.awq_reference import dequantize
+
+    print("\n| K x N | M | ordered us | fixed point us | change |")
+    print("|---|---|---|---|---|")
+    for (k, n), m in itertools.product([(4096, 6144), *SHAPES, (4096, 28672)], (1, 2, 4)):
+        if m > 1 and (k, n) not in SHAPES:
+            continue
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        copies = max(4, int(400e6 // awq_bytes(k, n)))
+        qs = [random_awq(k, n)[:3] for _ in range(copies)]
+        ps = [(x, awq.awq_repack(*q, GROUP)) for q in qs]
+        ref = x.float() @ dequantize(*qs[0], GROUP).float()
+        us = {}
+        for mode in (False, True):
+            awq.REPACKED_GEMV1_FIXED_POINT = mode
+            pdl.enable(True)
+            try:
+                err = ((awq.awq_gemv_repacked(*ps[0]).float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 1e-2, (k, n, m, mode, err)
+                us[mode] = graph_us(awq.awq_gemv_repacked, ps)
+            finally:
+                pdl.enable(False)
+                awq.REPACKED_GEMV1_FIXED_POINT = False
+        del ps, qs
+        print(f"| {k}x{n} | {m} | {us[False]:.1f} | {us[True]:.1f} | {100 * (us[True] / us[False] - 1):+.1f} % |",
+              flush=True)  # fmt: skip
+        record(f"fixed_m{m}_{k}x{n}", round(us[True], 1), "us", f"ordered {us[False]:.1f} us")
+    awq_dir = awq_model_dir(root)
+    ms = {False: [], True: []}
+    for _ in range(2):
+        for mode in (False, True):
+            awq.REPACKED_GEMV1_FIXED_POINT = mode
+            try:
+                ms[mode].append(decode_ms_per_token(awq_dir))
+            finally:
+                awq.REPACKED_GEMV1_FIXED_POINT = False
+    record("fixed_decode_awq", min(ms[True]), "ms/token", f"ordered {min(ms[False]):.3f} (runs {ms})")
+
+
 def decode_profile(llm, name: str, steps: int = 64) -> None:
     """GPU time per decode step by kernel (torch.profiler over a batch-1 request of `steps` tokens): where the step
     goes besides the quantised linears."""
@@ -554,7 +601,7 @@ def main() -> None:
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
            "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root),
-           "tma_diag": tma_diag}
+           "tma_diag": tma_diag, "fixed": lambda: fixed(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)

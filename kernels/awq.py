@@ -558,6 +558,62 @@ def _sum_partials(part_ptr, rn, n_ok, N, split_k, SPLIT_PAD: tl.constexpr, RED_C
     return y
 
 
+# REPACKED_GEMV1_FIXED_POINT: the split-K sum in 64-bit fixed point (2^-20), exact and so independent of order,
+# through one atomic add per column whose returned old value tells the program whether it was the column's last
+# (count field) and gives the total. int64 layout: bits 58-62 the count of programs that added, bits 0-57 the sum of
+# (v + 2^51) over them, v = round(partial * 2^20), |v| < 2^45 (|partial| < 32 Mi); a non-finite or larger partial
+# adds the poison v = 2^51, which no sum of <= 32 legal v reaches (>= 2^50: the output is NaN). <= 32 K splits.
+_FX_UNIT = tl.constexpr(288230376151711744)  # 2^58: one program's count
+_FX_BIAS = tl.constexpr(2251799813685248)  # 2^51: keeps each term's value part positive (no borrow into the count)
+
+
+@triton.jit
+def _fixed(y):
+    """float32 partials -> int64 fixed point v (2^-20 units); |y| >= 2^25 or non-finite -> the poison 2^51."""
+    v = tl.floor(y * 1048576.0 + 0.5)
+    return tl.where(tl.abs(v) < 35184372088832.0, v, 2251799813685248.0).to(tl.int64)
+
+
+@triton.jit
+def _unfixed(s):
+    """A sum of _fixed values -> float32 (NaN if a poison is in it)."""
+    return tl.where(s < 1125899906842624, s.to(tl.float32) * (1.0 / 1048576.0), float("nan"))
+
+
+@triton.jit
+def _sum_partials_fixed(part_ptr, rn, N, split_k, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr):
+    """_sum_partials in fixed point: the same total as _fixed_epilogue's atomics, bit for bit."""
+    s = tl.zeros(rn.shape, dtype=tl.int64)
+    for ch in tl.static_range(SPLIT_PAD // RED_CH):
+        rs = ch * RED_CH + tl.arange(0, RED_CH)
+        p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        s += tl.sum(_fixed(p), 0)
+    return _unfixed(s)
+
+
+@triton.jit
+def _fixed_epilogue(c, pid_n, N, split_k, bias_ptr, out_ptr, acc_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The repacked M = 1 kernel's end with REPACKED_GEMV1_FIXED_POINT: c's column sums in fixed point, added to the
+    row's int64 accumulators [N] (zero between launches); for each column, the program whose add was the last
+    writes the output and zeroes the accumulator. One atomic round trip, no fence, no reload of partials."""
+    rn = pid_n * 128 + tl.arange(0, 128)
+    v = _fixed(_column_sums(c, 16))
+    if SPLIT:
+        term = v + (_FX_BIAS + _FX_UNIT)
+        old = tl.atomic_add(acc_ptr + rn, term, sem="relaxed", scope="gpu")
+        last = (old >> 58) == split_k - 1
+        y = _unfixed(((old + term) & (_FX_UNIT - 1)) - split_k.to(tl.int64) * _FX_BIAS)
+    else:
+        last = tl.full([128], 1, tl.int1)
+        y = _unfixed(v)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn).to(tl.float32)
+    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=last)
+    if SPLIT:
+        tl.store(acc_ptr + rn, tl.zeros([128], dtype=tl.int64), mask=last)  # ready for the next launch
+
+
 @triton.jit
 def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, BLOCK_N8: tl.constexpr,
                     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr, EVEN_N: tl.constexpr,
@@ -588,7 +644,7 @@ def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cn
 
 @triton.jit
 def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT_PAD: tl.constexpr,
-                       RED_CH: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+                       RED_CH: tl.constexpr, HAS_BIAS: tl.constexpr, FIXED: tl.constexpr = False):  # fmt: skip
     """The end of a GEMV whose N outputs are [gate | up] (an MLP's gate/up projection; N / 2 a multiple of 128):
     c's column sums -> the float32 partials; the last of the 2 split_k programs of column block pid_n and its
     partner N / 256 blocks away (the pair's counter: pid_n mod N / 256) writes silu(gate) * up for their 128
@@ -602,8 +658,12 @@ def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr,
         rg = pair * 128 + tl.arange(0, 128)
         ru = N // 2 + rg
         all_ok = tl.full([128], 1, tl.int1)
-        g = _sum_partials(part_ptr, rg, all_ok, N, split_k, SPLIT_PAD, RED_CH)
-        u = _sum_partials(part_ptr, ru, all_ok, N, split_k, SPLIT_PAD, RED_CH)
+        if FIXED:  # the sums the plain GEMV's _fixed_epilogue makes
+            g = _sum_partials_fixed(part_ptr, rg, N, split_k, SPLIT_PAD, RED_CH)
+            u = _sum_partials_fixed(part_ptr, ru, N, split_k, SPLIT_PAD, RED_CH)
+        else:
+            g = _sum_partials(part_ptr, rg, all_ok, N, split_k, SPLIT_PAD, RED_CH)
+            u = _sum_partials(part_ptr, ru, all_ok, N, split_k, SPLIT_PAD, RED_CH)
         if HAS_BIAS:
             g += tl.load(bias_ptr + rg).to(tl.float32)
             u += tl.load(bias_ptr + ru).to(tl.float32)
@@ -877,13 +937,18 @@ def _repacked_tile2(c, d, w, xp, yp, X_BF16: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT: tl.constexpr,
-                       SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr):  # fmt: skip
-    """Row `row`'s end of _awq_gemv1_repacked_kernel: _gemv1_epilogue, or _silu_mul_epilogue (out rows N / 2 wide)."""
+                       SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr,
+                       FIXED: tl.constexpr):  # fmt: skip
+    """Row `row`'s end of _awq_gemv1_repacked_kernel: _gemv1_epilogue, _fixed_epilogue (FIXED; part_ptr: the int64
+    accumulators [M, N]) or _silu_mul_epilogue (out rows N / 2 wide)."""
+    acc_ptr = part_ptr + row * N
     part_ptr = part_ptr + row * split_k * N
     cnt_ptr = cnt_ptr + row * (N // 128)
     if SILU_OUT:
         _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + row * (N // 2), part_ptr, cnt_ptr,
-                           SPLIT_PAD, 8, HAS_BIAS)  # fmt: skip
+                           SPLIT_PAD, 8, HAS_BIAS, FIXED)  # fmt: skip
+    elif FIXED:
+        _fixed_epilogue(c, pid_n, N, split_k, bias_ptr, out_ptr + row * N, acc_ptr, SPLIT, HAS_BIAS)
     else:
         _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + row * N, part_ptr, cnt_ptr, 16, SPLIT,
                         SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
@@ -894,6 +959,7 @@ def _awq_gemv1_repacked_kernel(
     x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
     ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, SILU_OUT: tl.constexpr = False,
+    FIXED: tl.constexpr = False,
 ):  # fmt: skip
     """x [M, K] (row pairs as int32s, stride_xm of them per row) -> out [M, N] over awq_repack's layout. Program
     (pid_m, pid_n, pid_k): row pid_m, column block pid_n, the `tiles` K tiles from pid_k * tiles, one warp, in a
@@ -946,9 +1012,9 @@ def _awq_gemv1_repacked_kernel(
             yp = yp_next
         if row + 1 < M:
             _repacked_epilogue(d, pid_n, pid_k, row + 1, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT,
-                               SPLIT_PAD, HAS_BIAS, SILU_OUT)  # fmt: skip
+                               SPLIT_PAD, HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
     _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
-                       HAS_BIAS, SILU_OUT)  # fmt: skip
+                       HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
 
 
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
@@ -1025,6 +1091,18 @@ def gemv_counters(n: int, device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("AWQ M = 1 GEMV: run it once before CUDA graph capture (a warm-up), or pass `counters`")
     return torch.zeros(max(1, n // 8), dtype=torch.int32, device=device)
+
+
+def _shared_accumulators(n: int, device: torch.device) -> torch.Tensor:
+    """REPACKED_GEMV1_FIXED_POINT's int64 accumulators [GEMV_MAX_M, n], zero between launches (each launch leaves
+    them so), one set per (device, n): launches on one stream never overlap in them (a kernel's atomics start after
+    its PDL wait, when the previous kernel's resets are done). Not during CUDA graph capture."""
+    key = (device.type, device.index, n, "fixed")
+    if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("AWQ GEMV: run it once before CUDA graph capture (a warm-up)")
+        _COUNTERS[key] = torch.zeros(GEMV_MAX_M, n, dtype=torch.int64, device=device)
+    return _COUNTERS[key]
 
 
 def _shared_counters(n: int, device: torch.device) -> torch.Tensor:
@@ -1163,7 +1241,13 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
         counters = _shared_counters(n, x.device)
     assert counters.dtype == torch.int32 and counters.numel() >= m * nb
     out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=x.dtype, device=x.device)
-    partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 or silu_mul_out else out
+    fixed = REPACKED_GEMV1_FIXED_POINT and split_k <= 32
+    if fixed and split_k > 1 and not silu_mul_out:
+        partials = _shared_accumulators(n, x.device)
+    elif split_k > 1 or silu_mul_out:
+        partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device)
+    else:
+        partials = out
     x32 = x.view(torch.int32)  # row pairs
     rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
     assert rows in (1, 2)
@@ -1171,7 +1255,7 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
         x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
         tiles, x32.stride(0), SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
         HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ROWS=rows, ASM=not _INTERPRETED,
-        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, num_warps=1, num_stages=1, **pdl.launch_kwargs(),
+        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, FIXED=fixed, num_warps=1, num_stages=1, **pdl.launch_kwargs(),
     )  # fmt: skip
     return out
 
@@ -1301,6 +1385,11 @@ def _awq_gemv_repacked_dot_kernel(
 REPACKED_GEMV1_MAX_M = 6
 REPACKED_GEMV1_ROWS = 2
 REPACKED_GEMV1_PER_SM = 8  # one-row programs per SM in one wave (_repacked_tiles_m1)
+# The split-K sum: False, float32 partials summed in a fixed order by each column block's last program (a counter);
+# True, 64-bit fixed point through one atomic per column (_fixed_epilogue: no fence, no second round trip; outputs
+# differ from the float32 sum by < 2^-20 per partial; partials beyond 32 Mi or non-finite give NaN). Experimental,
+# off: bench/awq_bench.py --sections fixed times it (session 14: the tail costs 1.1-2.0 us, bench/awq_alu_diag.py).
+REPACKED_GEMV1_FIXED_POINT = False
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)

@@ -122,6 +122,45 @@ def test_repacked_gemv_with_silu_mul_out_is_bit_identical(dtype, k, tiles, m, ro
     assert rel_err(fused, torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]) < 2 * REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("m, rows", [(1, 1), (3, 2)])
+def test_repacked_gemv_fixed_point_sum(monkeypatch, case, m, rows):
+    """REPACKED_GEMV1_FIXED_POINT (the split-K sum in 64-bit fixed point, one atomic per column): close to the
+    reference, the same output on every launch, the accumulators back at zero; a NaN in a row's input gives that
+    row NaN outputs (the poison) and still leaves the accumulators at zero."""
+    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", True)
+    k, n, tiles, with_bias = case
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + n + 3)
+    bias = bias.half() if with_bias else None
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    acc = awq._shared_accumulators(n, torch.device(DEVICE))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
+    out = awq.awq_gemv_repacked(x, packed, bias, None, tiles, rows)
+    assert torch.equal(awq.awq_gemv_repacked(x, packed, bias, None, tiles, rows), out) and not acc.any()
+    ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, None if bias is None else bias.float())
+    assert rel_err(out, ref) < REL_TOL[torch.float16]
+    x[0, 5] = float("nan")
+    out = awq.awq_gemv_repacked(x, packed, bias, None, tiles, rows)
+    assert out[0].isnan().all() and not out[1:].isnan().any() and not acc.any()
+
+
+@pytest.mark.parametrize("k, tiles, m, rows", [(128, None, 1, 1), (512, 2, 3, 2)])
+def test_repacked_silu_mul_out_with_fixed_point_is_bit_identical(monkeypatch, k, tiles, m, rows):
+    """With REPACKED_GEMV1_FIXED_POINT the SiLU·mul epilogue sums the partials in the same fixed point: still the
+    plain GEMV's output through silu_and_mul, bit for bit."""
+    from kernels.fused import silu_and_mul
+
+    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", True)
+    n = 512
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + 10)
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    counters = awq.gemv_counters(n, DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.float16)
+    fused = awq.awq_gemv_repacked(x, packed, bias.half(), counters, tiles, rows, silu_mul_out=True)
+    assert torch.equal(fused, silu_and_mul(awq.awq_gemv_repacked(x, packed, bias.half(), counters, tiles, rows)))
+    assert not counters.any() and not awq._shared_accumulators(n, torch.device(DEVICE)).any()
+
+
 def test_awq_linear_applies_silu_mul_for_an_mlp():
     """AWQLinear.fuses_silu_mul / forward_silu_mul_out (what the Llama MLP calls for small decode batches): only
     once the repacked copy exists, up to REPACKED_GEMV1_MAX_M rows of fp16 / bf16, outputs a multiple of 256."""
