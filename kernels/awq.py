@@ -1093,15 +1093,22 @@ def gemv_counters(n: int, device) -> torch.Tensor:
     return torch.zeros(max(1, n // 8), dtype=torch.int32, device=device)
 
 
+def gemv_accumulators(n: int, device, rows: int | None = None) -> torch.Tensor:
+    """Zeroed int64 accumulators [rows (default REPACKED_GEMV1_MAX_M), n] for REPACKED_GEMV1_FIXED_POINT's split-K
+    sum of up to `rows` rows. Each launch leaves them at zero again, so, like gemv_counters, one set serves every
+    launch that cannot overlap with another user of it (launches on one stream never do: a kernel's atomics start
+    after its PDL wait): AWQLinear keeps one per layer; awq_gemv_repacked without `accumulators` shares one per
+    (device, n). Not during CUDA graph capture."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("AWQ GEMV: run it once before CUDA graph capture (a warm-up), or pass `accumulators`")
+    return torch.zeros(rows or REPACKED_GEMV1_MAX_M, n, dtype=torch.int64, device=device)
+
+
 def _shared_accumulators(n: int, device: torch.device) -> torch.Tensor:
-    """REPACKED_GEMV1_FIXED_POINT's int64 accumulators [GEMV_MAX_M, n], zero between launches (each launch leaves
-    them so), one set per (device, n): launches on one stream never overlap in them (a kernel's atomics start after
-    its PDL wait, when the previous kernel's resets are done). Not during CUDA graph capture."""
     key = (device.type, device.index, n, "fixed")
     if key not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("AWQ GEMV: run it once before CUDA graph capture (a warm-up)")
-        _COUNTERS[key] = torch.zeros(GEMV_MAX_M, n, dtype=torch.int64, device=device)
+        _COUNTERS[key] = gemv_accumulators(n, device, GEMV_MAX_M)
     return _COUNTERS[key]
 
 
@@ -1220,14 +1227,16 @@ def _repacked_tiles_m1(k_tiles: int, n_blocks: int, sms: int) -> int:
 
 
 def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None,
-                      rows: int | None = None, silu_mul_out: bool = False) -> torch.Tensor:  # fmt: skip
+                      rows: int | None = None, silu_mul_out: bool = False,
+                      accumulators: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [M <= 16, in] (fp16 / bf16) -> [M, out] over awq_repack's copy (one program per `rows` rows (1 or 2;
     default REPACKED_GEMV1_ROWS for M > 1), column block and K split). `tiles`: K tiles per program (default: M = 1
     _repacked_tiles_m1, else _tiles_per_program as for awq_gemv); `counters`: gemv_counters (default one set shared
     per (device, out)).
     silu_mul_out: the outputs are [gate | up] (out / 2 a multiple of 128) and the result is silu(gate) * up
     [M, out / 2], bit-identical to kernels/fused.py's silu_and_mul of this GEMV's output (an MLP's activation in the
-    gate/up projection's last programs: one kernel less per layer)."""
+    gate/up projection's last programs: one kernel less per layer). `accumulators`: gemv_accumulators for
+    REPACKED_GEMV1_FIXED_POINT (default one set shared per (device, out))."""
     k, n = packed.in_features, packed.out_features
     m = x.shape[0]
     assert x.shape[1] == k and m <= GEMV_MAX_M and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
@@ -1243,7 +1252,8 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=x.dtype, device=x.device)
     fixed = REPACKED_GEMV1_FIXED_POINT and split_k <= 32
     if fixed and split_k > 1 and not silu_mul_out:
-        partials = _shared_accumulators(n, x.device)
+        partials = accumulators if accumulators is not None else _shared_accumulators(n, x.device)
+        assert partials.dtype == torch.int64 and partials.shape[0] >= m and partials.shape[1] == n
     elif split_k > 1 or silu_mul_out:
         partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device)
     else:
@@ -1436,14 +1446,15 @@ def awq_dequantize_repacked(packed: RepackedAWQ, dtype: torch.dtype, config: dic
 
 
 def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=None,
-               packed: RepackedAWQ | None = None) -> torch.Tensor:  # fmt: skip
-    """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's; `packed`
-    (awq_repack's copy of the same weights): every M runs over it, so qweight / qzeros / scales are not read then
-    (after AWQLinear.repack they are empty)."""
+               packed: RepackedAWQ | None = None, accumulators: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters` (and `accumulators`, with
+    REPACKED_GEMV1_FIXED_POINT): awq_gemv's / awq_gemv_repacked's; `packed` (awq_repack's copy of the same
+    weights): every M runs over it, so qweight / qzeros / scales are not read then (after AWQLinear.repack they are
+    empty)."""
     m = x.shape[0]
     if packed is not None:
         if m <= REPACKED_GEMV1_MAX_M and x.dtype in F16X2_DTYPES:
-            return awq_gemv_repacked(x, packed, bias, counters)
+            return awq_gemv_repacked(x, packed, bias, counters, accumulators=accumulators)
         if m <= GEMV_MAX_M:
             return awq_gemv_repacked_dot(x, packed, bias)
         w = awq_dequantize_repacked(packed, x.dtype)

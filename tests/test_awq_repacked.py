@@ -144,6 +144,28 @@ def test_repacked_gemv_fixed_point_sum(monkeypatch, case, m, rows):
     assert out[0].isnan().all() and not out[1:].isnan().any() and not acc.any()
 
 
+def test_awq_linear_fixed_point_keeps_its_own_accumulators(monkeypatch):
+    """With REPACKED_GEMV1_FIXED_POINT an AWQLinear sums its K splits in accumulators of its own (made on the first
+    call), left at zero; without it, it makes none."""
+    from aserve.quantization.awq_linear import AWQLinear
+
+    k, n = 512, 128  # 4 K tiles: split 4 at M = 1, 2 at M = 3
+    layer = AWQLinear(k, n, bias=True, group_size=128).to(DEVICE)
+    layer.backend = "triton"
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=8)
+    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
+        layer.load_output_slice(getattr(layer, name), 0, n, t)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float16)
+    layer(x[:1])
+    assert layer.__dict__.get("gemv_accumulators") is None
+    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", True)
+    for m in (1, 3):
+        ref = awq_matmul(x[:m].float(), qweight, qzeros, scales, 128, bias.float())
+        assert rel_err(layer(x[:m]), ref) < REL_TOL[torch.float16]
+        acc = layer.__dict__["gemv_accumulators"]
+        assert acc.shape == (awq.REPACKED_GEMV1_MAX_M, n) and acc.dtype == torch.int64 and not acc.any()
+
+
 @pytest.mark.parametrize("k, tiles, m, rows", [(128, None, 1, 1), (512, 2, 3, 2)])
 def test_repacked_silu_mul_out_with_fixed_point_is_bit_identical(monkeypatch, k, tiles, m, rows):
     """With REPACKED_GEMV1_FIXED_POINT the SiLU·mul epilogue sums the partials in the same fixed point: still the

@@ -139,6 +139,17 @@ class AWQLinear(nn.Module):
             counters = self.__dict__["gemv_counters"] = gemv_counters(self.out_features, device)
         return counters
 
+    def _accumulators(self, device: torch.device) -> torch.Tensor | None:
+        """This layer's own gemv_accumulators while kernels.awq.REPACKED_GEMV1_FIXED_POINT is on (made once)."""
+        from kernels import awq
+
+        if not awq.REPACKED_GEMV1_FIXED_POINT:
+            return None
+        acc = self.__dict__.get("gemv_accumulators")
+        if acc is None or acc.device != device:
+            acc = self.__dict__["gemv_accumulators"] = awq.gemv_accumulators(self.out_features, device)
+        return acc
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and self.dense.weight.dtype == x.dtype:
             return self.dense(x)
@@ -155,7 +166,7 @@ class AWQLinear(nn.Module):
                 self.repack(drop_autoawq=False)
                 packed = self.repacked
             return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, counters,
-                              packed or None)  # fmt: skip
+                              packed or None, self._accumulators(x.device))  # fmt: skip
         if self.autoawq_dropped:  # the torch backend after repack(): dequantise the repacked copy
             w = self.dequantized_weight(x.dtype)
             return torch.nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
