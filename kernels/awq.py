@@ -546,16 +546,24 @@ def _column_sums(c, BLOCK_N8: tl.constexpr):
 
 
 @triton.jit
-def _sum_partials(part_ptr, rn, n_ok, N, split_k, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr):
+def _sum_partials(part_ptr, rn, n_ok, N, split_k, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr,
+                  FIXED: tl.constexpr = False):  # fmt: skip
     """Columns rn of the float32 partials [split_k, N] summed in a fixed order (chunks of RED_CH rows, unrolled so
-    all loads can be in flight; .cg: other programs wrote them)."""
-    y = tl.zeros(rn.shape, dtype=tl.float32)
+    all loads can be in flight; .cg: other programs wrote them). FIXED: summed in REPACKED_GEMV1_FIXED_POINT's
+    fixed point instead (the total _fixed_epilogue's atomics make, bit for bit)."""
+    y = tl.zeros(rn.shape, dtype=tl.int64 if FIXED else tl.float32)
     for ch in tl.static_range(SPLIT_PAD // RED_CH):
         rs = ch * RED_CH + tl.arange(0, RED_CH)
         p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
                     other=0.0, cache_modifier=".cg")  # fmt: skip
-        y += tl.sum(p, 0)
-    return y
+        if FIXED:
+            y += tl.sum(_fixed(p), 0)
+        else:
+            y += tl.sum(p, 0)
+    if FIXED:
+        return _unfixed(y)
+    else:
+        return y
 
 
 # REPACKED_GEMV1_FIXED_POINT: the split-K sum in 64-bit fixed point (2^-20), exact and so independent of order,
@@ -578,18 +586,6 @@ def _fixed(y):
 def _unfixed(s):
     """A sum of _fixed values -> float32 (NaN if a poison is in it)."""
     return tl.where(s < 1125899906842624, s.to(tl.float32) * (1.0 / 1048576.0), float("nan"))
-
-
-@triton.jit
-def _sum_partials_fixed(part_ptr, rn, N, split_k, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr):
-    """_sum_partials in fixed point: the same total as _fixed_epilogue's atomics, bit for bit."""
-    s = tl.zeros(rn.shape, dtype=tl.int64)
-    for ch in tl.static_range(SPLIT_PAD // RED_CH):
-        rs = ch * RED_CH + tl.arange(0, RED_CH)
-        p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        s += tl.sum(_fixed(p), 0)
-    return _unfixed(s)
 
 
 @triton.jit
@@ -658,12 +654,8 @@ def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr,
         rg = pair * 128 + tl.arange(0, 128)
         ru = N // 2 + rg
         all_ok = tl.full([128], 1, tl.int1)
-        if FIXED:  # the sums the plain GEMV's _fixed_epilogue makes
-            g = _sum_partials_fixed(part_ptr, rg, N, split_k, SPLIT_PAD, RED_CH)
-            u = _sum_partials_fixed(part_ptr, ru, N, split_k, SPLIT_PAD, RED_CH)
-        else:
-            g = _sum_partials(part_ptr, rg, all_ok, N, split_k, SPLIT_PAD, RED_CH)
-            u = _sum_partials(part_ptr, ru, all_ok, N, split_k, SPLIT_PAD, RED_CH)
+        g = _sum_partials(part_ptr, rg, all_ok, N, split_k, SPLIT_PAD, RED_CH, FIXED)
+        u = _sum_partials(part_ptr, ru, all_ok, N, split_k, SPLIT_PAD, RED_CH, FIXED)
         if HAS_BIAS:
             g += tl.load(bias_ptr + rg).to(tl.float32)
             u += tl.load(bias_ptr + ru).to(tl.float32)
