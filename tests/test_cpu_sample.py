@@ -3,6 +3,7 @@ using it for greedy batches with the same tokens as its float32 path."""
 
 import pytest
 import torch
+from test_greedy import check_pick, hard_logits
 
 from kernels import cpu_sample
 
@@ -12,21 +13,8 @@ pytestmark = pytest.mark.skipif(cpu_sample.library() is None, reason="no C compi
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [1, 15, 16, 49152 + 7])
 def test_greedy_pick_matches_torch(dtype, vocab):
-    g = torch.Generator().manual_seed(vocab)
-    logits = (torch.randn(9, vocab, generator=g) * 4).to(dtype)
-    if vocab > 3:
-        logits[1, :] = 1.0  # all tied: the first index
-        logits[2, vocab // 2] = logits[2, vocab - 1] = 100.0  # a tie between two maxima
-        logits[3, 2] = float("nan")
-        logits[4, vocab - 1] = float("inf")
-        logits[5, 0] = float("-inf")
-        logits[6, :] = -0.0
-        logits[6, 3] = 0.0  # -0.0 == 0.0: the first index still
-    idx, bad = cpu_sample.greedy_pick(logits)
-    want_bad = ~torch.isfinite(logits.float().sum(dim=-1))
-    assert torch.equal(bad, want_bad)
-    ok = ~want_bad
-    assert torch.equal(idx[ok], logits.float().max(dim=-1).indices[ok])
+    logits = hard_logits(vocab, dtype)
+    check_pick(logits, *cpu_sample.greedy_pick(logits))
 
 
 def test_greedy_pick_strided_rows():

@@ -10,9 +10,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("vocab", [1, 15, 4096, 3 * 4096 + 7])
-def test_greedy_pick_matches_torch(dtype, vocab):
+def hard_logits(vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """10 rows of random logits with, when the vocabulary allows, the cases a greedy pick gets wrong most easily."""
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(10, vocab, generator=g) * 4).to(dtype)
     if vocab > 3:
@@ -23,15 +22,26 @@ def test_greedy_pick_matches_torch(dtype, vocab):
         logits[5, 0] = float("-inf")
         logits[6, :] = -0.0
         logits[6, 3] = 0.0  # -0.0 == 0.0: the first index still
-        logits[7, :] = float("nan")  # nothing compares: the index is clamped into the vocabulary
-    idx, bad = greedy.greedy_pick(logits.to(DEVICE))
+        logits[7, :] = float("nan")  # nothing compares: the index must still be inside the vocabulary
+    return logits
+
+
+def check_pick(logits: torch.Tensor, idx: torch.Tensor, bad: torch.Tensor) -> None:
+    """(idx, bad) is torch's first maximum for the finite rows and flags exactly the rows holding NaN / inf."""
     assert idx.dtype == torch.int64 and bad.dtype == torch.bool
     idx, bad = idx.cpu(), bad.cpu()
     want_bad = ~torch.isfinite(logits.float().sum(dim=-1))
     assert torch.equal(bad, want_bad)
     ok = ~want_bad
     assert torch.equal(idx[ok], logits.float().max(dim=-1).indices[ok])
-    assert ((idx >= 0) & (idx < vocab)).all()
+    assert ((idx >= 0) & (idx < logits.shape[1])).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 15, 4096, 3 * 4096 + 7])
+def test_greedy_pick_matches_torch(dtype, vocab):
+    logits = hard_logits(vocab, dtype)
+    check_pick(logits, *greedy.greedy_pick(logits.to(DEVICE)))
 
 
 def test_greedy_pick_strided_rows_and_empty():
