@@ -841,14 +841,6 @@ def _scale_acc(c, a0, a1, a2, a3, s, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_meta(m, ok):
-    """A tile's 8 meta words [1, 16] each: the zero-point words, then the scale words."""
-    z = (tl.load(m, mask=ok), tl.load(m + 16, mask=ok), tl.load(m + 32, mask=ok), tl.load(m + 48, mask=ok))
-    s = (tl.load(m + 64, mask=ok), tl.load(m + 80, mask=ok), tl.load(m + 96, mask=ok), tl.load(m + 112, mask=ok))
-    return z, s
-
-
-@triton.jit
 def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
     """One tile's weight-side loads: 16 slices [8, 16] and the 8 meta words [1, 16]. `ok` (a [1] mask) masks the
     whole tile; masked-off lanes are left undefined (the tile after a program's last is never used)."""
@@ -858,7 +850,9 @@ def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
          tl.load(p + 1024, mask=ok), tl.load(p + 1152, mask=ok), tl.load(p + 1280, mask=ok),
          tl.load(p + 1408, mask=ok), tl.load(p + 1536, mask=ok), tl.load(p + 1664, mask=ok),
          tl.load(p + 1792, mask=ok), tl.load(p + 1920, mask=ok))  # fmt: skip
-    z, s = _load_meta(m_ptr + moff, ok)
+    m = m_ptr + moff
+    z = (tl.load(m, mask=ok), tl.load(m + 16, mask=ok), tl.load(m + 32, mask=ok), tl.load(m + 48, mask=ok))
+    s = (tl.load(m + 64, mask=ok), tl.load(m + 80, mask=ok), tl.load(m + 96, mask=ok), tl.load(m + 112, mask=ok))
     return q, z, s
 
 
