@@ -39,11 +39,14 @@ def smollm2():
 
 if torch.cuda.is_available():
 
-    @pytest.fixture(autouse=True)
-    def small_gpu_kv_cache(monkeypatch):
+    @pytest.fixture(scope="session", autouse=True)
+    def small_gpu_kv_cache():
         """On a GPU, test engines get 1 GiB of KV cache unless they ask for a size: the default
         (gpu_memory_utilization=0.9 of the device) would leave nothing to a second engine alive at the same time
-        (a module's shared engine, or one a test still holds)."""
+        (a module's shared engine, or one a test still holds). Session-scoped, so that it is in place before any
+        module- or session-scoped engine fixture is built (pytest sets fixtures up by scope, widest first: a
+        function-scoped patch came too late for those, which then took ~125 GiB of an H200 in millions of blocks
+        and, with debug_invariants, walked them all after every step)."""
         from aserve.engine.llm_engine import LLMEngine
 
         init = LLMEngine.__init__
@@ -53,4 +56,6 @@ if torch.cuda.is_available():
                 args.kv_cache_memory_gb = 1.0
             init(self, args)
 
-        monkeypatch.setattr(LLMEngine, "__init__", small_kv_init)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(LLMEngine, "__init__", small_kv_init)
+            yield
