@@ -975,30 +975,25 @@ def _awq_gemv1_repacked_kernel(
     xp = _load_x_pairs(x_ptr, xoff, one)
     zero = tl.zeros([8, 16], dtype=tl.float32)
     c = (zero, zero, zero, zero, zero, zero, zero, zero)  # summed over rows at the end
-    if ROWS == 1:
-        for t in range(tiles):
-            more = one & (t + 1 < tiles)
-            w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
-            xp_next = _load_x_pairs(x_ptr + (t + 1) * 64, xoff, more)
-            c = _repacked_tile(c, w, xp, X_BF16, ASM)
-            w = w_next
-            xp = xp_next
-    else:
-        second = one & (row + 1 < M)
+    d = c  # ROWS = 2: the second row's accumulators and input pairs
+    second = one & (row + 1 < M)
+    if ROWS == 2:
         yp = _load_x_pairs(x_ptr + stride_xm, xoff, second)
-        d = c
-        for t in range(tiles):
-            more = one & (t + 1 < tiles)
-            w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
-            xp_next = _load_x_pairs(x_ptr + (t + 1) * 64, xoff, more)
+    for t in range(tiles):
+        more = one & (t + 1 < tiles)
+        w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
+        xp_next = _load_x_pairs(x_ptr + (t + 1) * 64, xoff, more)
+        if ROWS == 1:
+            c = _repacked_tile(c, w, xp, X_BF16, ASM)
+        else:
             yp_next = _load_x_pairs(x_ptr + stride_xm + (t + 1) * 64, xoff, more & second)
             c, d = _repacked_tile2(c, d, w, xp, yp, X_BF16, ASM)
-            w = w_next
-            xp = xp_next
             yp = yp_next
-        if row + 1 < M:
-            _repacked_epilogue(d, pid_n, pid_k, row + 1, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT,
-                               SPLIT_PAD, HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
+        w = w_next
+        xp = xp_next
+    if ROWS == 2 and row + 1 < M:
+        _repacked_epilogue(d, pid_n, pid_k, row + 1, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT,
+                           SPLIT_PAD, HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
     _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
                        HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
 
