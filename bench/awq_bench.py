@@ -26,7 +26,8 @@ silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV +
 tma_diag     load-only ceilings of the repacked weights' stream in graphs: plain loads vs TMA through shared memory
              (tiles per program, warps, pipeline stages)
 fixed        REPACKED_GEMV1_FIXED_POINT (the split-K sum in fixed point, one atomic per column) vs the ordered sum,
-             graphs + PDL at the layer shapes (M = 1, 2, 4), then AWQ decode with and without it
+             graphs + PDL at the layer shapes (M = 1, 2, 4) and for the gate/up projection with SiLU·mul (M = 1:
+             programs over a gate block and its up block), then AWQ decode with and without it
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -498,33 +499,41 @@ def fixed(root: str) -> None:
 
     print("\n| K x N | M | ordered us | fixed point us | change | fixed point at 1 / 2 / 4 / 8 tiles us |")
     print("|---|---|---|---|---|---|")
-    for (k, n), m in itertools.product([(4096, 6144), *SHAPES, (4096, 28672)], (1, 2, 4)):
-        if m > 1 and (k, n) not in SHAPES:
-            continue
+    # (K, N, M, silu): silu, the gate/up projection with SiLU·mul (fixed point: programs over a gate and an up block)
+    cases = [(k, n, m, False) for (k, n), m in itertools.product([(4096, 6144), *SHAPES, (4096, 28672)], (1, 2, 4))
+             if m == 1 or (k, n) in SHAPES] + [(4096, 28672, 1, True)]  # fmt: skip
+    for k, n, m, silu in cases:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         copies = max(4, int(400e6 // awq_bytes(k, n)))
         qs = [random_awq(k, n)[:3] for _ in range(copies)]
         ps = [(x, awq.awq_repack(*q, GROUP)) for q in qs]
         ref = x.float() @ dequantize(*qs[0], GROUP).float()
+        if silu:
+            ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]
+
+        def run(x, p, t=None):
+            return awq.awq_gemv_repacked(x, p, tiles=t, silu_mul_out=silu)
+
         us = {}
         for mode in (False, True):
             awq.REPACKED_GEMV1_FIXED_POINT = mode
             pdl.enable(True)
             try:
-                err = ((awq.awq_gemv_repacked(*ps[0]).float() - ref).abs().max() / ref.abs().max()).item()
-                assert err < 1e-2, (k, n, m, mode, err)
-                us[mode] = graph_us(awq.awq_gemv_repacked, ps)
-                if mode and m == 1:  # with a cheap tail, other K splits may win
-                    by_tiles = [graph_us(lambda x, p, t=t: awq.awq_gemv_repacked(x, p, tiles=t), ps)
-                                for t in (1, 2, 4, 8)]  # fmt: skip
+                err = ((run(*ps[0]).float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 1e-2, (k, n, m, silu, mode, err)
+                us[mode] = graph_us(run, ps)
+                if mode and m == 1:  # with a cheap tail, other K splits may win (silu: tiles of each block)
+                    by_tiles = [graph_us(lambda x, p, t=t: run(x, p, t), ps) for t in (1, 2, 4, 8)]
             finally:
                 pdl.enable(False)
                 awq.REPACKED_GEMV1_FIXED_POINT = False
         del ps, qs
         tiles_cell = " / ".join(f"{t:.1f}" for t in by_tiles) if m == 1 else ""
-        print(f"| {k}x{n} | {m} | {us[False]:.1f} | {us[True]:.1f} | {100 * (us[True] / us[False] - 1):+.1f} % | "
+        name = f"{k}x{n}" + (" SiLU·mul" if silu else "")
+        print(f"| {name} | {m} | {us[False]:.1f} | {us[True]:.1f} | {100 * (us[True] / us[False] - 1):+.1f} % | "
               f"{tiles_cell} |", flush=True)  # fmt: skip
-        record(f"fixed_m{m}_{k}x{n}", round(us[True], 1), "us", f"ordered {us[False]:.1f} us; {tiles_cell}")
+        record(f"fixed_m{m}_{k}x{n}" + ("_silu" if silu else ""), round(us[True], 1), "us",
+               f"ordered {us[False]:.1f} us; {tiles_cell}")  # fmt: skip
     awq_dir = awq_model_dir(root)
     ms = {False: [], True: []}
     for _ in range(2):

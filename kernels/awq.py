@@ -573,6 +573,7 @@ def _sum_partials(part_ptr, rn, n_ok, N, split_k, SPLIT_PAD: tl.constexpr, RED_C
 # adds the poison v = 2^51, which no sum of <= 32 legal v reaches (>= 2^50: the output is NaN). <= 32 K splits.
 _FX_UNIT = tl.constexpr(288230376151711744)  # 2^58: one program's count
 _FX_BIAS = tl.constexpr(2251799813685248)  # 2^51: keeps each term's value part positive (no borrow into the count)
+_FX_FLAG = tl.constexpr(-9223372036854775808)  # bit 63: the dual SiLU programs' handshake (split_k <= 16 keeps it)
 
 
 @triton.jit
@@ -589,6 +590,21 @@ def _unfixed(s):
 
 
 @triton.jit
+def _fx_add(acc_ptr, v, split_k):
+    """One program's fixed-point column sums v (int64, _fixed) added to the accumulators at acc_ptr -> (last: this
+    was the column's split_k-th add, word: the accumulator after it, the column's total where last)."""
+    term = v + (_FX_BIAS + _FX_UNIT)
+    old = tl.atomic_add(acc_ptr, term, sem="relaxed", scope="gpu")
+    return (old >> 58) == split_k - 1, old + term
+
+
+@triton.jit
+def _fx_total(word, split_k):
+    """An accumulator word holding all split_k adds -> their sum as float32 (count and flag bits dropped)."""
+    return _unfixed((word & (_FX_UNIT - 1)) - split_k.to(tl.int64) * _FX_BIAS)
+
+
+@triton.jit
 def _fixed_epilogue(c, pid_n, N, split_k, bias_ptr, out_ptr, acc_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The repacked M = 1 kernel's end with REPACKED_GEMV1_FIXED_POINT: c's column sums in fixed point, added to the
     row's int64 accumulators [N] (zero between launches); for each column, the program whose add was the last
@@ -596,10 +612,8 @@ def _fixed_epilogue(c, pid_n, N, split_k, bias_ptr, out_ptr, acc_ptr, SPLIT: tl.
     rn = pid_n * 128 + tl.arange(0, 128)
     v = _fixed(_column_sums(c, 16))
     if SPLIT:
-        term = v + (_FX_BIAS + _FX_UNIT)
-        old = tl.atomic_add(acc_ptr + rn, term, sem="relaxed", scope="gpu")
-        last = (old >> 58) == split_k - 1
-        y = _unfixed(((old + term) & (_FX_UNIT - 1)) - split_k.to(tl.int64) * _FX_BIAS)
+        last, word = _fx_add(acc_ptr + rn, v, split_k)
+        y = _fx_total(word, split_k)
     else:
         last = tl.full([128], 1, tl.int1)
         y = _unfixed(v)
@@ -608,6 +622,58 @@ def _fixed_epilogue(c, pid_n, N, split_k, bias_ptr, out_ptr, acc_ptr, SPLIT: tl.
     tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=last)
     if SPLIT:
         tl.store(acc_ptr + rn, tl.zeros([128], dtype=tl.int64), mask=last)  # ready for the next launch
+
+
+@triton.jit
+def _silu_fx_resolve(pg, lg, wg, pu, lu, wu):
+    """After a dual program's adds to a gate column's accumulator (pointers pg; last lg, word wg, _fx_add's) and
+    its up column's (pu, lu, wu): which columns this program finishes, with both totals. Where it was the last on
+    both (the usual case: a program adds both at once), it finishes them. Where it was the last on one only, the
+    program that was the last on the other is too: both flip bit 63 of the gate accumulator (acq_rel, so each
+    one's add is published before its flip), and the second to flip finishes: it gets the gate total in the flip's
+    old value, or (the up total missing) reads the up accumulator, which its acquire makes complete."""
+    one = lg != lu
+    if tl.max(one.to(tl.int32), 0) > 0:  # warp-uniform: skipped when this program was the last on both everywhere
+        hs = tl.atomic_xor(pg, _FX_FLAG, mask=one, sem="acq_rel", scope="gpu")
+        second = one & (hs < 0)  # the other program flipped first
+        wg = tl.where(second & lu, hs, wg)
+        need_u = second & lg
+        wu = tl.where(need_u, tl.atomic_add(pu, 0, mask=need_u, sem="relaxed", scope="gpu"), wu)
+        fin = (lg & lu) | second
+    else:
+        fin = lg & lu
+    return fin, wg, wu
+
+
+@triton.jit
+def _silu_fixed_epilogue(yg, yu, pid_n, N, split_k, bias_ptr, out_ptr, acc_ptr, SPLIT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The end of a dual program (REPACKED_GEMV1_FIXED_POINT, silu_mul_out, one row): yg / yu, the float32 column
+    sums of gate columns pid_n * 128 .. + 128 and of the same up columns (N / 2 on), added in fixed point to the
+    row's int64 accumulators [N]; the program that finishes a column (_silu_fx_resolve) writes silu(gate) * up,
+    rounded as _fixed_epilogue's outputs and then kernels/fused.py's silu_and_mul would round it, and zeroes both
+    accumulators."""
+    rg = pid_n * 128 + tl.arange(0, 128)
+    ru = N // 2 + rg
+    if SPLIT:
+        lg, wg = _fx_add(acc_ptr + rg, _fixed(yg), split_k)
+        lu, wu = _fx_add(acc_ptr + ru, _fixed(yu), split_k)
+        fin, wg, wu = _silu_fx_resolve(acc_ptr + rg, lg, wg, acc_ptr + ru, lu, wu)
+        g = _fx_total(wg, split_k)
+        u = _fx_total(wu, split_k)
+    else:
+        fin = tl.full([128], 1, tl.int1)
+        g = _unfixed(_fixed(yg))
+        u = _unfixed(_fixed(yu))
+    if HAS_BIAS:
+        g += tl.load(bias_ptr + rg).to(tl.float32)
+        u += tl.load(bias_ptr + ru).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rg, silu_mul_rounded(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32), dtype), mask=fin)
+    if SPLIT:
+        zero = tl.zeros([128], dtype=tl.int64)
+        tl.store(acc_ptr + rg, zero, mask=fin)  # ready for the next launch (also clears the flip)
+        tl.store(acc_ptr + ru, zero, mask=fin)
 
 
 @triton.jit
@@ -945,7 +1011,7 @@ def _awq_gemv1_repacked_kernel(
     x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
     ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, SILU_OUT: tl.constexpr = False,
-    FIXED: tl.constexpr = False,
+    FIXED: tl.constexpr = False, DUAL: tl.constexpr = False,
 ):  # fmt: skip
     """x [M, K] (row pairs as int32s, stride_xm of them per row) -> out [M, N] over awq_repack's layout. Program
     (pid_m, pid_n, pid_k): row pid_m, column block pid_n, the `tiles` K tiles from pid_k * tiles, one warp, in a
@@ -955,7 +1021,9 @@ def _awq_gemv1_repacked_kernel(
     programs of a tile run together and all but the first find its weights in L2 (M > 1: small decode batches).
     ROWS = 2: each program takes rows 2 pid_m and 2 pid_m + 1 (if < M) and unpacks each weight once for both.
     SILU_OUT: the N outputs are [gate | up] and out [M, N / 2] gets silu(gate) * up (_silu_mul_epilogue; partials
-    even without a K split)."""
+    even without a K split). DUAL (SILU_OUT, FIXED, ROWS = 1): program pid_n takes gate column block pid_n and then
+    the up block of the same columns (N / 256 blocks on), `tiles` K tiles each, so that one program holds both sums
+    of its columns (_silu_fixed_epilogue)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -979,6 +1047,21 @@ def _awq_gemv1_repacked_kernel(
     second = one & (row + 1 < M)
     if ROWS == 2:
         yp = _load_x_pairs(x_ptr + stride_xm, xoff, second)
+    if DUAL:  # the gate block's tiles; the last one's next is the up block's first (and x's first tile again)
+        up_w = (N // 256) * KT * 2048
+        up_m = (N // 256) * KT * 128
+        for t in range(tiles):
+            tn = t + 1
+            w_next = _load_repacked(w_ptr + (tn % tiles) * 2048 + (tn // tiles) * up_w,
+                                    m_ptr + (tn % tiles) * 128 + (tn // tiles) * up_m, woff, moff, one)  # fmt: skip
+            xp_next = _load_x_pairs(x_ptr + (tn % tiles) * 64, xoff, one)
+            c = _repacked_tile(c, w, xp, X_BF16, ASM)
+            w = w_next
+            xp = xp_next
+        yg = _column_sums(c, 16)
+        c = (zero, zero, zero, zero, zero, zero, zero, zero)
+        w_ptr += up_w
+        m_ptr += up_m
     for t in range(tiles):
         more = one & (t + 1 < tiles)
         w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
@@ -994,8 +1077,12 @@ def _awq_gemv1_repacked_kernel(
     if ROWS == 2 and row + 1 < M:
         _repacked_epilogue(d, pid_n, pid_k, row + 1, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT,
                            SPLIT_PAD, HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
-    _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
-                       HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
+    if DUAL:
+        _silu_fixed_epilogue(yg, _column_sums(c, 16), pid_n, N, split_k, bias_ptr, out_ptr, part_ptr, SPLIT,
+                             HAS_BIAS)  # fmt: skip
+    else:
+        _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT,
+                           SPLIT_PAD, HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
 
 
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
@@ -1215,16 +1302,22 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     _repacked_tiles_m1, else _tiles_per_program as for awq_gemv); `counters`: gemv_counters (default one set shared
     per (device, out)).
     silu_mul_out: the outputs are [gate | up] (out / 2 a multiple of 128) and the result is silu(gate) * up
-    [M, out / 2], bit-identical to kernels/fused.py's silu_and_mul of this GEMV's output (an MLP's activation in the
-    gate/up projection's last programs: one kernel less per layer). `accumulators`: gemv_accumulators for
-    REPACKED_GEMV1_FIXED_POINT (default one set shared per (device, out))."""
+    [M, out / 2], bit-identical to kernels/fused.py's silu_and_mul of this GEMV's output at the same K split (an
+    MLP's activation in the gate/up projection's last programs: one kernel less per layer). With
+    REPACKED_GEMV1_FIXED_POINT at M = 1 each program takes a gate block and its up block (DUAL, `tiles` K tiles of
+    each; default half the one-block rule's, so as many programs and tiles per program) and the column's
+    finishing program needs no partials. `accumulators`: gemv_accumulators for REPACKED_GEMV1_FIXED_POINT (default
+    one set shared per (device, out))."""
     k, n = packed.in_features, packed.out_features
     m = x.shape[0]
     assert x.shape[1] == k and m <= GEMV_MAX_M and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
     assert not silu_mul_out or n % 256 == 0
     kt, nb = k // REPACK_GROUP, n // (8 * REPACK_BLOCK_N8)
+    dual = silu_mul_out and REPACKED_GEMV1_FIXED_POINT and m == 1  # programs over a gate block and its up block
     if tiles is None:
         tiles = _tiles_per_program(kt, nb) if m > 1 else _repacked_tiles_m1(kt, nb, _num_sms(x.device.index))
+        if dual:  # as many tiles per program and programs as the one-block rule's
+            tiles = max(1, tiles // 2)
     assert kt % tiles == 0
     split_k = kt // tiles
     if counters is None:
@@ -1232,7 +1325,8 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     assert counters.dtype == torch.int32 and counters.numel() >= m * nb
     out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=x.dtype, device=x.device)
     fixed = REPACKED_GEMV1_FIXED_POINT and split_k <= 32
-    if fixed and split_k > 1 and not silu_mul_out:
+    dual = dual and split_k <= 16
+    if (fixed and split_k > 1 and not silu_mul_out) or dual:
         partials = accumulators if accumulators is not None else _shared_accumulators(n, x.device)
         assert partials.dtype == torch.int64 and partials.shape[0] >= m and partials.shape[1] == n
     elif split_k > 1 or silu_mul_out:
@@ -1242,11 +1336,12 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     x32 = x.view(torch.int32)  # row pairs
     rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
     assert rows in (1, 2)
-    _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
+    _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb // 2 if dual else nb, split_k)](
         x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
         tiles, x32.stride(0), SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
         HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ROWS=rows, ASM=not _INTERPRETED,
-        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, FIXED=fixed, num_warps=1, num_stages=1, **pdl.launch_kwargs(),
+        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, FIXED=fixed, DUAL=dual, num_warps=1, num_stages=1,
+        **pdl.launch_kwargs(),
     )  # fmt: skip
     return out
 
@@ -1378,8 +1473,10 @@ REPACKED_GEMV1_ROWS = 2
 REPACKED_GEMV1_PER_SM = 8  # one-row programs per SM in one wave (_repacked_tiles_m1)
 # The split-K sum: False, float32 partials summed in a fixed order by each column block's last program (a counter);
 # True, 64-bit fixed point through one atomic per column (_fixed_epilogue: no fence, no second round trip; outputs
-# differ from the float32 sum by < 2^-20 per partial; partials beyond 32 Mi or non-finite give NaN). Experimental,
-# off: bench/awq_bench.py --sections fixed times it (session 14: the tail costs 1.1-2.0 us, bench/awq_alu_diag.py).
+# differ from the float32 sum by < 2^-20 per partial; partials beyond 32 Mi or non-finite give NaN); with SiLU·mul
+# at M = 1, programs over a gate block and its up block (_silu_fixed_epilogue: one round trip where a program was
+# the last on both sums of a column, else a handshake). Experimental, off: bench/awq_bench.py --sections fixed
+# times it (session 14: the tail costs 1.1-2.0 us, bench/awq_alu_diag.py).
 REPACKED_GEMV1_FIXED_POINT = False
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)

@@ -129,7 +129,8 @@ class AWQLinear(nn.Module):
         """silu(gate) * up of this layer's [gate | up] output, in one kernel (fuses_silu_mul must hold)."""
         from kernels.awq import awq_gemv_repacked
 
-        return awq_gemv_repacked(x, self.repacked, self.bias, self._counters(x.device), silu_mul_out=True)
+        return awq_gemv_repacked(x, self.repacked, self.bias, self._counters(x.device), silu_mul_out=True,
+                                 accumulators=self._accumulators(x.device))  # fmt: skip
 
     def _counters(self, device: torch.device) -> torch.Tensor:
         from kernels.awq import gemv_counters
