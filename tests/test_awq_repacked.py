@@ -22,6 +22,20 @@ def f16_halves(words: torch.Tensor) -> torch.Tensor:
     return h.view(torch.float16).float()
 
 
+def loaded_layer(k: int, n: int, seed: int, bias: bool):
+    """An AWQLinear (group 128, Triton backend) with random_awq(k, n, 128, seed)'s weights loaded -> (layer,
+    qweight, qzeros, scales, bias or None)."""
+    from aserve.quantization.awq_linear import AWQLinear
+
+    layer = AWQLinear(k, n, bias=bias, group_size=128).to(DEVICE)
+    layer.backend = "triton"
+    qweight, qzeros, scales, b = random_awq(k, n, 128, seed=seed)
+    tensors = (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)) + ((("bias", b),) if bias else ())
+    for name, t in tensors:
+        layer.load_output_slice(getattr(layer, name), 0, n, t)
+    return layer, qweight, qzeros, scales, b if bias else None
+
+
 def test_repack_layout():
     """wq[b, t, r, i, j] = qweight[128 t + 16 i + r, 16 b + j]; meta words 0-3 decode to the zero points, 4-7 to the
     scales * 16, column pair by column pair."""
@@ -149,14 +163,8 @@ def test_repacked_gemv_fixed_point_sum(monkeypatch, case, m, rows):
 def test_awq_linear_fixed_point_keeps_its_own_accumulators(monkeypatch):
     """With REPACKED_GEMV1_FIXED_POINT an AWQLinear sums its K splits in accumulators of its own (made on the first
     call), left at zero; without it, it makes none."""
-    from aserve.quantization.awq_linear import AWQLinear
-
     k, n = 512, 128  # 4 K tiles: split 4 at M = 1, 2 at M = 3
-    layer = AWQLinear(k, n, bias=True, group_size=128).to(DEVICE)
-    layer.backend = "triton"
-    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=8)
-    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
-        layer.load_output_slice(getattr(layer, name), 0, n, t)
+    layer, qweight, qzeros, scales, bias = loaded_layer(k, n, 8, bias=True)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float16)
     layer(x[:1])
     assert layer.__dict__.get("gemv_accumulators") is None
@@ -197,11 +205,7 @@ def test_awq_linear_applies_silu_mul_for_an_mlp():
     from kernels.fused import silu_and_mul
 
     k, n = 256, 256
-    layer = AWQLinear(k, n, bias=False, group_size=128).to(DEVICE)
-    layer.backend = "triton"
-    qweight, qzeros, scales, _ = random_awq(k, n, 128, seed=6)
-    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-        layer.load_output_slice(getattr(layer, name), 0, n, t)
+    layer = loaded_layer(k, n, 6, bias=False)[0]
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
     assert not layer.fuses_silu_mul(x)  # no copy yet: the MLP runs the layer (which makes it), then silu_and_mul
     expected = silu_and_mul(layer(x))
@@ -217,15 +221,9 @@ def test_awq_linear_applies_silu_mul_for_an_mlp():
 def test_awq_linear_silu_mul_with_fixed_point_uses_its_own_accumulators(monkeypatch):
     """With REPACKED_GEMV1_FIXED_POINT, forward_silu_mul_out at M = 1 (programs over a gate block and its up block,
     split K) sums in the layer's own accumulators, left at zero."""
-    from aserve.quantization.awq_linear import AWQLinear
-
     monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", True)
     k, n = 512, 256
-    layer = AWQLinear(k, n, bias=False, group_size=128).to(DEVICE)
-    layer.backend = "triton"
-    qweight, qzeros, scales, _ = random_awq(k, n, 128, seed=12)
-    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-        layer.load_output_slice(getattr(layer, name), 0, n, t)
+    layer, qweight, qzeros, scales, _ = loaded_layer(k, n, 12, bias=False)
     layer.repack()
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(12)).to(DEVICE, torch.float16)
     ref = awq_matmul(x.float(), qweight, qzeros, scales, 128)
@@ -274,10 +272,7 @@ def test_awq_linear_repack_holds_the_weights_once():
     from aserve.quantization.awq_linear import AWQLinear
 
     k, n = 256, 256
-    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=11)
-    layer = AWQLinear(k, n, bias=True, group_size=128).to(DEVICE)
-    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
-        layer.load_output_slice(getattr(layer, name), 0, n, t)
+    layer, qweight, qzeros, scales, bias = loaded_layer(k, n, 11, bias=True)
     assert layer.repack() and layer.autoawq_dropped
     assert layer.qweight.numel() == layer.qzeros.numel() == layer.scales.numel() == 0
     assert torch.equal(layer.dequantized_weight(torch.float32), dequantize(qweight, qzeros, scales, 128).t())
