@@ -906,6 +906,29 @@ def _scale_acc(c, a0, a1, a2, a3, s, ASM: tl.constexpr):
                 c[6] + _f16_bits(a3) * _f16_bits(s[3]), c[7] + _f16_bits(a3 >> 16) * _f16_bits(s[3] >> 16))
 
 
+# REPACKED_GEMV1_L2_PREFETCH: lane 0 asks the copy engine to bring [$1, $1 + $2) into L2 (no registers held; the
+# tiles' loads then find them there); $0 is a dummy result, so that the call is kept
+_L2_PREFETCH_ASM = tl.constexpr("""
+{
+.reg .pred p;
+.reg .u32 l;
+mov.u32 l, %laneid;
+setp.eq.u32 p, l, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}
+""")
+
+
+@triton.jit
+def _l2_prefetch(ptr, nbytes, ASM: tl.constexpr):
+    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16) from ptr (16-byte aligned); nothing in the
+    interpreter (a cache hint: results do not depend on it)."""
+    if ASM:
+        tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes],
+                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
 @triton.jit
 def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
     """One tile's weight-side loads: 16 slices [8, 16] and the 8 meta words [1, 16]. `ok` (a [1] mask) masks the
@@ -1011,7 +1034,8 @@ def _awq_gemv1_repacked_kernel(
     x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
     ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, SILU_OUT: tl.constexpr = False,
-    FIXED: tl.constexpr = False, DUAL: tl.constexpr = False,
+    FIXED: tl.constexpr = False, DUAL: tl.constexpr = False, CLAMP: tl.constexpr = False,
+    L2_PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """x [M, K] (row pairs as int32s, stride_xm of them per row) -> out [M, N] over awq_repack's layout. Program
     (pid_m, pid_n, pid_k): row pid_m, column block pid_n, the `tiles` K tiles from pid_k * tiles, one warp, in a
@@ -1023,7 +1047,8 @@ def _awq_gemv1_repacked_kernel(
     SILU_OUT: the N outputs are [gate | up] and out [M, N / 2] gets silu(gate) * up (_silu_mul_epilogue; partials
     even without a K split). DUAL (SILU_OUT, FIXED, ROWS = 1): program pid_n takes gate column block pid_n and then
     the up block of the same columns (N / 256 blocks on), `tiles` K tiles each, so that one program holds both sums
-    of its columns (_silu_fixed_epilogue)."""
+    of its columns (_silu_fixed_epilogue). CLAMP (REPACKED_GEMV1_CLAMPED_PREFETCH): unmasked prefetches.
+    L2_PREFETCH (REPACKED_GEMV1_L2_PREFETCH): the program's weights asked into L2 in one bulk prefetch first."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -1038,15 +1063,26 @@ def _awq_gemv1_repacked_kernel(
     moff = jv  # [1, 16]
     xoff = iv * 8  # [8, 1]
     one = tl.full([1], 1, tl.int1)  # tile masks as [1] tensors (the interpreter takes no Python bool as a mask)
+    if L2_PREFETCH:  # the program's whole chunk of weights and meta (and the up block's, DUAL), before the PDL wait
+        _l2_prefetch(w_ptr, tiles * 8192, ASM)
+        _l2_prefetch(m_ptr, tiles * 512, ASM)
+        if DUAL:
+            _l2_prefetch(w_ptr + (N // 256) * KT * 2048, tiles * 8192, ASM)
+            _l2_prefetch(m_ptr + (N // 256) * KT * 128, tiles * 512, ASM)
     w = _load_repacked(w_ptr, m_ptr, woff, moff, one)
     pdl.gdc_sync(USE_PDL)  # x, the partials and the counters only from here on
     xp = _load_x_pairs(x_ptr, xoff, one)
     zero = tl.zeros([8, 16], dtype=tl.float32)
     c = (zero, zero, zero, zero, zero, zero, zero, zero)  # summed over rows at the end
     d = c  # ROWS = 2: the second row's accumulators and input pairs
-    second = one & (row + 1 < M)
+    if CLAMP:  # no second row: the first's inputs again (an L1 hit), so that no load is masked
+        y_ptr = x_ptr + tl.where(row + 1 < M, stride_xm, 0)
+        second = one
+    else:
+        y_ptr = x_ptr + stride_xm
+        second = one & (row + 1 < M)
     if ROWS == 2:
-        yp = _load_x_pairs(x_ptr + stride_xm, xoff, second)
+        yp = _load_x_pairs(y_ptr, xoff, second)
     if DUAL:  # the gate block's tiles; the last one's next is the up block's first (and x's first tile again)
         up_w = (N // 256) * KT * 2048
         up_m = (N // 256) * KT * 128
@@ -1063,13 +1099,18 @@ def _awq_gemv1_repacked_kernel(
         w_ptr += up_w
         m_ptr += up_m
     for t in range(tiles):
-        more = one & (t + 1 < tiles)
-        w_next = _load_repacked(w_ptr + (t + 1) * 2048, m_ptr + (t + 1) * 128, woff, moff, more)
-        xp_next = _load_x_pairs(x_ptr + (t + 1) * 64, xoff, more)
+        if CLAMP:  # the last tile's next is itself again (an L1 hit), so that no load is masked
+            tn = tl.minimum(t + 1, tiles - 1)
+            more = one
+        else:
+            tn = t + 1
+            more = one & (t + 1 < tiles)
+        w_next = _load_repacked(w_ptr + tn * 2048, m_ptr + tn * 128, woff, moff, more)
+        xp_next = _load_x_pairs(x_ptr + tn * 64, xoff, more)
         if ROWS == 1:
             c = _repacked_tile(c, w, xp, X_BF16, ASM)
         else:
-            yp_next = _load_x_pairs(x_ptr + stride_xm + (t + 1) * 64, xoff, more & second)
+            yp_next = _load_x_pairs(y_ptr + tn * 64, xoff, more & second)
             c, d = _repacked_tile2(c, d, w, xp, yp, X_BF16, ASM)
             yp = yp_next
         w = w_next
@@ -1340,7 +1381,8 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
         x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
         tiles, x32.stride(0), SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
         HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ROWS=rows, ASM=not _INTERPRETED,
-        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, FIXED=fixed, DUAL=dual, num_warps=1, num_stages=1,
+        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, FIXED=fixed, DUAL=dual, CLAMP=REPACKED_GEMV1_CLAMPED_PREFETCH,
+        L2_PREFETCH=REPACKED_GEMV1_L2_PREFETCH, num_warps=1, num_stages=1,
         **pdl.launch_kwargs(),
     )  # fmt: skip
     return out
@@ -1475,9 +1517,20 @@ REPACKED_GEMV1_PER_SM = 8  # one-row programs per SM in one wave (_repacked_tile
 # True, 64-bit fixed point through one atomic per column (_fixed_epilogue: no fence, no second round trip; outputs
 # differ from the float32 sum by < 2^-20 per partial; partials beyond 32 Mi or non-finite give NaN); with SiLU·mul
 # at M = 1, programs over a gate block and its up block (_silu_fixed_epilogue: one round trip where a program was
-# the last on both sums of a column, else a handshake). Experimental, off: bench/awq_bench.py --sections fixed
+# the last on both sums of a column, else a handshake). Experimental, off: bench/awq_bench.py --sections options
 # times it (session 14: the tail costs 1.1-2.0 us, bench/awq_alu_diag.py).
 REPACKED_GEMV1_FIXED_POINT = False
+# Prefetches without masks: the last tile's "next" is the last tile again, and a missing second row's inputs are the
+# first row's (both L1 hits), instead of loads masked off. Triton 3.6 for sm_90 (ptxas -v): the one-row loop body
+# 1,119 -> 1,043 instructions (the masked loads' zero-fills go) and 254 -> 168 registers (more programs fit per SM).
+# Experimental, off: bench/awq_bench.py --sections options times it.
+REPACKED_GEMV1_CLAMPED_PREFETCH = False
+# Each program first asks for its whole chunk of weights and meta (tiles x 8.5 KB, contiguous in the layout) into L2
+# with one cp.async.bulk.prefetch.L2 (sm_90), before its PDL wait: the DRAM stream starts at once, holds no
+# registers, and can overlap the kernel before. From Triton's SASS (3.6, sm_90) ptxas issues the register
+# prefetch of tile t + 1 only after ~3/4 of tile t's arithmetic (it sinks the loads), so within a program little
+# of a tile's DRAM latency is hidden. Experimental, off: bench/awq_bench.py --sections options times it.
+REPACKED_GEMV1_L2_PREFETCH = False
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)

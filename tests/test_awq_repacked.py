@@ -160,6 +160,23 @@ def test_repacked_gemv_fixed_point_sum(monkeypatch, case, m, rows):
     assert out[0].isnan().all() and not out[1:].isnan().any() and not acc.any()
 
 
+@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize("m, rows, silu", [(1, 1, False), (3, 2, False), (1, 1, True)])
+def test_repacked_gemv_prefetch_options_change_no_output(monkeypatch, fixed, m, rows, silu):
+    """REPACKED_GEMV1_CLAMPED_PREFETCH (unmasked prefetches: the last tile's next is itself, a missing second row
+    reads the first's inputs) and REPACKED_GEMV1_L2_PREFETCH (a cache hint: no-op in the interpreter) give the same
+    outputs, bit for bit, as without them."""
+    k, n, tiles = 512, 256, 2
+    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=13)
+    packed = awq.awq_repack(qweight, qzeros, scales, 128)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.float16)
+    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", fixed)
+    expected = awq.awq_gemv_repacked(x, packed, bias.half(), None, tiles, rows, silu_mul_out=silu)
+    monkeypatch.setattr(awq, "REPACKED_GEMV1_CLAMPED_PREFETCH", True)
+    monkeypatch.setattr(awq, "REPACKED_GEMV1_L2_PREFETCH", True)
+    assert torch.equal(awq.awq_gemv_repacked(x, packed, bias.half(), None, tiles, rows, silu_mul_out=silu), expected)
+
+
 def test_awq_linear_fixed_point_keeps_its_own_accumulators(monkeypatch):
     """With REPACKED_GEMV1_FIXED_POINT an AWQLinear sums its K splits in accumulators of its own (made on the first
     call), left at zero; without it, it makes none."""
