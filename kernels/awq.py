@@ -1527,9 +1527,10 @@ REPACKED_GEMV1_FIXED_POINT = False
 REPACKED_GEMV1_CLAMPED_PREFETCH = False
 # Each program first asks for its whole chunk of weights and meta (tiles x 8.5 KB, contiguous in the layout) into L2
 # with one cp.async.bulk.prefetch.L2 (sm_90), before its PDL wait: the DRAM stream starts at once, holds no
-# registers, and can overlap the kernel before. From Triton's SASS (3.6, sm_90) ptxas issues the register
-# prefetch of tile t + 1 only after ~3/4 of tile t's arithmetic (it sinks the loads), so within a program little
-# of a tile's DRAM latency is hidden. Experimental, off: bench/awq_bench.py --sections options times it.
+# registers, and can overlap the kernel before. (ptxas issues the register prefetch of tile t + 1 only after ~3/4
+# of tile t's arithmetic, Triton 3.6 SASS for sm_90, so within a program little of a tile's DRAM latency is hidden.)
+# Session 13's per-lane form (prefetch.global.L2 of the later tiles, 64 instructions per lane) lost 9-18 % at the
+# large shapes; this is one instruction per chunk. Experimental, off: bench/awq_bench.py --sections options.
 REPACKED_GEMV1_L2_PREFETCH = False
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
