@@ -495,7 +495,7 @@ def tma_diag() -> None:
 # kernels.awq's experimental options of the repacked M = 1 kernel, by short name
 KERNEL_OPTIONS = {"fixed": "REPACKED_GEMV1_FIXED_POINT", "clamp": "REPACKED_GEMV1_CLAMPED_PREFETCH",
                   "l2": "REPACKED_GEMV1_L2_PREFETCH"}  # fmt: skip
-OPTION_COMBOS = ["base", "fixed", "clamp", "l2", "fixed+clamp", "fixed+l2", "clamp+l2", "fixed+clamp+l2"]
+OPTION_COMBOS = ["base", "fixed", "clamp", "fixed+clamp", "l2", "fixed+clamp+l2"]
 
 
 @contextlib.contextmanager

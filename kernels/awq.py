@@ -1529,8 +1529,9 @@ REPACKED_GEMV1_CLAMPED_PREFETCH = False
 # with one cp.async.bulk.prefetch.L2 (sm_90), before its PDL wait: the DRAM stream starts at once, holds no
 # registers, and can overlap the kernel before. (ptxas issues the register prefetch of tile t + 1 only after ~3/4
 # of tile t's arithmetic, Triton 3.6 SASS for sm_90, so within a program little of a tile's DRAM latency is hidden.)
-# Session 13's per-lane form (prefetch.global.L2 of the later tiles, 64 instructions per lane) lost 9-18 % at the
-# large shapes; this is one instruction per chunk. Experimental, off: bench/awq_bench.py --sections options.
+# Session 13's per-line form (prefetch.global.L2 of the later tiles, one 128-byte line per lane and instruction)
+# lost 9-18 % at the large shapes; this is one copy-engine request per chunk, likely to lose the same way (the later
+# tiles compete with everyone's first). Experimental, off: bench/awq_bench.py --sections options.
 REPACKED_GEMV1_L2_PREFETCH = False
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
