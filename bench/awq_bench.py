@@ -164,25 +164,15 @@ def tune() -> None:
     from kernels import awq
 
     tune_gemv1()
-    weights = [random_awq(k, n) for k, n in SHAPES]
     k, n = 4096, 14336
-    qweight, qzeros, scales = weights[1]
-    timings = []
-    for block_n in (64, 128, 256):
-        for block_k in (32, 64, 128):
-            for warps in (4, 8):
-                cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-                try:
-                    ms = bench_ms(lambda: awq.awq_dequantize(qweight, qzeros, scales, GROUP, torch.bfloat16, cfg), 5,
-                                  25)  # fmt: skip
-                    timings.append((ms, cfg))
-                except Exception as e:
-                    print("   config failed", cfg, type(e).__name__, flush=True)
-    timings.sort(key=lambda t: t[0])
-    awq.DEQUANT_CONFIG = timings[0][1]
+    qweight, qzeros, scales = random_awq(k, n)
+    configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+               for bn in (64, 128, 256) for bk in (32, 64, 128) for w in (4, 8)]  # fmt: skip
+    ms, best = _sweep("dequant", configs, lambda cfg: bench_ms(
+        lambda: awq.awq_dequantize(qweight, qzeros, scales, GROUP, torch.bfloat16, cfg), 5, 25))  # fmt: skip
+    awq.DEQUANT_CONFIG = best
     moved = awq_bytes(k, n) + 2 * k * n
-    record("tune_dequant", f"{timings[0][0] * 1e3:.1f}", "us",
-           f"{timings[0][1]} ({moved / timings[0][0] / 1e9:.2f} TB/s read + written)")  # fmt: skip
+    record("tune_dequant", f"{ms * 1e3:.1f}", "us", f"{best} ({moved / ms / 1e9:.2f} TB/s read + written)")
 
 
 def _sweep(name: str, configs: list[dict], ms_of) -> tuple[float, dict]:
