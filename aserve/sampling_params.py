@@ -33,6 +33,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (the sampled one is always included)
+    # token id -> added to its logit before sampling (OpenAI's logit_bias; -100 / 100 ban / force the token)
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     # Per-request salt isolating prefix-cache sharing (e.g. between tenants).
     cache_salt: str | None = None
@@ -80,6 +82,14 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise ParamError("logit_bias", f"logit_bias keys must be non-negative token ids, got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                    raise ParamError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +98,10 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
 
     def clone(self, **changes) -> SamplingParams:
         return replace(self, **changes)

@@ -559,6 +559,10 @@ def request_cases():
         "include_stop_str_in_output": field(st.booleans()),
         "cache_salt": field(st.text(max_size=8)),
         "user": field(st.text(max_size=8)),
+        "logit_bias": field(st.dictionaries(st.integers(0, 383).map(str), st.floats(-100, 100), max_size=3),
+                            {"x": 1}, {"5": 101}, {"999999": 1}, {"-1": 1}, [1]),
+        "response_format": field(st.just({"type": "text"}), {"type": "json_object"}, "text"),
+        "best_of": field(st.just(1), 2, -1),
     }
     prompt = field(st.text(min_size=1, max_size=40) | token_ids | st.lists(st.text(min_size=1, max_size=10)
                    | token_ids, min_size=1, max_size=3), "", "x" * 3000, [[]], *bad_ids)  # fmt: skip

@@ -119,6 +119,43 @@ def test_penalties_match_reference_loop(llm, hf_model):
     assert got != gen1(llm, p, temperature=0, max_tokens=15, ignore_eos=True).token_ids
 
 
+def test_logit_bias_forces_bans_and_shifts_tokens(llm, hf_model):
+    """OpenAI's logit_bias: +100 forces a token (greedy or sampled), -100 on the greedy token leaves the runner-up
+    (transformers' logits); a smaller bias shifts the logits by exactly that much (the reference loop); logprobs
+    stay those of the raw logits, as in vLLM."""
+    p = prompt(15, seed=9)
+    ids = list(p["prompt_token_ids"])
+    logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+    first, second = logits.topk(2).indices.tolist()
+    for temperature in (0, 1.0):
+        forced = gen1(llm, p, temperature=temperature, max_tokens=5, ignore_eos=True, logit_bias={7: 100}, seed=3)
+        assert forced.token_ids == [7] * 5
+    banned = gen1(llm, p, temperature=0, max_tokens=1, logit_bias={first: -100}, logprobs=0)
+    assert banned.token_ids == [second]
+    raw = torch.log_softmax(logits, -1)[second].item()
+    assert abs(banned.logprobs[0][second].logprob - raw) < 1e-4
+    bias = {5: 3.0, 11: 2.5, first: -1.5}
+    got = gen1(llm, p, temperature=0, max_tokens=8, ignore_eos=True, logit_bias=bias).token_ids
+    out: list[int] = []
+    for _ in range(8):
+        row = hf_model(torch.tensor([ids + out])).logits[0, -1].float()
+        for t, b in bias.items():
+            row[t] += b
+        out.append(int(row.argmax()))
+    assert got == out and got != gen1(llm, p, temperature=0, max_tokens=8, ignore_eos=True).token_ids
+    with pytest.raises(ValueError, match="vocabulary"):
+        gen1(llm, p, logit_bias={10**6: 1.0})
+
+
+def test_logit_bias_with_async_scheduling(tiny_model):
+    """The overlapped sampler (async scheduling) applies logit_bias too, greedy and sampled."""
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, async_scheduling=True, max_model_len=128)
+    params = [SamplingParams(temperature=t, max_tokens=6, ignore_eos=True, seed=1, logit_bias={9: 100})
+              for t in (0, 0.8)]  # fmt: skip
+    outs = llm.generate([prompt(4), prompt(6)], params)
+    assert [o.outputs[0].token_ids for o in outs] == [[9] * 6, [9] * 6]
+
+
 def test_eos_min_tokens_ignore_eos_stop_token_ids(llm):
     # This prompt makes the tiny model emit EOS after 8 tokens (see the parity references).
     p = {"prompt_token_ids": prompt(3)["prompt_token_ids"]}
@@ -200,7 +237,9 @@ def test_max_tokens_defaults_to_context_left(tiny_model):
 @pytest.mark.parametrize(
     "kw",
     [dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-3), dict(max_tokens=0), dict(min_p=2),
-     dict(stop=[""]), dict(logprobs=-1), dict(min_tokens=5, max_tokens=2), dict(presence_penalty=3)],
+     dict(stop=[""]), dict(logprobs=-1), dict(min_tokens=5, max_tokens=2), dict(presence_penalty=3),
+     dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 101.0}), dict(logit_bias={3: float("nan")}),
+     dict(logit_bias={"3": 1.0}), dict(logit_bias=[3])],
 )
 def test_invalid_sampling_params(kw):
     with pytest.raises(ValueError):

@@ -136,6 +136,16 @@ async def test_stop_and_logprobs(client, core):
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages[0].role"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ("/v1/nope", {}, 404, None),
     ],
 )
@@ -148,6 +158,26 @@ async def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, c
     assert error["param"] == param
     ok = await client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
     assert ok.status == 200
+    assert_idle(core)
+
+
+async def test_logit_bias_and_accepted_no_op_fields(client, core):
+    """logit_bias (token ids as string keys) reaches the sampler: +100 forces a token; fields aserve accepts only
+    where they change nothing (response_format text, tools with tool_choice none, best_of = n) give the plain
+    output."""
+    base = {"prompt": "Bias", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = (await (await client.post("/v1/completions", json=base)).json())["choices"][0]["text"]
+    token = core.tokenizer.encode("z", add_special_tokens=False)[0]
+    forced = await (await client.post("/v1/completions", json={**base, "logit_bias": {str(token): 100}})).json()
+    assert forced["choices"][0]["text"] == core.tokenizer.decode([token] * 4) != plain
+    same = {**base, "best_of": 1}
+    assert (await (await client.post("/v1/completions", json=same)).json())["choices"][0]["text"] == plain
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    reference = (await (await client.post("/v1/chat/completions", json=chat)).json())["choices"][0]["message"]
+    extras = {"response_format": {"type": "text"}, "tool_choice": "none",
+              "tools": [{"type": "function", "function": {"name": "f"}}]}  # fmt: skip
+    resp = await client.post("/v1/chat/completions", json={**chat, **extras})
+    assert resp.status == 200 and (await resp.json())["choices"][0]["message"] == reference
     assert_idle(core)
 
 

@@ -297,6 +297,8 @@ class LLMEngine:
             raise ParamError("logprobs", f"logprobs must be <= the vocabulary size ({self.vocab_size})")
         if params.seed is not None and not -(2**63) <= params.seed <= 2**63 - params.n:  # sibling i uses seed + i
             raise ParamError("seed", "seed must be a 64-bit signed integer")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ParamError("logit_bias", f"logit_bias token ids must be < the vocabulary size ({self.vocab_size})")
 
     def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort", with

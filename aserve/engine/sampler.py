@@ -2,8 +2,8 @@
 
 A logits row is one position to sample at: a request, plus (when verifying) the draft tokens assumed before that
 position, which count as generated tokens for penalties and min_tokens. Order of processing (as vLLM v1): raw
-logprobs (if asked) -> min_tokens masking -> repetition/presence/frequency penalties -> greedy argmax, or
-temperature -> min-p -> top-k -> top-p -> probabilities.
+logprobs (if asked) -> min_tokens masking -> logit_bias -> repetition/presence/frequency penalties -> greedy
+argmax, or temperature -> min-p -> top-k -> top-p -> probabilities.
 
 Verification of k drafts d_1..d_k of one request (rows 0..k) is lossless rejection sampling: accept d_j with
 probability min(1, p_j(d_j) / q_j(d_j)) while they are accepted; at the first rejection emit a token drawn from
@@ -215,6 +215,19 @@ class Sampler:
             logits[self._tensor(row_idx), self._tensor(cols)] = float("-inf")
         return logits
 
+    def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        row_idx, cols, biases = [], [], []
+        for i, row in enumerate(rows):
+            if row.params.logit_bias:
+                row_idx += [i] * len(row.params.logit_bias)
+                cols += list(row.params.logit_bias)
+                biases += [float(b) for b in row.params.logit_bias.values()]
+        if row_idx:
+            logits = logits.clone()
+            logits.index_put_((self._tensor(row_idx), self._tensor(cols)), self._tensor(biases, logits.dtype),
+                              accumulate=True)  # fmt: skip
+        return logits
+
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         logits = logits.clone()
         vocab = logits.shape[1]
@@ -285,18 +298,18 @@ class Sampler:
         # One reduction: the sum of a row is finite iff every logit in it is (a quarter of an argmax's cost on CPU).
         nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        return self._mask_min_tokens(logits, rows), nonfinite, raw_logprobs
+        return self._apply_logit_bias(self._mask_min_tokens(logits, rows), rows), nonfinite, raw_logprobs
 
     @staticmethod
     def _greedy_pick(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every row greedy with nothing that changes its logits (penalties, min_tokens still to reach): (first-
-        maximum index, non-finite flag) per row from one kernel over the logits in the model's dtype (CPU: C,
+        """Every row greedy with nothing that changes its logits (penalties, logit_bias, min_tokens still to reach):
+        (first-maximum index, non-finite flag) per row from one kernel over the logits in the model's dtype (CPU: C,
         kernels/cpu_sample.py; CUDA: Triton, kernels/greedy.py); None otherwise."""
         if logits.device.type not in ("cpu", "cuda"):
             return None
         for row in rows:
             p = row.params
-            if not p.greedy or p.needs_penalties or row.num_output_tokens < p.min_tokens:
+            if not p.greedy or p.needs_penalties or p.needs_logit_bias or row.num_output_tokens < p.min_tokens:
                 return None
         if logits.device.type == "cuda":
             from kernels import greedy

@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256  # also bounds how much text a stream holds back while a stop string may be forming
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs in chat
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -36,6 +37,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # Accepted only where they change nothing (check_unsupported): without these a client would silently get
+    # unconstrained output
+    response_format: dict | None = None
+    best_of: int | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float = 0.0
@@ -46,6 +52,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -57,8 +69,22 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     def num_logprobs(self) -> int | None:
         return None
 
+    def check_unsupported(self) -> None:
+        """400 for what aserve does not do (rather than ignoring it): structured output, prompt logprobs, best_of."""
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ParamError("response_format", f"response_format {self.response_format.get('type')!r} is not "
+                             "supported (aserve has no structured output); only 'text'")  # fmt: skip
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise ParamError(name, f"{name} is not supported (aserve has no structured output)")
+        if self.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", "prompt_logprobs is not supported")
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise ParamError("best_of", "best_of is not supported (only best_of = n)")
+
     def check_limits(self) -> None:
         """The caps above, plus integers that must fit in 64 bits (JSON integers are unbounded)."""
+        self.check_unsupported()
         if isinstance(self.n, int) and self.n > MAX_N:
             raise ParamError("n", f"n must be <= {MAX_N}, got {self.n}")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -75,6 +101,19 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if value is not None and not _INT64[0] <= value <= _INT64[1]:
                 raise ParamError(name, f"{name} must be a 64-bit integer")
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ParamError("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed")
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with its JSON keys as token ids."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or len(key) > 12:
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            bias[int(key)] = value
+        return bias
 
     logprobs_param = "logprobs"
 
@@ -97,6 +136,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.num_logprobs(),
+            logit_bias=self.token_logit_bias(),
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
         )
@@ -140,6 +180,18 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+    tools: list | None = None  # only with tool_choice "none" (check_unsupported): aserve parses no tool calls
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if (self.tools or self.functions) and self.tool_choice != "none":
+            param = "tools" if self.tools else "functions"
+            raise ParamError(param, f"{param} are not supported (aserve parses no tool calls); send tool_choice "
+                             "'none' or no tools")  # fmt: skip
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ParamError("tool_choice", "tool_choice other than 'none' is not supported")
 
     logprobs_param = "top_logprobs"
 
