@@ -38,8 +38,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    # Accepted only where they change nothing (check_unsupported): without these a client would silently get
-    # unconstrained output
+    # Parsed only to be refused where they would change the output (check_unsupported): msgspec drops unknown
+    # fields, so without them a client asking for JSON or tools would silently get neither
     response_format: dict | None = None
     best_of: int | None = None
     # vLLM's extras
@@ -110,7 +110,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit() or len(key) > 12:
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
                 raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
             bias[int(key)] = value
         return bias
