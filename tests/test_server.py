@@ -142,6 +142,8 @@ async def test_stop_and_logprobs(client, core):
         ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
         ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
         ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "response_format": {"type": "json_object"}}, 400, "response_format"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

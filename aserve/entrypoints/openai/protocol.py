@@ -148,6 +148,13 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     echo: bool = False
     suffix: str | None = None
 
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise ParamError("echo", "echo is not supported")
+        if self.suffix:
+            raise ParamError("suffix", "suffix is not supported")
+
     def num_logprobs(self) -> int | None:
         return self.logprobs
 

@@ -199,10 +199,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     req = await parse_body(request, CompletionRequest)
     state.check_model(req.model)
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
     req.check_limits()
     raw_prompts = req.prompts()
     if len(raw_prompts) * req.n > MAX_SEQUENCES:
