@@ -555,6 +555,9 @@ def options(root: str) -> None:
     def name(case) -> str:
         return f"{case[0]}x{case[1]}" + (" SiLU·mul" if case[2] else "")
 
+    def key(case) -> str:  # the case in record()'s keys
+        return f"{case[0]}x{case[1]}" + ("_silu" if case[2] else "")
+
     time_cases(OPTION_COMBOS, False)
     layer = {c: sum(us[case][c] for case in layer_cases) for c in OPTION_COMBOS}
     print("\n| K x N | bf16 us | " + " | ".join(OPTION_COMBOS) + " |")
@@ -565,7 +568,7 @@ def options(root: str) -> None:
                  for c in OPTION_COMBOS]  # fmt: skip
         print(f"| {name(case)} | {ref_cell} | " + " | ".join(cells) + " |", flush=True)
         for c in OPTION_COMBOS:
-            record(f"options_{c}_{case[0]}x{case[1]}" + ("_silu" if case[2] else ""), round(us[case][c], 2), "us",
+            record(f"options_{c}_{key(case)}", round(us[case][c], 2), "us",
                    f"bf16 {bf16[case[:2]]:.1f} us" if ref_cell else "")  # fmt: skip
     print("| per layer (qkv + o + down + gate/up) | | " + " | ".join(f"{layer[c]:.1f}" for c in OPTION_COMBOS) + " |")
     best = min(OPTION_COMBOS, key=layer.get)
@@ -574,8 +577,7 @@ def options(root: str) -> None:
     print(f"\n{best} at 1 / 2 / 4 / 8 K tiles per program (SiLU·mul: of each block), us:")
     for case in cases:
         print(f"| {name(case)} | " + " / ".join(f"{t:.1f}" for t in tiles_us[case]) + " |", flush=True)
-        record(f"options_tiles_{case[0]}x{case[1]}" + ("_silu" if case[2] else ""),
-               " / ".join(f"{t:.1f}" for t in tiles_us[case]), "us", best)  # fmt: skip
+        record(f"options_tiles_{key(case)}", " / ".join(f"{t:.1f}" for t in tiles_us[case]), "us", best)
 
 
 def options_decode(root: str) -> None:
