@@ -29,6 +29,7 @@ options      the repacked M = 1 kernel's experimental options and their combinat
              split-K sum in fixed point, one atomic per column; _CLAMPED_PREFETCH: unmasked prefetches;
              _L2_PREFETCH: each program's weights asked into L2 first), graphs + PDL at a decode step's layer
              shapes, bf16 cuBLAS at the GEMV targets; the best per layer at 1-8 tiles
+options_tiles   $OPTIONS_TILES_COMBOS (default base,fixed) at 1 / 2 / 4 / 8 K tiles per program, two rounds
 options_decode  AWQ decode with the best options (or $OPTIONS_COMBO, e.g. fixed+clamp) vs without
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
@@ -580,6 +581,53 @@ def options(root: str) -> None:
         record(f"options_tiles_{key(case)}", " / ".join(f"{t:.1f}" for t in tiles_us[case]), "us", best)
 
 
+def options_tiles(root: str) -> None:
+    """The combinations in $OPTIONS_TILES_COMBOS (default base,fixed) at 1 / 2 / 4 / 8 K tiles per program (SiLU·mul
+    with fixed: of each block) at the options section's shapes, two rounds in alternating order, best of the two:
+    whether an option wins at a tile count other than the default rule's (the options section times the default)."""
+    from kernels import awq, pdl
+    from kernels.awq_reference import dequantize
+
+    combos = os.environ.get("OPTIONS_TILES_COMBOS", "base,fixed").split(",")
+    cases = [(4096, 6144, False), (4096, 4096, False), (4096, 14336, False), (14336, 4096, False),
+             (4096, 28672, True)]  # fmt: skip
+    us: dict[tuple, float] = {}
+    for k, n, silu in cases:
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        qs = [random_awq(k, n)[:3] for _ in range(max(4, int(400e6 // awq_bytes(k, n))))]
+        ps = [(x, awq.awq_repack(*q, GROUP)) for q in qs]
+        ref = x.float() @ dequantize(*qs[0], GROUP).float()
+        if silu:
+            ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]
+        for rnd in range(2):
+            for combo in combos if rnd == 0 else combos[::-1]:
+                with kernel_options(combo):
+                    pdl.enable(True)
+                    try:
+                        for t in (1, 2, 4, 8) if rnd == 0 else (8, 4, 2, 1):
+                            if k // GROUP % t:
+                                continue
+                            def run(x, p, t=t):  # noqa: E306
+                                return awq.awq_gemv_repacked(x, p, tiles=t, silu_mul_out=silu)
+                            err = ((run(*ps[0]).float() - ref).abs().max() / ref.abs().max()).item()
+                            assert err < (2e-2 if silu else 1e-2), (k, n, silu, combo, t, err)
+                            v = graph_us(run, ps)
+                            us[(k, n, silu, combo, t)] = min(us.get((k, n, silu, combo, t), v), v)
+                    finally:
+                        pdl.enable(False)
+        del ps, qs
+    print("\n| K x N | " + " | ".join(f"{c} 1 / 2 / 4 / 8 tiles" for c in combos) + " | best |")
+    print("|---|" + "---|" * (len(combos) + 1))
+    for k, n, silu in cases:
+        cells = [" / ".join(f"{us[(k, n, silu, c, t)]:.1f}" if (k, n, silu, c, t) in us else "-" for t in (1, 2, 4, 8))
+                 for c in combos]  # fmt: skip
+        best = min((v, c, t) for (kk, nn, ss, c, t), v in us.items() if (kk, nn, ss) == (k, n, silu))
+        name = f"{k}x{n}" + (" SiLU·mul" if silu else "")
+        print(f"| {name} | " + " | ".join(cells) + f" | {best[1]} @ {best[2]}: {best[0]:.1f} |", flush=True)
+        record(f"options_tiles_best_{k}x{n}" + ("_silu" if silu else ""), round(best[0], 2), "us",
+               f"{best[1]} at {best[2]} tiles; " + "; ".join(f"{c} {cell}" for c, cell in zip(combos, cells)))
+
+
 def options_decode(root: str) -> None:
     """AWQ batch-1 decode with the kernel options of OPTIONS_COMBO (environment; default: the combination the
     options section found best in this run, else all of them) vs without, alternating, twice each."""
@@ -662,7 +710,8 @@ def main() -> None:
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
            "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root),
-           "tma_diag": tma_diag, "options": lambda: options(root), "options_decode": lambda: options_decode(root)}
+           "tma_diag": tma_diag, "options": lambda: options(root), "options_tiles": lambda: options_tiles(root),
+           "options_decode": lambda: options_decode(root)}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)
