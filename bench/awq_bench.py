@@ -25,12 +25,6 @@ silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV +
              4), and AWQ decode with and without it
 tma_diag     load-only ceilings of the repacked weights' stream in graphs: plain loads vs TMA through shared memory
              (tiles per program, warps, pipeline stages)
-options      the repacked M = 1 kernel's experimental options and their combinations (REPACKED_GEMV1_FIXED_POINT: the
-             split-K sum in fixed point, one atomic per column; _CLAMPED_PREFETCH: unmasked prefetches;
-             _L2_PREFETCH: each program's weights asked into L2 first), graphs + PDL at a decode step's layer
-             shapes, bf16 cuBLAS at the GEMV targets; the best per layer at 1-8 tiles
-options_tiles   $OPTIONS_TILES_COMBOS (default base,fixed) at 1 / 2 / 4 / 8 K tiles per program, two rounds
-options_decode  AWQ decode with the best options (or $OPTIONS_COMBO, e.g. fixed+clamp) vs without
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
              (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
 
@@ -40,7 +34,6 @@ Prints a table last; writes results.json under --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import itertools
 import json
@@ -483,165 +476,6 @@ def tma_diag() -> None:
         del ws, descs
 
 
-# kernels.awq's experimental options of the repacked M = 1 kernel, by short name
-KERNEL_OPTIONS = {"fixed": "REPACKED_GEMV1_FIXED_POINT", "clamp": "REPACKED_GEMV1_CLAMPED_PREFETCH",
-                  "l2": "REPACKED_GEMV1_L2_PREFETCH"}  # fmt: skip
-OPTION_COMBOS = ["base", "fixed", "clamp", "fixed+clamp", "l2", "fixed+clamp+l2"]
-
-
-@contextlib.contextmanager
-def kernel_options(combo: str):
-    """kernels.awq's options named in combo ("fixed+clamp"; "base": none) on, the others off, for the block."""
-    from kernels import awq
-
-    saved = {name: getattr(awq, name) for name in KERNEL_OPTIONS.values()}
-    on = set(combo.split("+")) - {"base"}
-    try:
-        for short, name in KERNEL_OPTIONS.items():
-            setattr(awq, name, short in on)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(awq, name, value)
-
-
-def options(root: str) -> None:
-    """The repacked M = 1 kernel's experimental options (KERNEL_OPTIONS) and their combinations, in CUDA graphs with
-    PDL at the layer shapes a decode step runs (the gate/up projection with SiLU·mul), with bf16 cuBLAS at the three
-    GEMV target shapes; the combination with the least time per layer (qkv + o + gate/up + down) then at 1 / 2 / 4
-    / 8 tiles per program (options_decode then times AWQ decode with it)."""
-    from kernels import awq, pdl
-    from kernels.awq_reference import dequantize
-
-    # (K, N, silu): qkv, o, down, gate/up with SiLU·mul (fixed point: programs over a gate and an up block), and
-    # 4096x14336 (a GEMV target shape, not a Llama-3-8B layer)
-    cases = [(4096, 6144, False), (4096, 4096, False), (4096, 14336, False), (14336, 4096, False),
-             (4096, 28672, True)]  # fmt: skip
-    layer_cases = [(4096, 6144, False), (4096, 4096, False), (14336, 4096, False), (4096, 28672, True)]
-    us: dict[tuple, dict[str, float]] = {}
-    tiles_us: dict[tuple, list[float]] = {}
-    bf16: dict[tuple, float] = {}
-
-    def run(x, p, silu, t=None):
-        return awq.awq_gemv_repacked(x, p, tiles=t, silu_mul_out=silu)
-
-    def time_cases(combos: list[str], tiles_sweep: bool) -> None:
-        for k, n, silu in cases:
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            if not tiles_sweep and not silu and (k, n) in SHAPES:
-                ws = [(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
-                      for _ in range(max(4, int(400e6 // (2 * k * n))))]  # fmt: skip
-                bf16[(k, n)] = graph_us(F.linear, ws)
-                del ws
-            qs = [random_awq(k, n)[:3] for _ in range(max(4, int(400e6 // awq_bytes(k, n))))]
-            ps = [(x, awq.awq_repack(*q, GROUP), silu) for q in qs]
-            ref = x.float() @ dequantize(*qs[0], GROUP).float()
-            if silu:
-                ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]
-            for combo in combos:
-                with kernel_options(combo):
-                    pdl.enable(True)
-                    try:
-                        err = ((run(*ps[0]).float() - ref).abs().max() / ref.abs().max()).item()
-                        assert err < (2e-2 if silu else 1e-2), (k, n, silu, combo, err)  # silu: 3 roundings
-                        if tiles_sweep:
-                            tiles_us[(k, n, silu)] = [graph_us(lambda x, p, s, t=t: run(x, p, s, t), ps)
-                                                      for t in (1, 2, 4, 8) if k // GROUP % t == 0]  # fmt: skip
-                        else:
-                            us.setdefault((k, n, silu), {})[combo] = graph_us(run, ps)
-                    finally:
-                        pdl.enable(False)
-            del ps, qs
-
-    def name(case) -> str:
-        return f"{case[0]}x{case[1]}" + (" SiLU·mul" if case[2] else "")
-
-    def key(case) -> str:  # the case in record()'s keys
-        return f"{case[0]}x{case[1]}" + ("_silu" if case[2] else "")
-
-    time_cases(OPTION_COMBOS, False)
-    layer = {c: sum(us[case][c] for case in layer_cases) for c in OPTION_COMBOS}
-    print("\n| K x N | bf16 us | " + " | ".join(OPTION_COMBOS) + " |")
-    print("|---|---|" + "---|" * len(OPTION_COMBOS))
-    for case in cases:
-        ref_cell = f"{bf16[case[:2]]:.1f}" if case[:2] in bf16 and not case[2] else ""
-        cells = [f"{us[case][c]:.1f}" + (f" ({bf16[case[:2]] / us[case][c]:.2f}x)" if ref_cell else "")
-                 for c in OPTION_COMBOS]  # fmt: skip
-        print(f"| {name(case)} | {ref_cell} | " + " | ".join(cells) + " |", flush=True)
-        for c in OPTION_COMBOS:
-            record(f"options_{c}_{key(case)}", round(us[case][c], 2), "us",
-                   f"bf16 {bf16[case[:2]]:.1f} us" if ref_cell else "")  # fmt: skip
-    print("| per layer (qkv + o + down + gate/up) | | " + " | ".join(f"{layer[c]:.1f}" for c in OPTION_COMBOS) + " |")
-    best = min(OPTION_COMBOS, key=layer.get)
-    record("options_best", best, "", f"{layer[best]:.1f} us per layer vs base {layer['base']:.1f}")
-    time_cases([best], True)
-    print(f"\n{best} at 1 / 2 / 4 / 8 K tiles per program (SiLU·mul: of each block), us:")
-    for case in cases:
-        print(f"| {name(case)} | " + " / ".join(f"{t:.1f}" for t in tiles_us[case]) + " |", flush=True)
-        record(f"options_tiles_{key(case)}", " / ".join(f"{t:.1f}" for t in tiles_us[case]), "us", best)
-
-
-def options_tiles(root: str) -> None:
-    """The combinations in $OPTIONS_TILES_COMBOS (default base,fixed) at 1 / 2 / 4 / 8 K tiles per program (SiLU·mul
-    with fixed: of each block) at the options section's shapes, two rounds in alternating order, best of the two:
-    whether an option wins at a tile count other than the default rule's (the options section times the default)."""
-    from kernels import awq, pdl
-    from kernels.awq_reference import dequantize
-
-    combos = os.environ.get("OPTIONS_TILES_COMBOS", "base,fixed").split(",")
-    cases = [(4096, 6144, False), (4096, 4096, False), (4096, 14336, False), (14336, 4096, False),
-             (4096, 28672, True)]  # fmt: skip
-    us: dict[tuple, float] = {}
-    for k, n, silu in cases:
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        qs = [random_awq(k, n)[:3] for _ in range(max(4, int(400e6 // awq_bytes(k, n))))]
-        ps = [(x, awq.awq_repack(*q, GROUP)) for q in qs]
-        ref = x.float() @ dequantize(*qs[0], GROUP).float()
-        if silu:
-            ref = torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]
-        for rnd in range(2):
-            for combo in combos if rnd == 0 else combos[::-1]:
-                with kernel_options(combo):
-                    pdl.enable(True)
-                    try:
-                        for t in (1, 2, 4, 8) if rnd == 0 else (8, 4, 2, 1):
-                            if k // GROUP % t:
-                                continue
-                            def run(x, p, t=t):  # noqa: E306
-                                return awq.awq_gemv_repacked(x, p, tiles=t, silu_mul_out=silu)
-                            err = ((run(*ps[0]).float() - ref).abs().max() / ref.abs().max()).item()
-                            assert err < (2e-2 if silu else 1e-2), (k, n, silu, combo, t, err)
-                            v = graph_us(run, ps)
-                            us[(k, n, silu, combo, t)] = min(us.get((k, n, silu, combo, t), v), v)
-                    finally:
-                        pdl.enable(False)
-        del ps, qs
-    print("\n| K x N | " + " | ".join(f"{c} 1 / 2 / 4 / 8 tiles" for c in combos) + " | best |")
-    print("|---|" + "---|" * (len(combos) + 1))
-    for k, n, silu in cases:
-        cells = [" / ".join(f"{us[(k, n, silu, c, t)]:.1f}" if (k, n, silu, c, t) in us else "-" for t in (1, 2, 4, 8))
-                 for c in combos]  # fmt: skip
-        best = min((v, c, t) for (kk, nn, ss, c, t), v in us.items() if (kk, nn, ss) == (k, n, silu))
-        name = f"{k}x{n}" + (" SiLU·mul" if silu else "")
-        print(f"| {name} | " + " | ".join(cells) + f" | {best[1]} @ {best[2]}: {best[0]:.1f} |", flush=True)
-        record(f"options_tiles_best_{k}x{n}" + ("_silu" if silu else ""), round(best[0], 2), "us",
-               f"{best[1]} at {best[2]} tiles; " + "; ".join(f"{c} {cell}" for c, cell in zip(combos, cells)))
-
-
-def options_decode(root: str) -> None:
-    """AWQ batch-1 decode with the kernel options of OPTIONS_COMBO (environment; default: the combination the
-    options section found best in this run, else all of them) vs without, alternating, twice each."""
-    found = RESULTS.get("options_best", {}).get("value")
-    best = os.environ.get("OPTIONS_COMBO") or found or "+".join(KERNEL_OPTIONS)
-    awq_dir = awq_model_dir(root)
-    ms: dict[str, list[float]] = {"base": [], best: []}
-    for _ in range(2):
-        for combo in ms:
-            with kernel_options(combo):
-                ms[combo].append(decode_ms_per_token(awq_dir))
-    record("options_decode_awq", min(ms[best]), "ms/token", f"{best}; base {min(ms['base']):.3f} (runs {ms})")
-
-
 def decode_profile(llm, name: str, steps: int = 64) -> None:
     """GPU time per decode step by kernel (torch.profiler over a batch-1 request of `steps` tokens): where the step
     goes besides the quantised linears."""
@@ -710,8 +544,7 @@ def main() -> None:
     run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
            "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
            "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root),
-           "tma_diag": tma_diag, "options": lambda: options(root), "options_tiles": lambda: options_tiles(root),
-           "options_decode": lambda: options_decode(root)}
+           "tma_diag": tma_diag}
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)

@@ -546,134 +546,16 @@ def _column_sums(c, BLOCK_N8: tl.constexpr):
 
 
 @triton.jit
-def _sum_partials(part_ptr, rn, n_ok, N, split_k, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr,
-                  FIXED: tl.constexpr = False):  # fmt: skip
+def _sum_partials(part_ptr, rn, n_ok, N, split_k, SPLIT_PAD: tl.constexpr, RED_CH: tl.constexpr):
     """Columns rn of the float32 partials [split_k, N] summed in a fixed order (chunks of RED_CH rows, unrolled so
-    all loads can be in flight; .cg: other programs wrote them). FIXED: summed in REPACKED_GEMV1_FIXED_POINT's
-    fixed point instead (the total _fixed_epilogue's atomics make, bit for bit)."""
-    y = tl.zeros(rn.shape, dtype=tl.int64 if FIXED else tl.float32)
+    all loads can be in flight; .cg: other programs wrote them)."""
+    y = tl.zeros(rn.shape, dtype=tl.float32)
     for ch in tl.static_range(SPLIT_PAD // RED_CH):
         rs = ch * RED_CH + tl.arange(0, RED_CH)
         p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
                     other=0.0, cache_modifier=".cg")  # fmt: skip
-        if FIXED:
-            y += tl.sum(_fixed(p), 0)
-        else:
-            y += tl.sum(p, 0)
-    if FIXED:
-        return _unfixed(y)
-    else:
-        return y
-
-
-# REPACKED_GEMV1_FIXED_POINT: the split-K sum in 64-bit fixed point (2^-20), exact and so independent of order,
-# through one atomic add per column whose returned old value tells the program whether it was the column's last
-# (count field) and gives the total. int64 layout: bits 58-62 the count of programs that added, bits 0-57 the sum of
-# (v + 2^51) over them, v = round(partial * 2^20), |v| < 2^45 (|partial| < 32 Mi); a non-finite or larger partial
-# adds the poison v = 2^51, which no sum of <= 32 legal v reaches (>= 2^50: the output is NaN). <= 32 K splits.
-_FX_UNIT = tl.constexpr(288230376151711744)  # 2^58: one program's count
-_FX_BIAS = tl.constexpr(2251799813685248)  # 2^51: keeps each term's value part positive (no borrow into the count)
-_FX_FLAG = tl.constexpr(-9223372036854775808)  # bit 63: the dual SiLU programs' handshake (split_k <= 16 keeps it)
-
-
-@triton.jit
-def _fixed(y):
-    """float32 partials -> int64 fixed point v (2^-20 units); |y| >= 2^25 or non-finite -> the poison 2^51."""
-    v = tl.floor(y * 1048576.0 + 0.5)
-    return tl.where(tl.abs(v) < 35184372088832.0, v, 2251799813685248.0).to(tl.int64)
-
-
-@triton.jit
-def _unfixed(s):
-    """A sum of _fixed values -> float32 (NaN if a poison is in it)."""
-    return tl.where(s < 1125899906842624, s.to(tl.float32) * (1.0 / 1048576.0), float("nan"))
-
-
-@triton.jit
-def _fx_add(acc_ptr, v, split_k):
-    """One program's fixed-point column sums v (int64, _fixed) added to the accumulators at acc_ptr -> (last: this
-    was the column's split_k-th add, word: the accumulator after it, the column's total where last)."""
-    term = v + (_FX_BIAS + _FX_UNIT)
-    old = tl.atomic_add(acc_ptr, term, sem="relaxed", scope="gpu")
-    return (old >> 58) == split_k - 1, old + term
-
-
-@triton.jit
-def _fx_total(word, split_k):
-    """An accumulator word holding all split_k adds -> their sum as float32 (count and flag bits dropped)."""
-    return _unfixed((word & (_FX_UNIT - 1)) - split_k.to(tl.int64) * _FX_BIAS)
-
-
-@triton.jit
-def _fixed_epilogue(c, pid_n, N, split_k, bias_ptr, out_ptr, acc_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The repacked M = 1 kernel's end with REPACKED_GEMV1_FIXED_POINT: c's column sums in fixed point, added to the
-    row's int64 accumulators [N] (zero between launches); for each column, the program whose add was the last
-    writes the output and zeroes the accumulator. One atomic round trip, no fence, no reload of partials."""
-    rn = pid_n * 128 + tl.arange(0, 128)
-    v = _fixed(_column_sums(c, 16))
-    if SPLIT:
-        last, word = _fx_add(acc_ptr + rn, v, split_k)
-        y = _fx_total(word, split_k)
-    else:
-        last = tl.full([128], 1, tl.int1)
-        y = _unfixed(v)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn).to(tl.float32)
-    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=last)
-    if SPLIT:
-        tl.store(acc_ptr + rn, tl.zeros([128], dtype=tl.int64), mask=last)  # ready for the next launch
-
-
-@triton.jit
-def _silu_fx_resolve(pg, lg, wg, pu, lu, wu):
-    """After a dual program's adds to a gate column's accumulator (pointers pg; last lg, word wg, _fx_add's) and
-    its up column's (pu, lu, wu): which columns this program finishes, with both totals. Where it was the last on
-    both (the usual case: a program adds both at once), it finishes them. Where it was the last on one only, the
-    program that was the last on the other is too: both flip bit 63 of the gate accumulator (acq_rel, so each
-    one's add is published before its flip), and the second to flip finishes: it gets the gate total in the flip's
-    old value, or (the up total missing) reads the up accumulator, which its acquire makes complete."""
-    one = lg != lu
-    if tl.max(one.to(tl.int32), 0) > 0:  # warp-uniform: skipped when this program was the last on both everywhere
-        hs = tl.atomic_xor(pg, _FX_FLAG, mask=one, sem="acq_rel", scope="gpu")
-        second = one & (hs < 0)  # the other program flipped first
-        wg = tl.where(second & lu, hs, wg)
-        need_u = second & lg
-        wu = tl.where(need_u, tl.atomic_add(pu, 0, mask=need_u, sem="relaxed", scope="gpu"), wu)
-        fin = (lg & lu) | second
-    else:
-        fin = lg & lu
-    return fin, wg, wu
-
-
-@triton.jit
-def _silu_fixed_epilogue(yg, yu, pid_n, N, split_k, bias_ptr, out_ptr, acc_ptr, SPLIT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr):  # fmt: skip
-    """The end of a dual program (REPACKED_GEMV1_FIXED_POINT, silu_mul_out, one row): yg / yu, the float32 column
-    sums of gate columns pid_n * 128 .. + 128 and of the same up columns (N / 2 on), added in fixed point to the
-    row's int64 accumulators [N]; the program that finishes a column (_silu_fx_resolve) writes silu(gate) * up,
-    rounded as _fixed_epilogue's outputs and then kernels/fused.py's silu_and_mul would round it, and zeroes both
-    accumulators."""
-    rg = pid_n * 128 + tl.arange(0, 128)
-    ru = N // 2 + rg
-    if SPLIT:
-        lg, wg = _fx_add(acc_ptr + rg, _fixed(yg), split_k)
-        lu, wu = _fx_add(acc_ptr + ru, _fixed(yu), split_k)
-        fin, wg, wu = _silu_fx_resolve(acc_ptr + rg, lg, wg, acc_ptr + ru, lu, wu)
-        g = _fx_total(wg, split_k)
-        u = _fx_total(wu, split_k)
-    else:
-        fin = tl.full([128], 1, tl.int1)
-        g = _unfixed(_fixed(yg))
-        u = _unfixed(_fixed(yu))
-    if HAS_BIAS:
-        g += tl.load(bias_ptr + rg).to(tl.float32)
-        u += tl.load(bias_ptr + ru).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rg, silu_mul_rounded(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32), dtype), mask=fin)
-    if SPLIT:
-        zero = tl.zeros([128], dtype=tl.int64)
-        tl.store(acc_ptr + rg, zero, mask=fin)  # ready for the next launch (also clears the flip)
-        tl.store(acc_ptr + ru, zero, mask=fin)
+        y += tl.sum(p, 0)
+    return y
 
 
 @triton.jit
@@ -706,7 +588,7 @@ def _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cn
 
 @triton.jit
 def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT_PAD: tl.constexpr,
-                       RED_CH: tl.constexpr, HAS_BIAS: tl.constexpr, FIXED: tl.constexpr = False):  # fmt: skip
+                       RED_CH: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     """The end of a GEMV whose N outputs are [gate | up] (an MLP's gate/up projection; N / 2 a multiple of 128):
     c's column sums -> the float32 partials; the last of the 2 split_k programs of column block pid_n and its
     partner N / 256 blocks away (the pair's counter: pid_n mod N / 256) writes silu(gate) * up for their 128
@@ -720,8 +602,8 @@ def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr,
         rg = pair * 128 + tl.arange(0, 128)
         ru = N // 2 + rg
         all_ok = tl.full([128], 1, tl.int1)
-        g = _sum_partials(part_ptr, rg, all_ok, N, split_k, SPLIT_PAD, RED_CH, FIXED)
-        u = _sum_partials(part_ptr, ru, all_ok, N, split_k, SPLIT_PAD, RED_CH, FIXED)
+        g = _sum_partials(part_ptr, rg, all_ok, N, split_k, SPLIT_PAD, RED_CH)
+        u = _sum_partials(part_ptr, ru, all_ok, N, split_k, SPLIT_PAD, RED_CH)
         if HAS_BIAS:
             g += tl.load(bias_ptr + rg).to(tl.float32)
             u += tl.load(bias_ptr + ru).to(tl.float32)
@@ -906,29 +788,6 @@ def _scale_acc(c, a0, a1, a2, a3, s, ASM: tl.constexpr):
                 c[6] + _f16_bits(a3) * _f16_bits(s[3]), c[7] + _f16_bits(a3 >> 16) * _f16_bits(s[3] >> 16))
 
 
-# REPACKED_GEMV1_L2_PREFETCH: lane 0 asks the copy engine to bring [$1, $1 + $2) into L2 (no registers held; the
-# tiles' loads then find them there); $0 is a dummy result, so that the call is kept
-_L2_PREFETCH_ASM = tl.constexpr("""
-{
-.reg .pred p;
-.reg .u32 l;
-mov.u32 l, %laneid;
-setp.eq.u32 p, l, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}
-""")
-
-
-@triton.jit
-def _l2_prefetch(ptr, nbytes, ASM: tl.constexpr):
-    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16) from ptr (16-byte aligned); nothing in the
-    interpreter (a cache hint: results do not depend on it)."""
-    if ASM:
-        tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
 @triton.jit
 def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
     """One tile's weight-side loads: 16 slices [8, 16] and the 8 meta words [1, 16]. `ok` (a [1] mask) masks the
@@ -1012,18 +871,13 @@ def _repacked_tile2(c, d, w, xp, yp, X_BF16: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT: tl.constexpr,
-                       SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr,
-                       FIXED: tl.constexpr):  # fmt: skip
-    """Row `row`'s end of _awq_gemv1_repacked_kernel: _gemv1_epilogue, _fixed_epilogue (FIXED; part_ptr: the int64
-    accumulators [M, N]) or _silu_mul_epilogue (out rows N / 2 wide)."""
-    acc_ptr = part_ptr + row * N
+                       SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_OUT: tl.constexpr):  # fmt: skip
+    """Row `row`'s end of _awq_gemv1_repacked_kernel: _gemv1_epilogue, or _silu_mul_epilogue (out rows N / 2 wide)."""
     part_ptr = part_ptr + row * split_k * N
     cnt_ptr = cnt_ptr + row * (N // 128)
     if SILU_OUT:
         _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + row * (N // 2), part_ptr, cnt_ptr,
-                           SPLIT_PAD, 8, HAS_BIAS, FIXED)  # fmt: skip
-    elif FIXED:
-        _fixed_epilogue(c, pid_n, N, split_k, bias_ptr, out_ptr + row * N, acc_ptr, SPLIT, HAS_BIAS)
+                           SPLIT_PAD, 8, HAS_BIAS)  # fmt: skip
     else:
         _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr + row * N, part_ptr, cnt_ptr, 16, SPLIT,
                         SPLIT_PAD, 8, True, HAS_BIAS)  # fmt: skip
@@ -1034,8 +888,6 @@ def _awq_gemv1_repacked_kernel(
     x_ptr, wq_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, KT, split_k, tiles, stride_xm,
     SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
     ROWS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, SILU_OUT: tl.constexpr = False,
-    FIXED: tl.constexpr = False, DUAL: tl.constexpr = False, CLAMP: tl.constexpr = False,
-    L2_PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """x [M, K] (row pairs as int32s, stride_xm of them per row) -> out [M, N] over awq_repack's layout. Program
     (pid_m, pid_n, pid_k): row pid_m, column block pid_n, the `tiles` K tiles from pid_k * tiles, one warp, in a
@@ -1045,10 +897,7 @@ def _awq_gemv1_repacked_kernel(
     programs of a tile run together and all but the first find its weights in L2 (M > 1: small decode batches).
     ROWS = 2: each program takes rows 2 pid_m and 2 pid_m + 1 (if < M) and unpacks each weight once for both.
     SILU_OUT: the N outputs are [gate | up] and out [M, N / 2] gets silu(gate) * up (_silu_mul_epilogue; partials
-    even without a K split). DUAL (SILU_OUT, FIXED, ROWS = 1): program pid_n takes gate column block pid_n and then
-    the up block of the same columns (N / 256 blocks on), `tiles` K tiles each, so that one program holds both sums
-    of its columns (_silu_fixed_epilogue). CLAMP (REPACKED_GEMV1_CLAMPED_PREFETCH): unmasked prefetches.
-    L2_PREFETCH (REPACKED_GEMV1_L2_PREFETCH): the program's weights asked into L2 in one bulk prefetch first."""
+    even without a K split)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -1063,48 +912,19 @@ def _awq_gemv1_repacked_kernel(
     moff = jv  # [1, 16]
     xoff = iv * 8  # [8, 1]
     one = tl.full([1], 1, tl.int1)  # tile masks as [1] tensors (the interpreter takes no Python bool as a mask)
-    if L2_PREFETCH:  # the program's whole chunk of weights and meta (and the up block's, DUAL), before the PDL wait
-        _l2_prefetch(w_ptr, tiles * 8192, ASM)
-        _l2_prefetch(m_ptr, tiles * 512, ASM)
-        if DUAL:
-            _l2_prefetch(w_ptr + (N // 256) * KT * 2048, tiles * 8192, ASM)
-            _l2_prefetch(m_ptr + (N // 256) * KT * 128, tiles * 512, ASM)
     w = _load_repacked(w_ptr, m_ptr, woff, moff, one)
     pdl.gdc_sync(USE_PDL)  # x, the partials and the counters only from here on
     xp = _load_x_pairs(x_ptr, xoff, one)
     zero = tl.zeros([8, 16], dtype=tl.float32)
     c = (zero, zero, zero, zero, zero, zero, zero, zero)  # summed over rows at the end
     d = c  # ROWS = 2: the second row's accumulators and input pairs
-    if CLAMP:  # no second row: the first's inputs again (an L1 hit), so that no load is masked
-        y_ptr = x_ptr + tl.where(row + 1 < M, stride_xm, 0)
-        second = one
-    else:
-        y_ptr = x_ptr + stride_xm
-        second = one & (row + 1 < M)
+    y_ptr = x_ptr + stride_xm
+    second = one & (row + 1 < M)
     if ROWS == 2:
         yp = _load_x_pairs(y_ptr, xoff, second)
-    if DUAL:  # the gate block's tiles; the last one's next is the up block's first (and x's first tile again)
-        up_w = (N // 256) * KT * 2048
-        up_m = (N // 256) * KT * 128
-        for t in range(tiles):
-            tn = t + 1
-            w_next = _load_repacked(w_ptr + (tn % tiles) * 2048 + (tn // tiles) * up_w,
-                                    m_ptr + (tn % tiles) * 128 + (tn // tiles) * up_m, woff, moff, one)  # fmt: skip
-            xp_next = _load_x_pairs(x_ptr + (tn % tiles) * 64, xoff, one)
-            c = _repacked_tile(c, w, xp, X_BF16, ASM)
-            w = w_next
-            xp = xp_next
-        yg = _column_sums(c, 16)
-        c = (zero, zero, zero, zero, zero, zero, zero, zero)
-        w_ptr += up_w
-        m_ptr += up_m
     for t in range(tiles):
-        if CLAMP:  # the last tile's next is itself again (an L1 hit), so that no load is masked
-            tn = tl.minimum(t + 1, tiles - 1)
-            more = one
-        else:
-            tn = t + 1
-            more = one & (t + 1 < tiles)
+        tn = t + 1
+        more = one & (t + 1 < tiles)
         w_next = _load_repacked(w_ptr + tn * 2048, m_ptr + tn * 128, woff, moff, more)
         xp_next = _load_x_pairs(x_ptr + tn * 64, xoff, more)
         if ROWS == 1:
@@ -1117,13 +937,9 @@ def _awq_gemv1_repacked_kernel(
         xp = xp_next
     if ROWS == 2 and row + 1 < M:
         _repacked_epilogue(d, pid_n, pid_k, row + 1, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT,
-                           SPLIT_PAD, HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
-    if DUAL:
-        _silu_fixed_epilogue(yg, _column_sums(c, 16), pid_n, N, split_k, bias_ptr, out_ptr, part_ptr, SPLIT,
-                             HAS_BIAS)  # fmt: skip
-    else:
-        _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT,
-                           SPLIT_PAD, HAS_BIAS, SILU_OUT, FIXED)  # fmt: skip
+                           SPLIT_PAD, HAS_BIAS, SILU_OUT)  # fmt: skip
+    _repacked_epilogue(c, pid_n, pid_k, row, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, SPLIT, SPLIT_PAD,
+                       HAS_BIAS, SILU_OUT)  # fmt: skip
 
 
 # Triton's interpreter (TRITON_INTERPRET=1, the tests on CPU) runs the tl twins of the asm helpers
@@ -1200,25 +1016,6 @@ def gemv_counters(n: int, device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("AWQ M = 1 GEMV: run it once before CUDA graph capture (a warm-up), or pass `counters`")
     return torch.zeros(max(1, n // 8), dtype=torch.int32, device=device)
-
-
-def gemv_accumulators(n: int, device, rows: int | None = None) -> torch.Tensor:
-    """Zeroed int64 accumulators [rows (default REPACKED_GEMV1_MAX_M), n] for REPACKED_GEMV1_FIXED_POINT's split-K
-    sum of up to `rows` rows. Each launch leaves them at zero again, so, like gemv_counters, one set serves every
-    launch that cannot overlap with another user of it (launches on one stream never do: a kernel's atomics start
-    after its PDL wait): AWQLinear keeps one per layer; awq_gemv_repacked without `accumulators` shares one per
-    (device, n). Not during CUDA graph capture."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("AWQ GEMV: run it once before CUDA graph capture (a warm-up), or pass `accumulators`")
-    return torch.zeros(rows or REPACKED_GEMV1_MAX_M, n, dtype=torch.int64, device=device)
-
-
-def _shared_accumulators(n: int, device: torch.device) -> torch.Tensor:
-    key = (device.type, device.index, n, "fixed")
-    if key not in _COUNTERS:
-        _COUNTERS[key] = gemv_accumulators(n, device, GEMV_MAX_M)
-    return _COUNTERS[key]
 
 
 def _shared_counters(n: int, device: torch.device) -> torch.Tensor:
@@ -1336,54 +1133,36 @@ def _repacked_tiles_m1(k_tiles: int, n_blocks: int, sms: int) -> int:
 
 
 def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: int | None = None,
-                      rows: int | None = None, silu_mul_out: bool = False,
-                      accumulators: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      rows: int | None = None, silu_mul_out: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M <= 16, in] (fp16 / bf16) -> [M, out] over awq_repack's copy (one program per `rows` rows (1 or 2;
     default REPACKED_GEMV1_ROWS for M > 1), column block and K split). `tiles`: K tiles per program (default: M = 1
     _repacked_tiles_m1, else _tiles_per_program as for awq_gemv); `counters`: gemv_counters (default one set shared
     per (device, out)).
     silu_mul_out: the outputs are [gate | up] (out / 2 a multiple of 128) and the result is silu(gate) * up
     [M, out / 2], bit-identical to kernels/fused.py's silu_and_mul of this GEMV's output at the same K split (an
-    MLP's activation in the gate/up projection's last programs: one kernel less per layer). With
-    REPACKED_GEMV1_FIXED_POINT at M = 1 each program takes a gate block and its up block (DUAL, `tiles` K tiles of
-    each; default half the one-block rule's, so as many programs and tiles per program) and the column's
-    finishing program needs no partials. `accumulators`: gemv_accumulators for REPACKED_GEMV1_FIXED_POINT (default
-    one set shared per (device, out))."""
+    MLP's activation in the gate/up projection's last programs: one kernel less per layer)."""
     k, n = packed.in_features, packed.out_features
     m = x.shape[0]
     assert x.shape[1] == k and m <= GEMV_MAX_M and x.stride(-1) == 1 and x.dtype in F16X2_DTYPES
     assert not silu_mul_out or n % 256 == 0
     kt, nb = k // REPACK_GROUP, n // (8 * REPACK_BLOCK_N8)
-    dual = silu_mul_out and REPACKED_GEMV1_FIXED_POINT and m == 1  # programs over a gate block and its up block
     if tiles is None:
         tiles = _tiles_per_program(kt, nb) if m > 1 else _repacked_tiles_m1(kt, nb, _num_sms(x.device.index))
-        if dual:  # as many tiles per program and programs as the one-block rule's
-            tiles = max(1, tiles // 2)
     assert kt % tiles == 0
     split_k = kt // tiles
     if counters is None:
         counters = _shared_counters(n, x.device)
     assert counters.dtype == torch.int32 and counters.numel() >= m * nb
     out = torch.empty(m, n // 2 if silu_mul_out else n, dtype=x.dtype, device=x.device)
-    fixed = REPACKED_GEMV1_FIXED_POINT and split_k <= 32
-    dual = dual and split_k <= 16
-    if (fixed and split_k > 1 and not silu_mul_out) or dual:
-        partials = accumulators if accumulators is not None else _shared_accumulators(n, x.device)
-        assert partials.dtype == torch.int64 and partials.shape[0] >= m and partials.shape[1] == n
-    elif split_k > 1 or silu_mul_out:
-        partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device)
-    else:
-        partials = out
+    partials = torch.empty(m, split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 or silu_mul_out else out
     x32 = x.view(torch.int32)  # row pairs
     rows = 1 if m == 1 else rows or REPACKED_GEMV1_ROWS
     assert rows in (1, 2)
-    _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb // 2 if dual else nb, split_k)](
+    _awq_gemv1_repacked_kernel[(triton.cdiv(m, rows), nb, split_k)](
         x32, packed.wq, packed.meta, bias if bias is not None else out, out, partials, counters, m, n, kt, split_k,
         tiles, x32.stride(0), SPLIT=split_k > 1, SPLIT_PAD=max(8, triton.next_power_of_2(split_k)),
         HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, ROWS=rows, ASM=not _INTERPRETED,
-        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, FIXED=fixed, DUAL=dual, CLAMP=REPACKED_GEMV1_CLAMPED_PREFETCH,
-        L2_PREFETCH=REPACKED_GEMV1_L2_PREFETCH, num_warps=1, num_stages=1,
-        **pdl.launch_kwargs(),
+        USE_PDL=pdl.ENABLED, SILU_OUT=silu_mul_out, num_warps=1, num_stages=1, **pdl.launch_kwargs(),
     )  # fmt: skip
     return out
 
@@ -1513,26 +1292,6 @@ def _awq_gemv_repacked_dot_kernel(
 REPACKED_GEMV1_MAX_M = 6
 REPACKED_GEMV1_ROWS = 2
 REPACKED_GEMV1_PER_SM = 8  # one-row programs per SM in one wave (_repacked_tiles_m1)
-# The split-K sum: False, float32 partials summed in a fixed order by each column block's last program (a counter);
-# True, 64-bit fixed point through one atomic per column (_fixed_epilogue: no fence, no second round trip; outputs
-# differ from the float32 sum by < 2^-20 per partial; partials beyond 32 Mi or non-finite give NaN); with SiLU·mul
-# at M = 1, programs over a gate block and its up block (_silu_fixed_epilogue: one round trip where a program was
-# the last on both sums of a column, else a handshake). Experimental, off: bench/awq_bench.py --sections options
-# times it (session 14: the tail costs 1.1-2.0 us, bench/awq_alu_diag.py).
-REPACKED_GEMV1_FIXED_POINT = False
-# Prefetches without masks: the last tile's "next" is the last tile again, and a missing second row's inputs are the
-# first row's (both L1 hits), instead of loads masked off. Triton 3.6 for sm_90 (ptxas -v): the one-row loop body
-# 1,119 -> 1,043 instructions (the masked loads' zero-fills go) and 254 -> 168 registers (more programs fit per SM).
-# Experimental, off: bench/awq_bench.py --sections options times it.
-REPACKED_GEMV1_CLAMPED_PREFETCH = False
-# Each program first asks for its whole chunk of weights and meta (tiles x 8.5 KB, contiguous in the layout) into L2
-# with one cp.async.bulk.prefetch.L2 (sm_90), before its PDL wait: the DRAM stream starts at once, holds no
-# registers, and can overlap the kernel before. (ptxas issues the register prefetch of tile t + 1 only after ~3/4
-# of tile t's arithmetic, Triton 3.6 SASS for sm_90, so within a program little of a tile's DRAM latency is hidden.)
-# Session 13's per-line form (prefetch.global.L2 of the later tiles, one 128-byte line per lane and instruction)
-# lost 9-18 % at the large shapes; this is one copy-engine request per chunk, likely to lose the same way (the later
-# tiles compete with everyone's first). Experimental, off: bench/awq_bench.py --sections options.
-REPACKED_GEMV1_L2_PREFETCH = False
 # tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
 # best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)
@@ -1579,15 +1338,14 @@ def awq_dequantize_repacked(packed: RepackedAWQ, dtype: torch.dtype, config: dic
 
 
 def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=None,
-               packed: RepackedAWQ | None = None, accumulators: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters` (and `accumulators`, with
-    REPACKED_GEMV1_FIXED_POINT): awq_gemv's / awq_gemv_repacked's; `packed` (awq_repack's copy of the same
-    weights): every M runs over it, so qweight / qzeros / scales are not read then (after AWQLinear.repack they are
-    empty)."""
+               packed: RepackedAWQ | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's; `packed`
+    (awq_repack's copy of the same weights): every M runs over it, so qweight / qzeros / scales are not read then
+    (after AWQLinear.repack they are empty)."""
     m = x.shape[0]
     if packed is not None:
         if m <= REPACKED_GEMV1_MAX_M and x.dtype in F16X2_DTYPES:
-            return awq_gemv_repacked(x, packed, bias, counters, accumulators=accumulators)
+            return awq_gemv_repacked(x, packed, bias, counters)
         if m <= GEMV_MAX_M:
             return awq_gemv_repacked_dot(x, packed, bias)
         w = awq_dequantize_repacked(packed, x.dtype)

@@ -4,12 +4,9 @@ same with the asm; and AWQLinear's use of the repacked copy."""
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from test_awq_kernels import DEVICE, random_awq, rel_err
 
 from kernels import awq
-from kernels.awq import _fx_add, _silu_fx_resolve
 from kernels.awq_reference import awq_matmul, dequantize, unpack_int4
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -139,83 +136,6 @@ def test_repacked_gemv_with_silu_mul_out_is_bit_identical(dtype, k, tiles, m, ro
     assert rel_err(fused, torch.nn.functional.silu(ref[:, : n // 2]) * ref[:, n // 2 :]) < 2 * REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("case, m, rows", [(c, 1, 1) for c in CASES] + [(CASES[1], 3, 2)])  # 3 rows: interpreter-slow
-def test_repacked_gemv_fixed_point_sum(monkeypatch, case, m, rows):
-    """REPACKED_GEMV1_FIXED_POINT (the split-K sum in 64-bit fixed point, one atomic per column): close to the
-    reference, the same output on every launch, the accumulators back at zero; a NaN in a row's input gives that
-    row NaN outputs (the poison) and still leaves the accumulators at zero."""
-    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", True)
-    k, n, tiles, with_bias = case
-    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + n + 3)
-    bias = bias.half() if with_bias else None
-    packed = awq.awq_repack(qweight, qzeros, scales, 128)
-    acc = awq._shared_accumulators(n, torch.device(DEVICE))
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
-    out = awq.awq_gemv_repacked(x, packed, bias, None, tiles, rows)
-    assert torch.equal(awq.awq_gemv_repacked(x, packed, bias, None, tiles, rows), out) and not acc.any()
-    ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, None if bias is None else bias.float())
-    assert rel_err(out, ref) < REL_TOL[torch.float16]
-    x[0, 5] = float("nan")
-    out = awq.awq_gemv_repacked(x, packed, bias, None, tiles, rows)
-    assert out[0].isnan().all() and not out[1:].isnan().any() and not acc.any()
-
-
-@pytest.mark.parametrize("fixed, m, rows, silu", [(False, 1, 1, False), (True, 1, 1, False), (False, 3, 2, False),
-                                                   (True, 1, 1, True)])  # fmt: skip
-def test_repacked_gemv_prefetch_options_change_no_output(monkeypatch, fixed, m, rows, silu):
-    """REPACKED_GEMV1_CLAMPED_PREFETCH (unmasked prefetches: the last tile's next is itself, a missing second row
-    reads the first's inputs) and REPACKED_GEMV1_L2_PREFETCH (a cache hint: no-op in the interpreter) give the same
-    outputs, bit for bit, as without them."""
-    k, n, tiles = 512, 256, 2
-    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=13)
-    packed = awq.awq_repack(qweight, qzeros, scales, 128)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.float16)
-    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", fixed)
-    expected = awq.awq_gemv_repacked(x, packed, bias.half(), None, tiles, rows, silu_mul_out=silu)
-    monkeypatch.setattr(awq, "REPACKED_GEMV1_CLAMPED_PREFETCH", True)
-    monkeypatch.setattr(awq, "REPACKED_GEMV1_L2_PREFETCH", True)
-    assert torch.equal(awq.awq_gemv_repacked(x, packed, bias.half(), None, tiles, rows, silu_mul_out=silu), expected)
-
-
-def test_awq_linear_fixed_point_keeps_its_own_accumulators(monkeypatch):
-    """With REPACKED_GEMV1_FIXED_POINT an AWQLinear sums its K splits in accumulators of its own (made on the first
-    call), left at zero; without it, it makes none."""
-    k, n = 512, 128  # 4 K tiles: split 4 at M = 1, 2 at M = 3
-    layer, qweight, qzeros, scales, bias = loaded_layer(k, n, 8, bias=True)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float16)
-    layer(x[:1])
-    assert layer.__dict__.get("gemv_accumulators") is None
-    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", True)
-    for m in (1, 3):
-        ref = awq_matmul(x[:m].float(), qweight, qzeros, scales, 128, bias.float())
-        assert rel_err(layer(x[:m]), ref) < REL_TOL[torch.float16]
-        acc = layer.__dict__["gemv_accumulators"]
-        assert acc.shape == (awq.REPACKED_GEMV1_MAX_M, n) and acc.dtype == torch.int64 and not acc.any()
-
-
-@pytest.mark.parametrize("k, tiles, m, rows", [(128, None, 1, 1), (512, 2, 1, 1), (512, 2, 3, 2)])
-def test_repacked_silu_mul_out_with_fixed_point_is_bit_identical(monkeypatch, k, tiles, m, rows):
-    """With REPACKED_GEMV1_FIXED_POINT the SiLU·mul path sums in the same fixed point (M = 1: programs over a gate
-    block and its up block, through the accumulators; more rows: the partials): still the plain GEMV's output
-    through silu_and_mul, bit for bit, counters and accumulators back at zero; a NaN input poisons the output."""
-    from kernels.fused import silu_and_mul
-
-    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", True)
-    n = 512
-    qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + 10)
-    packed = awq.awq_repack(qweight, qzeros, scales, 128)
-    counters = awq.gemv_counters(n, DEVICE)
-    acc = awq._shared_accumulators(n, torch.device(DEVICE))
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.float16)
-    fused = awq.awq_gemv_repacked(x, packed, bias.half(), counters, tiles, rows, silu_mul_out=True)
-    assert torch.equal(fused, silu_and_mul(awq.awq_gemv_repacked(x, packed, bias.half(), counters, tiles, rows)))
-    assert not counters.any() and not acc.any()
-    if m == 1:  # the programs over a gate and an up block (3 rows: the partials, as without the option)
-        x[0, 3] = float("nan")
-        fused = awq.awq_gemv_repacked(x, packed, bias.half(), counters, tiles, rows, silu_mul_out=True)
-        assert fused.isnan().all() and not counters.any() and not acc.any()
-
-
 def test_awq_linear_applies_silu_mul_for_an_mlp():
     """AWQLinear.fuses_silu_mul / forward_silu_mul_out (what the Llama MLP calls for small decode batches): only
     once the repacked copy exists, up to REPACKED_GEMV1_MAX_M rows of fp16 / bf16, outputs a multiple of 256."""
@@ -234,20 +154,6 @@ def test_awq_linear_applies_silu_mul_for_an_mlp():
     narrow.backend = "triton"
     narrow.__dict__["repacked"] = awq.awq_repack(*random_awq(k, 128, 128, seed=7)[:3], 128)
     assert not narrow.fuses_silu_mul(x)  # 64 + 64 outputs: no whole column block per half
-
-
-def test_awq_linear_silu_mul_with_fixed_point_uses_its_own_accumulators(monkeypatch):
-    """With REPACKED_GEMV1_FIXED_POINT, forward_silu_mul_out at M = 1 (programs over a gate block and its up block,
-    split K) sums in the layer's own accumulators, left at zero."""
-    monkeypatch.setattr(awq, "REPACKED_GEMV1_FIXED_POINT", True)
-    k, n = 512, 256
-    layer, qweight, qzeros, scales, _ = loaded_layer(k, n, 12, bias=False)
-    layer.repack()
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(12)).to(DEVICE, torch.float16)
-    ref = awq_matmul(x.float(), qweight, qzeros, scales, 128)
-    assert rel_err(layer.forward_silu_mul_out(x), torch.nn.functional.silu(ref[:, :128]) * ref[:, 128:]) < 4e-3
-    acc = layer.__dict__["gemv_accumulators"]
-    assert acc.shape == (awq.REPACKED_GEMV1_MAX_M, n) and not acc.any()
 
 
 # -- M > 1 (and float32) over the repacked copy, and AWQLinear holding only that copy ------------------------------
@@ -306,49 +212,3 @@ def test_awq_linear_repack_holds_the_weights_once():
 
     small = AWQLinear(k, 64 + 8, bias=False, group_size=128).to(DEVICE)  # 72 outputs: not a whole column block
     assert not small.repack() and not small.autoawq_dropped and small.qweight.numel() == k * 9
-
-
-@triton.jit
-def _dual_end_probe(acc_ptr, vals_ptr, state_ptr, out_ptr, split_k, PROG: tl.constexpr, STEP: tl.constexpr,
-                    C: tl.constexpr):  # fmt: skip
-    """One step of dual program PROG's end, one launch per step, so that a test can order two programs' atomics
-    as the interpreter (which runs programs one after another) never would: STEP 0 its gate add, 1 its up add
-    (kernels.awq._fx_add: last and word kept in state [PROG, 4, C]), 2 the handshake (_silu_fx_resolve: fin, gate
-    and up words -> out [PROG, 3, C])."""
-    rc = tl.arange(0, C)
-    state = state_ptr + PROG * 4 * C + rc
-    if STEP == 0:
-        last, word = _fx_add(acc_ptr + rc, tl.load(vals_ptr + PROG * 2 * C + rc), split_k)
-        tl.store(state, last.to(tl.int64))
-        tl.store(state + C, word)
-    elif STEP == 1:
-        last, word = _fx_add(acc_ptr + C + rc, tl.load(vals_ptr + (PROG * 2 + 1) * C + rc), split_k)
-        tl.store(state + 2 * C, last.to(tl.int64))
-        tl.store(state + 3 * C, word)
-    else:
-        fin, wg, wu = _silu_fx_resolve(acc_ptr + rc, tl.load(state) != 0, tl.load(state + C), acc_ptr + C + rc,
-                                       tl.load(state + 2 * C) != 0, tl.load(state + 3 * C))  # fmt: skip
-        out = out_ptr + PROG * 3 * C + rc
-        tl.store(out, fin.to(tl.int64))
-        tl.store(out + C, wg)
-        tl.store(out + 2 * C, wu)
-
-
-@pytest.mark.parametrize("first", [0, 1])
-def test_dual_silu_handshake_when_gate_and_up_have_different_last_programs(first):
-    """Two programs of a K split of 2: program 0 adds its gate sums, program 1 both, then program 0 its up sums,
-    so program 1 was the last on gate and program 0 on up. Whichever of them flips first, only the second finishes
-    the columns, with both totals exact (the gate total from the flip, or the up total read back)."""
-    c, split_k = 16, 2
-    gen = torch.Generator().manual_seed(11)
-    vals = torch.randint(-(2**40), 2**40, (2, 2, c), generator=gen, dtype=torch.int64).to(DEVICE)  # [prog, g/u, c]
-    acc = torch.zeros(2 * c, dtype=torch.int64, device=DEVICE)
-    state = torch.zeros(2, 4, c, dtype=torch.int64, device=DEVICE)
-    out = torch.zeros(2, 3, c, dtype=torch.int64, device=DEVICE)
-    for prog, step in ((0, 0), (1, 0), (1, 1), (0, 1), (first, 2), (1 - first, 2)):
-        _dual_end_probe[(1,)](acc, vals, state, out, split_k, PROG=prog, STEP=step, C=c)
-    assert state[1, 0].all() and not state[1, 2].any() and state[0, 2].all() and not state[0, 0].any()
-    assert not out[first, 0].any() and out[1 - first, 0].all()  # only the second to flip finishes
-    unit = 2**58
-    for words, total in ((out[1 - first, 1], vals[:, 0].sum(0)), (out[1 - first, 2], vals[:, 1].sum(0))):
-        assert torch.equal((words & (unit - 1)) - split_k * 2**51, total)

@@ -129,8 +129,7 @@ class AWQLinear(nn.Module):
         """silu(gate) * up of this layer's [gate | up] output, in one kernel (fuses_silu_mul must hold)."""
         from kernels.awq import awq_gemv_repacked
 
-        return awq_gemv_repacked(x, self.repacked, self.bias, self._counters(x.device), silu_mul_out=True,
-                                 accumulators=self._accumulators(x.device))  # fmt: skip
+        return awq_gemv_repacked(x, self.repacked, self.bias, self._counters(x.device), silu_mul_out=True)
 
     def _counters(self, device: torch.device) -> torch.Tensor:
         from kernels.awq import gemv_counters
@@ -139,17 +138,6 @@ class AWQLinear(nn.Module):
         if counters is None or counters.device != device:
             counters = self.__dict__["gemv_counters"] = gemv_counters(self.out_features, device)
         return counters
-
-    def _accumulators(self, device: torch.device) -> torch.Tensor | None:
-        """This layer's own gemv_accumulators while kernels.awq.REPACKED_GEMV1_FIXED_POINT is on (made once)."""
-        from kernels import awq
-
-        if not awq.REPACKED_GEMV1_FIXED_POINT:
-            return None
-        acc = self.__dict__.get("gemv_accumulators")
-        if acc is None or acc.device != device:
-            acc = self.__dict__["gemv_accumulators"] = awq.gemv_accumulators(self.out_features, device)
-        return acc
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and self.dense.weight.dtype == x.dtype:
@@ -167,7 +155,7 @@ class AWQLinear(nn.Module):
                 self.repack(drop_autoawq=False)
                 packed = self.repacked
             return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, counters,
-                              packed or None, self._accumulators(x.device))  # fmt: skip
+                              packed or None)  # fmt: skip
         if self.autoawq_dropped:  # the torch backend after repack(): dequantise the repacked copy
             w = self.dequantized_weight(x.dtype)
             return torch.nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
