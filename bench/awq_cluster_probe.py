@@ -116,12 +116,13 @@ def ptx() -> None:
             continue
         text = k.asm["ptx"]
         ops = sorted({w for line in text.splitlines() for w in line.split()
-                      if ("cluster" in w or "mapa" in w) and not w.startswith(("awq", '"'))})  # fmt: skip
+                      if ("cluster" in w or "mapa" in w) and "_cluster_gemv1" not in w
+                      and not w.startswith(("awq", '"'))})  # fmt: skip
         body = text[text.find("Inner Loop Header"):]
         body = body[: body.find("_crit_edge")]
         print(f"CL={cl}: {text.count('barrier.cluster.wait')} cluster waits, {text.count('ld.global')} ld.global, {text.count('st.global')} st.global, "
               f"{text.count('ld.shared::cluster')} ld.shared::cluster, loop {body.count(chr(10))} lines, "
-              f"{body.count('bar.sync')} bar.sync in it; n_regs {getattr(k, 'n_regs', '?')}, {ops}")  # fmt: skip
+              f"{body.count('bar.sync')} bar.sync in it; {ops}")  # fmt: skip
         with open(f"/tmp/cluster_cl{cl}.ptx", "w") as f:
             f.write(text)
 
