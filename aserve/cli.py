@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended (default: 30)",
     )  # fmt: skip
     add_engine_args(serve)
-    from aserve.quantization.quantize import add_quantize_parser
+    from aserve.quantize.quantize import add_quantize_parser
 
     add_quantize_parser(sub)
     return parser
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"aserve: error: {e}", file=sys.stderr)
             sys.exit(2)
     elif ns.command == "quantize":
-        from aserve.quantization.quantize import run_quantize
+        from aserve.quantize.quantize import run_quantize
 
         try:
             run_quantize(ns)

@@ -1,4 +1,4 @@
-"""GPU benchmark of AWQ int4 (kernels/awq.py) against bf16 cuBLAS, and of an AWQ Llama-3-8B-shaped model's
+"""GPU benchmark of AWQ int4 (aserve/kernels/awq.py) against bf16 cuBLAS, and of an AWQ Llama-3-8B-shaped model's
 batch-1 decode against the bf16 one, in one command:
 
     PYTHONPATH=. python bench/awq_bench.py --out DIR [--sections correctness,tune,kernels,decode]
@@ -8,7 +8,7 @@ correctness  the kernels against the pure-torch reference at full shapes (bf16 a
              one set of split-K counters, against eager launches
 diag         a load-only kernel with a GEMV's tiles and grid: the bandwidth its access pattern can reach
 tune         launch-config sweeps: the M = 1 f16x2 GEMV inside CUDA graphs (summed over the three shapes; the best
-             becomes the config the later sections use, print it and copy it into kernels/awq.py), the dequantise
+             becomes the config the later sections use, print it and copy it into aserve/kernels/awq.py), the dequantise
              kernel
 kernels      int4 vs bf16 cuBLAS (F.linear, as aserve's bf16 layers) for M = 1, 4, 16, 64, 256, 2048 on
              4096x4096, 4096x14336, 14336x4096 (K x N): time, speed-up, and the path awq_linear picks; plus each
@@ -67,8 +67,8 @@ def awq_bytes(k: int, n: int, group: int = GROUP) -> int:
 
 
 def correctness() -> None:
-    from kernels.awq import awq_dequantize, awq_dequantize_repacked, awq_gemv, awq_linear, awq_repack
-    from kernels.awq_reference import awq_matmul, dequantize
+    from aserve.kernels.awq import awq_dequantize, awq_dequantize_repacked, awq_gemv, awq_linear, awq_repack
+    from aserve.kernels.awq_reference import awq_matmul, dequantize
 
     for k, n in SHAPES:
         qweight, qzeros, scales = random_awq(k, n)
@@ -100,7 +100,7 @@ def m1_graph_pdl_check() -> None:
     """The M = 1 GEMV as decode runs it: 24 back-to-back launches on different weights of one shape (so one shared
     set of split-K counters) in a CUDA graph, with programmatic dependent launch, replayed 3 times; every output must
     equal an eager launch's bit for bit (the reduction order is fixed) and the counters must end at zero."""
-    from kernels import awq, pdl
+    from aserve.kernels import awq, pdl
 
     k, n = 4096, 14336
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -131,7 +131,7 @@ def tune_gemv1() -> None:
     """M = 1 f16x2 GEMV configurations timed inside CUDA graphs over rotating weight copies (graph_us; do_bench's
     per-call L2 flush and event overhead put a ~10 us floor under every config, which hides the differences),
     summed over the three shapes. The best becomes awq.GEMV1_CONFIG for the later sections."""
-    from kernels import awq
+    from aserve.kernels import awq
 
     configs = [dict(BLOCK_N=bn, BLOCK_K=bk, R=r, TILES=t, num_warps=w, num_stages=1)
                for bn, w in ((64, 1), (128, 2), (256, 4)) for bk in (64, 128) for r in (8, 16) for t in (1, 2, 4)]
@@ -155,7 +155,7 @@ def tune_gemv1() -> None:
 
 
 def tune() -> None:
-    from kernels import awq
+    from aserve.kernels import awq
 
     tune_gemv1()
     k, n = 4096, 14336
@@ -186,7 +186,7 @@ def _sweep(name: str, configs: list[dict], ms_of) -> tuple[float, dict]:
 def tune_repacked() -> None:
     """Launch-config sweeps of the kernels over awq_repack's layout: the tl.dot GEMV (M = 4 and 16, summed over the
     three shapes) and the dequantise kernel (4096x14336). The best become the configs the later sections use."""
-    from kernels import awq
+    from aserve.kernels import awq
 
     sets = [awq.awq_repack(*random_awq(k, n), GROUP) for k, n in SHAPES]
 
@@ -214,7 +214,7 @@ def tune_repacked() -> None:
 
 
 def kernels() -> None:
-    from kernels import awq
+    from aserve.kernels import awq
 
     print("\n| K x N | M | bf16 cuBLAS us | int4 us (path) | speed-up | AutoAWQ-tensor kernels us | gemv us | "
           "dequant+mm us |")
@@ -247,7 +247,7 @@ def small_m() -> None:
     over the repacked copy: the f16x2 one with one or two rows per program, and the tl.dot one. Sets
     awq.REPACKED_GEMV1_ROWS to the faster f16x2 variant (summed over M 2-16 and the shapes) and
     awq.REPACKED_GEMV1_MAX_M to the largest M up to which it beats tl.dot, summed over the shapes."""
-    from kernels import awq, pdl
+    from aserve.kernels import awq, pdl
 
     rows = (1, 2, 3, 4, 6, 8, 16)
     sums = {m: [0.0, 0.0, 0.0] for m in rows}  # f16x2 one row, f16x2 two rows, tl.dot
@@ -312,7 +312,7 @@ def graph_us(fn, inputs: list) -> float:
 def m1_graph() -> None:
     """M = 1 inside CUDA graphs with programmatic dependent launch (as decode runs on Hopper): bf16 cuBLAS vs the
     int4 f16x2 GEMV over the repacked copy (what AWQLinear runs) and over the AutoAWQ tensors."""
-    from kernels import awq, pdl
+    from aserve.kernels import awq, pdl
 
     print("\n| K x N | bf16 us | int4 repacked us | speed-up | int4 TB/s | AutoAWQ-tensor kernel us | SPLIT_K |")
     print("|---|---|---|---|---|---|---|")
@@ -343,12 +343,12 @@ def m1_graph() -> None:
 
 def silu(root: str) -> None:
     """SiLU·mul applied by the gate/up projection's M <= 6 kernel (silu_mul_out: the last program of each gate / up
-    column-block pair) against that GEMV then kernels/fused.py's silu_and_mul, in CUDA graphs with PDL at
+    column-block pair) against that GEMV then aserve/kernels/fused.py's silu_and_mul, in CUDA graphs with PDL at
     4096x28672, M = 1, 2, 4; then AWQ decode with it (the default) and without (AWQLinear.fuses_silu_mul patched
     to False, so the MLP runs the GEMV, then silu_and_mul)."""
     from aserve.quantization.awq_linear import AWQLinear
-    from kernels import awq, pdl
-    from kernels.fused import silu_and_mul
+    from aserve.kernels import awq, pdl
+    from aserve.kernels.fused import silu_and_mul
 
     k, n = 4096, 28672
     print("\n| M | GEMV + silu_and_mul us | fused us | change |")

@@ -5,7 +5,7 @@ round-to-nearest, AWQ, GPTQ, AWQ + GPTQ, per group size) on held-out text, plus 
                                 [--num-samples 16] [--sequential] [--no-act-order] [--out DIR]
                                 [--tune-steps N [--tune-lr 1e-3] [--tune-codes-lr LR]]
 
-Held-out text: aserve/quantization/data/heldout.txt (Alice's Adventures in Wonderland); the quantiser calibrates
+Held-out text: aserve/quantize/data/heldout.txt (Alice's Adventures in Wonderland); the quantiser calibrates
 on calibration.txt (As You Like It, Paradise Lost I-III). Quantised checkpoints go to --out (reused if present).
 Prints a markdown table last.
 """
@@ -18,8 +18,8 @@ import tempfile
 import time
 
 from aserve import LLM, SamplingParams
-from aserve.quantization.perplexity import perplexity
-from aserve.quantization.quantize import data_path, quantize_model
+from aserve.quantize.perplexity import perplexity
+from aserve.quantize.quantize import data_path, quantize_model
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

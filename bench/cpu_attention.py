@@ -1,4 +1,4 @@
-"""CPU decode attention per layer: kernels/cpu_attention.py (AVX512-BF16 path and generic C) vs the torch path it
+"""CPU decode attention per layer: aserve/kernels/cpu_attention.py (AVX512-BF16 path and generic C) vs the torch path it
 replaces (block gather with index_select + SDPA, TorchAttentionBackend with DECODE_KERNEL off), SmolLM2 shapes
 (9 query / 3 KV heads, head_dim 64, bf16), in one command:
 
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from attention_cases import random_batch  # noqa: E402
 
 from aserve.model.attention import TorchAttentionBackend  # noqa: E402
-from kernels import cpu_attention  # noqa: E402
+from aserve.kernels import cpu_attention  # noqa: E402
 
 
 def e2e(repeats: int) -> None:
@@ -66,17 +66,17 @@ def e2e(repeats: int) -> None:
 
 
 def baseline_kernel(rev: str):
-    """The compiled kernel library of kernels/cpu_attention.py at git revision `rev`."""
+    """The compiled kernel library of aserve/kernels/cpu_attention.py at git revision `rev`."""
     import subprocess
     import types
 
-    from kernels import cpu_build
+    from aserve.kernels import cpu_build
 
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    text = subprocess.run(["git", "show", f"{rev}:kernels/cpu_attention.py"], cwd=root, check=True,
+    text = subprocess.run(["git", "show", f"{rev}:aserve/kernels/cpu_attention.py"], cwd=root, check=True,
                           capture_output=True, text=True).stdout  # fmt: skip
     module = types.ModuleType("cpu_attention_baseline")
-    exec(compile(text, f"{rev}:kernels/cpu_attention.py", "exec"), module.__dict__)
+    exec(compile(text, f"{rev}:aserve/kernels/cpu_attention.py", "exec"), module.__dict__)
     return cpu_build.library(f"paged_decode_{rev}", module._SOURCE, module._SIGNATURES)
 
 

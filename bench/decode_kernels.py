@@ -3,15 +3,15 @@
     PYTHONPATH=. python bench/decode_kernels.py --out DIR [--sections gemv,pdl,prefill,e2e] [--quick]
 
 pdl      the default GEMV per shape back to back in a CUDA graph, programmatic dependent launch off / on.
-gemv     M = 1 linears: kernels/gemv.py (a sweep of launch configurations) vs cuBLAS (F.linear), each timed inside
+gemv     M = 1 linears: aserve/kernels/gemv.py (a sweep of launch configurations) vs cuBLAS (F.linear), each timed inside
          a CUDA graph that cycles through enough weight copies (>= 256 MB) that L2 holds none of them; GB/s of
          weight bytes read.
 prefill  prefill attention, one 4096-token causal prompt: kernel variants (keys gathered from the pages or the
          prompt's own K/V read from qkv rows as the engine does; stages) vs torch SDPA (flash), alternating, best
          of 3 each.
-silu     the down projection's GEMV with SiLU·mul fused in: launch-config sweep (kernels/gemv.py
+silu     the down projection's GEMV with SiLU·mul fused in: launch-config sweep (aserve/kernels/gemv.py
          GEMV_CONFIG_SILU_MUL).
-sample   the greedy pick (kernels/greedy.py) vs the sampler's torch path on [1 / 8 / 64, 128256] bf16 logits, and
+sample   the greedy pick (aserve/kernels/greedy.py) vs the sampler's torch path on [1 / 8 / 64, 128256] bf16 logits, and
          bf16 batch-1 decode with and without it
 e2e      engines side by side (E2E_VARIANTS: Triton GEMV + PDL, the same with the SiLU·mul GEMV on the plain
          config, cuBLAS without PDL; ASERVE_GEMV / ASERVE_PDL), alternating batch-1 decode ms/token
@@ -37,9 +37,9 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_bench as gb  # noqa: E402
 
-from kernels import pdl  # noqa: E402
-from kernels.gemv import gemv, gemv_config  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
+from aserve.kernels import pdl  # noqa: E402
+from aserve.kernels.gemv import gemv, gemv_config  # noqa: E402
+from aserve.kernels.paged_attention import paged_attention  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the weight
     "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
@@ -312,13 +312,13 @@ def section_e2e(repeats: int) -> None:
 
 
 def section_sample(repeats: int) -> None:
-    """The greedy pick (kernels/greedy.py) vs the sampler's torch path (float32 copy, a sum for the finite check,
+    """The greedy pick (aserve/kernels/greedy.py) vs the sampler's torch path (float32 copy, a sum for the finite check,
     max(dim).indices) on bf16 logits [rows, 128256], eager as the sampler runs (CUDA events over 200 calls); then
     batch-1 decode of the bf16 Llama-3-8B shape with the pick and without (Sampler._greedy_pick patched to the
     CPU-only rule), alternating."""
     from aserve import LLM
-    from aserve.engine.sampler import Sampler
-    from kernels import greedy
+    from aserve.worker.sampler import Sampler
+    from aserve.kernels import greedy
 
     def torch_path(logits):
         x = logits.float()
@@ -338,7 +338,7 @@ def section_sample(repeats: int) -> None:
             end.record()
             end.synchronize()
             us[name] = start.elapsed_time(end) * 1e3 / 200
-        TABLE.append((f"greedy pick, bf16 [{rows}, 128256]: torch path / kernels/greedy.py us",
+        TABLE.append((f"greedy pick, bf16 [{rows}, 128256]: torch path / aserve/kernels/greedy.py us",
                       f"{us['torch']:.1f} / {us['greedy_pick']:.1f}"))  # fmt: skip
         print(TABLE[-1], flush=True)
     model_dir = gb.dummy_model_dir(tempfile.mkdtemp(), gb.LLAMA3_8B)

@@ -118,7 +118,7 @@ def prefill_case(T: int, H: int, Hkv: int, D: int, bs: int):
 def prefill_new_kv(q, k_cache, v_cache):
     """The prompt's K/V as the engine hands them to paged_attention (k_new / v_new): slices of fused qkv rows
     [T, (H + 2 Hkv) D] holding the same values as the pages."""
-    from kernels.fused import qkv_kv_views
+    from aserve.kernels.fused import qkv_kv_views
 
     T, H, D = q.shape
     qkv = torch.cat([q.reshape(T, -1), k_cache.reshape(T, -1), v_cache.reshape(T, -1)], 1)
@@ -128,7 +128,7 @@ def prefill_new_kv(q, k_cache, v_cache):
 def kernels() -> None:
     import torch.nn.functional as F
 
-    from kernels.paged_attention import paged_attention
+    from aserve.kernels.paged_attention import paged_attention
 
     torch.manual_seed(0)
     H, Hkv, D, bs = 32, 8, 128, 16

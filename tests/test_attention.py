@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from aserve.model.attention import TorchAttentionBackend
-from kernels.reference import paged_attention as reference_paged_attention, write_kv_cache
+from aserve.kernels.reference import paged_attention as reference_paged_attention, write_kv_cache
 from attention_cases import random_batch
 
 CASES = {

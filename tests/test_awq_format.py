@@ -15,7 +15,7 @@ from aserve.quantization.awq_format import (
     parse_awq_config,
     quantize_groups,
 )
-from kernels.awq_reference import dequantize, unpack_int4
+from aserve.kernels.awq_reference import dequantize, unpack_int4
 
 
 def autoawq_pack(intweight: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""AWQ Triton kernels (kernels/awq.py) against the pure-torch reference (kernels/awq_reference.py), on random
+"""AWQ Triton kernels (aserve/kernels/awq.py) against the pure-torch reference (aserve/kernels/awq_reference.py), on random
 packed weights: Triton's interpreter on CPU at small shapes; on a GPU the same tests plus full shapes and bf16.
 
 The interpreter rounds float32 -> bfloat16 by truncation and its bf16 dot is wrong, so bf16 runs on GPUs only."""
@@ -6,8 +6,8 @@ The interpreter rounds float32 -> bfloat16 by truncation and its bf16 dot is wro
 import pytest
 import torch
 
-from kernels import awq
-from kernels.awq_reference import awq_matmul, dequantize
+from aserve.kernels import awq
+from aserve.kernels.awq_reference import awq_matmul, dequantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -105,7 +105,7 @@ def test_gemv1_counters_reset_across_calls():
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's f16 overflow, on purpose
 @pytest.mark.parametrize("r", [8, 16])
 def test_gemv1_f16_overflow_bound(r):
-    """The bound of kernels/awq.py's docstring: R rows of x/16 * (q - z) summed in f16 stay finite while
+    """The bound of aserve/kernels/awq.py's docstring: R rows of x/16 * (q - z) summed in f16 stay finite while
     |x| < 69871 / R (worst case, q - z = 15 everywhere), and overflow above it."""
     k = n = 128
     qweight = torch.full((k, n // 8), -1, dtype=torch.int32, device=DEVICE)  # every nibble 15

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from aserve import LLM, SamplingParams
 from aserve.cli import main as cli_main
 from aserve.quantization.awq_linear import AWQLinear
-from kernels.awq_reference import awq_matmul, dequantize
+from aserve.kernels.awq_reference import awq_matmul, dequantize
 from test_awq_format import autoawq_pack
 from tiny_models import hf_greedy
 

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from aserve.quantization.awq_format import fake_quantize, pack_quantized, quantize_groups
-from aserve.quantization.awq_search import apply_clip, awq_layer, search_clip, search_scales
-from aserve.quantization.dense_layer import DenseDecoderLayer
-from aserve.quantization.gptq import SEARCHES, dequantize, gptq_quantize, gram, output_error
-from kernels.awq_reference import dequantize as dequantize_packed, unpack_int4
+from aserve.quantize.awq_search import apply_clip, awq_layer, search_clip, search_scales
+from aserve.quantize.dense_layer import DenseDecoderLayer
+from aserve.quantize.gptq import SEARCHES, dequantize, gptq_quantize, gram, output_error
+from aserve.kernels.awq_reference import dequantize as dequantize_packed, unpack_int4
 
 TEXT = "The quick brown fox jumps over the lazy dog. Prefix caching shares blocks between requests. " * 6
 
@@ -153,7 +153,7 @@ def test_gptq_checkpoint_loads_and_matches_its_dequantized_model(tiny_model_fact
     from test_awq_model import MAX_NEW, PROMPTS, aserve_greedy, dequantized_checkpoint
     from tiny_models import hf_greedy
 
-    from aserve.quantization.quantize import quantize_model
+    from aserve.quantize.quantize import quantize_model
 
     out = str(tmp_path / method)
     report = quantize_model(tiny_model_factory(variant), out, group_size=32, method=method, num_samples=4,
@@ -171,7 +171,7 @@ def test_gptq_checkpoint_loads_and_matches_its_dequantized_model(tiny_model_fact
 def test_perplexity_matches_transformers_loss(tiny_model_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from aserve.quantization.perplexity import perplexity, window_ids
+    from aserve.quantize.perplexity import perplexity, window_ids
 
     path = tiny_model_factory("gqa")
     ppl, count = perplexity(path, TEXT, window=48, dtype="float32")
@@ -197,8 +197,8 @@ def test_smollm2_awq_g64_quality(tmp_path):
     act order, AutoAWQ format) at g64 beats RTN g64, and greedy chat still answers Paris. Rounding alone stays at
     +8.4-8.7 % of bf16's perplexity; the 5 % bar is met with end-to-end tuning on a GPU (the next test).
     bench/awq_quality.py prints the full table."""
-    from aserve.quantization.perplexity import perplexity
-    from aserve.quantization.quantize import data_path, quantize_model
+    from aserve.quantize.perplexity import perplexity
+    from aserve.quantize.quantize import data_path, quantize_model
 
     with open(data_path("heldout.txt")) as f:
         text = f.read()
@@ -217,8 +217,8 @@ def test_smollm2_awq_g64_tuned_within_5_percent(tmp_path):
     docs/quantization.md: +4.40 % on an H200) is within 5 % of bf16's perplexity on the whole held-out text, and
     greedy chat still answers Paris."""
     from aserve.cli import main as cli_main
-    from aserve.quantization.perplexity import perplexity
-    from aserve.quantization.quantize import data_path
+    from aserve.quantize.perplexity import perplexity
+    from aserve.quantize.quantize import data_path
 
     with open(data_path("heldout.txt")) as f:
         text = f.read()
@@ -281,7 +281,7 @@ def test_tune_generated_windows_join_the_tuning(tiny_model_factory, tmp_path, ca
     from tiny_models import hf_greedy
 
     from aserve.cli import main as cli_main
-    from aserve.quantization.quantize import self_generated_windows
+    from aserve.quantize.quantize import self_generated_windows
 
     model = tiny_model_factory("gqa")
     calibration = torch.randint(3, 300, (3, 48), generator=torch.Generator().manual_seed(0))
@@ -299,7 +299,7 @@ def test_tune_generated_windows_join_the_tuning(tiny_model_factory, tmp_path, ca
     assert found, out
     from transformers import AutoTokenizer
 
-    from aserve.quantization.quantize import calibration_ids, data_path
+    from aserve.quantize.quantize import calibration_ids, data_path
 
     with open(data_path("calibration.txt"), encoding="utf-8") as f:
         shipped = len(calibration_ids(AutoTokenizer.from_pretrained(model), f.read(), 1 << 30, 64))

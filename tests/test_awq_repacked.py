@@ -1,4 +1,4 @@
-"""The M = 1 AWQ GEMV over awq_repack's layout (kernels/awq.py) against the pure-torch reference: the layout itself
+"""The M = 1 AWQ GEMV over awq_repack's layout (aserve/kernels/awq.py) against the pure-torch reference: the layout itself
 in torch, the kernel through Triton's interpreter on CPU at small shapes (the asm helpers' tl twins), on a GPU the
 same with the asm; and AWQLinear's use of the repacked copy."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_awq_kernels import DEVICE, random_awq, rel_err
 
-from kernels import awq
-from kernels.awq_reference import awq_matmul, dequantize, unpack_int4
+from aserve.kernels import awq
+from aserve.kernels.awq_reference import awq_matmul, dequantize, unpack_int4
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -121,8 +121,8 @@ def test_awq_linear_keeps_a_repacked_copy():
 @pytest.mark.parametrize("m, rows", [(1, 1), (3, 2)])
 def test_repacked_gemv_with_silu_mul_out_is_bit_identical(dtype, k, tiles, m, rows):
     """silu_mul_out=True ([gate | up] outputs; the last program of each gate / up column-block pair applies
-    SiLU·mul) = this GEMV's output through kernels/fused.py's silu_and_mul, bit for bit; counters back at 0."""
-    from kernels.fused import silu_and_mul
+    SiLU·mul) = this GEMV's output through aserve/kernels/fused.py's silu_and_mul, bit for bit; counters back at 0."""
+    from aserve.kernels.fused import silu_and_mul
 
     n = 512  # gate and up 256 columns each: two column-block pairs
     qweight, qzeros, scales, bias = random_awq(k, n, 128, seed=k + 9)
@@ -140,7 +140,7 @@ def test_awq_linear_applies_silu_mul_for_an_mlp():
     """AWQLinear.fuses_silu_mul / forward_silu_mul_out (what the Llama MLP calls for small decode batches): only
     once the repacked copy exists, up to REPACKED_GEMV1_MAX_M rows of fp16 / bf16, outputs a multiple of 256."""
     from aserve.quantization.awq_linear import AWQLinear
-    from kernels.fused import silu_and_mul
+    from aserve.kernels.fused import silu_and_mul
 
     k, n = 256, 256
     layer = loaded_layer(k, n, 6, bias=False)[0]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from aserve.engine.block_pool import BlockPool
+from aserve.core.block_pool import BlockPool
 
 
 def ids(blocks):

@@ -1,11 +1,11 @@
-"""The CPU decode attention kernel (kernels/cpu_attention.py, C compiled on first use) against the pure-torch
+"""The CPU decode attention kernel (aserve/kernels/cpu_attention.py, C compiled on first use) against the pure-torch
 reference, and the torch backend using it."""
 
 import pytest
 import torch
 
 from attention_cases import random_batch
-from kernels import cpu_attention, reference
+from aserve.kernels import cpu_attention, reference
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no working C compiler")
 

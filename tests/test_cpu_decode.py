@@ -6,7 +6,7 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.model.cpu_decode import OneTokenForward
-from kernels import cpu_gemv
+from aserve.kernels import cpu_gemv
 
 
 @pytest.mark.skipif(

@@ -1,11 +1,11 @@
-"""The CPU element-wise kernels (kernels/cpu_elementwise.py) against aserve.model.layers' torch versions, which
+"""The CPU element-wise kernels (aserve/kernels/cpu_elementwise.py) against aserve.model.layers' torch versions, which
 follow HF's eager code op by op."""
 
 import pytest
 import torch
 
 from aserve.model import layers
-from kernels import cpu_elementwise as cew
+from aserve.kernels import cpu_elementwise as cew
 
 pytestmark = pytest.mark.skipif(not cew.available(), reason="no working C compiler")
 
@@ -51,7 +51,7 @@ def test_silu_mul(dtype):
 
 def test_build_without_a_working_compiler_falls_back(monkeypatch, tmp_path, caplog):
     """No compiler (CC=false here): library() returns None with a warning, so callers keep the torch paths."""
-    from kernels import cpu_build
+    from aserve.kernels import cpu_build
 
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("ASERVE_CACHE", str(tmp_path))

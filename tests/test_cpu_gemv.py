@@ -1,11 +1,11 @@
-"""The CPU bf16 GEMV (kernels/cpu_gemv.py) against a float32 matrix-vector product of the same bf16 values, and
+"""The CPU bf16 GEMV (aserve/kernels/cpu_gemv.py) against a float32 matrix-vector product of the same bf16 values, and
 through Linear (one-row inputs of a prepacked bf16 linear)."""
 
 import pytest
 import torch
 
 from aserve.model.layers import Linear
-from kernels import cpu_gemv
+from aserve.kernels import cpu_gemv
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemv.supports(torch.empty(1, 32, dtype=torch.bfloat16)), reason="no compiler or no AVX512-BF16"

@@ -1,11 +1,11 @@
-"""kernels/cpu_sample.py: the greedy pick against torch (first maximum, non-finite rows flagged), and the sampler
+"""aserve/kernels/cpu_sample.py: the greedy pick against torch (first maximum, non-finite rows flagged), and the sampler
 using it for greedy batches with the same tokens as its float32 path."""
 
 import pytest
 import torch
 from test_greedy import check_pick, hard_logits
 
-from kernels import cpu_sample
+from aserve.kernels import cpu_sample
 
 pytestmark = pytest.mark.skipif(cpu_sample.library() is None, reason="no C compiler")
 
@@ -26,8 +26,8 @@ def test_greedy_pick_strided_rows():
 def test_sampler_greedy_batch_uses_bf16_logits_same_tokens():
     """The sampler on bf16 logits of a greedy batch (the C pick) emits what it emits from the float32 logits (torch
     path), drafts included, and flags a NaN row."""
-    from aserve.engine.request import Request
-    from aserve.engine.sampler import Sampler
+    from aserve.core.request import Request
+    from aserve.worker.sampler import Sampler
     from aserve.sampling_params import SamplingParams
 
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), eos_token_id=0) for i in range(3)]

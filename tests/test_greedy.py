@@ -1,10 +1,10 @@
-"""kernels/greedy.py (the GPU greedy pick; Triton's interpreter on CPU) against torch: first maximum, non-finite rows
+"""aserve/kernels/greedy.py (the GPU greedy pick; Triton's interpreter on CPU) against torch: first maximum, non-finite rows
 flagged, indices inside the vocabulary; and, on a GPU, the sampler using it with the tokens of its float32 path."""
 
 import pytest
 import torch
 
-from kernels import greedy
+from aserve.kernels import greedy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -58,8 +58,8 @@ def test_greedy_pick_strided_rows_and_empty():
 def test_sampler_greedy_batch_on_gpu_same_tokens():
     """On CUDA bf16 logits of a greedy batch the sampler (Triton pick) emits what its float32 path emits, drafts
     included, and flags a NaN row; launch() (async scheduling) too; min_tokens still to reach takes the torch path."""
-    from aserve.engine.request import Request
-    from aserve.engine.sampler import Sampler, SampleRow
+    from aserve.core.request import Request
+    from aserve.worker.sampler import Sampler, SampleRow
     from aserve.sampling_params import SamplingParams
 
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), eos_token_id=0) for i in range(3)]

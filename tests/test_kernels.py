@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from attention_cases import random_batch
-from kernels import reference
-from kernels.cache_write import write_kv
-from kernels.fused import qkv_kv_views
-from kernels.paged_attention import paged_attention
+from aserve.kernels import reference
+from aserve.kernels.cache_write import write_kv
+from aserve.kernels.fused import qkv_kv_views
+from aserve.kernels.paged_attention import paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -86,7 +86,7 @@ def test_cache_write_matches_reference_and_skips_padding():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_elementwise_kernels_match_torch(dtype):
     from aserve.model import layers
-    from kernels import fused
+    from aserve.kernels import fused
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
@@ -135,7 +135,7 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     (8, 64, None),  # one K tile (the default configuration shrinks BLOCK_K to 64)
 ])  # fmt: skip
 def test_gemv_matches_linear(n, k, config, bias):
-    from kernels.gemv import gemv
+    from aserve.kernels.gemv import gemv
 
     torch.manual_seed(n + k)
     x = torch.randn(1, k, device=DEVICE)
@@ -145,7 +145,7 @@ def test_gemv_matches_linear(n, k, config, bias):
 
 
 def test_gemv_refuses_k_without_64_multiple():
-    from kernels.gemv import gemv_config
+    from aserve.kernels.gemv import gemv_config
 
     assert gemv_config(64, 4096) is not None and gemv_config(64, 100) is None
 
@@ -153,8 +153,8 @@ def test_gemv_refuses_k_without_64_multiple():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.bfloat16])
 def test_gemv_fused_silu_mul_matches_unfused(dtype):
     """The down projection with silu(gate) * up in its prologue = silu_and_mul then the GEMV (same rounding)."""
-    from kernels.fused import silu_and_mul
-    from kernels.gemv import gemv
+    from aserve.kernels.fused import silu_and_mul
+    from aserve.kernels.gemv import gemv
 
     torch.manual_seed(3)
     n, k = 40, 256
@@ -172,7 +172,7 @@ def test_rotary_with_cache_write_matches_separate_kernels():
     """rotary_split writing k / v straight into their cache slots = rotary_split, then write_kv (padding slots
     write nothing)."""
     from aserve.model.layers import RotaryEmbedding
-    from kernels import fused
+    from aserve.kernels import fused
 
     gen = torch.Generator().manual_seed(5)
     H, Hkv, D, T, bs = 6, 2, 16, 5, 4

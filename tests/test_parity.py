@@ -80,7 +80,7 @@ def test_batch_of_one_equals_batch_of_many(tiny_model):
 def test_compiled_cpu_path_matches_transformers(references, monkeypatch):
     """Where the C element-wise kernels cannot be built, CPU runs torch.compile'd element-wise ops for steps of 32+
     tokens (here: the prefill step; decode steps of 5 tokens stay eager): same greedy tokens."""
-    from kernels import cpu_elementwise
+    from aserve.kernels import cpu_elementwise
 
     monkeypatch.setattr(cpu_elementwise, "supports", lambda dtype: False)
     path, expected = references("gqa")
@@ -92,9 +92,9 @@ def test_compiled_cpu_path_matches_transformers(references, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's kernels")
 def test_native_cpu_elementwise_path_matches_transformers(references):
-    """The CPU's C element-wise kernels (kernels/cpu_elementwise.py), the default where a compiler works, for every
+    """The CPU's C element-wise kernels (aserve/kernels/cpu_elementwise.py), the default where a compiler works, for every
     step (prefill and decode): same greedy tokens."""
-    from kernels import cpu_elementwise
+    from aserve.kernels import cpu_elementwise
 
     if not cpu_elementwise.available():
         pytest.skip("no working C compiler")
@@ -118,9 +118,9 @@ def test_gpu_decode_kernels_parity(references):
     """The GPU's batch-1 decode path, forced onto the CPU (Triton's interpreter): element-wise Triton kernels,
     rotary fused with the cache write, one-row linears as Triton GEMVs (the down projection with SiLU·mul fused
     into its prologue). One request at a time, so every decode step takes that path: same greedy tokens."""
-    import kernels.gemv as gemv_mod
+    import aserve.kernels.gemv as gemv_mod
     from aserve.model.layers import Linear
-    from kernels.gemv import gemv_config
+    from aserve.kernels.gemv import gemv_config
 
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", max_num_seqs=1)

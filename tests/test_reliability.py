@@ -642,8 +642,8 @@ def test_fuzz_request_bodies_1000(live_server):
 
 def test_sampler_flags_non_finite_rows():
     """The flag comes with the sampled tokens (one host copy), per request, whatever the sampling mode."""
-    from aserve.engine.request import Request
-    from aserve.engine.sampler import Sampler
+    from aserve.core.request import Request
+    from aserve.worker.sampler import Sampler
     from aserve.sampling_params import SamplingParams
 
     sampler = Sampler(torch.device("cpu"), seed=0)
@@ -836,7 +836,7 @@ def test_invariant_checker_catches_corrupted_state(small_engine, corrupt, words)
     """Each deliberately corrupted state (a leaked ref count, a block both free and held, a block held by nobody,
     inconsistent queues or request table) fails the check with a message that names the problem."""
     from aserve import SamplingParams
-    from aserve.engine.kv_cache_manager import InvariantError
+    from aserve.core.kv_cache_manager import InvariantError
 
     engine, rid = small_engine, corrupt.__name__
     engine.add_request(rid, {"prompt_token_ids": prompt_ids(0, 40)}, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -853,7 +853,7 @@ def test_invariant_checker_catches_corrupted_state(small_engine, corrupt, words)
 
 def test_invariant_checker_runs_after_every_step_and_abort(small_engine):
     from aserve import SamplingParams
-    from aserve.engine.kv_cache_manager import InvariantError
+    from aserve.core.kv_cache_manager import InvariantError
 
     engine = small_engine
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -914,7 +914,7 @@ def test_serve_binds_localhost_by_default():
 def test_prefix_hash_seed_is_random_per_process():
     """The same tokens hash differently in two processes: block hashes cannot be predicted (or collided on purpose)
     from outside."""
-    code = ("from aserve.engine.block_hash import BlockHasher; h = []; BlockHasher(16).extend(h, list(range(32)));"
+    code = ("from aserve.core.block_hash import BlockHasher; h = []; BlockHasher(16).extend(h, list(range(32)));"
             "print(h[-1].hex())")  # fmt: skip
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
             for _ in range(2)]  # fmt: skip

@@ -190,7 +190,7 @@ def test_async_scheduling_gives_the_same_outputs(llm, tiny_model, monkeypatch):
     """One batch mixing every kind of request: async scheduling (step N+1 launched before step N's tokens are on
     the host) returns exactly what one-step-at-a-time scheduling does. Seeded sampling, n, stop strings, stop ids,
     EOS, logprobs and min_tokens overlap; penalties switch the overlap off while they are live."""
-    from aserve.engine.model_runner import ModelRunner
+    from aserve.worker.model_runner import ModelRunner
 
     stop_text = gen1(llm, prompt(8, seed=8), temperature=0, max_tokens=30, ignore_eos=True).text[12:15]
     cases = [
@@ -258,7 +258,7 @@ class _FakeRequest:
 
 def test_sampler_frequencies_follow_the_distribution():
     """Temperature, top-k and top-p reshape the distribution exactly as specified (20,000 draws)."""
-    from aserve.engine.sampler import Sampler
+    from aserve.worker.sampler import Sampler
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     n = 20_000

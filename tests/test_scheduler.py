@@ -1,9 +1,9 @@
 """Scheduler and KV cache manager on CPU with exact block ids (no model involved)."""
 
-from aserve.engine.block_hash import BlockHasher
-from aserve.engine.kv_cache_manager import KVCacheManager
-from aserve.engine.request import Request, RequestStatus
-from aserve.engine.scheduler import Scheduler
+from aserve.core.block_hash import BlockHasher
+from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.request import Request, RequestStatus
+from aserve.core.scheduler import Scheduler
 from aserve.sampling_params import SamplingParams
 
 BS = 4

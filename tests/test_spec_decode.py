@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.engine.sampler import Sampler
+from aserve.worker.sampler import Sampler
 from aserve.spec.config import SpeculativeConfig
 from aserve.spec.ngram import propose_ngram
 from aserve.spec.policy import SpecPolicy, StepCostModel, expected_tokens

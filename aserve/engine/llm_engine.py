@@ -24,20 +24,20 @@ import time
 from dataclasses import dataclass, field
 
 from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
-from aserve.engine.block_hash import BlockHasher
+from aserve.core.block_hash import BlockHasher
 from aserve.engine.detokenizer import IncrementalDetokenizer
-from aserve.engine.kv_cache_manager import InvariantError, KVCacheManager, cdiv
-from aserve.engine.host_memory import retain_freed_memory
-from aserve.engine.model_runner import ModelRunner, PendingStep, RunnerOutput
-from aserve.engine.request import Request, RequestStatus
-from aserve.engine.scheduler import Scheduler, SchedulerOutput
+from aserve.core.kv_cache_manager import InvariantError, KVCacheManager, cdiv
+from aserve.worker.host_memory import retain_freed_memory
+from aserve.worker.model_runner import ModelRunner, PendingStep, RunnerOutput
+from aserve.core.request import Request, RequestStatus
+from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.engine.stats import EngineStats
 from aserve.model.loader import resolve_model
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
 from aserve.spec.config import SpeculativeConfig
 from aserve.spec.ngram import propose_ngram
-from aserve.spec.drafter import ModelDrafter
+from aserve.worker.drafter import ModelDrafter
 from aserve.spec.policy import SpecPolicy, StepCostModel
 
 logger = logging.getLogger("aserve")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import write_kv_cache
+from aserve.kernels.reference import write_kv_cache
 
 
 @dataclass(slots=True)
@@ -65,11 +65,11 @@ class TorchAttentionBackend(AttentionBackend):
     verification: up to SHORT_QUERY tokens) come first in the batch and go through one padded SDPA call; every
     other request gets its own SDPA call over its gathered context. K/V are gathered whole blocks at a time with
     index_select (several times faster than per-slot indexing on CPU), and SDPA gets 4-D inputs (its fused CPU
-    kernel). On CPU, a batch's decodes (one query token each) skip the gather: kernels/cpu_attention.py reads their
+    kernel). On CPU, a batch's decodes (one query token each) skip the gather: aserve/kernels/cpu_attention.py reads their
     blocks in place (DECODE_KERNEL; ASERVE_CPU_KERNELS=0 turns it off)."""
 
     SHORT_QUERY = 8
-    DECODE_KERNEL = True  # CPU: decode-only short batches through kernels/cpu_attention.py (reads blocks in place)
+    DECODE_KERNEL = True  # CPU: decode-only short batches through aserve/kernels/cpu_attention.py (reads blocks in place)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.slot_mapping.device
@@ -85,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_lens = [qsl[i + 1] - qsl[i] for i in range(num_short)]
             data["short_max_q"] = max(q_lens)
             if data["short_max_q"] == 1 and self.DECODE_KERNEL and device.type == "cpu":
-                from kernels import cpu_attention
+                from aserve.kernels import cpu_attention
 
                 data["decode_kernel"] = cpu_attention.available()
             if not data["decode_kernel"]:
@@ -135,7 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
         data = meta.backend_data
         n = data["num_short"]
         if n and data["decode_kernel"]:
-            from kernels import cpu_attention
+            from aserve.kernels import cpu_attention
 
             if cpu_attention.supports(q, k_cache):
                 cpu_attention.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_attention, cpu_elementwise, cpu_gemv
+from aserve.kernels import cpu_attention, cpu_elementwise, cpu_gemv
 
 
 class OneTokenForward:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# CPU, one-row inputs of prepacked bf16 linears: a GEMV on the plain weight instead of oneDNN (kernels/cpu_gemv.py
+# CPU, one-row inputs of prepacked bf16 linears: a GEMV on the plain weight instead of oneDNN (aserve/kernels/cpu_gemv.py
 # where it applies, else torch.mv; ASERVE_CPU_MV=0: off).
 CPU_MV_FOR_ONE_ROW = os.environ.get("ASERVE_CPU_MV", "1") != "0"
 
@@ -20,14 +20,14 @@ class Linear(nn.Linear):
     1.3-2x faster than F.linear, which reorders the weight on every call."""
 
     packed_weight: torch.Tensor | None = None
-    cpu_gemv = False  # one-row inputs run kernels/cpu_gemv.py (set by prepack)
-    gemv_config: dict | None = None  # GPU: one-row inputs (batch-1 decode) run kernels/gemv.py
+    cpu_gemv = False  # one-row inputs run aserve/kernels/cpu_gemv.py (set by prepack)
+    gemv_config: dict | None = None  # GPU: one-row inputs (batch-1 decode) run aserve/kernels/gemv.py
     gemv_silu_config: dict | None = None  # ... and with SiLU·mul fused in (forward_silu_mul); None: gemv_config
 
     def use_gemv(self, config: dict | None = None) -> bool:
-        """GPU, 16-bit weights: route one-row inputs to the Triton GEMV (kernels/gemv.py), which streams the weight
+        """GPU, 16-bit weights: route one-row inputs to the Triton GEMV (aserve/kernels/gemv.py), which streams the weight
         faster than cuBLAS at M = 1. False when it does not apply (then F.linear as before)."""
-        from kernels.gemv import gemv_config
+        from aserve.kernels.gemv import gemv_config
 
         if not (self.weight.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16)):
             return False
@@ -42,7 +42,7 @@ class Linear(nn.Linear):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
         except (RuntimeError, AttributeError):  # a torch build without it: plain F.linear
             return False
-        from kernels import cpu_gemv
+        from aserve.kernels import cpu_gemv
 
         self.cpu_gemv = cpu_gemv.supports(self.weight)
         return True
@@ -51,7 +51,7 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             if x.shape[0] == 1 and CPU_MV_FOR_ONE_ROW:  # batch-1 decode: a GEMV streams the weight faster
                 if self.cpu_gemv:
-                    from kernels.cpu_gemv import gemv
+                    from aserve.kernels.cpu_gemv import gemv
 
                     y = gemv(self.weight, x[0]).unsqueeze(0)
                 else:
@@ -59,7 +59,7 @@ class Linear(nn.Linear):
                 return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if self.takes_gemv(x):
-            from kernels.gemv import gemv
+            from aserve.kernels.gemv import gemv
 
             return gemv(x, self.weight, self.bias, config=self.gemv_config)
         return F.linear(x, self.weight, self.bias)
@@ -70,7 +70,7 @@ class Linear(nn.Linear):
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, then this linear, in the GEMV's prologue (takes_gemv must hold)."""
-        from kernels.gemv import gemv
+        from aserve.kernels.gemv import gemv
 
         return gemv(gate_up, self.weight, self.bias, config=self.gemv_silu_config or self.gemv_config, silu_mul=True)
 
@@ -112,7 +112,7 @@ def _native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """bf16: the C kernel (vectorised, 1.7-1.9x eager torch); float32 stays eager (the C loop does not vectorise
     there and is no faster)."""
     if gate_up.dtype == torch.bfloat16:
-        from kernels import cpu_elementwise
+        from aserve.kernels import cpu_elementwise
 
         return cpu_elementwise.silu_mul(gate_up)
     return silu_and_mul(gate_up)
@@ -122,8 +122,8 @@ class ElementwiseOps:
     """The element-wise work of a layer (add + RMSNorm, rotary, SiLU·mul), shared by all layers of a model.
 
     Eager torch runs each as several passes over memory (and, on a GPU, several kernel launches). Faster
-    implementations replace it: `use_triton()` (GPU) swaps in the fused Triton kernels of kernels/fused.py;
-    `use_native()` (CPU) the C kernels of kernels/cpu_elementwise.py; where those cannot be compiled, `compile()`
+    implementations replace it: `use_triton()` (GPU) swaps in the fused Triton kernels of aserve/kernels/fused.py;
+    `use_native()` (CPU) the C kernels of aserve/kernels/cpu_elementwise.py; where those cannot be compiled, `compile()`
     (CPU) swaps in torch.compile'd versions for steps of at least `min_tokens` tokens — smaller steps stay eager,
     since entering a compiled region costs more than fusion saves there."""
 
@@ -140,10 +140,10 @@ class ElementwiseOps:
         self.kind = "compiled"
 
     def use_native(self) -> None:
-        """CPU: the C kernels of kernels/cpu_elementwise.py for add + RMSNorm, rotary and (bf16) SiLU·mul, at every
+        """CPU: the C kernels of aserve/kernels/cpu_elementwise.py for add + RMSNorm, rotary and (bf16) SiLU·mul, at every
         step size (one call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter, eager
         torch runs several ops)."""
-        from kernels import cpu_elementwise
+        from aserve.kernels import cpu_elementwise
 
         self._fast = {
             "add_rms_norm": cpu_elementwise.add_rms_norm,
@@ -154,7 +154,7 @@ class ElementwiseOps:
         self.kind = "native"
 
     def use_triton(self) -> None:
-        from kernels import fused
+        from aserve.kernels import fused
 
         self._fast = {
             "add_rms_norm": fused.add_rms_norm,

@@ -160,7 +160,7 @@ def build_model(hf_config, model_dir: str, dtype, device, max_model_len: int, ba
     elif device.type == "cuda":
         model.ops.use_triton()
         from aserve.quantization.awq_linear import AWQLinear
-        from kernels import pdl
+        from aserve.kernels import pdl
 
         # AWQ: the weights in the layout every kernel reads, the AutoAWQ tensors freed (int4 weights held once)
         if any([module.repack() for module in model.modules() if isinstance(module, AWQLinear)]):

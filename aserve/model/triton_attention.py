@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from aserve.model.attention import AttentionBackend, AttentionMetadata
-from kernels.cache_write import write_kv
-from kernels.paged_attention import paged_attention
+from aserve.kernels.cache_write import write_kv
+from aserve.kernels.paged_attention import paged_attention
 
 _MAX_SEGMENTS = 16
 
@@ -53,11 +53,11 @@ class TritonAttentionBackend(AttentionBackend):
             meta.backend_data["num_segments"] = self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1
 
     def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int):
-        """Rotary on q and k, and k / v written into the cache, in one kernel (kernels/fused.py) -> (q [T, H, D],
+        """Rotary on q and k, and k / v written into the cache, in one kernel (aserve/kernels/fused.py) -> (q [T, H, D],
         k_new, v_new) for attend(). Steps with multi-token queries also get the rotated k back in qkv, and
         k_new / v_new are views of qkv's columns (attention reads the step's own keys from there, faster than
         from the pages); decode steps get None (and keep to what a CUDA graph captures)."""
-        from kernels.fused import rotary_split
+        from aserve.kernels.fused import rotary_split
 
         cache = (kv_cache[0], kv_cache[1], meta.slot_mapping)
         if not _reads_new_kv(meta):

@@ -1,2 +1,2 @@
-"""AWQ int4: the AutoAWQ checkpoint format (awq_format), the int4 linear layer (awq_linear), the quantiser
-(quantize, awq_search, dense_layer) and perplexity evaluation (perplexity). See docs/quantization.md."""
+"""AWQ int4 at run time: the AutoAWQ checkpoint format (awq_format) and the int4 linear layer (awq_linear). The
+offline quantiser that writes such checkpoints is aserve/quantize. See docs/quantization.md."""

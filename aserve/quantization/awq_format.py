@@ -1,6 +1,6 @@
 """The AutoAWQ "gemm" checkpoint format: its config (how a checkpoint says it is AWQ) and packing.
 
-Layout of the tensors (and the nibble order inside an int32): kernels/awq_reference.py. Checkpoints name them
+Layout of the tensors (and the nibble order inside an int32): aserve/kernels/awq_reference.py. Checkpoints name them
 after the HF linear they replace: `model.layers.0.self_attn.q_proj.{qweight,qzeros,scales,bias}`.
 
 Where the config is:
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.awq_reference import AWQ_ORDER
+from aserve.kernels.awq_reference import AWQ_ORDER
 
 PACK_FACTOR = 8  # 4-bit values per int32
 
@@ -106,7 +106,7 @@ def check_quantization_arg(quantization: str | None, model: str | None) -> None:
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """int [..., n] of values in [0, 15] -> int32 [..., n/8] in AWQ order (inverse of kernels.awq_reference.
+    """int [..., n] of values in [0, 15] -> int32 [..., n/8] in AWQ order (inverse of aserve.kernels.awq_reference.
     unpack_int4)."""
     assert values.shape[-1] % PACK_FACTOR == 0, "the packed dimension must be a multiple of 8"
     v = values.to(torch.int64).reshape(*values.shape[:-1], -1, PACK_FACTOR)

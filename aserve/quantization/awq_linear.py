@@ -17,7 +17,7 @@ from torch import nn
 
 from aserve.model.layers import Linear
 from aserve.quantization.awq_format import PACK_FACTOR, AWQConfig
-from kernels.awq_reference import awq_matmul, dequantize
+from aserve.kernels.awq_reference import awq_matmul, dequantize
 
 # aserve's fused linears -> the HF linears they hold (for modules_to_not_convert, which names HF modules)
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -26,9 +26,9 @@ _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 class AWQLinear(nn.Module):
     """y = x @ ((q - z) * s) + bias, from AutoAWQ gemm tensors.
 
-    CUDA: the Triton kernels of kernels/awq.py, with this layer's own counters for the M = 1 kernel's fused split-K
+    CUDA: the Triton kernels of aserve/kernels/awq.py, with this layer's own counters for the M = 1 kernel's fused split-K
     reduction (made on the first call, outside CUDA graph capture) and the weights repacked into the layout every
-    M's kernel reads (kernels.awq.awq_repack): the engine calls `repack()` once after loading, which frees the
+    M's kernel reads (aserve.kernels.awq.awq_repack): the engine calls `repack()` once after loading, which frees the
     AutoAWQ tensors, so the int4 weights are held once. Layers the layout does not fit (group size other than 128,
     outputs not a multiple of 128) keep the AutoAWQ tensors and kernels; without `repack()` (tests, direct use) the
     first call makes the copy and keeps both. CPU: the pure-torch
@@ -56,9 +56,9 @@ class AWQLinear(nn.Module):
         self.backend = "auto"  # auto | torch | triton (tests run the Triton kernels on CPU through the interpreter)
         # CPU: the dequantised, prepacked copy. Kept out of the module tree: it is a cache, not a model parameter.
         self.__dict__["dense"] = None
-        # Triton: kernels.awq.gemv_counters on the weights' device (out of the module tree too: state, not weights)
+        # Triton: aserve.kernels.awq.gemv_counters on the weights' device (out of the module tree too: state, not weights)
         self.__dict__["gemv_counters"] = None
-        # Triton: kernels.awq.awq_repack's copy (False: the layout does not apply to this layer)
+        # Triton: aserve.kernels.awq.awq_repack's copy (False: the layout does not apply to this layer)
         self.__dict__["repacked"] = None
         self.autoawq_dropped = False  # repack() freed qweight / qzeros / scales: the repacked copy is the weights
 
@@ -84,16 +84,16 @@ class AWQLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """-> W [out, in] in `dtype` (nn.Linear's layout)."""
         if self.autoawq_dropped:
-            from kernels.awq import awq_dequantize_repacked
+            from aserve.kernels.awq import awq_dequantize_repacked
 
             return awq_dequantize_repacked(self.repacked, dtype).t()
         return dequantize(self.qweight, self.qzeros, self.scales, self.group_size).t().to(dtype)
 
     def repack(self, drop_autoawq: bool = True) -> bool:
-        """Builds kernels.awq.awq_repack's copy of the loaded weights, which the Triton kernels read at every M, and
+        """Builds aserve.kernels.awq.awq_repack's copy of the loaded weights, which the Triton kernels read at every M, and
         with `drop_autoawq` frees the AutoAWQ tensors (the engine does this once after loading on a GPU: the int4
         weights are then held once). -> whether the layout fits this layer (if not, nothing changes)."""
-        from kernels.awq import awq_repack
+        from aserve.kernels.awq import awq_repack
 
         packed = awq_repack(self.qweight, self.qzeros, self.scales, self.group_size)
         self.__dict__["repacked"] = packed if packed is not None else False
@@ -115,10 +115,10 @@ class AWQLinear(nn.Module):
         return True
 
     def fuses_silu_mul(self, x: torch.Tensor) -> bool:
-        """For a [gate | up] layer: does this input (up to kernels.awq.REPACKED_GEMV1_MAX_M rows, fp16 / bf16, on
+        """For a [gate | up] layer: does this input (up to aserve.kernels.awq.REPACKED_GEMV1_MAX_M rows, fp16 / bf16, on
         the repacked copy's GPU) run the f16x2 GEMV over the repacked copy, which can then apply the MLP's SiLU·mul
         itself (forward_silu_mul_out)? False before the copy exists (the first CUDA call makes it)."""
-        from kernels.awq import F16X2_DTYPES, REPACKED_GEMV1_MAX_M
+        from aserve.kernels.awq import F16X2_DTYPES, REPACKED_GEMV1_MAX_M
 
         packed = self.repacked
         return (bool(packed) and self.backend != "torch" and self.out_features % 256 == 0 and x.dim() == 2
@@ -127,12 +127,12 @@ class AWQLinear(nn.Module):
 
     def forward_silu_mul_out(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's [gate | up] output, in one kernel (fuses_silu_mul must hold)."""
-        from kernels.awq import awq_gemv_repacked
+        from aserve.kernels.awq import awq_gemv_repacked
 
         return awq_gemv_repacked(x, self.repacked, self.bias, self._counters(x.device), silu_mul_out=True)
 
     def _counters(self, device: torch.device) -> torch.Tensor:
-        from kernels.awq import gemv_counters
+        from aserve.kernels.awq import gemv_counters
 
         counters = self.gemv_counters
         if counters is None or counters.device != device:
@@ -143,7 +143,7 @@ class AWQLinear(nn.Module):
         if self.dense is not None and self.dense.weight.dtype == x.dtype:
             return self.dense(x)
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            from kernels.awq import awq_linear
+            from aserve.kernels.awq import awq_linear
 
             counters = self._counters(x.device)
             packed = self.repacked

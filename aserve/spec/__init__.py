@@ -1,2 +1,3 @@
 """Speculative decoding: proposers (n-gram, layer-skip, draft model), the adaptive policy, its configuration.
-Verification is part of the sampler (aserve/engine/sampler.py)."""
+Verification is part of the sampler (aserve/worker/sampler.py), model drafting of the runner
+(aserve/worker/drafter.py)."""

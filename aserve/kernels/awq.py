@@ -1,4 +1,4 @@
-"""Triton kernels for AWQ int4 linear layers (AutoAWQ "gemm" layout; see kernels/awq_reference.py for the layout
+"""Triton kernels for AWQ int4 linear layers (AutoAWQ "gemm" layout; see aserve/kernels/awq_reference.py for the layout
 and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M (AWQLinear
 on a GPU: the same kernels' twins over awq_repack's layout, *_repacked, which is all it keeps of the weights):
 
@@ -44,7 +44,7 @@ not depend on scheduling), adds the bias, writes the output and sets the counter
 GEMV and a reduce kernel, and the counters are zero again for the next launch or CUDA-graph replay. Counters are
 allocated once (gemv_counters: AWQLinear keeps one set per layer; plain awq_gemv calls share one per device and
 output size), never during graph capture. Two launches that share counters must not overlap: kernels in one stream
-do not, also with programmatic dependent launch (kernels/pdl.py), which this kernel uses like the rest of kernels/:
+do not, also with programmatic dependent launch (aserve/kernels/pdl.py), which this kernel uses like the rest of kernels/:
 every program waits for the previous kernel (gdc_sync) before it touches x, the partials or the counters. Its first
 tile's weights, zeros and scales are loaded before that wait (nothing in a decode step writes them), so with PDL
 their DRAM latency overlaps the previous kernel's tail.
@@ -95,9 +95,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels import pdl
-from kernels.awq_reference import unpack_int4
-from kernels.fused import silu_mul_rounded
+from aserve.kernels import pdl
+from aserve.kernels.awq_reference import unpack_int4
+from aserve.kernels.fused import silu_mul_rounded
 
 GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
 # Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
@@ -592,7 +592,7 @@ def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr,
     """The end of a GEMV whose N outputs are [gate | up] (an MLP's gate/up projection; N / 2 a multiple of 128):
     c's column sums -> the float32 partials; the last of the 2 split_k programs of column block pid_n and its
     partner N / 256 blocks away (the pair's counter: pid_n mod N / 256) writes silu(gate) * up for their 128
-    columns (out: [N / 2]), rounded as the GEMV's output and then kernels/fused.py's silu_and_mul would round it."""
+    columns (out: [N / 2]), rounded as the GEMV's output and then aserve/kernels/fused.py's silu_and_mul would round it."""
     y = _column_sums(c, 16)
     tl.store(part_ptr + pid_k * N + pid_n * 128 + tl.arange(0, 128), y)
     tl.debug_barrier()  # every thread's partial is stored before the (one-thread) release below
@@ -1080,7 +1080,7 @@ def awq_gemv(x, qweight, qzeros, scales, group_size: int, bias=None, config: dic
 
 
 def awq_dequantize(qweight, qzeros, scales, group_size: int, dtype: torch.dtype, config: dict | None = None):
-    """-> W [in, out] in `dtype` (reference: kernels.awq_reference.dequantize)."""
+    """-> W [in, out] in `dtype` (reference: aserve.kernels.awq_reference.dequantize)."""
     k, n8 = qweight.shape
     n = n8 * 8
     cfg = {**DEQUANT_CONFIG, **(config or {})}
@@ -1139,7 +1139,7 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
     _repacked_tiles_m1, else _tiles_per_program as for awq_gemv); `counters`: gemv_counters (default one set shared
     per (device, out)).
     silu_mul_out: the outputs are [gate | up] (out / 2 a multiple of 128) and the result is silu(gate) * up
-    [M, out / 2], bit-identical to kernels/fused.py's silu_and_mul of this GEMV's output at the same K split (an
+    [M, out / 2], bit-identical to aserve/kernels/fused.py's silu_and_mul of this GEMV's output at the same K split (an
     MLP's activation in the gate/up projection's last programs: one kernel less per layer)."""
     k, n = packed.in_features, packed.out_features
     m = x.shape[0]

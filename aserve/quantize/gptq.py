@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from aserve.quantization.awq_format import fake_quantize, group_grid
-from aserve.quantization.awq_search import apply_clip, search_clip_gram
-from aserve.quantization.dense_layer import DenseDecoderLayer
+from aserve.quantize.awq_search import apply_clip, search_clip_gram
+from aserve.quantize.dense_layer import DenseDecoderLayer
 
 SEARCHES = ("minmax", "plain", "weighted")  # a group's grid: its min/max, or the clip minimising that error
 _GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aserve.engine.block_pool import BlockPool, KVCacheBlock
-from aserve.engine.request import Request, RequestStatus
+from aserve.core.block_pool import BlockPool, KVCacheBlock
+from aserve.core.request import Request, RequestStatus
 
 
 def cdiv(a: int, b: int) -> int:

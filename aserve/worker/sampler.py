@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aserve.engine.request import Request
+from aserve.core.request import Request
 
 
 def list_to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -304,7 +304,7 @@ class Sampler:
     def _greedy_pick(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every row greedy with nothing that changes its logits (penalties, logit_bias, min_tokens still to reach):
         (first-maximum index, non-finite flag) per row from one kernel over the logits in the model's dtype (CPU: C,
-        kernels/cpu_sample.py; CUDA: Triton, kernels/greedy.py); None otherwise."""
+        aserve/kernels/cpu_sample.py; CUDA: Triton, aserve/kernels/greedy.py); None otherwise."""
         if logits.device.type not in ("cpu", "cuda"):
             return None
         for row in rows:
@@ -312,10 +312,10 @@ class Sampler:
             if not p.greedy or p.needs_penalties or p.needs_logit_bias or row.num_output_tokens < p.min_tokens:
                 return None
         if logits.device.type == "cuda":
-            from kernels import greedy
+            from aserve.kernels import greedy
 
             return greedy.greedy_pick(logits) if greedy.supports(logits) else None
-        from kernels import cpu_sample
+        from aserve.kernels import cpu_sample
 
         return cpu_sample.greedy_pick(logits) if cpu_sample.supports(logits) else None
 

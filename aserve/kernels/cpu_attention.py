@@ -1,4 +1,4 @@
-"""CPU decode attention that reads the paged KV cache in place: a small C kernel (kernels/cpu_build.py compiles it
+"""CPU decode attention that reads the paged KV cache in place: a small C kernel (aserve/kernels/cpu_build.py compiles it
 once per machine) called through ctypes.
 
 The torch path (aserve/model/attention.py TorchAttentionBackend) gathers every decoding request's blocks into a
@@ -31,7 +31,7 @@ dropped its prefetches when it stayed an out-of-line call, which made the kernel
 DRAM (the engine's case: every layer's K/V in turn) while a benchmark that repeats one layer, whose cache stays in
 L3, saw nothing. On the 2-core development VM, over 30 layer caches of 64 requests x 320 tokens (SmolLM2 heads):
 1.07-1.18 ms per call with AMX, 1.35 without, 1.33-1.49 for the kernel before the compile-time shapes
-(docs/benchmarks.md). Reference: kernels/reference.py paged_attention.
+(docs/benchmarks.md). Reference: aserve/kernels/reference.py paged_attention.
 `available()` is False where no compiler works; callers then keep the torch path.
 """
 
@@ -41,7 +41,7 @@ import ctypes
 
 import torch
 
-from kernels import cpu_build
+from aserve.kernels import cpu_build
 
 _SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
 #include <stdlib.h>

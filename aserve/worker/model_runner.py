@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from aserve.engine.cuda_graphs import DecodeGraphs
-from aserve.engine.kv_cache_manager import cdiv
-from aserve.engine.sampler import PendingSample, Sampler, SamplerOutput, list_to_device
-from aserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from aserve.worker.cuda_graphs import DecodeGraphs
+from aserve.core.kv_cache_manager import cdiv
+from aserve.worker.sampler import PendingSample, Sampler, SamplerOutput, list_to_device
+from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aserve.model.loader import build_model
 
@@ -166,7 +166,7 @@ class ModelRunner:
         # engine's worker thread, never on the event loop).
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
-        self.drafter = None  # a model-based speculative proposer (aserve.spec.drafter), set by the engine
+        self.drafter = None  # a model-based speculative proposer (aserve.worker.drafter), set by the engine
 
         t0 = time.perf_counter()
         self.model = model = build_model(

@@ -29,10 +29,10 @@ import torch
 
 from aserve.config import resolve_device
 from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear, pack_quantized
-from aserve.quantization.awq_search import awq_layer
-from aserve.quantization.dense_layer import DenseDecoderLayer
-from aserve.quantization.gptq import gptq_layer
-from aserve.quantization.tune import tune_end_to_end
+from aserve.quantize.awq_search import awq_layer
+from aserve.quantize.dense_layer import DenseDecoderLayer
+from aserve.quantize.gptq import gptq_layer
+from aserve.quantize.tune import tune_end_to_end
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
@@ -43,7 +43,7 @@ METHODS = ("gptq", "awq-gptq", "awq", "rtn")
 def data_path(name: str) -> str:
     """Text shipped with aserve: calibration.txt (AWQ calibration) or heldout.txt (perplexity); see
     docs/quantization.md for their source."""
-    return str(resources.files("aserve.quantization") / "data" / name)
+    return str(resources.files("aserve.quantize") / "data" / name)
 
 
 def calibration_ids(tokenizer, text: str, num_samples: int, seq_len: int) -> torch.Tensor:

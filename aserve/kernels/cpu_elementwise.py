@@ -1,11 +1,11 @@
-"""The element-wise work of a Llama layer on the CPU as small C kernels (kernels/cpu_build.py compiles them), one
+"""The element-wise work of a Llama layer on the CPU as small C kernels (aserve/kernels/cpu_build.py compiles them), one
 call each through ctypes:
 
     add_rms_norm     x + residual -> (RMSNorm(x + residual) * weight, x + residual)
     rotary_split     fused qkv rows -> rotated q, rotated k, v (each contiguous)
     silu_mul         gate_up rows -> silu(gate) * up
 
-Same contract and rounding as kernels/fused.py (HF's eager order: every product rounded to the model dtype where HF
+Same contract and rounding as aserve/kernels/fused.py (HF's eager order: every product rounded to the model dtype where HF
 rounds it), float32 and bfloat16. Each call costs microseconds of Python, where eager torch runs 3-10 ops (~10 us
 each) and a torch.compile'd region pays ~100 us to enter: on a 2-core CPU that overhead, at batch 1 and in every
 decode step, was a visible part of the step. Rows are spread over torch's threads (OpenMP) when there are many.
@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from kernels import cpu_build
+from aserve.kernels import cpu_build
 
 _SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
 #include <math.h>

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from aserve.quantization.awq_format import fake_quantize
-from aserve.quantization.dense_layer import DenseDecoderLayer, LayerInputs, Weights
+from aserve.quantize.dense_layer import DenseDecoderLayer, LayerInputs, Weights
 
 _ATTN = "self_attn."
 _MLP = "mlp."

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from aserve.kernels import pdl
 
 
 @triton.jit

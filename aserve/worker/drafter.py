@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from aserve.engine.sampler import SampleRow
+from aserve.worker.sampler import SampleRow
 from aserve.model.attention import AttentionMetadata
 from aserve.spec.config import SpeculativeConfig
 
@@ -42,7 +42,7 @@ class ModelDrafter:
         else:
             from transformers import AutoConfig
 
-            from aserve.engine.model_runner import kv_bytes_per_block
+            from aserve.worker.model_runner import kv_bytes_per_block
             from aserve.model.loader import build_model, resolve_model
 
             model_dir, _ = resolve_model(config.model)
@@ -65,7 +65,7 @@ class ModelDrafter:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.needs_mirror:
-            from aserve.engine.model_runner import allocate_kv_cache
+            from aserve.worker.model_runner import allocate_kv_cache
 
             r = self.runner
             self._own_kv = allocate_kv_cache(self.model, num_blocks, r.block_size, r.dtype, r.device)

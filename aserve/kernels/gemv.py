@@ -8,13 +8,13 @@ hot loop has no masks; K must be a multiple of BLOCK_K (true of every model shap
 
 SILU_MUL fuses a Llama MLP's activation into the down projection: x is the gate_up output [gate | up] and each
 K slice of silu(gate) * up is computed in the loop (one kernel less per layer); it has its own launch configuration
-(twice the x traffic per weight tile). With programmatic dependent launch (kernels/pdl.py) a GEMV's launch overlaps
+(twice the x traffic per weight tile). With programmatic dependent launch (aserve/kernels/pdl.py) a GEMV's launch overlaps
 the previous kernel's tail.
 
 Fusions that measured slower on the H200 and were removed (docs/benchmarks.md): the add + RMSNorm before q/k/v and
 gate/up in the GEMV, as a pre-pass over the row in every program, as a last-program step (atomic ticket) of the GEMV
 before, and folded into the dot products (x * norm weight and sum(x^2) in the loop); rotary + cache write in the
-q/k/v GEMV's epilogue. Reference: torch.nn.functional.linear (after kernels/fused.py's silu_and_mul for SILU_MUL).
+q/k/v GEMV's epilogue. Reference: torch.nn.functional.linear (after aserve/kernels/fused.py's silu_and_mul for SILU_MUL).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.fused import silu_mul_rounded
+from aserve.kernels import pdl
+from aserve.kernels.fused import silu_mul_rounded
 
 # Launch configurations chosen on an H200 (bench/decode_kernels.py, docs/benchmarks.md): few output rows want
 # bigger row blocks (enough work per program), many rows small ones (more programs in flight).
@@ -38,7 +38,7 @@ GEMV_CONFIG_SILU_MUL = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)
 @triton.jit
 def _x_tile(x_ptr, k, K, SILU_MUL: tl.constexpr):
     """x[k] as float32; SILU_MUL: x holds [gate | up] (2K wide) and this is silu(gate) * up, rounded to x's dtype
-    where kernels/fused.py's silu_and_mul rounds."""
+    where aserve/kernels/fused.py's silu_and_mul rounds."""
     dtype = x_ptr.dtype.element_ty
     if SILU_MUL:
         g = tl.load(x_ptr + k).to(tl.float32)

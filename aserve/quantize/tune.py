@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from aserve.quantization.awq_format import pack_int4
-from aserve.quantization.dense_layer import DenseDecoderLayer
-from kernels.awq_reference import unpack_int4
+from aserve.quantize.dense_layer import DenseDecoderLayer
+from aserve.kernels.awq_reference import unpack_int4
 
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 

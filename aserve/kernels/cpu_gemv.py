@@ -1,4 +1,4 @@
-"""CPU bfloat16 GEMV (one input row: batch-1 decode) as a small C kernel (kernels/cpu_build.py compiles it), called
+"""CPU bfloat16 GEMV (one input row: batch-1 decode) as a small C kernel (aserve/kernels/cpu_build.py compiles it), called
 through ctypes.
 
     y[n] = sum_k W[n, k] x[k]        W [N, K] bf16 row-major, float32 accumulation, y rounded to bf16
@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from kernels import cpu_build
+from aserve.kernels import cpu_build
 
 _SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)

@@ -1,5 +1,5 @@
 """Greedy pick on the CPU: per logits row, the index of the first maximum and whether the row holds a NaN or an
-infinity, in one C kernel (kernels/cpu_build.py compiles it) reading the logits in the model's dtype.
+infinity, in one C kernel (aserve/kernels/cpu_build.py compiles it) reading the logits in the model's dtype.
 
 For a batch of greedy requests the sampler needs nothing else from the logits, and torch's way to get the same
 ([64, 49152] rows: widen bf16 to float32, a sum for the finite check, max(dim).indices) took ~4-5 ms per decode step
@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from kernels import cpu_build
+from aserve.kernels import cpu_build
 
 _SOURCE = cpu_build.BF16_C + r"""
 #include <math.h>

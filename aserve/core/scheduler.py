@@ -13,8 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from aserve.engine.kv_cache_manager import InvariantError, KVCacheManager
-from aserve.engine.request import Request, RequestStatus
+from aserve.core.kv_cache_manager import InvariantError, KVCacheManager
+from aserve.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

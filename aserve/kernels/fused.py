@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from aserve.kernels import pdl
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def qkv_kv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
 def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int, cache=None, keep_k: bool = False):
     """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D].
     With cache = (k_cache, v_cache, slot_mapping) ([num_blocks, block_size, Hkv, D] each): k and v are written
-    into their cache slots instead (kernels/cache_write.py's job, fused; negative slots write nothing) -> q.
+    into their cache slots instead (aserve/kernels/cache_write.py's job, fused; negative slots write nothing) -> q.
     keep_k (with cache): the rotated k is also written back over qkv's k columns -> (q, k, v) with k and v views
     of qkv (qkv_kv_views: the step's rotated keys and values, for paged_attention's k_new / v_new)."""
     t = qkv.shape[0]
@@ -144,7 +144,7 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
 @triton.jit
 def silu_mul_rounded(g, u, dtype: tl.constexpr):
     """float32 gate and up (values of `dtype`) -> silu(g) * u in `dtype`, rounded after the SiLU and after the
-    product. Every kernel that fuses SiLU·mul (kernels/gemv.py, kernels/awq.py) uses this, so they stay bit-identical
+    product. Every kernel that fuses SiLU·mul (aserve/kernels/gemv.py, aserve/kernels/awq.py) uses this, so they stay bit-identical
     to silu_and_mul below."""
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     return (act * u).to(dtype)
