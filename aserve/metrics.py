@@ -7,11 +7,56 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from aserve.engine.stats import EngineStats, StepStats
 
 _LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -42,31 +87,37 @@ class PrometheusMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self._success = Counter(
-            "aserve:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
+            "aserve:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
             registry=r,
         )
         self.model_name = model_name
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)
         self._rejected = Counter(
-            "aserve:request_rejected", "Requests refused before reaching the engine, by reason (HTTP 429 / 503).",
-            ["model_name", "reason"], registry=r,
+            "aserve:request_rejected",
+            "Requests refused before reaching the engine, by reason (HTTP 429 / 503).",
+            ["model_name", "reason"],
+            registry=r,
         )
         for reason in ("queue_full", "shutting_down"):
             self._rejected.labels(model_name, reason)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
-        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
-                                            _LATENCY_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
-                                          _TOKEN_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
+        )
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (requests x steps).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._spec_by_position = Counter(
-            "aserve:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft.",
-            ["model_name", "position"], registry=r,
+            "aserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft.",
+            ["model_name", "position"],
+            registry=r,
         )
         self._last_queries = self._last_hits = 0
 

@@ -47,7 +47,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_bench import (  # noqa: E402
-    LLAMA3_8B, RESULTS, batch1_decode_ms, bench_ms, dummy_model_dir, record, run_section, write_results,
+    LLAMA3_8B,
+    RESULTS,
+    batch1_decode_ms,
+    bench_ms,
+    dummy_model_dir,
+    record,
+    run_section,
+    write_results,
 )
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K = in, N = out)
@@ -133,8 +140,13 @@ def tune_gemv1() -> None:
     summed over the three shapes. The best becomes awq.GEMV1_CONFIG for the later sections."""
     from aserve.kernels import awq
 
-    configs = [dict(BLOCK_N=bn, BLOCK_K=bk, R=r, TILES=t, num_warps=w, num_stages=1)
-               for bn, w in ((64, 1), (128, 2), (256, 4)) for bk in (64, 128) for r in (8, 16) for t in (1, 2, 4)]
+    configs = [
+        dict(BLOCK_N=bn, BLOCK_K=bk, R=r, TILES=t, num_warps=w, num_stages=1)
+        for bn, w in ((64, 1), (128, 2), (256, 4))
+        for bk in (64, 128)
+        for r in (8, 16)
+        for t in (1, 2, 4)
+    ]
     totals: dict[int, list[float]] = {}
     for k, n in SHAPES:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -216,8 +228,10 @@ def tune_repacked() -> None:
 def kernels() -> None:
     from aserve.kernels import awq
 
-    print("\n| K x N | M | bf16 cuBLAS us | int4 us (path) | speed-up | AutoAWQ-tensor kernels us | gemv us | "
-          "dequant+mm us |")
+    print(
+        "\n| K x N | M | bf16 cuBLAS us | int4 us (path) | speed-up | AutoAWQ-tensor kernels us | gemv us | "
+        "dequant+mm us |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for k, n in SHAPES:
         qweight, qzeros, scales = random_awq(k, n)
@@ -280,8 +294,12 @@ def small_m() -> None:
     awq.REPACKED_GEMV1_ROWS = 2 if two_rows else 1
     f16x2 = 1 if two_rows else 0
     awq.REPACKED_GEMV1_MAX_M = max(m for m in rows if all(sums[r][f16x2] <= sums[r][2] for r in rows if r <= m))
-    record("small_m_f16x2", f"{awq.REPACKED_GEMV1_ROWS} rows / program up to M = {awq.REPACKED_GEMV1_MAX_M}", "",
-           "(the faster f16x2 variant over M 2-16, and the largest M up to which it beats tl.dot)")
+    record(
+        "small_m_f16x2",
+        f"{awq.REPACKED_GEMV1_ROWS} rows / program up to M = {awq.REPACKED_GEMV1_MAX_M}",
+        "",
+        "(the faster f16x2 variant over M 2-16, and the largest M up to which it beats tl.dot)",
+    )
 
 
 def graph_us(fn, inputs: list) -> float:
@@ -346,9 +364,9 @@ def silu(root: str) -> None:
     column-block pair) against that GEMV then aserve/kernels/fused.py's silu_and_mul, in CUDA graphs with PDL at
     4096x28672, M = 1, 2, 4; then AWQ decode with it (the default) and without (AWQLinear.fuses_silu_mul patched
     to False, so the MLP runs the GEMV, then silu_and_mul)."""
-    from aserve.quantization.awq_linear import AWQLinear
     from aserve.kernels import awq, pdl
     from aserve.kernels.fused import silu_and_mul
+    from aserve.quantization.awq_linear import AWQLinear
 
     k, n = 4096, 28672
     print("\n| M | GEMV + silu_and_mul us | fused us | change |")
@@ -410,8 +428,12 @@ def diag() -> None:
         print(f"   load-only BN={block_n} BK={block_k} tiles={tiles} warps={warps}: {us:.1f} us = "
               f"{k * n / 2 / us / 1e6:.2f} TB/s", flush=True)  # fmt: skip
     us, block_n, block_k, tiles, warps = rows[0]
-    record("diag_load_only_4096x14336", round(k * n / 2 / us / 1e6, 2), "TB/s",
-           f"BN={block_n} BK={block_k} tiles={tiles} warps={warps}: {us:.1f} us (the GEMV's ceiling with this tiling)")
+    record(
+        "diag_load_only_4096x14336",
+        round(k * n / 2 / us / 1e6, 2),
+        "TB/s",
+        f"BN={block_n} BK={block_k} tiles={tiles} warps={warps}: {us:.1f} us (the GEMV's ceiling with this tiling)",
+    )
 
 
 def tma_diag() -> None:
@@ -541,10 +563,19 @@ def main() -> None:
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
-    run = {"correctness": correctness, "diag": diag, "tune": tune, "tune_graph": tune_gemv1,
-           "tune_repacked": tune_repacked, "small_m": small_m, "kernels": kernels,
-           "m1_graph": m1_graph, "decode": lambda: decode(root), "silu": lambda: silu(root),
-           "tma_diag": tma_diag}
+    run = {
+        "correctness": correctness,
+        "diag": diag,
+        "tune": tune,
+        "tune_graph": tune_gemv1,
+        "tune_repacked": tune_repacked,
+        "small_m": small_m,
+        "kernels": kernels,
+        "m1_graph": m1_graph,
+        "decode": lambda: decode(root),
+        "silu": lambda: silu(root),
+        "tma_diag": tma_diag,
+    }
     for name in args.sections.split(","):
         run_section(name, run[name])
     write_results(args.out)

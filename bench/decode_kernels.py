@@ -3,8 +3,8 @@
     PYTHONPATH=. python bench/decode_kernels.py --out DIR [--sections gemv,pdl,prefill,e2e] [--quick]
 
 pdl      the default GEMV per shape back to back in a CUDA graph, programmatic dependent launch off / on.
-gemv     M = 1 linears: aserve/kernels/gemv.py (a sweep of launch configurations) vs cuBLAS (F.linear), each timed inside
-         a CUDA graph that cycles through enough weight copies (>= 256 MB) that L2 holds none of them; GB/s of
+gemv     M = 1 linears: aserve/kernels/gemv.py (a sweep of launch configurations) vs cuBLAS (F.linear), each timed
+         inside a CUDA graph that cycles through enough weight copies (>= 256 MB) that L2 holds none of them; GB/s of
          weight bytes read.
 prefill  prefill attention, one 4096-token causal prompt: kernel variants (keys gathered from the pages or the
          prompt's own K/V read from qkv rows as the engine does; stages) vs torch SDPA (flash), alternating, best
@@ -158,8 +158,12 @@ def section_silu() -> None:
     for us, cfg, err in rows[:8]:
         print(f"   silu {us:.2f} us {nbytes / us / 1e3:.0f} GB/s {cfg} err {err:.1e}", flush=True)
     RESULTS["silu_down"] = dict(default_us=t_default, plain_config_us=t_plain_cfg, best=rows[:8])
-    TABLE.append(("down + SiLU·mul GEMV us: plain config / GEMV_CONFIG_SILU_MUL / best (config)",
-                  f"{t_plain_cfg:.2f} / {t_default:.2f} / {rows[0][0]:.2f} ({rows[0][1]})"))
+    TABLE.append(
+        (
+            "down + SiLU·mul GEMV us: plain config / GEMV_CONFIG_SILU_MUL / best (config)",
+            f"{t_plain_cfg:.2f} / {t_default:.2f} / {rows[0][0]:.2f} ({rows[0][1]})",
+        )
+    )
     del weights
     torch.cuda.empty_cache()
 
@@ -181,8 +185,12 @@ def section_pdl() -> None:
                     t[key] = min(t.get(key, 1e9), graph_us(lambda w, cfg=cfg: gemv(x, w, config=cfg), weights, calls))
         pdl.enable(False)
         RESULTS[f"pdl_gemv_{name}"] = t
-        TABLE.append((f"gemv {name} [{n}x{k}] us, PDL off/on: " + ", ".join(sorted({k_[:-6] for k_ in t})),
-                      ", ".join(f"{t[k_ + ' pdl=0']:.2f}/{t[k_ + ' pdl=1']:.2f}" for k_ in sorted({k_[:-6] for k_ in t}))))
+        TABLE.append(
+            (
+                f"gemv {name} [{n}x{k}] us, PDL off/on: " + ", ".join(sorted({k_[:-6] for k_ in t})),
+                ", ".join(f"{t[k_ + ' pdl=0']:.2f}/{t[k_ + ' pdl=1']:.2f}" for k_ in sorted({k_[:-6] for k_ in t})),
+            )
+        )
         del weights
         torch.cuda.empty_cache()
 
@@ -197,8 +205,12 @@ def section_prefill() -> None:
     ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1).float()
     best = {name: float("inf") for name in ["sdpa", *variants]}
     for _ in range(3):
-        best["sdpa"] = min(best["sdpa"], triton.testing.do_bench(
-            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), warmup=25, rep=200))
+        best["sdpa"] = min(
+            best["sdpa"],
+            triton.testing.do_bench(
+                lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), warmup=25, rep=200
+            ),
+        )
         for name, (cfg, src) in variants.items():
             kv = dict(k_new=k_new, v_new=v_new) if src == "qkv_rows" else {}
             best[name] = min(best[name], triton.testing.do_bench(
@@ -227,8 +239,11 @@ def idle_between_kernels(llm) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompt, params, use_tqdm=False)
         torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
     busy, cur_s, cur_e = 0.0, *spans[0]
     gaps = []
     for s, e in spans[1:]:
@@ -241,8 +256,14 @@ def idle_between_kernels(llm) -> dict:
     busy += cur_e - cur_s
     gaps.sort(reverse=True)
     span = spans[-1][1] - spans[0][0]
-    return dict(span_ms=span / 1e3, busy_ms=busy / 1e3, idle_ms=(span - busy) / 1e3, kernels=len(spans),
-                gaps_over_20us=sum(1 for g in gaps if g > 20), largest_gaps_us=gaps[:8])
+    return dict(
+        span_ms=span / 1e3,
+        busy_ms=busy / 1e3,
+        idle_ms=(span - busy) / 1e3,
+        kernels=len(spans),
+        gaps_over_20us=sum(1 for g in gaps if g > 20),
+        largest_gaps_us=gaps[:8],
+    )
 
 
 def _old_silu_config(llm) -> None:
@@ -304,8 +325,12 @@ def section_e2e(repeats: int) -> None:
         TABLE.append((f"e2e {name}: batch-1 ms/token (median of {repeats}); graph forward ms",
                       f"{sorted(ms[name])[len(ms[name]) // 2]:.3f} (all {[round(v, 3) for v in ms[name]]}); "
                       f"{fwd:.3f}"))  # fmt: skip
-        TABLE.append((f"e2e {name}: 64-token decode GPU span / busy / idle ms, kernels",
-                      f"{idle['span_ms']:.2f} / {idle['busy_ms']:.2f} / {idle['idle_ms']:.2f}, {idle['kernels']}"))
+        TABLE.append(
+            (
+                f"e2e {name}: 64-token decode GPU span / busy / idle ms, kernels",
+                f"{idle['span_ms']:.2f} / {idle['busy_ms']:.2f} / {idle['idle_ms']:.2f}, {idle['kernels']}",
+            )
+        )
     for name in outs:
         same = next((i for i, (a, b) in enumerate(zip(outs[name], outs["cublas"])) if a != b), None)
         TABLE.append((f"greedy 64 tokens, first difference {name} vs cuBLAS", str(same)))
@@ -317,8 +342,8 @@ def section_sample(repeats: int) -> None:
     batch-1 decode of the bf16 Llama-3-8B shape with the pick and without (Sampler._greedy_pick patched to the
     CPU-only rule), alternating."""
     from aserve import LLM
-    from aserve.worker.sampler import Sampler
     from aserve.kernels import greedy
+    from aserve.worker.sampler import Sampler
 
     def torch_path(logits):
         x = logits.float()

@@ -100,10 +100,14 @@ def main() -> None:
     print(f"| batch-1 decode ms/token (median of {args.repeats}) | {a:.3f} | {s:.3f} | {s / a:.2f}x faster |")
     a, s = med("async_tok_s"), med("sync_tok_s")
     print(f"| throughput out tok/s (median of {args.repeats}) | {a:,.0f} | {s:,.0f} | {a / s:.2f}x |")
-    print(f"| all runs tok/s | {', '.join(f'{x:,.0f}' for x in results['async_tok_s'])} | "
-          f"{', '.join(f'{x:,.0f}' for x in results['sync_tok_s'])} | |")
-    print(f"| greedy outputs identical (of 256) | {same} | | first divergence median token "
-          f"{results['first_divergence_median']} |")
+    print(
+        f"| all runs tok/s | {', '.join(f'{x:,.0f}' for x in results['async_tok_s'])} | "
+        f"{', '.join(f'{x:,.0f}' for x in results['sync_tok_s'])} | |"
+    )
+    print(
+        f"| greedy outputs identical (of 256) | {same} | | first divergence median token "
+        f"{results['first_divergence_median']} |"
+    )
     if args.hf:
         print(json.dumps(results["hf"], indent=1, default=str))
 

@@ -147,15 +147,20 @@ def kernels() -> None:
         for stages in (2, 3, 4):
             cfg = dict(BLOCK_M=16, TILE_N=tile_n, num_warps=4, num_stages=stages)
             try:
-                ms = bench_ms(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1, config=cfg),
-                              25, 100)
+                ms = bench_ms(
+                    lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1, config=cfg), 25, 100
+                )
                 print(f"   decode config {cfg}: {kv_bytes / ms / 1e9:.2f} TB/s", flush=True)
             except Exception as e:
                 print("   config failed", cfg, type(e).__name__)
     for segments in (1, 2, 4):
         ms = bench_ms(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1, num_segments=segments))
-        record(f"decode_attn_b64_ctx4096_seg{segments}", round(kv_bytes / ms / 1e9, 2), "TB/s",
-               f"({ms * 1e3:.0f} us, {100 * kv_bytes / ms / 1e9 / bw:.0f}% of copy bandwidth)")
+        record(
+            f"decode_attn_b64_ctx4096_seg{segments}",
+            round(kv_bytes / ms / 1e9, 2),
+            "TB/s",
+            f"({ms * 1e3:.0f} us, {100 * kv_bytes / ms / 1e9 / bw:.0f}% of copy bandwidth)",
+        )
     # Correctness at full shape against SDPA on the same (gathered) data.
     kg = k_cache[tables.long()].view(B, ctx, Hkv, D).transpose(1, 2)
     vg = v_cache[tables.long()].view(B, ctx, Hkv, D).transpose(1, 2)
@@ -173,10 +178,18 @@ def kernels() -> None:
     ms_sdpa = bench_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
     ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     out = paged_attention(q, k_cache, v_cache, table, seq, qsl, T, k_new=k_new, v_new=v_new)
-    record("prefill_attn_4096_triton", round(flops / ms_tri / 1e9, 1), "TFLOP/s",
-           f"({ms_tri * 1e3:.0f} us; the prompt's K/V from the qkv rows, as in the engine)")
-    record("prefill_attn_4096_triton_pages", round(flops / ms_paged / 1e9, 1), "TFLOP/s",
-           f"({ms_paged * 1e3:.0f} us; every key gathered from the pages)")
+    record(
+        "prefill_attn_4096_triton",
+        round(flops / ms_tri / 1e9, 1),
+        "TFLOP/s",
+        f"({ms_tri * 1e3:.0f} us; the prompt's K/V from the qkv rows, as in the engine)",
+    )
+    record(
+        "prefill_attn_4096_triton_pages",
+        round(flops / ms_paged / 1e9, 1),
+        "TFLOP/s",
+        f"({ms_paged * 1e3:.0f} us; every key gathered from the pages)",
+    )
     tuning = []
     for block_m, reverse in ((64, False), (128, False), (64, True), (128, True)):
         for tile_n in (32, 64, 128):
@@ -184,8 +197,13 @@ def kernels() -> None:
                 for stages in (2, 3):
                     cfg = dict(BLOCK_M=block_m, TILE_N=tile_n, num_warps=warps, num_stages=stages, REVERSE=reverse)
                     try:
-                        t = bench_ms(lambda: paged_attention(q, k_cache, v_cache, table, seq, qsl, T, config=cfg,
-                                                             k_new=k_new, v_new=v_new), 25, 100)
+                        t = bench_ms(
+                            lambda: paged_attention(
+                                q, k_cache, v_cache, table, seq, qsl, T, config=cfg, k_new=k_new, v_new=v_new
+                            ),
+                            25,
+                            100,
+                        )
                         tuning.append((t, cfg))
                     except Exception as e:  # out of shared memory etc.
                         print("   config failed", cfg, type(e).__name__)
@@ -208,14 +226,19 @@ def parity(root: str) -> None:
     prompts = [[(7 * i + 3 * j) % 380 + 2 for j in range(n)] for i, n in enumerate((5, 17, 40, 64))]
     for dtype in ("float32", "bfloat16"):
         llm = LLM(path, dtype=dtype, max_model_len=512, gpu_memory_utilization=0.2)
-        got = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32, min_tokens=32))]
+        got = [
+            o.outputs[0].token_ids
+            for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+            )
+        ]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).cuda().eval()
         agree, notes = 0, []
         for p, toks in zip(prompts, got):
             with torch.no_grad():
-                out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False,
-                                     min_new_tokens=32)[0, len(p):].tolist()
+                out = model.generate(
+                    torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False, min_new_tokens=32
+                )[0, len(p) :].tolist()
             if out == toks:
                 agree += 1
                 continue
@@ -279,12 +302,21 @@ def decode(model_dir: str) -> None:
     if graphs is not None:
         graph, _ = graphs.graphs[1]
         fwd = bench_ms(graph.replay)
-        record("decode_b1_graph_forward", round(fwd, 3), "ms", f"(GPU time of the captured forward; "
-               f"{100 * floor_ms / fwd:.0f}% of floor)")
+        record(
+            "decode_b1_graph_forward",
+            round(fwd, 3),
+            "ms",
+            f"(GPU time of the captured forward; {100 * floor_ms / fwd:.0f}% of floor)",
+        )
     if graphs is not None:
         top_kernels(lambda: graphs.graphs[1][0].replay(), "decode_b1_kernels")
-    record("decode_b1_ms_per_token", round(ms, 3), "ms", f"(floor {floor_ms:.2f} ms = {weight_bytes / 1e9:.2f} GB "
-           f"/ {bw} TB/s; {100 * floor_ms / ms:.0f}% of floor; target <= 4.15)")
+    record(
+        "decode_b1_ms_per_token",
+        round(ms, 3),
+        "ms",
+        f"(floor {floor_ms:.2f} ms = {weight_bytes / 1e9:.2f} GB "
+        f"/ {bw} TB/s; {100 * floor_ms / ms:.0f}% of floor; target <= 4.15)",
+    )
     record("kv_capacity_tokens", engine.kv_capacity_tokens)
     return llm
 
@@ -311,6 +343,7 @@ def throughput(model_dir: str, llm=None) -> None:
             n = a[0].num_tokens if name != "schedule" and a and a[0] is not None else 0
             phases[name].append((time.perf_counter() - t, n))
             return r
+
         return wrapper
 
     # Sync steps: schedule / execute / process. Async scheduling: "execute" is launching step N+1 and waiting for
@@ -333,11 +366,19 @@ def throughput(model_dir: str, llm=None) -> None:
     for name, values in phases.items():
         d = [values[i][0] for i in decode_steps if i < len(values)]  # (async: the phases' call counts may differ)
         p_ = [values[i][0] for i in prefill_steps if i < len(values)]
-        record(f"step_{name}_ms", f"decode {1e3 * sum(d) / max(len(d), 1):.2f} x {len(d)}, "
-               f"prefill {1e3 * sum(p_) / max(len(p_), 1):.2f} x {len(p_)}", "ms")
+        record(
+            f"step_{name}_ms",
+            f"decode {1e3 * sum(d) / max(len(d), 1):.2f} x {len(d)}, "
+            f"prefill {1e3 * sum(p_) / max(len(p_), 1):.2f} x {len(p_)}",
+            "ms",
+        )
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    record("throughput_aserve", round(n_out / elapsed, 1), "out tok/s",
-           f"({elapsed:.2f} s; roofline ~5.3 s = 12.4k tok/s: {100 * 5.3 / elapsed:.0f}%)")
+    record(
+        "throughput_aserve",
+        round(n_out / elapsed, 1),
+        "out tok/s",
+        f"({elapsed:.2f} s; roofline ~5.3 s = 12.4k tok/s: {100 * 5.3 / elapsed:.0f}%)",
+    )
 
 
 def verify_cost(model_dir: str) -> None:
@@ -354,8 +395,11 @@ def verify_cost(model_dir: str) -> None:
         for k in range(5):
             fn = lambda: runner._synthetic_step([k + 1] * batch)  # noqa: E731
             times.append(bench_ms(fn, 20, 100))
-        rows.append(f"B={batch}: " + " ".join(f"k{k}={t / times[0]:.2f}" for k, t in enumerate(times))
-                    + f" (k0 {times[0]:.2f} ms)")
+        rows.append(
+            f"B={batch}: "
+            + " ".join(f"k{k}={t / times[0]:.2f}" for k, t in enumerate(times))
+            + f" (k0 {times[0]:.2f} ms)"
+        )
     record("verify_cost_relative", "see note", "", " | ".join(rows))
 
 
@@ -373,8 +417,14 @@ def hf(model_dir: str, generate_batch: bool = True) -> None:
         t0 = time.perf_counter()
         for i in range(0, 256, 64):
             ids = prompts[i : i + 64].cuda()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=256, min_new_tokens=256,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=256,
+                min_new_tokens=256,
+                do_sample=False,
+                pad_token_id=0,
+            )
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
     record("throughput_hf_static64", round(256 * 256 / elapsed, 1), "out tok/s", f"({elapsed:.1f} s)")
@@ -412,8 +462,15 @@ def main() -> None:
         throughput(model_dir, state.pop("llm", None))
         state["llm"] = None
 
-    run = {"ceilings": ceilings, "kernels": kernels, "parity": lambda: parity(root), "decode": decode_section,
-           "throughput": throughput_section, "hf": lambda: hf(model_dir), "verify_cost": lambda: verify_cost(model_dir)}
+    run = {
+        "ceilings": ceilings,
+        "kernels": kernels,
+        "parity": lambda: parity(root),
+        "decode": decode_section,
+        "throughput": throughput_section,
+        "hf": lambda: hf(model_dir),
+        "verify_cost": lambda: verify_cost(model_dir),
+    }
     for name in sections:
         run_section(name, run[name])
     write_results(args.out)

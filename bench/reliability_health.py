@@ -69,6 +69,7 @@ async def measure(url: str, loadgen_cmd: list[str], idle_s: float, duration: flo
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{url}/metrics") as resp:
             metrics = await resp.text()
+
     def counter(prefix: str, label: str = "") -> float | None:
         return next((float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                      if line.startswith(prefix) and label in line), None)  # fmt: skip

@@ -176,8 +176,10 @@ async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, con
         "concurrency": concurrency,
         "storm_s": round(storm_s, 1),
         "drain_s": round(drain_s, 2),
-        "finished": {r: delta(f'aserve:request_success_total{{finished_reason="{r}"')
-                     for r in ("stop", "length", "abort", "error")},  # fmt: skip
+        "finished": {
+            r: delta(f'aserve:request_success_total{{finished_reason="{r}"')
+            for r in ("stop", "length", "abort", "error")
+        },  # fmt: skip
         "preemptions": delta("aserve:num_preemptions_total"),
         "after_drain": {name: metric(after, name) for name in IDLE_GAUGES},
         "problems": problems,

@@ -80,8 +80,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for scenario, name, r, base in rows:
         acc = f"{r['acceptance_len']:.2f}" if r["acceptance_len"] else "-"
-        print(f"| {scenario} | {name} | {r['tpot_ms']:.1f} | {base['tpot_ms'] / r['tpot_ms']:.2f}x | "
-              f"{r['out_tok_s']:.1f} | {r['out_tok_s'] / base['out_tok_s']:.2f}x | {acc} |")
+        print(
+            f"| {scenario} | {name} | {r['tpot_ms']:.1f} | {base['tpot_ms'] / r['tpot_ms']:.2f}x | "
+            f"{r['out_tok_s']:.1f} | {r['out_tok_s'] / base['out_tok_s']:.2f}x | {acc} |"
+        )
 
 
 if __name__ == "__main__":

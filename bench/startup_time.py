@@ -29,7 +29,9 @@ def time_to_healthy(env: dict, extra: list[str]) -> float:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "aserve", "serve", "--port", str(port), *extra],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         while True:

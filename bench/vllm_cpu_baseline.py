@@ -20,6 +20,7 @@ Model loading / compilation time is reported separately and never included in
 the timed numbers. A small warm-up generate runs before any timing.
 Each latency measurement uses a fresh random prompt so prefix caching cannot help.
 """
+
 import argparse
 import os
 import random
@@ -29,31 +30,34 @@ import time
 
 
 def rand_prompts(rng, n, length):
-    return [
-        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(length)]}
-        for _ in range(n)
-    ]
+    return [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(length)]} for _ in range(n)]
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF directory (see the module docstring)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--lat-input-len", type=int, default=128)
     ap.add_argument("--lat-output-len", type=int, default=256)
-    ap.add_argument("--lat-iters", type=int, default=3,
-                    help="repetitions of each latency measurement (median reported)")
+    ap.add_argument(
+        "--lat-iters", type=int, default=3, help="repetitions of each latency measurement (median reported)"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3,
-                    help="on vLLM-CPU: fraction of host RAM reserved (KV cache etc.)")
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.3,
+        help="on vLLM-CPU: fraction of host RAM reserved (KV cache etc.)",
+    )
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="vLLM scheduler max batch (default: vLLM's own default)")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="skip torch.compile (default: vLLM's default compile mode)")
+    ap.add_argument(
+        "--max-num-seqs", type=int, default=None, help="vLLM scheduler max batch (default: vLLM's own default)"
+    )
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="skip torch.compile (default: vLLM's default compile mode)"
+    )
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
     args = ap.parse_args()
@@ -87,11 +91,15 @@ def main():
     rows = []
 
     # Correctness sanity check (not timed): greedy chat answer should mention Paris.
-    chk = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    chk = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=32),
+        use_tqdm=False,
+    )
     chk_txt = chk[0].outputs[0].text
-    rows.append(("sanity: 'capital of France?' ->",
-                 f"{chk_txt.strip()[:60]!r} [{'OK' if 'Paris' in chk_txt else 'NO PARIS!'}]"))
+    rows.append(
+        ("sanity: 'capital of France?' ->", f"{chk_txt.strip()[:60]!r} [{'OK' if 'Paris' in chk_txt else 'NO PARIS!'}]")
+    )
 
     if not args.skip_throughput:
         prompts = rand_prompts(rng, args.num_requests, args.input_len)
@@ -102,8 +110,7 @@ def main():
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(o.prompt_token_ids) for o in outs)
         rows += [
-            (f"throughput: {args.num_requests} req x {args.input_len} in / "
-             f"{args.output_len} out", ""),
+            (f"throughput: {args.num_requests} req x {args.input_len} in / {args.output_len} out", ""),
             ("  elapsed (s)", f"{el:.3f}"),
             ("  prompt tokens / output tokens", f"{n_in} / {n_out}"),
             ("  output tok/s", f"{n_out / el:.1f}"),
@@ -130,28 +137,29 @@ def main():
         ttft = statistics.median(ttfts)
         n_got = got[0]
         rows += [
-            (f"batch-1 latency: {args.lat_input_len} in / {n} out "
-             f"(median of {args.lat_iters})", ""),
+            (f"batch-1 latency: {args.lat_input_len} in / {n} out (median of {args.lat_iters})", ""),
             ("  output tokens generated", f"{n_got}"),
-            ("  e2e (ms)", f"{e2e * 1e3:.1f}  (all: "
-             + ", ".join(f"{x * 1e3:.0f}" for x in e2es) + ")"),
+            ("  e2e (ms)", f"{e2e * 1e3:.1f}  (all: " + ", ".join(f"{x * 1e3:.0f}" for x in e2es) + ")"),
             ("  raw ms/output token (e2e/n)", f"{e2e * 1e3 / n_got:.2f}"),
-            ("  TTFT estimate, max_tokens=1 (ms)", f"{ttft * 1e3:.1f}  (all: "
-             + ", ".join(f"{x * 1e3:.0f}" for x in ttfts) + ")"),
-            ("  decode ms/token (e2e-ttft)/(n-1)",
-             f"{(e2e - ttft) * 1e3 / max(n_got - 1, 1):.2f}"),
-            ("  decode tok/s (batch 1)",
-             f"{max(n_got - 1, 1) / max(e2e - ttft, 1e-9):.1f}"),
+            (
+                "  TTFT estimate, max_tokens=1 (ms)",
+                f"{ttft * 1e3:.1f}  (all: " + ", ".join(f"{x * 1e3:.0f}" for x in ttfts) + ")",
+            ),
+            ("  decode ms/token (e2e-ttft)/(n-1)", f"{(e2e - ttft) * 1e3 / max(n_got - 1, 1):.2f}"),
+            ("  decode tok/s (batch 1)", f"{max(n_got - 1, 1) / max(e2e - ttft, 1e-9):.1f}"),
         ]
 
-    envs = {k: os.environ[k] for k in sorted(os.environ)
-            if k.startswith(("VLLM_CPU", "OMP_", "KMP_", "LD_PRELOAD"))}
+    envs = {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VLLM_CPU", "OMP_", "KMP_", "LD_PRELOAD"))}
     print()
     print("=" * 72)
-    print(f"vLLM {vllm.__version__} (CPU) | torch {torch.__version__} | "
-          f"model {args.model} | python {sys.version.split()[0]}")
-    print(f"cpus visible: {len(os.sched_getaffinity(0))} | LLM kwargs: "
-          + ", ".join(f"{k}={v}" for k, v in llm_kwargs.items() if k != "model"))
+    print(
+        f"vLLM {vllm.__version__} (CPU) | torch {torch.__version__} | "
+        f"model {args.model} | python {sys.version.split()[0]}"
+    )
+    print(
+        f"cpus visible: {len(os.sched_getaffinity(0))} | LLM kwargs: "
+        + ", ".join(f"{k}={v}" for k, v in llm_kwargs.items() if k != "model")
+    )
     print(f"env: {envs if envs else '(none of VLLM_CPU_*/OMP_*/KMP_*/LD_PRELOAD set)'}")
     print(f"model load + warm-up excluded; LLM() construction took {load_s:.1f} s")
     print("-" * 72)

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import numpy as np
 
 
-def arrival_offsets(kind: str, rate: float | None, rng: np.random.Generator, burstiness: float = 1.0
-                    ) -> Iterator[float]:
+def arrival_offsets(
+    kind: str, rate: float | None, rng: np.random.Generator, burstiness: float = 1.0
+) -> Iterator[float]:
     """0, then cumulative inter-arrival gaps, endlessly. rate=None sends everything at once.
 
     poisson:  exponential gaps of mean 1/rate.

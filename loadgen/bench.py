@@ -39,8 +39,15 @@ async def run_benchmark(cfg: RunConfig, log: Callable[[str], None] = print) -> R
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
         headers = auth_headers(cfg.api_key)
         model = cfg.model or await discover_model(http, cfg.url, headers)
-        target = Target(url=cfg.url, model=model, endpoint=cfg.endpoint, api_key=cfg.api_key,
-                        temperature=cfg.temperature, ignore_eos=cfg.effective_ignore_eos, extra_body=cfg.extra_body)
+        target = Target(
+            url=cfg.url,
+            model=model,
+            endpoint=cfg.endpoint,
+            api_key=cfg.api_key,
+            temperature=cfg.temperature,
+            ignore_eos=cfg.effective_ignore_eos,
+            extra_body=cfg.extra_body,
+        )
         notes = []
         tokens_per_word = 1.0
         if cfg.prompt_format == "text" and cfg.workload != "file":
@@ -51,9 +58,17 @@ async def run_benchmark(cfg: RunConfig, log: Callable[[str], None] = print) -> R
                 tokens_per_word = measured
         workload = make_workload(cfg, tokens_per_word)
         log(f"loadgen: {cfg.url} model {model}, {cfg.endpoint} endpoint, workload {workload.describe()}")
-        report = Report(created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), url=cfg.url,
-                        model=model, endpoint=cfg.endpoint, workload=workload.describe(),
-                        tokens_per_word=tokens_per_word, config=cfg.public(), runs=[], notes=notes)
+        report = Report(
+            created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            url=cfg.url,
+            model=model,
+            endpoint=cfg.endpoint,
+            workload=workload.describe(),
+            tokens_per_word=tokens_per_word,
+            config=cfg.public(),
+            runs=[],
+            notes=notes,
+        )
         if cfg.warmup:
             warm = await _warmup(http, target, cfg, workload)
             report.warmup_requests, report.warmup_errors = len(warm), sum(not r.ok for r in warm)
@@ -70,13 +85,21 @@ async def run_benchmark(cfg: RunConfig, log: Callable[[str], None] = print) -> R
         return report
 
 
-async def _run_load(http, target: Target, cfg: RunConfig, workload: Workload, load: Load, level: int,
-                    scraper: MetricsScraper | None) -> RunResult:
+async def _run_load(
+    http, target: Target, cfg: RunConfig, workload: Workload, load: Load, level: int, scraper: MetricsScraper | None
+) -> RunResult:
     bounds = Bounds(cfg.num_requests, cfg.duration)
     with _progress(cfg, load) as on_done:
-        runner = Runner(http, target, max_concurrency=cfg.max_concurrency, arrival=cfg.arrival,
-                        burstiness=cfg.burstiness, request_timeout=cfg.request_timeout,
-                        read_timeout=cfg.read_timeout, on_done=on_done)
+        runner = Runner(
+            http,
+            target,
+            max_concurrency=cfg.max_concurrency,
+            arrival=cfg.arrival,
+            burstiness=cfg.burstiness,
+            request_timeout=cfg.request_timeout,
+            read_timeout=cfg.read_timeout,
+            on_done=on_done,
+        )
         before = await scraper.scrape() if scraper is not None else None
         samples = []
         started_at, t0 = time.time(), time.perf_counter()
@@ -85,8 +108,13 @@ async def _run_load(http, target: Target, cfg: RunConfig, workload: Workload, lo
             samples.append(gauge_sample(before, 0.0))
             poller = asyncio.create_task(scraper.poll(t0, cfg.metrics_interval, samples))
         try:
-            records = await runner.run(load, workload.sessions(_rng(cfg.seed, _WORKLOAD_STREAM, level)), bounds,
-                                       _rng(cfg.seed, _ARRIVAL_STREAM, level), t0)
+            records = await runner.run(
+                load,
+                workload.sessions(_rng(cfg.seed, _WORKLOAD_STREAM, level)),
+                bounds,
+                _rng(cfg.seed, _ARRIVAL_STREAM, level),
+                t0,
+            )
         finally:
             if poller is not None:
                 poller.cancel()
@@ -96,15 +124,20 @@ async def _run_load(http, target: Target, cfg: RunConfig, workload: Workload, lo
     server = None
     if after is not None:
         server = server_delta(before, after, samples + [gauge_sample(after, time.perf_counter() - t0)])
-    return RunResult(load=load, summary=summarize(records, cfg.slo), server=server, records=records,
-                     started_at=started_at)
+    return RunResult(
+        load=load, summary=summarize(records, cfg.slo), server=server, records=records, started_at=started_at
+    )
 
 
 async def _warmup(http, target: Target, cfg: RunConfig, workload: Workload) -> list[RequestRecord]:
     users = min(cfg.warmup, cfg.max_concurrency or cfg.warmup)
     runner = Runner(http, target, request_timeout=cfg.request_timeout, read_timeout=cfg.read_timeout)
-    return await runner.run(Load("concurrency", users), workload.sessions(_rng(cfg.seed, _WARMUP_STREAM)),
-                            Bounds(cfg.warmup, None), _rng(cfg.seed, _ARRIVAL_STREAM))
+    return await runner.run(
+        Load("concurrency", users),
+        workload.sessions(_rng(cfg.seed, _WARMUP_STREAM)),
+        Bounds(cfg.warmup, None),
+        _rng(cfg.seed, _ARRIVAL_STREAM),
+    )
 
 
 def _rng(seed: int, stream: int, level: int = 0) -> np.random.Generator:
@@ -119,8 +152,9 @@ def _progress(cfg: RunConfig, load: Load):
         return
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.num_requests, desc=load.describe(), unit="req", file=sys.stderr, dynamic_ncols=True,
-               leave=False)
+    bar = tqdm(
+        total=cfg.num_requests, desc=load.describe(), unit="req", file=sys.stderr, dynamic_ncols=True, leave=False
+    )
     failed = 0
 
     def on_done(record: RequestRecord) -> None:
@@ -149,16 +183,21 @@ async def discover_model(http: aiohttp.ClientSession, url: str, headers: dict[st
     return data[0]["id"]
 
 
-async def measure_tokens_per_word(http: aiohttp.ClientSession, url: str, headers: dict[str, str], model: str
-                                  ) -> float | None:
+async def measure_tokens_per_word(
+    http: aiohttp.ClientSession, url: str, headers: dict[str, str], model: str
+) -> float | None:
     """Tokens per vocabulary word, from the server's /tokenize (vLLM's and aserve's): the difference between the
     vocabulary once and twice, so that special tokens (BOS) cancel out. None when there is no /tokenize."""
     text = " ".join(VOCABULARY)
     counts = []
     for prompt in (text, f"{text} {text}"):
         try:
-            async with http.post(url + "/tokenize", json={"model": model, "prompt": prompt}, headers=headers,
-                                 timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            async with http.post(
+                url + "/tokenize",
+                json={"model": model, "prompt": prompt},
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=30),
+            ) as resp:
                 if resp.status != 200:
                     return None
                 body = await resp.json()

@@ -47,8 +47,10 @@ def run_main(argv: list[str]) -> None:
 
 
 def compare_main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="loadgen compare", description="Metric-by-metric difference of two runs "
-                                "(B - A); a sweep pairs equal load levels.")
+    p = argparse.ArgumentParser(
+        prog="loadgen compare",
+        description="Metric-by-metric difference of two runs (B - A); a sweep pairs equal load levels.",
+    )
     p.add_argument("a", help="results JSON of run A (the baseline)")
     p.add_argument("b", help="results JSON of run B")
     ns = p.parse_args(argv)

@@ -34,11 +34,19 @@ class Target(msgspec.Struct, frozen=True, kw_only=True):
 
     def body(self, prompt: str | list[int] | list[dict], max_tokens: int) -> dict:
         """A streamed request; `prompt` is text or token ids (completions) or a message list (chat)."""
-        body = {"model": self.model, "max_tokens": max_tokens, "temperature": self.temperature, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.endpoint == "chat":
-            body["messages"] = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else [
-                {"role": "user", "content": prompt}]
+            body["messages"] = (
+                prompt
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+                else [{"role": "user", "content": prompt}]
+            )
         else:
             body["prompt"] = prompt
         if self.ignore_eos:  # a vLLM extension: exactly max_tokens tokens
@@ -67,8 +75,9 @@ class Outcome(msgspec.Struct, kw_only=True):
     done: bool = False  # [DONE] seen
 
 
-async def stream_request(http: aiohttp.ClientSession, target: Target, body: dict, total_timeout: float,
-                         read_timeout: float) -> Outcome:
+async def stream_request(
+    http: aiohttp.ClientSession, target: Target, body: dict, total_timeout: float, read_timeout: float
+) -> Outcome:
     """Sends one streamed request and never raises (except cancellation): failures are in the Outcome. The session
     should have no timeouts of its own; `read_timeout` bounds the silence between bytes (keep-alive comments count),
     `total_timeout` the whole exchange."""

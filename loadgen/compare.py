@@ -41,9 +41,11 @@ METRICS: list[tuple[str, Callable[[RunResult], float | None], str | None]] = [
     ("goodput (req/s)", lambda r: r.summary.goodput, "higher"),
     ("SLO attainment", lambda r: r.summary.slo_attainment, "higher"),
     ("error rate", lambda r: r.summary.error_rate, "lower"),
-    *[(f"{label} {stat} (ms)", _latency(field, stat), "lower")
-      for label, field in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
-      for stat in ("mean", "median", "p90", "p99")],
+    *[
+        (f"{label} {stat} (ms)", _latency(field, stat), "lower")
+        for label, field in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+        for stat in ("mean", "median", "p90", "p99")
+    ],
     ("server TTFT mean (ms)", _server("ttft_mean_ms"), "lower"),
     ("server queue time mean (ms)", _server("queue_time_mean_ms"), "lower"),
     ("server preemptions", _server("preemptions"), "lower"),
@@ -106,8 +108,9 @@ def format_comparison(a: Report, b: Report, name_a: str = "A", name_b: str = "B"
     if not pairs:
         return "\n".join(lines + ["the two files share no load level to compare"])
     for run_a, run_b in pairs:
-        title = run_a.load.describe() if run_a.load == run_b.load else f"{run_a.load.describe()} vs " \
-                                                                       f"{run_b.load.describe()}"
+        title = (
+            run_a.load.describe() if run_a.load == run_b.load else f"{run_a.load.describe()} vs {run_b.load.describe()}"
+        )
         lines.append(f"{' ' + title + ' ':=^86}")
         lines.append(f"{'metric':<36}{'A':>12}{'B':>12}{'B - A':>12}{'change':>9}  verdict")
         for d in compare_runs(run_a, run_b):

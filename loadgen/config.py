@@ -105,8 +105,11 @@ class RunConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--duration must be > 0")
         if self.num_requests is None and self.duration is None:
             self.num_requests = 100
-        unbounded_rate = self.rate is None and self.concurrency is None and (
-            self.sweep_param is None or (self.sweep_param == "rate" and any(map(math.isinf, self.sweep_values))))
+        unbounded_rate = (
+            self.rate is None
+            and self.concurrency is None
+            and (self.sweep_param is None or (self.sweep_param == "rate" and any(map(math.isinf, self.sweep_values))))
+        )
         if self.num_requests is None and unbounded_rate:
             raise ValueError("sending everything at once (no --rate) needs --num-requests, not just --duration")
         from loadgen.workloads.lengths import parse_length  # here: loadgen.workloads imports this module

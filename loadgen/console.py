@@ -32,12 +32,16 @@ def format_run(run: RunResult) -> str:
     title = f" {run.load.describe()} | {s.num_requests} requests | {s.duration_s:.2f} s "
     lines = [f"{title:=^78}"]
     lines.append(f"{'requests':<20}{s.num_ok} ok, {s.num_errors} failed (error rate {pct(s.error_rate)})")
-    lines.append(f"{'throughput':<20}{s.request_throughput:.2f} req/s | {s.output_throughput:.1f} output tok/s | "
-                 f"{s.total_token_throughput:.1f} total tok/s")
+    lines.append(
+        f"{'throughput':<20}{s.request_throughput:.2f} req/s | {s.output_throughput:.1f} output tok/s | "
+        f"{s.total_token_throughput:.1f} total tok/s"
+    )
     lines.append(f"{'tokens':<20}{s.prompt_tokens} prompt, {s.output_tokens} output")
     if s.slo is not None:
-        lines.append(f"{'SLO (ms)':<20}{s.slo.describe()}: {s.slo_met}/{s.num_requests} met "
-                     f"({pct(s.slo_attainment)}) | goodput {s.goodput:.2f} req/s")
+        lines.append(
+            f"{'SLO (ms)':<20}{s.slo.describe()}: {s.slo_met}/{s.num_requests} met "
+            f"({pct(s.slo_attainment)}) | goodput {s.goodput:.2f} req/s"
+        )
     lines.append("")
     lines.append(f"{'(ms)':<10}" + "".join(f"{h:>11}" for h in ("mean", "median", "p90", "p99", "max", "n")))
     for label, field in LATENCIES:
@@ -75,7 +79,7 @@ def format_server(server: ServerStats) -> str:
         parts.append(("mean acceptance length", fmt(server.spec_decode_mean_acceptance_length, ".2f")))
     lines = ["server (/metrics, deltas over the run):"]
     for i in range(0, len(parts), 4):
-        lines.append("  " + " | ".join(f"{k} {v}" for k, v in parts[i:i + 4]))
+        lines.append("  " + " | ".join(f"{k} {v}" for k, v in parts[i : i + 4]))
     return "\n".join(lines)
 
 
@@ -86,15 +90,19 @@ def _p90(summary: Summary, field: str) -> str:
 
 def format_sweep(report: Report) -> str:
     sweep = report.sweep
-    header = (f"{sweep.param:>11}{'req/s':>9}{'out tok/s':>11}{'TTFT p90':>10}{'TPOT p90':>10}{'E2E p90':>10}"
-              f"{'goodput':>9}{'attain':>9}{'errors':>8}  meets")
+    header = (
+        f"{sweep.param:>11}{'req/s':>9}{'out tok/s':>11}{'TTFT p90':>10}{'TPOT p90':>10}{'E2E p90':>10}"
+        f"{'goodput':>9}{'attain':>9}{'errors':>8}  meets"
+    )
     lines = [f"sweep over {sweep.param}; a level meets the SLO when {sweep.criterion}", header]
     for run, met in zip(report.runs, sweep.meets_slo):
         s = run.summary
         value = "inf" if run.load.value is None else f"{run.load.value:g}"
-        lines.append(f"{value:>11}{s.request_throughput:>9.2f}{s.output_throughput:>11.1f}{_p90(s, 'ttft_ms'):>10}"
-                     f"{_p90(s, 'tpot_ms'):>10}{_p90(s, 'e2e_ms'):>10}{fmt(s.goodput, '.2f'):>9}"
-                     f"{pct(s.slo_attainment):>9}{s.num_errors:>8}  {'yes' if met else 'no'}")
+        lines.append(
+            f"{value:>11}{s.request_throughput:>9.2f}{s.output_throughput:>11.1f}{_p90(s, 'ttft_ms'):>10}"
+            f"{_p90(s, 'tpot_ms'):>10}{_p90(s, 'e2e_ms'):>10}{fmt(s.goodput, '.2f'):>9}"
+            f"{pct(s.slo_attainment):>9}{s.num_errors:>8}  {'yes' if met else 'no'}"
+        )
     if sweep.best_index is None:
         lines.append("no load level meets the SLO")
     else:

@@ -24,8 +24,14 @@ PIECE = 5  # bytes per write under #split
 
 
 class FakeServer:
-    def __init__(self, *, model: str = "fake-model", token_delay: float = 0.0, first_token_delay: float = 0.0,
-                 chunked: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        model: str = "fake-model",
+        token_delay: float = 0.0,
+        first_token_delay: float = 0.0,
+        chunked: bool = False,
+    ) -> None:
         self.model, self.chunked = model, chunked
         self.token_delay, self.first_token_delay = token_delay, first_token_delay
         self.requests: list[tuple[str, str, dict | None]] = []  # (method, path, JSON body)
@@ -81,8 +87,11 @@ class FakeServer:
 
     async def _respond(self, writer, status: int, payload: dict | str, content_type="application/json") -> None:
         data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
-        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
-                     f"Connection: close\r\n\r\n".encode() + data)
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
+            f"Connection: close\r\n\r\n".encode()
+            + data
+        )
         await writer.drain()
 
     async def _route(self, method: str, path: str, body: dict | None, writer) -> None:
@@ -104,7 +113,7 @@ class FakeServer:
             await self._respond(writer, 404, {"error": {"message": f"no route {method} {path}"}})
 
     async def _write(self, writer, data: bytes, split: bool) -> None:
-        pieces = [data[i:i + PIECE] for i in range(0, len(data), PIECE)] if split else [data]
+        pieces = [data[i : i + PIECE] for i in range(0, len(data), PIECE)] if split else [data]
         for i, piece in enumerate(pieces):
             if i:
                 await asyncio.sleep(0.001)  # separate TCP segments
@@ -116,8 +125,24 @@ class FakeServer:
     async def _generate(self, body: dict, chat: bool, writer) -> None:
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         text = prompt if isinstance(prompt, str) else ""
-        directive = next((d for d in ("#split", "#keepalive", "#error", "#close", "#hang", "#stall", "#http500",
-                                      "#garbage", "#nousage") if d in text), "")
+        directive = next(
+            (
+                d
+                for d in (
+                    "#split",
+                    "#keepalive",
+                    "#error",
+                    "#close",
+                    "#hang",
+                    "#stall",
+                    "#http500",
+                    "#garbage",
+                    "#nousage",
+                )
+                if d in text
+            ),
+            "",
+        )
         if directive == "#http500":
             await self._respond(writer, 500, {"error": {"message": "the engine fell over", "type": "server_error"}})
             return
@@ -129,8 +154,9 @@ class FakeServer:
         split = directive == "#split"
         n = int(body.get("max_tokens") or 16)
         if chat:
-            await self._write(writer, _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
-                              split)
+            await self._write(
+                writer, _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}), split
+            )
         await asyncio.sleep(self.first_token_delay)
         for i in range(n):
             if i and self.token_delay:
@@ -140,8 +166,7 @@ class FakeServer:
             if directive in ("#error", "#close") and i == 2:
                 if directive == "#close":
                     return  # _handle closes the socket mid-stream
-                await self._write(writer, _sse({"error": {"message": "out of memory", "type": "server_error"}}),
-                                  split)
+                await self._write(writer, _sse({"error": {"message": "out of memory", "type": "server_error"}}), split)
                 await self._write(writer, b"data: [DONE]\n\n", split)
                 return self._end_chunked(writer)
             if directive == "#garbage" and i == 1:
@@ -186,8 +211,11 @@ class FakeServer:
                 f"aserve:time_to_first_token_seconds_sum{{{label}}} {scale * self.replies * self.first_token_delay}",
                 f"aserve:time_to_first_token_seconds_count{{{label}}} {scale * self.replies}",
             ]
-        return "# HELP aserve:num_preemptions_total Preemptions.\n# TYPE aserve:num_preemptions_total counter\n" + \
-            "\n".join(lines) + "\n"
+        return (
+            "# HELP aserve:num_preemptions_total Preemptions.\n# TYPE aserve:num_preemptions_total counter\n"
+            + "\n".join(lines)
+            + "\n"
+        )
 
 
 def _sse(obj: dict) -> bytes:

@@ -80,15 +80,23 @@ def _run_section(run: RunResult, index: int, images: dict[str, bytes]) -> str:
         ["tokens (prompt / output)", f"{s.prompt_tokens} / {s.output_tokens}"],
     ]
     if s.slo is not None:
-        overview += [["SLO (ms)", s.slo.describe()], ["SLO attainment", f"{s.slo_met}/{s.num_requests} "
-                                                                         f"({pct(s.slo_attainment)})"],
-                     ["goodput", f"{s.goodput:.2f} req/s"]]
+        overview += [
+            ["SLO (ms)", s.slo.describe()],
+            ["SLO attainment", f"{s.slo_met}/{s.num_requests} ({pct(s.slo_attainment)})"],
+            ["goodput", f"{s.goodput:.2f} req/s"],
+        ]
     parts = [f"<h2>{html.escape(run.load.describe())}</h2>", _table(["", "value"], overview)]
     rows = []
     for label, field in LATENCIES:
         d = getattr(s, field)
-        rows.append([label] + (["-"] * 6 if d is None else
-                               [f"{v:.2f}" for v in (d.mean, d.median, d.p90, d.p99, d.max)] + [str(d.count)]))
+        rows.append(
+            [label]
+            + (
+                ["-"] * 6
+                if d is None
+                else [f"{v:.2f}" for v in (d.mean, d.median, d.p90, d.p99, d.max)] + [str(d.count)]
+            )
+        )
     parts.append(_table(["latency (ms)", "mean", "median", "p90", "p99", "max", "n"], rows))
     if run.server is not None:
         sv = run.server
@@ -105,8 +113,10 @@ def _run_section(run: RunResult, index: int, images: dict[str, bytes]) -> str:
             ["finished (by reason)", ", ".join(f"{k} {v:.0f}" for k, v in sorted(sv.finished.items())) or "-"],
         ]
         if sv.spec_decode_draft_tokens is not None:
-            server_rows += [["spec-decode acceptance rate", pct(sv.spec_decode_acceptance_rate)],
-                            ["mean acceptance length", fmt(sv.spec_decode_mean_acceptance_length, ".2f")]]
+            server_rows += [
+                ["spec-decode acceptance rate", pct(sv.spec_decode_acceptance_rate)],
+                ["mean acceptance length", fmt(sv.spec_decode_mean_acceptance_length, ".2f")],
+            ]
         parts.append(_table(["server (/metrics deltas)", "value"], server_rows))
     if s.errors:
         parts.append(_table(["error", "count"], [[m, str(c)] for m, c in s.errors.items()]))
@@ -120,26 +130,54 @@ def _sweep_section(report: Report, images: dict[str, bytes]) -> str:
     for i, (run, met) in enumerate(zip(report.runs, sweep.meets_slo)):
         s = run.summary
         p90 = {f: (getattr(s, f).p90 if getattr(s, f) else None) for f in ("ttft_ms", "tpot_ms", "e2e_ms")}
-        rows.append([run.load.describe(), f"{s.request_throughput:.2f}", f"{s.output_throughput:.1f}",
-                     fmt(p90["ttft_ms"], ".1f"), fmt(p90["tpot_ms"], ".1f"), fmt(p90["e2e_ms"], ".1f"),
-                     fmt(s.goodput, ".2f"), pct(s.slo_attainment), str(s.num_errors), "yes" if met else "no"])
+        rows.append(
+            [
+                run.load.describe(),
+                f"{s.request_throughput:.2f}",
+                f"{s.output_throughput:.1f}",
+                fmt(p90["ttft_ms"], ".1f"),
+                fmt(p90["tpot_ms"], ".1f"),
+                fmt(p90["e2e_ms"], ".1f"),
+                fmt(s.goodput, ".2f"),
+                pct(s.slo_attainment),
+                str(s.num_errors),
+                "yes" if met else "no",
+            ]
+        )
         classes.append("best" if i == sweep.best_index else "")
     best = "none" if sweep.best_index is None else report.runs[sweep.best_index].load.describe()
-    header = ["load", "req/s", "out tok/s", "TTFT p90", "TPOT p90", "E2E p90", "goodput", "attainment", "errors",
-              "meets SLO"]
-    return "\n".join([
-        "<h2>Sweep</h2>",
-        f"<p>A level meets the SLO when {html.escape(sweep.criterion)}. "
-        f"<b>Highest load meeting it: {html.escape(best)}</b>.</p>",
-        _table(header, rows, classes),
-        _img(images, "sweep.png", "latency and throughput against load"),
-    ])
+    header = [
+        "load",
+        "req/s",
+        "out tok/s",
+        "TTFT p90",
+        "TPOT p90",
+        "E2E p90",
+        "goodput",
+        "attainment",
+        "errors",
+        "meets SLO",
+    ]
+    return "\n".join(
+        [
+            "<h2>Sweep</h2>",
+            f"<p>A level meets the SLO when {html.escape(sweep.criterion)}. "
+            f"<b>Highest load meeting it: {html.escape(best)}</b>.</p>",
+            _table(header, rows, classes),
+            _img(images, "sweep.png", "latency and throughput against load"),
+        ]
+    )
 
 
 def render_html(report: Report, images: dict[str, bytes]) -> str:
-    meta = [["created", report.created], ["server", report.url], ["model", report.model],
-            ["endpoint", report.endpoint], ["workload", report.workload],
-            ["tokens per word (text prompts)", f"{report.tokens_per_word:.3f}"]]
+    meta = [
+        ["created", report.created],
+        ["server", report.url],
+        ["model", report.model],
+        ["endpoint", report.endpoint],
+        ["workload", report.workload],
+        ["tokens per word (text prompts)", f"{report.tokens_per_word:.3f}"],
+    ]
     if report.warmup_requests:
         meta.append(["warmup (not counted)", f"{report.warmup_requests} requests, {report.warmup_errors} failed"])
     body = [f"<h1>loadgen report: {html.escape(report.model)}</h1>", _table(["run", ""], meta)]
@@ -153,5 +191,7 @@ def render_html(report: Report, images: dict[str, bytes]) -> str:
     body += [_run_section(run, i, images) for i, run in enumerate(report.runs)]
     body.append("<h2>Configuration</h2>")
     body.append(f"<pre>{html.escape(json.dumps(report.config, indent=1, default=str))}</pre>")
-    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>loadgen: {html.escape(report.model)}"
-            f"</title><style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>loadgen: {html.escape(report.model)}'
+        f"</title><style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )

@@ -8,8 +8,14 @@ import math
 
 from loadgen.config import SLO, RunConfig
 
-_SLO_KEYS = {"ttft_ms": "ttft_ms", "ttft": "ttft_ms", "tpot_ms": "tpot_ms", "tpot": "tpot_ms", "e2e_ms": "e2e_ms",
-             "e2e": "e2e_ms"}
+_SLO_KEYS = {
+    "ttft_ms": "ttft_ms",
+    "ttft": "ttft_ms",
+    "tpot_ms": "tpot_ms",
+    "tpot": "tpot_ms",
+    "e2e_ms": "e2e_ms",
+    "e2e": "e2e_ms",
+}
 
 
 def parse_slo(text: str) -> SLO:
@@ -56,24 +62,41 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser(prog: str = "loadgen") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, description="Load-test an OpenAI-compatible server. Also: `loadgen compare A.json B.json`, "
-                               "`loadgen report RUN.json --html R.html`.",
-        formatter_class=_HelpFormatter)
+        prog=prog,
+        description="Load-test an OpenAI-compatible server. Also: `loadgen compare A.json B.json`, "
+        "`loadgen report RUN.json --html R.html`.",
+        formatter_class=_HelpFormatter,
+    )
     t = p.add_argument_group("target")
     t.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (…/v1 is accepted too)")
     t.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
-    t.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="/v1/completions or /v1/chat/completions")
+    t.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions",
+    )
     t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=("random", "shared-prefix", "chat", "grounded", "file"), default="random",
-                   help="what the requests look like (docs/loadgen.md)")
-    w.add_argument("--input-len", default="256",
-                   help="prompt tokens (shared-prefix: the unique suffix; chat: each user turn; grounded: the "
-                        "passage): N, LO:HI (uniform) or lognormal:MEDIAN:SIGMA")
+    w.add_argument(
+        "--workload",
+        choices=("random", "shared-prefix", "chat", "grounded", "file"),
+        default="random",
+        help="what the requests look like (docs/loadgen.md)",
+    )
+    w.add_argument(
+        "--input-len",
+        default="256",
+        help="prompt tokens (shared-prefix: the unique suffix; chat: each user turn; grounded: the "
+        "passage): N, LO:HI (uniform) or lognormal:MEDIAN:SIGMA",
+    )
     w.add_argument("--output-len", default=None, help="max_tokens, same forms (default 128; grounded: passage + 25%%)")
-    w.add_argument("--prompt-format", choices=("text", "ids"), default="text",
-                   help="text: words (sized with the server's /tokenize); ids: random token ids (completions only)")
+    w.add_argument(
+        "--prompt-format",
+        choices=("text", "ids"),
+        default="text",
+        help="text: words (sized with the server's /tokenize); ids: random token ids (completions only)",
+    )
     w.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn from [0, N)")
     w.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: K shared system prompts")
     w.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: P tokens each")
@@ -82,13 +105,21 @@ def build_parser(prog: str = "loadgen") -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0, help="the same seed sends the same requests")
     r = p.add_argument_group("requests")
     r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
-    r.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask for exactly max_tokens (vLLM extension; default: on for random and shared-prefix)")
+    r.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask for exactly max_tokens (vLLM extension; default: on for random and shared-prefix)",
+    )
     r.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     a = p.add_argument_group("load")
     a.add_argument("--rate", type=float, default=None, help="requests/s, open loop (default: all at once)")
-    a.add_argument("--arrival", choices=("poisson", "gamma", "constant"), default=None,
-                   help="inter-arrival times (default poisson; gamma when --burstiness is given)")
+    a.add_argument(
+        "--arrival",
+        choices=("poisson", "gamma", "constant"),
+        default=None,
+        help="inter-arrival times (default poisson; gamma when --burstiness is given)",
+    )
     a.add_argument("--burstiness", type=float, default=None, help="gamma shape: 1 = Poisson, <1 burstier")
     a.add_argument("--concurrency", type=int, default=None, help="closed loop: N users, each waits for its reply")
     a.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests (open loop)")
@@ -98,8 +129,12 @@ def build_parser(prog: str = "loadgen") -> argparse.ArgumentParser:
     a.add_argument("--sweep", default=None, help="rate=1,2,4,8 or concurrency=1,4,16: one run per value")
     o = p.add_argument_group("objectives")
     o.add_argument("--slo", default=None, help="per-request bounds, e.g. ttft_ms=500,tpot_ms=50[,e2e_ms=...]")
-    o.add_argument("--slo-attainment", type=float, default=0.9,
-                   help="a load level meets the SLO when this fraction of its requests does")
+    o.add_argument(
+        "--slo-attainment",
+        type=float,
+        default=0.9,
+        help="a load level meets the SLO when this fraction of its requests does",
+    )
     c = p.add_argument_group("client and output")
     c.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     c.add_argument("--read-timeout", type=float, default=120.0, help="seconds of silence before giving up")
@@ -131,14 +166,38 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
         raise ValueError("--sweep concurrency=... is closed loop; drop --rate")
     arrival = ns.arrival or ("gamma" if ns.burstiness is not None else "poisson")
     return RunConfig(
-        url=ns.url, model=ns.model, endpoint=ns.endpoint, api_key=ns.api_key, workload=ns.workload,
-        input_len=ns.input_len, output_len=ns.output_len, prompt_format=ns.prompt_format, vocab_size=ns.vocab_size,
-        num_prefixes=ns.num_prefixes, prefix_len=ns.prefix_len, num_turns=ns.num_turns, dataset=ns.dataset,
-        seed=ns.seed, temperature=ns.temperature, ignore_eos=ns.ignore_eos, extra_body=extra_body,
-        arrival=arrival, rate=ns.rate, burstiness=1.0 if ns.burstiness is None else ns.burstiness,
-        concurrency=ns.concurrency, max_concurrency=ns.max_concurrency, num_requests=ns.num_requests,
-        duration=ns.duration, warmup=ns.warmup, slo=parse_slo(ns.slo) if ns.slo else None,
-        slo_attainment=ns.slo_attainment, sweep_param=sweep_param, sweep_values=sweep_values,
-        request_timeout=ns.request_timeout, read_timeout=ns.read_timeout, scrape_metrics=not ns.no_metrics,
-        metrics_interval=ns.metrics_interval, progress=not ns.no_progress,
+        url=ns.url,
+        model=ns.model,
+        endpoint=ns.endpoint,
+        api_key=ns.api_key,
+        workload=ns.workload,
+        input_len=ns.input_len,
+        output_len=ns.output_len,
+        prompt_format=ns.prompt_format,
+        vocab_size=ns.vocab_size,
+        num_prefixes=ns.num_prefixes,
+        prefix_len=ns.prefix_len,
+        num_turns=ns.num_turns,
+        dataset=ns.dataset,
+        seed=ns.seed,
+        temperature=ns.temperature,
+        ignore_eos=ns.ignore_eos,
+        extra_body=extra_body,
+        arrival=arrival,
+        rate=ns.rate,
+        burstiness=1.0 if ns.burstiness is None else ns.burstiness,
+        concurrency=ns.concurrency,
+        max_concurrency=ns.max_concurrency,
+        num_requests=ns.num_requests,
+        duration=ns.duration,
+        warmup=ns.warmup,
+        slo=parse_slo(ns.slo) if ns.slo else None,
+        slo_attainment=ns.slo_attainment,
+        sweep_param=sweep_param,
+        sweep_values=sweep_values,
+        request_timeout=ns.request_timeout,
+        read_timeout=ns.read_timeout,
+        scrape_metrics=not ns.no_metrics,
+        metrics_interval=ns.metrics_interval,
+        progress=not ns.no_progress,
     )

@@ -131,15 +131,26 @@ def timeline(run: RunResult) -> bytes:
     samples = run.server.samples if run.server is not None else []
     if any(s.running is not None for s in samples):
         for field, color in (("running", "tab:purple"), ("waiting", "tab:brown")):  # a poll holds till the next
-            bottom.plot([s.t for s in samples], [getattr(s, field) for s in samples], ".-", drawstyle="steps-post",
-                        color=color, label=f"{field} (server)")
+            bottom.plot(
+                [s.t for s in samples],
+                [getattr(s, field) for s in samples],
+                ".-",
+                drawstyle="steps-post",
+                color=color,
+                label=f"{field} (server)",
+            )
     bottom.set_ylabel("requests")
     bottom.set_xlabel("seconds since the run started")
     handles, labels = bottom.get_legend_handles_labels()
     if any(s.kv_usage is not None for s in samples):
         kv = bottom.twinx()
-        kv.plot([s.t for s in samples], [100 * (s.kv_usage or 0) for s in samples], color="tab:green",
-                drawstyle="steps-post", label="KV usage (server, right)")
+        kv.plot(
+            [s.t for s in samples],
+            [100 * (s.kv_usage or 0) for s in samples],
+            color="tab:green",
+            drawstyle="steps-post",
+            label="KV usage (server, right)",
+        )
         kv.set_ylabel("KV cache usage (%)", color="tab:green")
         kv.set_ylim(0, max(5.0, 1.1 * max(100 * (s.kv_usage or 0) for s in samples)))
         more_handles, more_labels = kv.get_legend_handles_labels()

@@ -26,17 +26,27 @@ class Bounds:
 
 
 class Runner:
-    def __init__(self, http: aiohttp.ClientSession, target: Target, *, max_concurrency: int | None = None,
-                 arrival: str = "poisson", burstiness: float = 1.0, request_timeout: float = 600.0,
-                 read_timeout: float = 120.0, on_done: Callable[[RequestRecord], None] | None = None) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        target: Target,
+        *,
+        max_concurrency: int | None = None,
+        arrival: str = "poisson",
+        burstiness: float = 1.0,
+        request_timeout: float = 600.0,
+        read_timeout: float = 120.0,
+        on_done: Callable[[RequestRecord], None] | None = None,
+    ) -> None:
         self.http, self.target = http, target
         self.max_concurrency = max_concurrency
         self.arrival, self.burstiness = arrival, burstiness
         self.request_timeout, self.read_timeout = request_timeout, read_timeout
         self.on_done = on_done
 
-    async def run(self, load: Load, sessions: Iterator[Session], bounds: Bounds, rng: np.random.Generator,
-                  t0: float | None = None) -> list[RequestRecord]:
+    async def run(
+        self, load: Load, sessions: Iterator[Session], bounds: Bounds, rng: np.random.Generator, t0: float | None = None
+    ) -> list[RequestRecord]:
         """Records in send order. `rng` draws the arrival gaps; `t0` (a perf_counter time) is the run's zero."""
         state = _RunState(bounds, time.perf_counter() if t0 is None else t0, self.max_concurrency)
         if load.mode == "rate":
@@ -98,19 +108,30 @@ class Runner:
         lines = [f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content']}" for m in messages]
         return "\n".join(lines) + "\nAssistant:"
 
-    async def _send(self, state: _RunState, spec: RequestSpec, prompt, session_id: int, turn: int,
-                    scheduled: float) -> tuple[RequestRecord, Outcome]:
+    async def _send(
+        self, state: _RunState, spec: RequestSpec, prompt, session_id: int, turn: int, scheduled: float
+    ) -> tuple[RequestRecord, Outcome]:
         index = state.new_index()
         start = state.now()
         body = self.target.body(prompt, spec.max_tokens)
         outcome = await stream_request(self.http, self.target, body, self.request_timeout, self.read_timeout)
         record = RequestRecord(
-            index=index, session=session_id, turn=turn, scheduled=scheduled, start=start, ttft=outcome.ttft,
-            e2e=outcome.e2e, chunk_times=outcome.chunk_times,
+            index=index,
+            session=session_id,
+            turn=turn,
+            scheduled=scheduled,
+            start=start,
+            ttft=outcome.ttft,
+            e2e=outcome.e2e,
+            chunk_times=outcome.chunk_times,
             prompt_tokens=outcome.prompt_tokens if outcome.prompt_tokens is not None else spec.prompt_tokens,
             output_tokens=outcome.output_tokens if outcome.output_tokens is not None else len(outcome.chunk_times),
-            max_tokens=spec.max_tokens, ok=outcome.ok, error=outcome.error, status=outcome.status,
-            finish_reason=outcome.finish_reason, usage_reported=outcome.output_tokens is not None,
+            max_tokens=spec.max_tokens,
+            ok=outcome.ok,
+            error=outcome.error,
+            status=outcome.status,
+            finish_reason=outcome.finish_reason,
+            usage_reported=outcome.output_tokens is not None,
         )
         return record, outcome
 

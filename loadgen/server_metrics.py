@@ -133,13 +133,22 @@ def server_delta(before: MetricsSnapshot, after: MetricsSnapshot, samples: list[
         return max(values) if values else None
 
     s = ServerStats(
-        preemptions=delta(_PREEMPTIONS), prompt_tokens=delta(_PROMPT_TOKENS),
+        preemptions=delta(_PREEMPTIONS),
+        prompt_tokens=delta(_PROMPT_TOKENS),
         generation_tokens=delta(_GENERATION_TOKENS),
-        prefix_cache_queries=delta(_CACHE_QUERIES), prefix_cache_hits=delta(_CACHE_HITS),
-        ttft_mean_ms=hist_mean_ms(_TTFT), itl_mean_ms=hist_mean_ms(_ITL), e2e_mean_ms=hist_mean_ms(_E2E),
-        queue_time_mean_ms=hist_mean_ms(_QUEUE), peak_kv_usage=peak("kv_usage"), peak_running=peak("running"),
-        peak_waiting=peak("waiting"), spec_decode_drafts=delta(_DRAFTS), spec_decode_draft_tokens=delta(_DRAFT_TOKENS),
-        spec_decode_accepted_tokens=delta(_ACCEPTED), samples=samples,
+        prefix_cache_queries=delta(_CACHE_QUERIES),
+        prefix_cache_hits=delta(_CACHE_HITS),
+        ttft_mean_ms=hist_mean_ms(_TTFT),
+        itl_mean_ms=hist_mean_ms(_ITL),
+        e2e_mean_ms=hist_mean_ms(_E2E),
+        queue_time_mean_ms=hist_mean_ms(_QUEUE),
+        peak_kv_usage=peak("kv_usage"),
+        peak_running=peak("running"),
+        peak_waiting=peak("waiting"),
+        spec_decode_drafts=delta(_DRAFTS),
+        spec_decode_draft_tokens=delta(_DRAFT_TOKENS),
+        spec_decode_accepted_tokens=delta(_ACCEPTED),
+        samples=samples,
     )
     start, end = before.by_label(_SUCCESS, "finished_reason"), after.by_label(_SUCCESS, "finished_reason")
     s.finished = {k: v - start.get(k, 0.0) for k, v in end.items() if v - start.get(k, 0.0)}
@@ -155,8 +164,9 @@ def server_delta(before: MetricsSnapshot, after: MetricsSnapshot, samples: list[
 class MetricsScraper:
     """Scrapes <url>/metrics; a server without one (or a failing scrape) just yields None."""
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, headers: dict[str, str], model: str | None,
-                 timeout: float = 5.0) -> None:
+    def __init__(
+        self, http: aiohttp.ClientSession, url: str, headers: dict[str, str], model: str | None, timeout: float = 5.0
+    ) -> None:
         self.http, self.url, self.headers, self.model = http, url + "/metrics", headers, model
         self.timeout = aiohttp.ClientTimeout(total=timeout)
 

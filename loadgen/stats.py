@@ -62,8 +62,14 @@ def distribution(seconds: list[float]) -> Distribution | None:
     if not seconds:
         return None
     ms = np.asarray(seconds, dtype=np.float64) * 1000.0
-    return Distribution(count=len(ms), mean=float(ms.mean()), median=percentile(ms, 50), p90=percentile(ms, 90),
-                        p99=percentile(ms, 99), max=float(ms.max()))
+    return Distribution(
+        count=len(ms),
+        mean=float(ms.mean()),
+        median=percentile(ms, 50),
+        p90=percentile(ms, 90),
+        p99=percentile(ms, 99),
+        max=float(ms.max()),
+    )
 
 
 def meets_slo(record: RequestRecord, slo: SLO) -> bool:

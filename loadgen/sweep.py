@@ -33,7 +33,10 @@ def sweep_result(param: str, runs: list[RunResult], attainment: float) -> SweepR
         if met[i] and (best_index is None or _order(run.load) > _order(runs[best_index].load)):
             best_index = i
     return SweepResult(
-        param=param, values=[r.load.value for r in runs], meets_slo=met,
-        best=None if best_index is None else runs[best_index].load.value, best_index=best_index,
+        param=param,
+        values=[r.load.value for r in runs],
+        meets_slo=met,
+        best=None if best_index is None else runs[best_index].load.value,
+        best_index=best_index,
         criterion=criterion(runs[0].summary, attainment) if runs else "",
     )

@@ -6,7 +6,15 @@ from aserve.model.attention import AttentionMetadata
 
 
 def random_batch(
-    q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, num_blocks, dtype=torch.float32, seed=0,
+    q_lens,
+    ctx_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    num_blocks,
+    dtype=torch.float32,
+    seed=0,
     device="cpu",
 ):
     """Requests with q_lens[i] new tokens after ctx_lens[i] cached ones; decodes (q_len 1) must come first.

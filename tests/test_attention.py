@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-
-from aserve.model.attention import TorchAttentionBackend
-from aserve.kernels.reference import paged_attention as reference_paged_attention, write_kv_cache
 from attention_cases import random_batch
+
+from aserve.kernels.reference import paged_attention as reference_paged_attention
+from aserve.kernels.reference import write_kv_cache
+from aserve.model.attention import TorchAttentionBackend
 
 CASES = {
     "decode-only": ([1, 1, 1, 1], [0, 5, 31, 47]),

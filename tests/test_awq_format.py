@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from aserve.kernels.awq_reference import dequantize, unpack_int4
 from aserve.quantization.awq_format import (
     AWQConfig,
     awq_config_from,
@@ -15,7 +16,6 @@ from aserve.quantization.awq_format import (
     parse_awq_config,
     quantize_groups,
 )
-from aserve.kernels.awq_reference import dequantize, unpack_int4
 
 
 def autoawq_pack(intweight: torch.Tensor) -> torch.Tensor:

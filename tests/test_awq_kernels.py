@@ -1,5 +1,5 @@
-"""AWQ Triton kernels (aserve/kernels/awq.py) against the pure-torch reference (aserve/kernels/awq_reference.py), on random
-packed weights: Triton's interpreter on CPU at small shapes; on a GPU the same tests plus full shapes and bf16.
+"""AWQ Triton kernels (aserve/kernels/awq.py) against the pure-torch reference (aserve/kernels/awq_reference.py), on
+random packed weights: Triton's interpreter on CPU at small shapes; on a GPU the same tests plus full shapes and bf16.
 
 The interpreter rounds float32 -> bfloat16 by truncation and its bf16 dot is wrong, so bf16 runs on GPUs only."""
 

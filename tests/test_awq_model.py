@@ -12,13 +12,13 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_awq_format import autoawq_pack
+from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
 from aserve.cli import main as cli_main
-from aserve.quantization.awq_linear import AWQLinear
 from aserve.kernels.awq_reference import awq_matmul, dequantize
-from test_awq_format import autoawq_pack
-from tiny_models import hf_greedy
+from aserve.quantization.awq_linear import AWQLinear
 
 MAX_NEW = 16
 PROMPTS = [[5, 9, 33, 2, 71], [100 + 3 * i for i in range(21)], [7 * i % 380 + 2 for i in range(40)]]
@@ -152,8 +152,9 @@ def test_quantize_cli_device_cuda_without_a_gpu_fails_at_once(tiny_model_factory
     assert not os.path.exists(tmp_path / "x")
 
 
-@pytest.mark.parametrize("flag, value", [("--tune-batch", "0"), ("--tune-steps", "-1"), ("--tune-generated", "-2"),
-                                         ("--num-samples", "0")])
+@pytest.mark.parametrize(
+    "flag, value", [("--tune-batch", "0"), ("--tune-steps", "-1"), ("--tune-generated", "-2"), ("--num-samples", "0")]
+)
 def test_quantize_cli_rejects_impossible_counts(tiny_model_factory, tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as exc:
         cli_main(["quantize", "--model", tiny_model_factory("gqa"), "--out", str(tmp_path / "x"), "--group-size", "32",

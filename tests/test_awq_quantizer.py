@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from aserve.kernels.awq_reference import dequantize as dequantize_packed
+from aserve.kernels.awq_reference import unpack_int4
 from aserve.quantization.awq_format import fake_quantize, pack_quantized, quantize_groups
 from aserve.quantize.awq_search import apply_clip, awq_layer, search_clip, search_scales
 from aserve.quantize.dense_layer import DenseDecoderLayer
 from aserve.quantize.gptq import SEARCHES, dequantize, gptq_quantize, gram, output_error
-from aserve.kernels.awq_reference import dequantize as dequantize_packed, unpack_int4
 
 TEXT = "The quick brown fox jumps over the lazy dog. Prefix caching shares blocks between requests. " * 6
 

@@ -1,6 +1,6 @@
-"""The M = 1 AWQ GEMV over awq_repack's layout (aserve/kernels/awq.py) against the pure-torch reference: the layout itself
-in torch, the kernel through Triton's interpreter on CPU at small shapes (the asm helpers' tl twins), on a GPU the
-same with the asm; and AWQLinear's use of the repacked copy."""
+"""The M = 1 AWQ GEMV over awq_repack's layout (aserve/kernels/awq.py) against the pure-torch reference: the layout
+itself in torch, the kernel through Triton's interpreter on CPU at small shapes (the asm helpers' tl twins), on a GPU
+the same with the asm; and AWQLinear's use of the repacked copy."""
 
 import pytest
 import torch
@@ -115,7 +115,6 @@ def test_awq_linear_keeps_a_repacked_copy():
             assert (layer.repacked is False) == (g != 128)
 
 
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k, tiles", [(128, None), (512, 2)])  # K splits of 1 (partials anyway) and 2
 @pytest.mark.parametrize("m, rows", [(1, 1), (3, 2)])
@@ -139,8 +138,8 @@ def test_repacked_gemv_with_silu_mul_out_is_bit_identical(dtype, k, tiles, m, ro
 def test_awq_linear_applies_silu_mul_for_an_mlp():
     """AWQLinear.fuses_silu_mul / forward_silu_mul_out (what the Llama MLP calls for small decode batches): only
     once the repacked copy exists, up to REPACKED_GEMV1_MAX_M rows of fp16 / bf16, outputs a multiple of 256."""
-    from aserve.quantization.awq_linear import AWQLinear
     from aserve.kernels.fused import silu_and_mul
+    from aserve.quantization.awq_linear import AWQLinear
 
     k, n = 256, 256
     layer = loaded_layer(k, n, 6, bias=False)[0]

@@ -3,15 +3,18 @@ reference, and the torch backend using it."""
 
 import pytest
 import torch
-
 from attention_cases import random_batch
+
 from aserve.kernels import cpu_attention, reference
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no working C compiler")
 
 
-@pytest.mark.parametrize(("dtype", "generic"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
-                         ids=["f32", "bf16-generic", "bf16-simd"])  # simd: the AVX512-BF16 path where the CPU has it
+@pytest.mark.parametrize(
+    ("dtype", "generic"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["f32", "bf16-generic", "bf16-simd"],
+)  # simd: the AVX512-BF16 path where the CPU has it
 @pytest.mark.parametrize(("heads", "head_dim", "ctx_lens"), [
     ((4, 4), 16, [0, 5, 31, 47, 90]),  # MHA; a request with no context (only the new token)
     ((9, 3), 64, [3, 200, 16, 15]),  # SmolLM2's GQA; block-boundary lengths

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.model.cpu_decode import OneTokenForward
 from aserve.kernels import cpu_gemv
+from aserve.model.cpu_decode import OneTokenForward
 
 
 @pytest.mark.skipif(

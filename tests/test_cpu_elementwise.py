@@ -4,8 +4,8 @@ follow HF's eager code op by op."""
 import pytest
 import torch
 
-from aserve.model import layers
 from aserve.kernels import cpu_elementwise as cew
+from aserve.model import layers
 
 pytestmark = pytest.mark.skipif(not cew.available(), reason="no working C compiler")
 

@@ -4,8 +4,8 @@ through Linear (one-row inputs of a prepacked bf16 linear)."""
 import pytest
 import torch
 
-from aserve.model.layers import Linear
 from aserve.kernels import cpu_gemv
+from aserve.model.layers import Linear
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemv.supports(torch.empty(1, 32, dtype=torch.bfloat16)), reason="no compiler or no AVX512-BF16"

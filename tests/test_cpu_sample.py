@@ -27,8 +27,8 @@ def test_sampler_greedy_batch_uses_bf16_logits_same_tokens():
     """The sampler on bf16 logits of a greedy batch (the C pick) emits what it emits from the float32 logits (torch
     path), drafts included, and flags a NaN row."""
     from aserve.core.request import Request
-    from aserve.worker.sampler import Sampler
     from aserve.sampling_params import SamplingParams
+    from aserve.worker.sampler import Sampler
 
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), eos_token_id=0) for i in range(3)]
     logits = torch.randn(3, 1000).to(torch.bfloat16)

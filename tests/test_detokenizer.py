@@ -13,9 +13,7 @@ def tokenizer(tiny_model):
 
 
 def stream(tokenizer, text, stops=(), include=False, prompt="The prompt."):
-    detok = IncrementalDetokenizer(
-        tokenizer, tokenizer.encode(prompt), list(stops), include, skip_special_tokens=True
-    )
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), list(stops), include, skip_special_tokens=True)
     sent, chunks, stop = 0, [], None
     for token_id in tokenizer.encode(text):
         stop = detok.add_token(token_id)

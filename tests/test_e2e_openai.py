@@ -24,12 +24,21 @@ def test_chat_paris(server):
     resp = server.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
     assert "Paris" in resp.choices[0].message.content
     assert resp.choices[0].finish_reason == "stop"
-    assert resp.usage.completion_tokens > 0 and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert (
+        resp.usage.completion_tokens > 0
+        and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    )
 
 
 def test_chat_stream_with_usage(server):
-    stream = server.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = server.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, usage = "", None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -42,8 +51,16 @@ def test_chat_stream_with_usage(server):
 
 
 def test_completions_n2_stop_logprobs(server):
-    resp = server.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, n=2,
-                                     temperature=0.8, seed=1, logprobs=2, stop=["\n"])
+    resp = server.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=12,
+        n=2,
+        temperature=0.8,
+        seed=1,
+        logprobs=2,
+        stop=["\n"],
+    )
     assert sorted(c.index for c in resp.choices) == [0, 1]
     for c in resp.choices:
         assert "\n" not in c.text and c.finish_reason in ("stop", "length")

@@ -1,5 +1,5 @@
-"""aserve/kernels/greedy.py (the GPU greedy pick; Triton's interpreter on CPU) against torch: first maximum, non-finite rows
-flagged, indices inside the vocabulary; and, on a GPU, the sampler using it with the tokens of its float32 path."""
+"""aserve/kernels/greedy.py (the GPU greedy pick; Triton's interpreter on CPU) against torch: first maximum, non-finite
+rows flagged, indices inside the vocabulary; and, on a GPU, the sampler using it with the tokens of its float32 path."""
 
 import pytest
 import torch
@@ -59,8 +59,8 @@ def test_sampler_greedy_batch_on_gpu_same_tokens():
     """On CUDA bf16 logits of a greedy batch the sampler (Triton pick) emits what its float32 path emits, drafts
     included, and flags a NaN row; launch() (async scheduling) too; min_tokens still to reach takes the torch path."""
     from aserve.core.request import Request
-    from aserve.worker.sampler import Sampler, SampleRow
     from aserve.sampling_params import SamplingParams
+    from aserve.worker.sampler import Sampler, SampleRow
 
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), eos_token_id=0) for i in range(3)]
     logits = torch.randn(3, 128256, device="cuda").to(torch.bfloat16)

@@ -3,8 +3,8 @@ the same tests run on a GPU at the same shapes)."""
 
 import pytest
 import torch
-
 from attention_cases import random_batch
+
 from aserve.kernels import reference
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import qkv_kv_views
@@ -24,12 +24,21 @@ CASES = {
 def run_case(case, heads, head_dim, dtype, num_segments=1, block_size=16):
     q_lens, ctx_lens = CASES[case]
     num_heads, num_kv_heads = heads
-    q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, 64,
-                                           dtype, device=DEVICE)
+    q, k, v, kv_cache, meta = random_batch(
+        q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, 64, dtype, device=DEVICE
+    )
     reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     ref = reference.paged_attention(q, kv_cache, meta, block_size)
-    out = paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                          max(q_lens), num_segments=num_segments)
+    out = paged_attention(
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        max(q_lens),
+        num_segments=num_segments,
+    )
     return out.float(), ref.float()
 
 
@@ -85,8 +94,8 @@ def test_cache_write_matches_reference_and_skips_padding():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_elementwise_kernels_match_torch(dtype):
-    from aserve.model import layers
     from aserve.kernels import fused
+    from aserve.model import layers
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
@@ -171,8 +180,8 @@ def test_gemv_fused_silu_mul_matches_unfused(dtype):
 def test_rotary_with_cache_write_matches_separate_kernels():
     """rotary_split writing k / v straight into their cache slots = rotary_split, then write_kv (padding slots
     write nothing)."""
-    from aserve.model.layers import RotaryEmbedding
     from aserve.kernels import fused
+    from aserve.model.layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
     H, Hkv, D, T, bs = 6, 2, 16, 5, 4

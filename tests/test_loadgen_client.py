@@ -12,8 +12,10 @@ from loadgen.client import Target, stream_request
 from loadgen.fake_server import FakeServer
 from loadgen.sse import SSEParser
 
-STREAM = (b": hello\r\n\r\ndata: {\"a\": 1}\r\n\r\ndata: line one\ndata: line two\n\nevent: x\nid: 7\n"
-          b"data:no-space \xc3\xa9\n\n: keep-alive\n\ndata: [DONE]\n\n")
+STREAM = (
+    b': hello\r\n\r\ndata: {"a": 1}\r\n\r\ndata: line one\ndata: line two\n\nevent: x\nid: 7\n'
+    b"data:no-space \xc3\xa9\n\n: keep-alive\n\ndata: [DONE]\n\n"
+)
 EVENTS = ['{"a": 1}', "line one\nline two", "no-space \u00e9", "[DONE]"]
 
 
@@ -23,7 +25,7 @@ def test_sse_parser_whole_and_byte_by_byte():
     split = SSEParser()
     events = []
     for i in range(len(STREAM)):  # every split point, including inside CRLF and inside the two-byte é
-        events += split.feed(STREAM[i:i + 1])
+        events += split.feed(STREAM[i : i + 1])
     assert events == EVENTS and split.num_comments == 2
 
 
@@ -45,7 +47,8 @@ async def send(url, prompt, max_tokens=5, endpoint="completions", total=5.0, rea
     target = Target(url=url, model="fake-model", endpoint=endpoint)
     async with aiohttp.ClientSession() as http:
         return await asyncio.wait_for(
-            stream_request(http, target, target.body(prompt, max_tokens), total_timeout=total, read_timeout=read), 20)
+            stream_request(http, target, target.body(prompt, max_tokens), total_timeout=total, read_timeout=read), 20
+        )
 
 
 async def test_normal_stream(fake):
@@ -125,11 +128,25 @@ async def test_unreachable_server():
 
 
 def test_request_bodies():
-    target = Target(url="http://h", model="m", endpoint="completions", ignore_eos=True, temperature=0.5,
-                    extra_body={"top_k": 3, "temperature": 0.7}, api_key="k")
-    assert target.body([1, 2], 4) == {"model": "m", "max_tokens": 4, "temperature": 0.7, "stream": True,
-                                      "stream_options": {"include_usage": True}, "prompt": [1, 2],
-                                      "ignore_eos": True, "top_k": 3}
+    target = Target(
+        url="http://h",
+        model="m",
+        endpoint="completions",
+        ignore_eos=True,
+        temperature=0.5,
+        extra_body={"top_k": 3, "temperature": 0.7},
+        api_key="k",
+    )
+    assert target.body([1, 2], 4) == {
+        "model": "m",
+        "max_tokens": 4,
+        "temperature": 0.7,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "prompt": [1, 2],
+        "ignore_eos": True,
+        "top_k": 3,
+    }
     assert target.headers() == {"Authorization": "Bearer k"} and target.path == "/v1/completions"
     chat = Target(url="http://h", model="m", endpoint="chat")
     history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]

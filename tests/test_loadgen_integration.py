@@ -9,8 +9,8 @@ import sys
 import urllib.request
 
 import pytest
-
 from aserve_server import running_server
+
 from loadgen.bench import run_benchmark
 from loadgen.config import RunConfig
 
@@ -37,10 +37,34 @@ def server_ttft_histogram(url: str) -> tuple[float, float]:
 def test_cli_fixed_rate_run(server_url, tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "loadgen", "--url", server_url, "--num-requests", "20", "--rate", "5", "--arrival",
-         "constant", "--input-len", "32", "--output-len", "12", "--slo", "ttft_ms=5000,tpot_ms=1000", "--seed", "0",
-         "--no-progress", "--out", str(out)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "loadgen",
+            "--url",
+            server_url,
+            "--num-requests",
+            "20",
+            "--rate",
+            "5",
+            "--arrival",
+            "constant",
+            "--input-len",
+            "32",
+            "--output-len",
+            "12",
+            "--slo",
+            "ttft_ms=5000,tpot_ms=1000",
+            "--seed",
+            "0",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["model"] == MODEL and 0.9 < report["tokens_per_word"] < 1.5
@@ -62,8 +86,17 @@ def test_cli_fixed_rate_run(server_url, tmp_path):
     server = run["server"]
     assert server["generation_tokens"] == 240 and server["prompt_tokens"] == s["prompt_tokens"]
     assert server["finished"] == {"length": 20.0}
-    for key in ("preemptions", "prefix_cache_hit_rate", "ttft_mean_ms", "itl_mean_ms", "e2e_mean_ms",
-                "queue_time_mean_ms", "peak_kv_usage", "peak_running", "peak_waiting"):
+    for key in (
+        "preemptions",
+        "prefix_cache_hit_rate",
+        "ttft_mean_ms",
+        "itl_mean_ms",
+        "e2e_mean_ms",
+        "queue_time_mean_ms",
+        "peak_kv_usage",
+        "peak_running",
+        "peak_waiting",
+    ):
         assert server[key] is not None, key
     assert 0 < server["peak_kv_usage"] <= 1 and server["samples"]
     # loadgen's client-side mean TTFT against the server's own histogram (only this run's requests so far)
@@ -78,8 +111,19 @@ def test_cli_fixed_rate_run(server_url, tmp_path):
 
 
 async def test_shared_prefix_over_chat_hits_the_prefix_cache(server_url):
-    cfg = RunConfig(url=server_url, endpoint="chat", workload="shared-prefix", num_prefixes=2, prefix_len=64,
-                    input_len="16", output_len="8", num_requests=8, concurrency=4, progress=False, seed=1)
+    cfg = RunConfig(
+        url=server_url,
+        endpoint="chat",
+        workload="shared-prefix",
+        num_prefixes=2,
+        prefix_len=64,
+        input_len="16",
+        output_len="8",
+        num_requests=8,
+        concurrency=4,
+        progress=False,
+        seed=1,
+    )
     report = await asyncio.wait_for(run_benchmark(cfg, log=lambda m: None), 300)
     run = report.runs[0]
     assert run.summary.num_ok == 8 and run.summary.output_tokens == 64
@@ -87,8 +131,17 @@ async def test_shared_prefix_over_chat_hits_the_prefix_cache(server_url):
 
 
 async def test_multi_turn_chat_resends_history(server_url):
-    cfg = RunConfig(url=server_url, endpoint="chat", workload="chat", num_turns=2, input_len="16", output_len="8",
-                    num_requests=4, concurrency=2, progress=False)
+    cfg = RunConfig(
+        url=server_url,
+        endpoint="chat",
+        workload="chat",
+        num_turns=2,
+        input_len="16",
+        output_len="8",
+        num_requests=4,
+        concurrency=2,
+        progress=False,
+    )
     report = await asyncio.wait_for(run_benchmark(cfg, log=lambda m: None), 300)
     records = report.runs[0].records
     assert all(r.ok and r.usage_reported for r in records)

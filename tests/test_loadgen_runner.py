@@ -22,8 +22,15 @@ async def fake():
 
 
 def config(fake, **kw):
-    base = dict(url=fake.url, input_len="8", output_len="4", progress=False, metrics_interval=0.05,
-                request_timeout=10.0, read_timeout=5.0)
+    base = dict(
+        url=fake.url,
+        input_len="8",
+        output_len="4",
+        progress=False,
+        metrics_interval=0.05,
+        request_timeout=10.0,
+        read_timeout=5.0,
+    )
     return RunConfig(**{**base, **kw})
 
 
@@ -51,8 +58,12 @@ async def test_open_loop_cap_and_only_the_target_is_contacted(fake):
     records = report.runs[0].records
     assert len(records) == 10 and fake.max_in_flight <= 2
     assert all(r.scheduled == 0.0 and r.start >= r.scheduled for r in records)
-    assert {(m, p) for m, p, _ in fake.requests} == {("GET", "/v1/models"), ("POST", "/tokenize"),
-                                                     ("GET", "/metrics"), ("POST", "/v1/completions")}
+    assert {(m, p) for m, p, _ in fake.requests} == {
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/completions"),
+    }
 
 
 async def test_constant_rate_and_duration_bound(fake):
@@ -70,8 +81,11 @@ async def test_warmup_is_not_counted(fake):
 
 async def test_same_seed_same_requests(fake):
     await bench(config(fake, num_requests=6, seed=3, input_len="4:12", output_len="2:5"))
-    await bench(config(fake, num_requests=6, seed=3, input_len="4:12", output_len="2:5", arrival="gamma", rate=500,
-                       burstiness=0.5))
+    await bench(
+        config(
+            fake, num_requests=6, seed=3, input_len="4:12", output_len="2:5", arrival="gamma", rate=500, burstiness=0.5
+        )
+    )
     await bench(config(fake, num_requests=6, seed=4, input_len="4:12", output_len="2:5"))
     bodies = generation_bodies(fake)
     first, second, third = bodies[:6], bodies[6:12], bodies[12:]
@@ -119,8 +133,9 @@ async def test_chat_workload_on_the_completions_endpoint(fake):
 async def test_failures_are_counted(fake, tmp_path):
     dataset = tmp_path / "mixed.jsonl"
     dataset.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": 3}) for p in ("a", "#http500", "b", "#error")))
-    report = await bench(config(fake, workload="file", dataset=str(dataset), num_requests=8, concurrency=2,
-                                slo=SLO(ttft_ms=10_000)))
+    report = await bench(
+        config(fake, workload="file", dataset=str(dataset), num_requests=8, concurrency=2, slo=SLO(ttft_ms=10_000))
+    )
     s = report.runs[0].summary
     assert (s.num_requests, s.num_ok, s.num_errors, s.error_rate) == (8, 4, 4, 0.5)
     assert s.errors == {"HTTP 500: the engine fell over": 2, "error event: out of memory": 2}
@@ -128,8 +143,9 @@ async def test_failures_are_counted(fake, tmp_path):
 
 
 async def test_sweep_report_roundtrip_and_html(fake, tmp_path):
-    cfg = config(fake, num_requests=5, sweep_param="rate", sweep_values=[100.0, float("inf")],
-                 slo=SLO(ttft_ms=60_000), warmup=1)
+    cfg = config(
+        fake, num_requests=5, sweep_param="rate", sweep_values=[100.0, float("inf")], slo=SLO(ttft_ms=60_000), warmup=1
+    )
     report = await bench(cfg)
     assert [r.load for r in report.runs] == [Load("rate", 100.0), Load("rate", None)]
     assert report.sweep.meets_slo == [True, True] and report.sweep.best_index == 1
@@ -157,9 +173,29 @@ async def test_command_line(fake, tmp_path, capsys):
     for seed in (0, 1):
         out = tmp_path / f"run{seed}.json"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "loadgen", "--url", fake.url + "/v1", "--num-requests", "4", "--input-len", "8",
-            "--output-len", "3", "--concurrency", "2", "--seed", str(seed), "--slo", "ttft_ms=60000",
-            "--no-progress", "--out", str(out), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "loadgen",
+            "--url",
+            fake.url + "/v1",
+            "--num-requests",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--concurrency",
+            "2",
+            "--seed",
+            str(seed),
+            "--slo",
+            "ttft_ms=60000",
+            "--no-progress",
+            "--out",
+            str(out),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 120)
         assert proc.returncode == 0, stderr.decode()
         assert "concurrency=2 | 4 requests" in stdout.decode() and "TTFT" in stdout.decode()
@@ -170,7 +206,8 @@ async def test_command_line(fake, tmp_path, capsys):
     assert "seed: 0 -> 1" in text and "request throughput (req/s)" in text and "TTFT p99 (ms)" in text
     report_main([outs[0]])
     assert "4 ok, 0 failed" in capsys.readouterr().out
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "loadgen", "--rate", "1", "--concurrency", "2",
-                                                stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadgen", "--rate", "1", "--concurrency", "2", stderr=asyncio.subprocess.PIPE
+    )
     _, stderr = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2 and b"not both" in stderr

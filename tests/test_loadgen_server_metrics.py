@@ -43,8 +43,10 @@ vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="llama"} 390.0
 
 
 def test_parse_prometheus_lines():
-    text = ('# HELP x y\nplain 1\nwith_labels{a="1",b="q\\"uote, {brace}"} 2.5 1700000000\n'
-            'inf_value{le="+Inf"} +Inf\nbroken{ 1\nnot_a_number{} abc\n\n')
+    text = (
+        '# HELP x y\nplain 1\nwith_labels{a="1",b="q\\"uote, {brace}"} 2.5 1700000000\n'
+        'inf_value{le="+Inf"} +Inf\nbroken{ 1\nnot_a_number{} abc\n\n'
+    )
     samples = parse_prometheus(text)
     assert samples[:2] == [("plain", {}, 1.0), ("with_labels", {"a": "1", "b": 'q"uote, {brace}'}, 2.5)]
     assert samples[2] == ("inf_value", {"le": "+Inf"}, float("inf")) and len(samples) == 3
@@ -66,8 +68,10 @@ def test_vllm_deltas_with_spec_decode():
 
 
 def test_other_models_are_ignored_and_unlabelled_series_kept():
-    text = ('aserve:num_preemptions_total{model_name="a"} 1\naserve:num_preemptions_total{model_name="b"} 10\n'
-            "aserve:kv_cache_usage_perc 0.5\n")
+    text = (
+        'aserve:num_preemptions_total{model_name="a"} 1\naserve:num_preemptions_total{model_name="b"} 10\n'
+        "aserve:kv_cache_usage_perc 0.5\n"
+    )
     assert MetricsSnapshot(parse_prometheus(text), model="a").total(("num_preemptions_total",)) == 1.0
     assert MetricsSnapshot(parse_prometheus(text), model="a").total(("kv_cache_usage_perc",)) == 0.5
     # a --model the server does not label: every series counts

@@ -12,9 +12,22 @@ from loadgen.sweep import sweep_result
 
 
 def record(index, start, ttft, e2e, n_out, chunks, ok=True, error="", prompt_tokens=10):
-    return RequestRecord(index=index, session=index, turn=0, scheduled=start, start=start, ttft=ttft, e2e=e2e,
-                         chunk_times=chunks, prompt_tokens=prompt_tokens, output_tokens=n_out, max_tokens=n_out,
-                         ok=ok, error=error, status=200 if ok else 500)
+    return RequestRecord(
+        index=index,
+        session=index,
+        turn=0,
+        scheduled=start,
+        start=start,
+        ttft=ttft,
+        e2e=e2e,
+        chunk_times=chunks,
+        prompt_tokens=prompt_tokens,
+        output_tokens=n_out,
+        max_tokens=n_out,
+        ok=ok,
+        error=error,
+        status=200 if ok else 500,
+    )
 
 
 # r3's server reported 9 tokens in 3 chunks (several tokens per chunk): TPOT uses the 9, ITL the 3 chunks.
@@ -85,8 +98,8 @@ def test_empty_and_all_failed_runs():
     assert distribution([]) is None
 
 
-def run_with(load, attainment=None, throughput=1.0, ttft_mean=100.0, errors=0, slo=SLO(ttft_ms=100)):
-    s = summarize(RECORDS[:4], slo)
+def run_with(load, attainment=None, throughput=1.0, ttft_mean=100.0, errors=0, slo=None):
+    s = summarize(RECORDS[:4], slo or SLO(ttft_ms=100))
     s.slo_attainment, s.request_throughput, s.ttft_ms.mean, s.num_errors = attainment, throughput, ttft_mean, errors
     return RunResult(load=load, summary=s, server=None, records=[], started_at=0.0)
 
@@ -124,8 +137,16 @@ def test_metric_diff_verdicts():
 
 
 def report_of(runs, **config):
-    return Report(created="", url="http://a", model="m", endpoint="completions", workload="random",
-                  tokens_per_word=1.0, config=config, runs=runs)
+    return Report(
+        created="",
+        url="http://a",
+        model="m",
+        endpoint="completions",
+        workload="random",
+        tokens_per_word=1.0,
+        config=config,
+        runs=runs,
+    )
 
 
 def test_compare_runs_and_pairing():

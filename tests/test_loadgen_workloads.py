@@ -70,8 +70,9 @@ def test_same_seed_same_requests():
 
 
 def test_shared_prefix_workload():
-    cfg = RunConfig(workload="shared-prefix", prompt_format="ids", num_prefixes=3, prefix_len=10, input_len="5",
-                    output_len="2")
+    cfg = RunConfig(
+        workload="shared-prefix", prompt_format="ids", num_prefixes=3, prefix_len=10, input_len="5", output_len="2"
+    )
     specs = [s.turns[0] for s in take(make_workload(cfg), 60)]
     prefixes = {tuple(x.prompt[:10]) for x in specs}
     assert len(prefixes) == 3  # every request behind one of the K prefixes, all K used
@@ -107,8 +108,12 @@ def test_file_workload(tmp_path):
     path.write_text('{"prompt": "one two three", "max_tokens": 5}\n\n{"prompt": [1, 2, 3, 4]}\n')
     specs = [s.turns[0] for s in take(make_workload(RunConfig(workload="file", dataset=str(path), output_len="9")), 5)]
     assert [(x.prompt, x.max_tokens, x.prompt_tokens) for x in specs] == [
-        ("one two three", 5, 3), ([1, 2, 3, 4], 9, 4), ("one two three", 5, 3), ([1, 2, 3, 4], 9, 4),
-        ("one two three", 5, 3)]
+        ("one two three", 5, 3),
+        ([1, 2, 3, 4], 9, 4),
+        ("one two three", 5, 3),
+        ([1, 2, 3, 4], 9, 4),
+        ("one two three", 5, 3),
+    ]
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match=r"reqs.jsonl:2"):
         make_workload(RunConfig(workload="file", dataset=str(path)))
@@ -136,8 +141,20 @@ def args(*argv):
 
 
 def test_config_from_args():
-    cfg = args("--url", "http://h:1/v1/", "--rate", "4", "--burstiness", "0.5", "--slo", "ttft_ms=100",
-               "--extra-body", '{"top_k": 5}', "--api-key", "sekrit")
+    cfg = args(
+        "--url",
+        "http://h:1/v1/",
+        "--rate",
+        "4",
+        "--burstiness",
+        "0.5",
+        "--slo",
+        "ttft_ms=100",
+        "--extra-body",
+        '{"top_k": 5}',
+        "--api-key",
+        "sekrit",
+    )
     assert (cfg.url, cfg.arrival, cfg.burstiness, cfg.rate, cfg.num_requests) == ("http://h:1", "gamma", 0.5, 4, 100)
     assert cfg.loads() == [Load("rate", 4.0)] and cfg.extra_body == {"top_k": 5}
     assert cfg.public()["api_key"] == "***" and json.dumps(cfg.public())

@@ -4,9 +4,9 @@ import random
 
 import pytest
 import torch
+from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
-from tiny_models import hf_greedy
 
 MAX_NEW = 24
 PROMPT_LENS = (3, 17, 33, 50, 64)
@@ -49,7 +49,9 @@ def references(tiny_model_factory):
 def test_greedy_parity_with_transformers(references, variant, config):
     path, expected = references(variant)
     llm = LLM(path, dtype="float32", enforce_eager=True, debug_invariants=True, **ENGINE_CONFIGS[config])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    )
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected
     for o, exp in zip(outs, expected):
@@ -86,14 +88,16 @@ def test_compiled_cpu_path_matches_transformers(references, monkeypatch):
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32")
     assert llm.engine.runner.compiled
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    )
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's kernels")
 def test_native_cpu_elementwise_path_matches_transformers(references):
-    """The CPU's C element-wise kernels (aserve/kernels/cpu_elementwise.py), the default where a compiler works, for every
-    step (prefill and decode): same greedy tokens."""
+    """The CPU's C element-wise kernels (aserve/kernels/cpu_elementwise.py), the default where a compiler works, for
+    every step (prefill and decode): same greedy tokens."""
     from aserve.kernels import cpu_elementwise
 
     if not cpu_elementwise.available():
@@ -101,7 +105,9 @@ def test_native_cpu_elementwise_path_matches_transformers(references):
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32", enforce_eager=True)
     assert llm.engine.runner.model.ops.kind == "native"
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    )
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
@@ -110,7 +116,9 @@ def test_triton_backend_parity(references, config):
     """The Triton attention backend inside the engine (Triton's interpreter on CPU): same greedy tokens."""
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", **ENGINE_CONFIGS[config])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    )
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
@@ -119,8 +127,8 @@ def test_gpu_decode_kernels_parity(references):
     rotary fused with the cache write, one-row linears as Triton GEMVs (the down projection with SiLU·mul fused
     into its prologue). One request at a time, so every decode step takes that path: same greedy tokens."""
     import aserve.kernels.gemv as gemv_mod
-    from aserve.model.layers import Linear
     from aserve.kernels.gemv import gemv_config
+    from aserve.model.layers import Linear
 
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", max_num_seqs=1)

@@ -75,8 +75,11 @@ async def reference_texts(client, prompts, max_tokens: int) -> list[str]:
     """Greedy outputs, one request at a time: what each prompt must produce under any load."""
     texts = []
     for p in prompts:
-        body = await (await client.post("/v1/completions", json={"prompt": p, "max_tokens": max_tokens,
-                                                                 "temperature": 0, "ignore_eos": True})).json()
+        body = await (
+            await client.post(
+                "/v1/completions", json={"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            )
+        ).json()
         texts.append(body["choices"][0]["text"])
     return texts
 
@@ -134,8 +137,9 @@ async def test_overload_gets_429_and_admitted_requests_complete(tiny_model):
         metrics = await (await client.get("/metrics")).text()
         assert metric(metrics, 'aserve:request_rejected_total{model_name="tiny",reason="queue_full"}') == len(refused)
         # Once the queue has room again, requests are admitted; a request that could never fit is a 400, not a 429.
-        ok = await client.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 24, "temperature": 0,
-                                                        "ignore_eos": True})
+        ok = await client.post(
+            "/v1/completions", json={"prompt": prompts[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        )
         assert ok.status == 200 and (await ok.json())["choices"][0]["text"] == expected[0]
         never = await client.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 2})
         assert never.status == 400 and "max-queue-len" in assert_openai_error(await never.json())["message"]
@@ -238,13 +242,21 @@ def test_sigterm_after_timeout_ends_streams_with_error_event(tiny_model):
         ("/v1/completions", {"prompt": "x", "stop": "y" * 257}, "stop", "256 characters"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "at most 20"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                                  "top_logprobs": 21}, "top_logprobs", "at most 20"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+            "at most 20",
+        ),
         ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed", "64-bit"),
         ("/v1/completions", {"prompt": "x", "top_k": 10**30}, "top_k", "64-bit"),
         ("/v1/completions", {"prompt": "Hello", "max_tokens": 300}, "max_tokens", "maximum context length is 256"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**20},
-         "max_tokens", "maximum context length is 256"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**20},
+            "max_tokens",
+            "maximum context length is 256",
+        ),
     ],
 )
 async def test_limits_get_clear_400s(client, core, path, body, param, words):
@@ -516,8 +528,9 @@ def request_cases():
     absent = st.just(None).map(lambda _: _ABSENT)
     scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
                | st.sampled_from(["\ud800", "\u0000", "日本語", "🦊" * 5]))  # fmt: skip
-    junk = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c,
-                                                                                    max_size=3), max_leaves=6)
+    junk = st.recursive(
+        scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6
+    )
 
     def field(plausible, *edges):
         """(a valid value or nothing, a bad value)."""
@@ -544,8 +557,13 @@ def request_cases():
         "top_k": field(st.integers(-1, 500), -2, 10**30),
         "min_p": field(st.floats(0, 1), -1.0, 2.0),
         "n": field(st.integers(1, 3), 0, -1, 128, 129, 2**63),
-        "stop": field(st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4), max_size=4),
-                      "", [""], ["a"] * 65, "x" * 300),
+        "stop": field(
+            st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4), max_size=4),
+            "",
+            [""],
+            ["a"] * 65,
+            "x" * 300,
+        ),
         "seed": field(st.integers(0, 2**32), 2**63 - 1, -(2**63), 2**64, -(2**64)),
         "presence_penalty": field(st.floats(-2, 2), 3.0),
         "frequency_penalty": field(st.floats(-2, 2), -3.0),
@@ -559,8 +577,14 @@ def request_cases():
         "include_stop_str_in_output": field(st.booleans()),
         "cache_salt": field(st.text(max_size=8)),
         "user": field(st.text(max_size=8)),
-        "logit_bias": field(st.dictionaries(st.integers(0, 383).map(str), st.floats(-100, 100), max_size=3),
-                            {"x": 1}, {"5": 101}, {"999999": 1}, {"-1": 1}, [1]),
+        "logit_bias": field(
+            st.dictionaries(st.integers(0, 383).map(str), st.floats(-100, 100), max_size=3),
+            {"x": 1},
+            {"5": 101},
+            {"999999": 1},
+            {"-1": 1},
+            [1],
+        ),
         "response_format": field(st.just({"type": "text"}), {"type": "json_object"}, "text"),
         "best_of": field(st.just(1), 2, -1),
     }
@@ -573,10 +597,15 @@ def request_cases():
     message = body({"role": field(st.sampled_from(["user", "system", "assistant"]), 5, None, ""),
                     "content": field(content, {"type": "image"}, [{"type": "image_url"}])})  # fmt: skip
     messages = field(st.lists(message, min_size=1, max_size=3), [], "hi", [{}])
-    chat = {**common, "messages": messages, "max_completion_tokens": field(st.integers(1, 6), 0, 10**6),
-            "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 20), 21, -1),
-            "add_generation_prompt": field(st.booleans()),
-            "chat_template_kwargs": field(st.just({}), {"tokenize": True}, {"continue_final_message": True})}
+    chat = {
+        **common,
+        "messages": messages,
+        "max_completion_tokens": field(st.integers(1, 6), 0, 10**6),
+        "logprobs": field(st.booleans()),
+        "top_logprobs": field(st.integers(0, 20), 21, -1),
+        "add_generation_prompt": field(st.booleans()),
+        "chat_template_kwargs": field(st.just({}), {"tokenize": True}, {"continue_final_message": True}),
+    }
     tokenize = {"prompt": field(st.text(max_size=40), 5), "messages": messages,
                 "add_special_tokens": field(st.booleans())}  # fmt: skip
     detokenize = {"tokens": field(token_ids, *bad_ids)}
@@ -585,8 +614,9 @@ def request_cases():
         st.tuples(st.just("/v1/chat/completions"), body(chat)),
         st.tuples(st.just("/tokenize"), body(tokenize)),
         st.tuples(st.just("/detokenize"), body(detokenize)),
-        st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]),
-                  st.binary(max_size=40) | junk),
+        st.tuples(
+            st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]), st.binary(max_size=40) | junk
+        ),
     )
 
 
@@ -643,8 +673,8 @@ def test_fuzz_request_bodies_1000(live_server):
 def test_sampler_flags_non_finite_rows():
     """The flag comes with the sampled tokens (one host copy), per request, whatever the sampling mode."""
     from aserve.core.request import Request
-    from aserve.worker.sampler import Sampler
     from aserve.sampling_params import SamplingParams
+    from aserve.worker.sampler import Sampler
 
     sampler = Sampler(torch.device("cpu"), seed=0)
     requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=t, max_tokens=4), None)
@@ -891,8 +921,11 @@ async def test_api_key_guards_every_v1_route(core):
     token; /health and /metrics stay open for probes and scrapers."""
     client = await make_client(core, api_key="sekrit")
     try:
-        routes = [(r.method, r.resource.canonical) for r in client.app.router.routes()
-                  if r.resource is not None and r.resource.canonical.startswith("/v1") and r.method != "HEAD"]
+        routes = [
+            (r.method, r.resource.canonical)
+            for r in client.app.router.routes()
+            if r.resource is not None and r.resource.canonical.startswith("/v1") and r.method != "HEAD"
+        ]
         assert {path for _, path in routes} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
         for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):

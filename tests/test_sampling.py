@@ -4,9 +4,9 @@ import random
 
 import pytest
 import torch
+from tiny_models import EOS_ID
 
 from aserve import LLM, SamplingParams
-from tiny_models import EOS_ID
 
 
 @pytest.fixture(scope="module")
@@ -236,10 +236,23 @@ def test_max_tokens_defaults_to_context_left(tiny_model):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-3), dict(max_tokens=0), dict(min_p=2),
-     dict(stop=[""]), dict(logprobs=-1), dict(min_tokens=5, max_tokens=2), dict(presence_penalty=3),
-     dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 101.0}), dict(logit_bias={3: float("nan")}),
-     dict(logit_bias={"3": 1.0}), dict(logit_bias=[3])],
+    [
+        dict(n=0),
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=-3),
+        dict(max_tokens=0),
+        dict(min_p=2),
+        dict(stop=[""]),
+        dict(logprobs=-1),
+        dict(min_tokens=5, max_tokens=2),
+        dict(presence_penalty=3),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={3: 101.0}),
+        dict(logit_bias={3: float("nan")}),
+        dict(logit_bias={"3": 1.0}),
+        dict(logit_bias=[3]),
+    ],
 )
 def test_invalid_sampling_params(kw):
     with pytest.raises(ValueError):

@@ -15,8 +15,16 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def core(tiny_model):
-    return LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=256,
-                                served_model_name=MODEL, debug_invariants=True))
+    return LLMEngine(
+        EngineArgs(
+            model=tiny_model,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            served_model_name=MODEL,
+            debug_invariants=True,
+        )
+    )
 
 
 async def make_client(core, api_key=None):
@@ -48,8 +56,10 @@ async def sse_events(resp):
 
 
 async def test_completion_and_usage(client, core):
-    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 7,
-                                                        "temperature": 0, "ignore_eos": True})
+    resp = await client.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 7, "temperature": 0, "ignore_eos": True},
+    )
     assert resp.status == 200
     body = await resp.json()
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
@@ -63,8 +73,7 @@ async def test_completion_and_usage(client, core):
 async def test_streamed_completion_equals_non_streamed(client, core):
     req = {"prompt": "The cache", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     whole = await (await client.post("/v1/completions", json=req)).json()
-    resp = await client.post("/v1/completions", json={**req, "stream": True,
-                                                        "stream_options": {"include_usage": True}})
+    resp = await client.post("/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}})
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     events = await sse_events(resp)
     text = "".join(c["text"] for e in events for c in e["choices"])
@@ -76,8 +85,10 @@ async def test_streamed_completion_equals_non_streamed(client, core):
 
 async def test_prompt_forms_and_n(client, core):
     ids = core.tokenizer.encode("blocks")
-    resp = await client.post("/v1/completions", json={"prompt": ["one", ids], "n": 2, "max_tokens": 3,
-                                                        "temperature": 1.0, "seed": 5, "ignore_eos": True})
+    resp = await client.post(
+        "/v1/completions",
+        json={"prompt": ["one", ids], "n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True},
+    )
     body = await resp.json()
     assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
     assert body["usage"]["completion_tokens"] == 12
@@ -105,15 +116,24 @@ async def test_stop_and_logprobs(client, core):
     stop = full[8:10]
     cut = (await (await client.post("/v1/completions", json={**base, "stop": stop})).json())["choices"][0]
     assert cut["text"] == full[: full.index(stop)] and cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
-    lp = (await (await client.post("/v1/completions", json={**base, "max_tokens": 4, "logprobs": 2})).json())
+    lp = await (await client.post("/v1/completions", json={**base, "max_tokens": 4, "logprobs": 2})).json()
     logprobs = lp["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == 4 and len(logprobs["token_logprobs"]) == 4
     assert all(len(t) == 2 for t in logprobs["top_logprobs"])
     assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
     assert all(lp <= 0 for lp in logprobs["token_logprobs"])
-    chat = await (await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 3,
-        "temperature": 0})).json()
+    chat = await (
+        await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 3,
+                "temperature": 0,
+            },
+        )
+    ).json()
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"]
     assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in content)
@@ -144,10 +164,21 @@ async def test_stop_and_logprobs(client, core):
         ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "response_format": {"type": "json_object"}}, 400, "response_format"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            400,
+            "tools",
+        ),
         ("/v1/nope", {}, 404, None),
     ],
 )
@@ -196,8 +227,9 @@ async def test_api_key(core):
     try:
         resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
-        resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                 headers={"Authorization": "Bearer sekrit"})
+        resp = await client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer sekrit"}
+        )
         assert resp.status == 200
         assert (await client.get("/health")).status == 200  # health is not behind the key
     finally:
@@ -223,8 +255,9 @@ def metric(text: str, name: str) -> float:
 
 
 async def test_disconnect_mid_stream_aborts_and_frees_kv(client, core):
-    resp = await client.post("/v1/completions", json={"prompt": "x" * 50, "max_tokens": 200, "stream": True,
-                                                        "ignore_eos": True})
+    resp = await client.post(
+        "/v1/completions", json={"prompt": "x" * 50, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    )
     await resp.content.readuntil(b"\n\n")  # first event
     text = await (await client.get("/metrics")).text()
     assert metric(text, "aserve:num_requests_running") == 1
@@ -244,11 +277,22 @@ async def test_disconnect_mid_stream_aborts_and_frees_kv(client, core):
 async def test_metrics_names(client):
     await client.post("/v1/completions", json={"prompt": "metrics please", "max_tokens": 3, "ignore_eos": True})
     text = await (await client.get("/metrics")).text()
-    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total", "request_success_total",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total", "time_to_first_token_seconds_count",
-                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
-                 "request_queue_time_seconds_count", "iteration_tokens_total_count"]:
+    for name in [
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+        "iteration_tokens_total_count",
+    ]:
         assert f"aserve:{name}{{" in text, name
     assert 'model_name="tiny"' in text
     assert metric(text, "aserve:generation_tokens_total") >= 3

@@ -2,25 +2,26 @@
 no KV leaks, the adaptive policy, metrics."""
 
 import collections
+import json
 import random
 
 import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.worker.sampler import Sampler
 from aserve.spec.config import SpeculativeConfig
 from aserve.spec.ngram import propose_ngram
 from aserve.spec.policy import SpecPolicy, StepCostModel, expected_tokens
+from aserve.worker.sampler import Sampler
 
 MAX_NEW = 40
 
 
 def prompts_for():
     rng = random.Random(3)
-    return [
-        {"prompt_token_ids": ([5, 6, 7, 8, 9] * 8)[:n]} for n in (12, 25)
-    ] + [{"prompt_token_ids": [rng.randrange(2, 384) for _ in range(n)]} for n in (7, 33, 60)]
+    return [{"prompt_token_ids": ([5, 6, 7, 8, 9] * 8)[:n]} for n in (12, 25)] + [
+        {"prompt_token_ids": [rng.randrange(2, 384) for _ in range(n)]} for n in (7, 33, 60)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +332,7 @@ async def test_server_streams_with_speculation(tiny_model, tiny_model_factory, g
 
     engine = AsyncEngine.from_engine_args(EngineArgs(
         model=tiny_model, dtype="float32", enforce_eager=True,
-        speculative_config='{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % tiny_model,
+        speculative_config=json.dumps({"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3}),
     ))  # fmt: skip
     client = TestClient(TestServer(build_app(engine, "tiny"), handler_cancellation=True))
     await client.start_server()

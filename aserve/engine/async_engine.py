@@ -148,7 +148,8 @@ class AsyncEngine:
             return
         if num_seqs > limit:
             raise ParamError(
-                "n", f"this request asks for {num_seqs} sequences (prompts x n), more than the server's queue "
+                "n",
+                f"this request asks for {num_seqs} sequences (prompts x n), more than the server's queue "
                 f"limit (--max-queue-len {limit}) could ever admit; send fewer prompts or a smaller n",
             )
         waiting = self.engine.scheduler.num_waiting

@@ -25,20 +25,20 @@ from dataclasses import dataclass, field
 
 from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.core.block_hash import BlockHasher
-from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.core.kv_cache_manager import InvariantError, KVCacheManager, cdiv
-from aserve.worker.host_memory import retain_freed_memory
-from aserve.worker.model_runner import ModelRunner, PendingStep, RunnerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler, SchedulerOutput
+from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.stats import EngineStats
 from aserve.model.loader import resolve_model
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
 from aserve.spec.config import SpeculativeConfig
 from aserve.spec.ngram import propose_ngram
-from aserve.worker.drafter import ModelDrafter
 from aserve.spec.policy import SpecPolicy, StepCostModel
+from aserve.worker.drafter import ModelDrafter
+from aserve.worker.host_memory import retain_freed_memory
+from aserve.worker.model_runner import ModelRunner, PendingStep, RunnerOutput
 
 logger = logging.getLogger("aserve")
 
@@ -244,8 +244,12 @@ class LLMEngine:
         children = []
         detokenizers = []
         for i in range(params.n):
-            child_params = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            children.append(Request(child_ids[i], prompt_token_ids, child_params, self.eos_token_id, hasher, arrival_time))
+            child_params = (
+                params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            )
+            children.append(
+                Request(child_ids[i], prompt_token_ids, child_params, self.eos_token_id, hasher, arrival_time)
+            )
             detokenizers.append(
                 IncrementalDetokenizer(
                     self.tokenizer,
@@ -554,7 +558,9 @@ class LLMEngine:
             request.spec_token_ids, request.spec_draft_probs = model_drafts[:k], model_probs
         else:
             cfg = self.spec_config
-            request.spec_token_ids = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            request.spec_token_ids = propose_ngram(
+                request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            )
 
     def _logprob_dict(self, lp) -> dict[int, Logprob]:
         texts = self.tokenizer.batch_decode([[t] for t in lp.token_ids])
@@ -578,8 +584,10 @@ class LLMEngine:
             text_end = detok.streamable_len(finished)
             n_tokens = child.num_output_tokens
             if state.delta:
-                if text_end == state.sent_text[i] and n_tokens == state.sent_tokens[i] and (
-                    not finished or state.finish_sent[i]
+                if (
+                    text_end == state.sent_text[i]
+                    and n_tokens == state.sent_tokens[i]
+                    and (not finished or state.finish_sent[i])
                 ):
                     continue
                 text = detok.text[state.sent_text[i] : text_end]
@@ -636,4 +644,3 @@ def _eos_token_id(hf_config, tokenizer) -> int | None:
         if isinstance(eos, list):
             eos = eos[0] if eos else None
     return eos
-

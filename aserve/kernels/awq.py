@@ -44,9 +44,9 @@ not depend on scheduling), adds the bias, writes the output and sets the counter
 GEMV and a reduce kernel, and the counters are zero again for the next launch or CUDA-graph replay. Counters are
 allocated once (gemv_counters: AWQLinear keeps one set per layer; plain awq_gemv calls share one per device and
 output size), never during graph capture. Two launches that share counters must not overlap: kernels in one stream
-do not, also with programmatic dependent launch (aserve/kernels/pdl.py), which this kernel uses like the rest of kernels/:
-every program waits for the previous kernel (gdc_sync) before it touches x, the partials or the counters. Its first
-tile's weights, zeros and scales are loaded before that wait (nothing in a decode step writes them), so with PDL
+do not, also with programmatic dependent launch (aserve/kernels/pdl.py), which this kernel uses like the rest of
+kernels/: every program waits for the previous kernel (gdc_sync) before it touches x, the partials or the counters. Its
+first tile's weights, zeros and scales are loaded before that wait (nothing in a decode step writes them), so with PDL
 their DRAM latency overlaps the previous kernel's tail.
 
 M = 1 over a repacked copy (awq_repack, built once at load time; AWQLinear.repack then frees the AutoAWQ tensors,
@@ -268,6 +268,7 @@ mov.b32 $3, r3;
 }
 """)
 
+
 def _unpack_ptx(q: int, z: int, ops: list[str], outputs: int) -> str:
     """The unpacking shared by all steps: w0..w3 = (q - z) of the four pairs as f16x2 (q int32 at $q, z0..z3 at
     $z..$z+3, 0x2C00 = 1/16), then `ops` (accumulating fmas or a first row's muls into r0 .. r{outputs - 1}), then
@@ -286,7 +287,8 @@ def _unpack_ptx(q: int, z: int, ops: list[str], outputs: int) -> str:
         f"fma.rn.f16x2 w1, w1, c, ${z + 1};\n"
         f"sub.f16x2 w2, w2, ${z + 2};\n"
         f"fma.rn.f16x2 w3, w3, c, ${z + 3};\n"
-        + "\n".join(ops) + "\n"
+        + "\n".join(ops)
+        + "\n"
         + "".join(f"mov.b32 ${k}, r{k};\n" for k in range(outputs))
         + "}\n"
     )
@@ -382,8 +384,14 @@ def _step(a0, a1, a2, a3, q, x, z0, z1, z2, z3, FIRST: tl.constexpr, ASM: tl.con
     (pair p: columns 2p, 2p + 1 of each column group); FIRST: a0..a3 are ignored (the first row)."""
     if ASM:
         if FIRST:
-            return tl.inline_asm_elementwise(_FIRST_STEP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [q, x, z0, z1, z2, z3],
-                                             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(
+                _FIRST_STEP_ASM,
+                "=r,=r,=r,=r,r,r,r,r,r,r",
+                [q, x, z0, z1, z2, z3],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
         else:
             return tl.inline_asm_elementwise(
                 _STEP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", [a0, a1, a2, a3, q, x, z0, z1, z2, z3],
@@ -527,10 +535,16 @@ def _f16x2_tile(c, w, x, R: tl.constexpr, ASM: tl.constexpr):
     for r in tl.static_range(1, R):
         a0, a1, a2, a3 = _step(a0, a1, a2, a3, q[r], x[r], z0, z1, z2, z3, False, ASM)
     f0, f1, f2, f3, f4, f5, f6, f7 = _finish(a0, a1, a2, a3, ASM)
-    return (c[0] + f0 * (s[0].to(tl.float32) * 16.0)[None, :], c[1] + f1 * (s[1].to(tl.float32) * 16.0)[None, :],
-            c[2] + f2 * (s[2].to(tl.float32) * 16.0)[None, :], c[3] + f3 * (s[3].to(tl.float32) * 16.0)[None, :],
-            c[4] + f4 * (s[4].to(tl.float32) * 16.0)[None, :], c[5] + f5 * (s[5].to(tl.float32) * 16.0)[None, :],
-            c[6] + f6 * (s[6].to(tl.float32) * 16.0)[None, :], c[7] + f7 * (s[7].to(tl.float32) * 16.0)[None, :])
+    return (
+        c[0] + f0 * (s[0].to(tl.float32) * 16.0)[None, :],
+        c[1] + f1 * (s[1].to(tl.float32) * 16.0)[None, :],
+        c[2] + f2 * (s[2].to(tl.float32) * 16.0)[None, :],
+        c[3] + f3 * (s[3].to(tl.float32) * 16.0)[None, :],
+        c[4] + f4 * (s[4].to(tl.float32) * 16.0)[None, :],
+        c[5] + f5 * (s[5].to(tl.float32) * 16.0)[None, :],
+        c[6] + f6 * (s[6].to(tl.float32) * 16.0)[None, :],
+        c[7] + f7 * (s[7].to(tl.float32) * 16.0)[None, :],
+    )
 
 
 @triton.jit
@@ -592,7 +606,8 @@ def _silu_mul_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr,
     """The end of a GEMV whose N outputs are [gate | up] (an MLP's gate/up projection; N / 2 a multiple of 128):
     c's column sums -> the float32 partials; the last of the 2 split_k programs of column block pid_n and its
     partner N / 256 blocks away (the pair's counter: pid_n mod N / 256) writes silu(gate) * up for their 128
-    columns (out: [N / 2]), rounded as the GEMV's output and then aserve/kernels/fused.py's silu_and_mul would round it."""
+    columns (out: [N / 2]), rounded as the GEMV's output and then aserve/kernels/fused.py's silu_and_mul would round
+    it."""
     y = _column_sums(c, 16)
     tl.store(part_ptr + pid_k * N + pid_n * 128 + tl.arange(0, 128), y)
     tl.debug_barrier()  # every thread's partial is stored before the (one-thread) release below
@@ -649,6 +664,7 @@ def _awq_gemv1_kernel(
     _gemv1_epilogue(c, pid_n, pid_k, N, split_k, bias_ptr, out_ptr, part_ptr, cnt_ptr, BLOCK_N8, SPLIT, SPLIT_PAD,
                     RED_CH, EVEN_N, HAS_BIAS)  # fmt: skip
 
+
 # -- M = 1 over a repacked copy of the weights (awq_repack) ------------------------------------------------------
 # The same f16x2 arithmetic and fused split-K reduction as _awq_gemv1_kernel, over a layout built once at load time
 # (docs/benchmarks.md session 10: 9-13 % faster on an H200 at the three Llama-3-8B shapes, with PDL):
@@ -693,11 +709,14 @@ mul.rn.f16x2 $1, b, c;
 """)
 # c0..c7 ($8..$15, float32 bits) + float32(a_p) * float32(s_p) for the four f16x2 accumulators a ($16..$19) and
 # scale pairs s ($20..$23): column 2p from the low halves, 2p + 1 from the high ones (outputs written last)
-_SCALE_ACC_ASM = tl.constexpr("""
+_SCALE_ACC_ASM = tl.constexpr(
+    """
 {
 .reg .b16 al, ah, sl, sh;
 .reg .f32 fa, fs, o0, o1, o2, o3, o4, o5, o6, o7;
-""" + "".join(f"""mov.b32 {{al, ah}}, ${16 + p};
+"""
+    + "".join(
+        f"""mov.b32 {{al, ah}}, ${16 + p};
 mov.b32 {{sl, sh}}, ${20 + p};
 cvt.f32.f16 fa, al;
 cvt.f32.f16 fs, sl;
@@ -705,7 +724,12 @@ fma.rn.f32 o{2 * p}, fa, fs, ${8 + 2 * p};
 cvt.f32.f16 fa, ah;
 cvt.f32.f16 fs, sh;
 fma.rn.f32 o{2 * p + 1}, fa, fs, ${9 + 2 * p};
-""" for p in range(4)) + "".join(f"mov.b32 ${c}, o{c};\n" for c in range(8)) + "}\n")
+"""
+        for p in range(4)
+    )
+    + "".join(f"mov.b32 ${c}, o{c};\n" for c in range(8))
+    + "}\n"
+)
 
 
 @triton.jit
@@ -762,10 +786,12 @@ def _step_zc(a0, a1, a2, a3, q, x, z0, z1, z2, z3, FIRST: tl.constexpr, ASM: tl.
     if ASM:
         return _step(a0, a1, a2, a3, q, x, z0, z1, z2, z3, FIRST, True)
     else:
-        return (_twin_half_zc(a0, q, x, z0, 0, 0, FIRST) | (_twin_half_zc(a0, q, x, z0, 0, 16, FIRST) << 16),
-                _twin_half_zc(a1, q, x, z1, 1, 0, FIRST) | (_twin_half_zc(a1, q, x, z1, 1, 16, FIRST) << 16),
-                _twin_half_zc(a2, q, x, z2, 2, 0, FIRST) | (_twin_half_zc(a2, q, x, z2, 2, 16, FIRST) << 16),
-                _twin_half_zc(a3, q, x, z3, 3, 0, FIRST) | (_twin_half_zc(a3, q, x, z3, 3, 16, FIRST) << 16))
+        return (
+            _twin_half_zc(a0, q, x, z0, 0, 0, FIRST) | (_twin_half_zc(a0, q, x, z0, 0, 16, FIRST) << 16),
+            _twin_half_zc(a1, q, x, z1, 1, 0, FIRST) | (_twin_half_zc(a1, q, x, z1, 1, 16, FIRST) << 16),
+            _twin_half_zc(a2, q, x, z2, 2, 0, FIRST) | (_twin_half_zc(a2, q, x, z2, 2, 16, FIRST) << 16),
+            _twin_half_zc(a3, q, x, z3, 3, 0, FIRST) | (_twin_half_zc(a3, q, x, z3, 3, 16, FIRST) << 16),
+        )
 
 
 @triton.jit
@@ -782,10 +808,16 @@ def _scale_acc(c, a0, a1, a2, a3, s, ASM: tl.constexpr):
             is_pure=True, pack=1,
         )  # fmt: skip
     else:
-        return (c[0] + _f16_bits(a0) * _f16_bits(s[0]), c[1] + _f16_bits(a0 >> 16) * _f16_bits(s[0] >> 16),
-                c[2] + _f16_bits(a1) * _f16_bits(s[1]), c[3] + _f16_bits(a1 >> 16) * _f16_bits(s[1] >> 16),
-                c[4] + _f16_bits(a2) * _f16_bits(s[2]), c[5] + _f16_bits(a2 >> 16) * _f16_bits(s[2] >> 16),
-                c[6] + _f16_bits(a3) * _f16_bits(s[3]), c[7] + _f16_bits(a3 >> 16) * _f16_bits(s[3] >> 16))
+        return (
+            c[0] + _f16_bits(a0) * _f16_bits(s[0]),
+            c[1] + _f16_bits(a0 >> 16) * _f16_bits(s[0] >> 16),
+            c[2] + _f16_bits(a1) * _f16_bits(s[1]),
+            c[3] + _f16_bits(a1 >> 16) * _f16_bits(s[1] >> 16),
+            c[4] + _f16_bits(a2) * _f16_bits(s[2]),
+            c[5] + _f16_bits(a2 >> 16) * _f16_bits(s[2] >> 16),
+            c[6] + _f16_bits(a3) * _f16_bits(s[3]),
+            c[7] + _f16_bits(a3 >> 16) * _f16_bits(s[3] >> 16),
+        )
 
 
 @triton.jit
@@ -808,8 +840,16 @@ def _load_repacked(w_ptr, m_ptr, woff, moff, ok):
 def _load_x_pairs(x_ptr, xoff, ok):
     """One tile's inputs: 8 row pairs [8, 1] (rows 16 i + 2p, + 1 as one int32)."""
     p = x_ptr + xoff
-    return (tl.load(p, mask=ok), tl.load(p + 1, mask=ok), tl.load(p + 2, mask=ok), tl.load(p + 3, mask=ok),
-            tl.load(p + 4, mask=ok), tl.load(p + 5, mask=ok), tl.load(p + 6, mask=ok), tl.load(p + 7, mask=ok))
+    return (
+        tl.load(p, mask=ok),
+        tl.load(p + 1, mask=ok),
+        tl.load(p + 2, mask=ok),
+        tl.load(p + 3, mask=ok),
+        tl.load(p + 4, mask=ok),
+        tl.load(p + 5, mask=ok),
+        tl.load(p + 6, mask=ok),
+        tl.load(p + 7, mask=ok),
+    )
 
 
 @triton.jit
@@ -949,7 +989,7 @@ _INTERPRETED = isinstance(_awq_gemv1_kernel, InterpretedFunction)
 # -- launchers --------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int | None) -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(device_index or 0).multi_processor_count

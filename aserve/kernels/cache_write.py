@@ -35,7 +35,9 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + slot * stride_c_slot + offs, tl.load(v_ptr + tok * stride_v_tok + offs, mask=ok), mask=ok)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+):
     """k/v [T, Hkv, D] (each token's heads contiguous) -> k_cache/v_cache [num_blocks, block_size, Hkv, D]."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(2) == 1 and k.stride(1) == head_dim and v.stride(2) == 1 and v.stride(1) == head_dim

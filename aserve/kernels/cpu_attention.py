@@ -1,5 +1,5 @@
-"""CPU decode attention that reads the paged KV cache in place: a small C kernel (aserve/kernels/cpu_build.py compiles it
-once per machine) called through ctypes.
+"""CPU decode attention that reads the paged KV cache in place: a small C kernel (aserve/kernels/cpu_build.py compiles
+it once per machine) called through ctypes.
 
 The torch path (aserve/model/attention.py TorchAttentionBackend) gathers every decoding request's blocks into a
 padded copy with index_select and then runs SDPA: K/V bytes are read, written and read again, and SDPA's CPU kernel
@@ -43,7 +43,10 @@ import torch
 
 from aserve.kernels import cpu_build
 
-_SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
+_SOURCE = (
+    cpu_build.BF16_C
+    + cpu_build.AVX512_C
+    + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -475,10 +478,13 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     return 0;
 }
 """
+)
 
 _SIGNATURES = {
     "paged_decode_attention": (
-        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3, ctypes.c_int),
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3,
+        ctypes.c_int,
+    ),
 }
 
 

@@ -1,5 +1,5 @@
-"""Compiles aserve's small C kernels for the CPU (aserve/kernels/cpu_attention.py, aserve/kernels/cpu_elementwise.py) with the
-system C compiler — the one torch.compile's CPU backend needs anyway — once per machine and source, into
+"""Compiles aserve's small C kernels for the CPU (aserve/kernels/cpu_attention.py, aserve/kernels/cpu_elementwise.py)
+with the system C compiler — the one torch.compile's CPU backend needs anyway — once per machine and source, into
 ~/.cache/aserve/cpu_kernels, and loads them with ctypes. OpenMP in them binds to torch's own libgomp (already
 loaded), so they share torch's threads. ASERVE_CPU_KERNELS=0 turns them all off (the torch paths run)."""
 

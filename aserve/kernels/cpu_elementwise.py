@@ -5,8 +5,8 @@ call each through ctypes:
     rotary_split     fused qkv rows -> rotated q, rotated k, v (each contiguous)
     silu_mul         gate_up rows -> silu(gate) * up
 
-Same contract and rounding as aserve/kernels/fused.py (HF's eager order: every product rounded to the model dtype where HF
-rounds it), float32 and bfloat16. Each call costs microseconds of Python, where eager torch runs 3-10 ops (~10 us
+Same contract and rounding as aserve/kernels/fused.py (HF's eager order: every product rounded to the model dtype where
+HF rounds it), float32 and bfloat16. Each call costs microseconds of Python, where eager torch runs 3-10 ops (~10 us
 each) and a torch.compile'd region pays ~100 us to enter: on a 2-core CPU that overhead, at batch 1 and in every
 decode step, was a visible part of the step. Rows are spread over torch's threads (OpenMP) when there are many.
 bfloat16 SiLU·mul on AVX512-BF16 CPUs runs 16 lanes with a polynomial exp (libm's expf does not vectorise): 1.7-1.9x
@@ -21,7 +21,10 @@ import torch
 
 from aserve.kernels import cpu_build
 
-_SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
+_SOURCE = (
+    cpu_build.BF16_C
+    + cpu_build.AVX512_C
+    + r"""
 #include <math.h>
 
 static inline float ld(const void *p, int64_t i, int bf16) {
@@ -150,6 +153,7 @@ void rotary_split(const void *qkv, const void *cos_, const void *sin_, void *q, 
     }
 }
 """
+)
 
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {

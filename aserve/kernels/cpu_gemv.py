@@ -1,5 +1,5 @@
-"""CPU bfloat16 GEMV (one input row: batch-1 decode) as a small C kernel (aserve/kernels/cpu_build.py compiles it), called
-through ctypes.
+"""CPU bfloat16 GEMV (one input row: batch-1 decode) as a small C kernel (aserve/kernels/cpu_build.py compiles it),
+called through ctypes.
 
     y[n] = sum_k W[n, k] x[k]        W [N, K] bf16 row-major, float32 accumulation, y rounded to bf16
 
@@ -21,7 +21,10 @@ import torch
 
 from aserve.kernels import cpu_build
 
-_SOURCE = cpu_build.BF16_C + cpu_build.AVX512_C + r"""
+_SOURCE = (
+    cpu_build.BF16_C
+    + cpu_build.AVX512_C
+    + r"""
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -75,6 +78,7 @@ int gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, int64_t N, int6
 int gemv_bf16_available(void) { return 0; }
 #endif
 """
+)
 
 _SIGNATURES = {
     "gemv_bf16": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int], ctypes.c_int),

@@ -16,7 +16,9 @@ import torch
 
 from aserve.kernels import cpu_build
 
-_SOURCE = cpu_build.BF16_C + r"""
+_SOURCE = (
+    cpu_build.BF16_C
+    + r"""
 #include <math.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -81,6 +83,7 @@ void greedy_pick(const void *logits, int64_t rows, int64_t vocab, int64_t stride
         pick_row((const char *)logits + r * stride * esize, vocab, bf16, idx + r, nonfinite + r);
 }
 """
+)
 
 _SIGNATURES = {
     "greedy_pick": (

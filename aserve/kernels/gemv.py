@@ -8,13 +8,14 @@ hot loop has no masks; K must be a multiple of BLOCK_K (true of every model shap
 
 SILU_MUL fuses a Llama MLP's activation into the down projection: x is the gate_up output [gate | up] and each
 K slice of silu(gate) * up is computed in the loop (one kernel less per layer); it has its own launch configuration
-(twice the x traffic per weight tile). With programmatic dependent launch (aserve/kernels/pdl.py) a GEMV's launch overlaps
-the previous kernel's tail.
+(twice the x traffic per weight tile). With programmatic dependent launch (aserve/kernels/pdl.py) a GEMV's launch
+overlaps the previous kernel's tail.
 
 Fusions that measured slower on the H200 and were removed (docs/benchmarks.md): the add + RMSNorm before q/k/v and
 gate/up in the GEMV, as a pre-pass over the row in every program, as a last-program step (atomic ticket) of the GEMV
 before, and folded into the dot products (x * norm weight and sum(x^2) in the loop); rotary + cache write in the
-q/k/v GEMV's epilogue. Reference: torch.nn.functional.linear (after aserve/kernels/fused.py's silu_and_mul for SILU_MUL).
+q/k/v GEMV's epilogue. Reference: torch.nn.functional.linear (after aserve/kernels/fused.py's silu_and_mul for
+SILU_MUL).
 """
 
 from __future__ import annotations

@@ -48,10 +48,32 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
-    stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr, ACC_DOT: tl.constexpr, CONTIG: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    t,
+    num_keys,
+    bt_row,
+    row0,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    scale_log2,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    offs_n,
+    offs_d,
+    d_ok,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    ACC_DOT: tl.constexpr,
+    CONTIG: tl.constexpr,
 ):
     """One TILE_N-key tile of the online softmax: keys read straight from their pages (or, CONTIG, from the
     step's new K/V rows). Unmasked tiles (all keys valid and visible to every row) load without masks. A key is
@@ -112,10 +134,33 @@ def _attend_tile(
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q, q_pos, lo, mid, hi, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
-    stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-    ACC_DOT: tl.constexpr, CONTIG: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    lo,
+    mid,
+    hi,
+    num_keys,
+    bt_row,
+    row0,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    scale_log2,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    offs_n,
+    offs_d,
+    d_ok,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ACC_DOT: tl.constexpr,
+    CONTIG: tl.constexpr,
 ):
     """_attend_tile over tiles lo .. mid - 1 without masks, then mid .. hi - 1 with them."""
     for t in range(lo, mid):
@@ -279,15 +324,18 @@ def _combine_segments_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     base = (tok * NUM_HEADS + head) * NUM_SEGMENTS + offs_s
     m = tl.load(part_stats_ptr + base * 2)
-    l = tl.load(part_stats_ptr + base * 2 + 1)
+    sums = tl.load(part_stats_ptr + base * 2 + 1)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)  # segments that saw no keys have m = -inf: weight 0
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-    total = tl.sum(l * w, 0)
+    total = tl.sum(sums * w, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int) -> dict:
@@ -296,8 +344,9 @@ def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int) -> dict:
     g = num_heads // num_kv_heads
     if max_query_len <= 1:
         return dict(BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=128, num_warps=8, num_stages=3, REVERSE=True,
-                ACC_DOT=True)
+    return dict(
+        BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=128, num_warps=8, num_stages=3, REVERSE=True, ACC_DOT=True
+    )
 
 
 def paged_attention(

@@ -51,7 +51,8 @@ class AttentionBackend(ABC):
     writes_rotated_kv = False
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Per-step work shared by all layers (called once before the forward)."""
+        """Per-step work shared by all layers (called once before the forward); none by default."""
+        return
 
     @abstractmethod
     def forward(
@@ -65,11 +66,13 @@ class TorchAttentionBackend(AttentionBackend):
     verification: up to SHORT_QUERY tokens) come first in the batch and go through one padded SDPA call; every
     other request gets its own SDPA call over its gathered context. K/V are gathered whole blocks at a time with
     index_select (several times faster than per-slot indexing on CPU), and SDPA gets 4-D inputs (its fused CPU
-    kernel). On CPU, a batch's decodes (one query token each) skip the gather: aserve/kernels/cpu_attention.py reads their
-    blocks in place (DECODE_KERNEL; ASERVE_CPU_KERNELS=0 turns it off)."""
+    kernel). On CPU, a batch's decodes (one query token each) skip the gather: aserve/kernels/cpu_attention.py reads
+    their blocks in place (DECODE_KERNEL; ASERVE_CPU_KERNELS=0 turns it off)."""
 
     SHORT_QUERY = 8
-    DECODE_KERNEL = True  # CPU: decode-only short batches through aserve/kernels/cpu_attention.py (reads blocks in place)
+    DECODE_KERNEL = (
+        True  # CPU: decode-only short batches through aserve/kernels/cpu_attention.py (reads blocks in place)
+    )
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         device = meta.slot_mapping.device

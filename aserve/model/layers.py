@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-# CPU, one-row inputs of prepacked bf16 linears: a GEMV on the plain weight instead of oneDNN (aserve/kernels/cpu_gemv.py
-# where it applies, else torch.mv; ASERVE_CPU_MV=0: off).
+# CPU, one-row inputs of prepacked bf16 linears: a GEMV on the plain weight instead of oneDNN
+# (aserve/kernels/cpu_gemv.py where it applies, else torch.mv; ASERVE_CPU_MV=0: off).
 CPU_MV_FOR_ONE_ROW = os.environ.get("ASERVE_CPU_MV", "1") != "0"
 
 
@@ -25,8 +24,8 @@ class Linear(nn.Linear):
     gemv_silu_config: dict | None = None  # ... and with SiLU·mul fused in (forward_silu_mul); None: gemv_config
 
     def use_gemv(self, config: dict | None = None) -> bool:
-        """GPU, 16-bit weights: route one-row inputs to the Triton GEMV (aserve/kernels/gemv.py), which streams the weight
-        faster than cuBLAS at M = 1. False when it does not apply (then F.linear as before)."""
+        """GPU, 16-bit weights: route one-row inputs to the Triton GEMV (aserve/kernels/gemv.py), which streams the
+        weight faster than cuBLAS at M = 1. False when it does not apply (then F.linear as before)."""
         from aserve.kernels.gemv import gemv_config
 
         if not (self.weight.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16)):
@@ -140,9 +139,9 @@ class ElementwiseOps:
         self.kind = "compiled"
 
     def use_native(self) -> None:
-        """CPU: the C kernels of aserve/kernels/cpu_elementwise.py for add + RMSNorm, rotary and (bf16) SiLU·mul, at every
-        step size (one call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter, eager
-        torch runs several ops)."""
+        """CPU: the C kernels of aserve/kernels/cpu_elementwise.py for add + RMSNorm, rotary and (bf16) SiLU·mul, at
+        every step size (one call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter,
+        eager torch runs several ops)."""
         from aserve.kernels import cpu_elementwise
 
         self._fast = {

@@ -147,9 +147,10 @@ class LlamaForCausalLM(nn.Module):
         return x + residual
 
     def optimize_for_cpu(self, compile_elementwise: bool) -> None:
-        """CPU: prepack bf16 linear weights for oneDNN; the element-wise work in C kernels (aserve/kernels/cpu_elementwise.py,
-        compiled once per machine), or where they cannot be built, torch.compile'd if `compile_elementwise`; one-token
-        steps through aserve/model/cpu_decode.py where it applies (ASERVE_CPU_ONE_TOKEN=0: off)."""
+        """CPU: prepack bf16 linear weights for oneDNN; the element-wise work in C kernels
+        (aserve/kernels/cpu_elementwise.py, compiled once per machine), or where they cannot be built, torch.compile'd
+        if `compile_elementwise`; one-token steps through aserve/model/cpu_decode.py where it applies
+        (ASERVE_CPU_ONE_TOKEN=0: off)."""
         from aserve.kernels import cpu_elementwise
 
         for module in self.modules():

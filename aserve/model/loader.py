@@ -131,8 +131,17 @@ def iterate_safetensors(model_dir: str, show_progress: bool = False):
         progress.close()
 
 
-def build_model(hf_config, model_dir: str, dtype, device, max_model_len: int, backend, load_format: str, seed: int,
-                compile_model: bool = False) -> torch.nn.Module:
+def build_model(
+    hf_config,
+    model_dir: str,
+    dtype,
+    device,
+    max_model_len: int,
+    backend,
+    load_format: str,
+    seed: int,
+    compile_model: bool = False,
+) -> torch.nn.Module:
     """Constructs the architecture on the meta device, materialises it on `device`, loads (or draws) weights, and
     picks the element-wise implementation for the device (Triton kernels on GPU; prepacked weights and optional
     torch.compile on CPU)."""
@@ -159,8 +168,8 @@ def build_model(hf_config, model_dir: str, dtype, device, max_model_len: int, ba
         model.optimize_for_cpu(compile_elementwise=compile_model)
     elif device.type == "cuda":
         model.ops.use_triton()
-        from aserve.quantization.awq_linear import AWQLinear
         from aserve.kernels import pdl
+        from aserve.quantization.awq_linear import AWQLinear
 
         # AWQ: the weights in the layout every kernel reads, the AutoAWQ tensors freed (int4 weights held once)
         if any([module.repack() for module in model.modules() if isinstance(module, AWQLinear)]):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from aserve.model.attention import AttentionBackend, AttentionMetadata
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.paged_attention import paged_attention
+from aserve.model.attention import AttentionBackend, AttentionMetadata
 
 _MAX_SEGMENTS = 16
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from aserve.kernels.awq_reference import awq_matmul, dequantize
 from aserve.model.layers import Linear
 from aserve.quantization.awq_format import PACK_FACTOR, AWQConfig
-from aserve.kernels.awq_reference import awq_matmul, dequantize
 
 # aserve's fused linears -> the HF linears they hold (for modules_to_not_convert, which names HF modules)
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -26,10 +26,10 @@ _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 class AWQLinear(nn.Module):
     """y = x @ ((q - z) * s) + bias, from AutoAWQ gemm tensors.
 
-    CUDA: the Triton kernels of aserve/kernels/awq.py, with this layer's own counters for the M = 1 kernel's fused split-K
-    reduction (made on the first call, outside CUDA graph capture) and the weights repacked into the layout every
-    M's kernel reads (aserve.kernels.awq.awq_repack): the engine calls `repack()` once after loading, which frees the
-    AutoAWQ tensors, so the int4 weights are held once. Layers the layout does not fit (group size other than 128,
+    CUDA: the Triton kernels of aserve/kernels/awq.py, with this layer's own counters for the M = 1 kernel's fused
+    split-K reduction (made on the first call, outside CUDA graph capture) and the weights repacked into the layout
+    every M's kernel reads (aserve.kernels.awq.awq_repack): the engine calls `repack()` once after loading, which frees
+    the AutoAWQ tensors, so the int4 weights are held once. Layers the layout does not fit (group size other than 128,
     outputs not a multiple of 128) keep the AutoAWQ tensors and kernels; without `repack()` (tests, direct use) the
     first call makes the copy and keeps both. CPU: the pure-torch
     reference (dequantise, then matmul) on every call; after `prepack()` (which optimize_for_cpu calls) a
@@ -56,7 +56,8 @@ class AWQLinear(nn.Module):
         self.backend = "auto"  # auto | torch | triton (tests run the Triton kernels on CPU through the interpreter)
         # CPU: the dequantised, prepacked copy. Kept out of the module tree: it is a cache, not a model parameter.
         self.__dict__["dense"] = None
-        # Triton: aserve.kernels.awq.gemv_counters on the weights' device (out of the module tree too: state, not weights)
+        # Triton: aserve.kernels.awq.gemv_counters on the weights' device (out of the module tree too: state, not
+        # weights)
         self.__dict__["gemv_counters"] = None
         # Triton: aserve.kernels.awq.awq_repack's copy (False: the layout does not apply to this layer)
         self.__dict__["repacked"] = None
@@ -90,8 +91,8 @@ class AWQLinear(nn.Module):
         return dequantize(self.qweight, self.qzeros, self.scales, self.group_size).t().to(dtype)
 
     def repack(self, drop_autoawq: bool = True) -> bool:
-        """Builds aserve.kernels.awq.awq_repack's copy of the loaded weights, which the Triton kernels read at every M, and
-        with `drop_autoawq` frees the AutoAWQ tensors (the engine does this once after loading on a GPU: the int4
+        """Builds aserve.kernels.awq.awq_repack's copy of the loaded weights, which the Triton kernels read at every M,
+        and with `drop_autoawq` frees the AutoAWQ tensors (the engine does this once after loading on a GPU: the int4
         weights are then held once). -> whether the layout fits this layer (if not, nothing changes)."""
         from aserve.kernels.awq import awq_repack
 

@@ -97,7 +97,7 @@ def search_clip_gram(gram: torch.Tensor, w: torch.Tensor, group_size: int, n_gri
         clipped = torch.maximum(torch.minimum(wg, highs), lo)  # all high ends at once: fewer, larger ops
         delta = fake_quantize(clipped.reshape(-1, group_size), group_size).reshape(clipped.shape) - wg
         errs = (torch.matmul(delta, gram) * delta).sum(-1)  # [steps, G, out]
-        for j, (hi, err) in enumerate(zip(highs, errs)):
+        for hi, err in zip(highs, errs):
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_lo = torch.where(better[..., None], lo, best_lo)

@@ -118,8 +118,13 @@ def gptq_quantize(
 
 @torch.no_grad()
 def gptq_layer(
-    layer: DenseDecoderLayer, x: torch.Tensor, seq_len: int, group_size: int, search: str = "weighted",
-    damp: float = 0.01, act_order: bool = True,
+    layer: DenseDecoderLayer,
+    x: torch.Tensor,
+    seq_len: int,
+    group_size: int,
+    search: str = "weighted",
+    damp: float = 0.01,
+    act_order: bool = True,
 ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, dict[str, float]]]:
     """GPTQ on every linear of the layer, true-sequentially, on the residual stream x [T, hidden] entering it.
     layer.w's linears are replaced by their dequantised weights. -> (the quantised layer's output, {linear: (q, z,

@@ -173,8 +173,8 @@ def quantize_model(
                 report["layers"].append(awq_layer(layer, feats, seq_len, group_size, n_grid, clip and method == "awq"))
             feats = None
             if method in ("gptq", "awq-gptq"):  # layer.w's linears become their dequantised weights
-                x_quantised, grids, errors = gptq_layer(layer, x, seq_len, group_size,
-                                                        gptq_search if clip else "minmax", act_order=act_order)  # fmt: skip
+                search = gptq_search if clip else "minmax"
+                x_quantised, grids, errors = gptq_layer(layer, x, seq_len, group_size, search, act_order=act_order)
                 report["linears"].append(errors)
             elif sequential:
                 quantised = {k: fake_quantize(v, group_size) if k.removesuffix(".weight") in LINEARS else v
@@ -229,32 +229,61 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory (an HF model directory)")
     p.add_argument("--group-size", type=int, default=64, help="inputs per scale / zero point: 32, 64 or 128")
-    p.add_argument("--method", choices=METHODS, default="gptq",
-                   help="gptq (error feedback, by decreasing activation energy), awq-gptq (AWQ scales, then GPTQ), "
-                        "awq (scales + clipping), or rtn (round-to-nearest)")
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default="gptq",
+        help="gptq (error feedback, by decreasing activation energy), awq-gptq (AWQ scales, then GPTQ), "
+        "awq (scales + clipping), or rtn (round-to-nearest)",
+    )
     p.add_argument("--calib", default=None, help="calibration text file (default: the text shipped with aserve)")
     p.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ's, or GPTQ's grid search)")
-    p.add_argument("--no-act-order", action="store_true",
-                   help="GPTQ rounds input channels in order (default: by decreasing activation energy)")
-    p.add_argument("--sequential", action="store_true",
-                   help="calibrate each layer on the quantised model's activations, not the float model's")
-    p.add_argument("--tune-steps", type=int, default=0,
-                   help="after rounding, train the group scales and norms end to end against the float model for "
-                        "this many steps of --tune-batch calibration windows (0: off; SmolLM2-135M, 2 windows: "
-                        "~8 s per step on 2 CPU cores)")
-    p.add_argument("--tune-lr", type=float, default=1e-3,
-                   help="Adam learning rate of --tune-steps for the scales and norms (cosine schedule)")
-    p.add_argument("--tune-codes-lr", type=float, default=0.0,
-                   help="with --tune-steps, also move 4-bit codes (straight-through), at this learning rate; 0: off")
-    p.add_argument("--tune-generated", type=int, default=0,
-                   help="with --tune-steps, also tune on this many windows the float model writes itself "
-                        "(temperature 1, each continuing a calibration window's first 32 tokens); 0: off")
+    p.add_argument(
+        "--no-act-order",
+        action="store_true",
+        help="GPTQ rounds input channels in order (default: by decreasing activation energy)",
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="calibrate each layer on the quantised model's activations, not the float model's",
+    )
+    p.add_argument(
+        "--tune-steps",
+        type=int,
+        default=0,
+        help="after rounding, train the group scales and norms end to end against the float model for "
+        "this many steps of --tune-batch calibration windows (0: off; SmolLM2-135M, 2 windows: "
+        "~8 s per step on 2 CPU cores)",
+    )
+    p.add_argument(
+        "--tune-lr",
+        type=float,
+        default=1e-3,
+        help="Adam learning rate of --tune-steps for the scales and norms (cosine schedule)",
+    )
+    p.add_argument(
+        "--tune-codes-lr",
+        type=float,
+        default=0.0,
+        help="with --tune-steps, also move 4-bit codes (straight-through), at this learning rate; 0: off",
+    )
+    p.add_argument(
+        "--tune-generated",
+        type=int,
+        default=0,
+        help="with --tune-steps, also tune on this many windows the float model writes itself "
+        "(temperature 1, each continuing a calibration window's first 32 tokens); 0: off",
+    )
     p.add_argument("--tune-batch", type=int, default=2, help="calibration windows per --tune-steps step")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="where calibration, rounding and --tune-steps / --tune-generated run (auto: the GPU if "
-                        "there is one)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="where calibration, rounding and --tune-steps / --tune-generated run (auto: the GPU if there is one)",
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -274,6 +303,8 @@ def run_quantize(ns: argparse.Namespace) -> None:
         print(f"aserve: calibration linear output error, summed over linears: RTN {rtn:.4g} -> GPTQ {gptq:.4g}")
     if "tune" in report:
         tune = report["tune"]
-        print(f"aserve: end-to-end tuning, {tune['steps']} steps in {tune['seconds']} s: KL per token to the float "
-              f"model {tune['kl_before']:.4g} -> {tune['kl_after']:.4g}, {tune['codes_changed']} codes moved; "
-              f"{tune['windows']} windows ({tune['generated']} self-generated), {tune['batch']} per step")
+        print(
+            f"aserve: end-to-end tuning, {tune['steps']} steps in {tune['seconds']} s: KL per token to the float "
+            f"model {tune['kl_before']:.4g} -> {tune['kl_after']:.4g}, {tune['codes_changed']} codes moved; "
+            f"{tune['windows']} windows ({tune['generated']} self-generated), {tune['batch']} per step"
+        )

@@ -28,9 +28,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from aserve.kernels.awq_reference import unpack_int4
 from aserve.quantization.awq_format import pack_int4
 from aserve.quantize.dense_layer import DenseDecoderLayer
-from aserve.kernels.awq_reference import unpack_int4
 
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 
@@ -183,5 +183,10 @@ def tune_end_to_end(
             for name, w in norms.items():
                 quantized[name] = w.detach().to("cpu", quantized[name].dtype).contiguous()
         seconds = round(time.perf_counter() - t0, 1)
-        return {"kl_before": kl_before, "kl_after": kl_after, "steps": steps, "codes_changed": changed,
-                "seconds": seconds}
+        return {
+            "kl_before": kl_before,
+            "kl_after": kl_after,
+            "steps": steps,
+            "codes_changed": changed,
+            "seconds": seconds,
+        }

@@ -50,7 +50,7 @@ class SpeculativeConfig:
         if adaptive:
             k = _AUTO_MAX_K
         if not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"num_speculative_tokens must be 1..16 or \"auto\", got {k!r}")
+            raise ValueError(f'num_speculative_tokens must be 1..16 or "auto", got {k!r}')
         out = cls(method=method, num_speculative_tokens=k, adaptive=adaptive)
         kwargs = {}
         if method == "ngram":

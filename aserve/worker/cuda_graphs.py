@@ -85,9 +85,7 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[bucket] = (graph, hidden)
         torch.cuda.synchronize()
-        logger.info(
-            "Captured CUDA graphs for decode batches %s in %.1f s", self.buckets, time.perf_counter() - t0
-        )
+        logger.info("Captured CUDA graphs for decode batches %s in %.1f s", self.buckets, time.perf_counter() - t0)
 
     def replay(self, layout, bucket: int, patch=None) -> torch.Tensor:
         """Pads the step in the host buffers to `bucket` rows, copies, runs `patch` (device-side fix-ups of the

@@ -19,9 +19,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from aserve.worker.sampler import SampleRow
 from aserve.model.attention import AttentionMetadata
 from aserve.spec.config import SpeculativeConfig
+from aserve.worker.sampler import SampleRow
 
 
 class ModelDrafter:
@@ -42,8 +42,8 @@ class ModelDrafter:
         else:
             from transformers import AutoConfig
 
-            from aserve.worker.model_runner import kv_bytes_per_block
             from aserve.model.loader import build_model, resolve_model
+            from aserve.worker.model_runner import kv_bytes_per_block
 
             model_dir, _ = resolve_model(config.model)
             hf_config = AutoConfig.from_pretrained(model_dir)

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from aserve.worker.cuda_graphs import DecodeGraphs
 from aserve.core.kv_cache_manager import cdiv
-from aserve.worker.sampler import PendingSample, Sampler, SamplerOutput, list_to_device
 from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aserve.model.loader import build_model
+from aserve.worker.cuda_graphs import DecodeGraphs
+from aserve.worker.sampler import PendingSample, Sampler, SamplerOutput, list_to_device
 
 logger = logging.getLogger("aserve")
 

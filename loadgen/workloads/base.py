@@ -57,8 +57,7 @@ class Workload(ABC):
     name: str
 
     @abstractmethod
-    def sessions(self, rng: np.random.Generator) -> Iterator[Session]:
-        ...
+    def sessions(self, rng: np.random.Generator) -> Iterator[Session]: ...
 
     def describe(self) -> str:
         return self.name

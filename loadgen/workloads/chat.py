@@ -35,5 +35,7 @@ class ChatWorkload(Workload):
             yield Session(turns, multi_turn=True)
 
     def describe(self) -> str:
-        return (f"chat ({self.num_turns} turns, user messages {self.input_len.describe()}, replies "
-                f"{self.output_len.describe()})")
+        return (
+            f"chat ({self.num_turns} turns, user messages {self.input_len.describe()}, replies "
+            f"{self.output_len.describe()})"
+        )

@@ -51,7 +51,7 @@ def read_jsonl(path: str) -> list[_Line]:
             try:
                 line = decoder.decode(raw)
             except msgspec.DecodeError as e:  # ValidationError is a DecodeError
-                raise ValueError(f"{path}:{number}: {e} (expected {{\"prompt\": ..., \"max_tokens\": N}})") from e
+                raise ValueError(f'{path}:{number}: {e} (expected {{"prompt": ..., "max_tokens": N}})') from e
             if line.max_tokens is not None and line.max_tokens < 1:
                 raise ValueError(f"{path}:{number}: max_tokens must be >= 1")
             if not line.prompt:

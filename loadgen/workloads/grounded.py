@@ -14,8 +14,10 @@ from loadgen.workloads.lengths import LengthDist
 
 _REPEAT = "Repeat the following passage exactly, word for word. Write nothing else."
 _REPLACE = 'Copy the following passage, but replace every "{old}" with "{new}". Write nothing else.'
-_FIX = ("The following passage has a few spelling mistakes. Write it out again with the mistakes corrected and "
-        "nothing else changed.")
+_FIX = (
+    "The following passage has a few spelling mistakes. Write it out again with the mistakes corrected and "
+    "nothing else changed."
+)
 
 
 class GroundedWorkload(Workload):
@@ -73,5 +75,5 @@ def _with_typos(rng: np.random.Generator, words: list[str]) -> list[str]:
     for i in rng.choice(eligible, size=min(count, len(eligible)), replace=False):
         w = out[i]
         j = int(rng.integers(1, len(w) - 2))
-        out[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+        out[i] = w[:j] + w[j + 1] + w[j] + w[j + 2 :]
     return out

@@ -34,8 +34,9 @@ class SharedPrefixWorkload(Workload):
 
     name = "shared-prefix"
 
-    def __init__(self, maker: PromptMaker, num_prefixes: int, prefix_len: int, suffix_len: LengthDist,
-                 output_len: LengthDist) -> None:
+    def __init__(
+        self, maker: PromptMaker, num_prefixes: int, prefix_len: int, suffix_len: LengthDist, output_len: LengthDist
+    ) -> None:
         if num_prefixes < 1 or prefix_len < 1:
             raise ValueError("--num-prefixes and --prefix-len must be >= 1")
         self.maker, self.num_prefixes, self.prefix_len = maker, num_prefixes, prefix_len
@@ -50,5 +51,7 @@ class SharedPrefixWorkload(Workload):
             yield Session([RequestSpec(prompt=prompt, max_tokens=n_out, prompt_tokens=self.prefix_len + n_in)])
 
     def describe(self) -> str:
-        return (f"shared-prefix ({self.num_prefixes} prefixes of {self.prefix_len} tokens, suffix "
-                f"{self.suffix_len.describe()}, output {self.output_len.describe()})")
+        return (
+            f"shared-prefix ({self.num_prefixes} prefixes of {self.prefix_len} tokens, suffix "
+            f"{self.suffix_len.describe()}, output {self.output_len.describe()})"
+        )

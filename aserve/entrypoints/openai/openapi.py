@@ -63,7 +63,7 @@ def _post(summary: str, schema_ref: dict, streams: bool) -> dict:
         content["text/event-stream"] = {
             "schema": {"type": "string"},
             "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`; a stream that cannot "
-            "finish ends with `data: {\"error\": {...}}` before [DONE]",
+            'finish ends with `data: {"error": {...}}` before [DONE]',
         }
     responses = {"200": {"description": "OK", "content": content}}
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
@@ -84,14 +84,16 @@ def openapi_spec() -> dict:
         "openapi": "3.1.0",
         "info": {"title": "aserve", "version": "0.1.0", "description": "OpenAI-compatible LLM inference server"},
         "paths": {
-            "/v1/completions": _post("Text completion (prompt: string, token ids, or a list of either)", completion,
-                                     streams=True),
+            "/v1/completions": _post(
+                "Text completion (prompt: string, token ids, or a list of either)", completion, streams=True
+            ),
             "/v1/chat/completions": _post("Chat completion", chat, streams=True),
             "/tokenize": _post("Tokenise a prompt or chat messages", tokenize, streams=False),
             "/detokenize": _post("Token ids to text", detokenize, streams=False),
             "/v1/models": {"get": {"summary": "The served model", "responses": ok}},
-            "/health": {"get": {"summary": "200 when serving; 503 when shutting down or the engine stopped",
-                                "responses": ok}},
+            "/health": {
+                "get": {"summary": "200 when serving; 503 when shutting down or the engine stopped", "responses": ok}
+            },
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": ok}},
         },
         "components": {"schemas": schemas},

@@ -225,7 +225,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             if isinstance(content, list):
                 texts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    if (
+                        not isinstance(part, dict)
+                        or part.get("type") != "text"
+                        or not isinstance(part.get("text"), str)
+                    ):
                         raise ParamError(f"messages[{i}].content", "only text content parts are supported")
                     texts.append(part["text"])
                 content = "".join(texts)

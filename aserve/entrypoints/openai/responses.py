@@ -68,7 +68,12 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
         top_logprobs.append({(lp.decoded_token or ""): lp.logprob for _, lp in _top_entries(entry, num_top)})
         text_offset.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> dict:
@@ -78,23 +83,29 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_t
 
     content = []
     for token_id, entry in zip(token_ids, entries):
-        content.append(
-            {**item(entry[token_id]), "top_logprobs": [item(lp) for _, lp in _top_entries(entry, num_top)]}
-        )
+        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for _, lp in _top_entries(entry, num_top)]})
     return {"content": content}
 
 
 def completion_chunk(request_id, created, model, choices: list[ChoiceState], final: bool, role_only=False) -> dict:
     out = []
     for c in choices:
-        text, ids, entries = (c.text, c.token_ids, c.logprobs) if final else (c.delta_text, c.delta_token_ids,
-                                                                              c.delta_logprobs)
+        text, ids, entries = (
+            (c.text, c.token_ids, c.logprobs) if final else (c.delta_text, c.delta_token_ids, c.delta_logprobs)
+        )
         logprobs = None
         if c.want_logprobs:
             offset = 0 if final else len(c.text) - len(c.delta_text)
             logprobs = completion_logprobs(ids, entries, c.num_top, offset)
-        out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason})
+        out.append(
+            {
+                "index": c.index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": out}
 
 
@@ -102,17 +113,38 @@ def chat_chunk(request_id, created, model, choices: list[ChoiceState], final: bo
     out = []
     for c in choices:
         if role_only:
-            out.append({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None})
+            out.append(
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
             continue
-        text, ids, entries = (c.text, c.token_ids, c.logprobs) if final else (c.delta_text, c.delta_token_ids,
-                                                                              c.delta_logprobs)
+        text, ids, entries = (
+            (c.text, c.token_ids, c.logprobs) if final else (c.delta_text, c.delta_token_ids, c.delta_logprobs)
+        )
         logprobs = chat_logprobs(ids, entries, c.num_top) if c.want_logprobs else None
         if final:
-            out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            out.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         else:
-            out.append({"index": c.index, "delta": {"content": text}, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            out.append(
+                {
+                    "index": c.index,
+                    "delta": {"content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
     obj = "chat.completion" if final else "chat.completion.chunk"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": out}

@@ -338,9 +338,16 @@ async def _stream(request, state, req, request_id, created, merged, choices, pro
             await response.write(sse(chunk))
         if include_usage:
             await response.write(
-                sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": created, "model": state.model_name, "choices": [],
-                     "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices))})
+                sse(
+                    {
+                        "id": request_id,
+                        "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": created,
+                        "model": state.model_name,
+                        "choices": [],
+                        "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices)),
+                    }
+                )
             )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -415,7 +422,8 @@ async def _handle(request: web.Request, handler, state: ServerState):
             return error_response(405, f"method {request.method} not allowed on {request.path}")
         if e.status == 413:
             return error_response(
-                413, f"the request body is larger than this server's limit of {MAX_BODY_BYTES} bytes",
+                413,
+                f"the request body is larger than this server's limit of {MAX_BODY_BYTES} bytes",
                 code="request_too_large",
             )
         raise
