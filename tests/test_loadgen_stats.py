@@ -98,8 +98,11 @@ def test_empty_and_all_failed_runs():
     assert distribution([]) is None
 
 
-def run_with(load, attainment=None, throughput=1.0, ttft_mean=100.0, errors=0, slo=None):
-    s = summarize(RECORDS[:4], slo or SLO(ttft_ms=100))
+DEFAULT_SLO = SLO(ttft_ms=100)
+
+
+def run_with(load, attainment=None, throughput=1.0, ttft_mean=100.0, errors=0, slo=DEFAULT_SLO):
+    s = summarize(RECORDS[:4], slo)
     s.slo_attainment, s.request_throughput, s.ttft_ms.mean, s.num_errors = attainment, throughput, ttft_mean, errors
     return RunResult(load=load, summary=s, server=None, records=[], started_at=0.0)
 
