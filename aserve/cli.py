@@ -76,11 +76,11 @@ def serve(ns: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     print(f"aserve: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
     engine = AsyncEngine.from_engine_args(args)
-    core = engine.engine
+    config = engine.config
     print(
-        f"aserve: loaded {core.served_model_name} ({core.runner.num_params / 1e6:.1f}M params, "
-        f"{str(core.dtype).removeprefix('torch.')}, {core.device}) in {time.perf_counter() - t0:.1f} s; "
-        f"KV cache capacity {core.kv_capacity_tokens} tokens; max_model_len {core.max_model_len}",
+        f"aserve: loaded {config.served_model_name} ({engine.num_params / 1e6:.1f}M params, "
+        f"{str(config.dtype).removeprefix('torch.')}, {config.device}) in {time.perf_counter() - t0:.1f} s; "
+        f"KV cache capacity {engine.kv_capacity_tokens} tokens; max_model_len {config.max_model_len}",
         flush=True,
     )
     try:
@@ -89,7 +89,7 @@ def serve(ns: argparse.Namespace) -> None:
         run = uvloop.run
     except ImportError:  # e.g. Windows
         run = asyncio.run
-    run(_serve(engine, core.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout))
+    run(_serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout))
 
 
 async def _serve(
@@ -97,11 +97,11 @@ async def _serve(
 ) -> None:
     from aiohttp import web
 
-    from aserve.engine.stats import PeriodicLogger
+    from aserve.core.stats import PeriodicLogger
     from aserve.entrypoints.openai.server import begin_drain, build_app, drain
 
     app = build_app(engine, served_model_name, api_key)
-    engine.engine.stats.add_listener(PeriodicLogger(logger.info))
+    engine.stats.add_listener(PeriodicLogger(logger.info))
     # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
     # client that stopped reading.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from aserve.engine.stats import EngineStats, StepStats
+from aserve.core.stats import EngineStats, StepStats
 
 _LATENCY_BUCKETS = (
     0.001,

@@ -10,9 +10,10 @@ _GREEDY_EPS = 1e-5
 class ParamError(ValueError):
     """An invalid request parameter; `param` names it (for OpenAI-style error bodies)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # OpenAI's error code where it has one (e.g. "context_length_exceeded")
 
 
 @dataclass(slots=True)

@@ -522,7 +522,7 @@ def decode_ms_per_token(model_dir: str, profile: bool = False) -> float:
 
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
     ms = batch1_decode_ms(llm)
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes += sum(t.numel() * t.element_size() for m in model.modules()
                         for t in (getattr(m, "repacked", None) or ())[:2])  # AWQ: the repacked copy  # fmt: skip

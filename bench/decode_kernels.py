@@ -270,10 +270,10 @@ def _old_silu_config(llm) -> None:
     """The down projection's SiLU·mul GEMV on the plain config (as before GEMV_CONFIG_SILU_MUL)."""
     from aserve.model.layers import Linear
 
-    for m in llm.engine.runner.model.modules():
+    for m in llm.engine.core.runner.model.modules():
         if isinstance(m, Linear):
             m.gemv_silu_config = None
-    llm.engine.runner.capture_cuda_graphs()
+    llm.engine.core.runner.capture_cuda_graphs()
 
 
 E2E_VARIANTS = {  # name: (environment of the engine (loader switches), change after loading)
@@ -313,7 +313,7 @@ def section_e2e(repeats: int) -> None:
         prompt = {"prompt_token_ids": list(range(2000, 2128))}
         outs[name] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
                                   use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.core.runner.graphs
         fwd = gb.bench_ms(graphs.graphs[1][0].replay) if graphs is not None else float("nan")
         gb.RESULTS.clear()
         if graphs is not None:

@@ -294,11 +294,11 @@ def decode(model_dir: str) -> None:
 
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
     engine = llm.engine
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.core.runner.model.parameters())
     bw = RESULTS.get("copy_bandwidth", {}).get("value", 4.3)
     floor_ms = weight_bytes / (bw * 1e12) * 1e3
     ms = batch1_decode_ms(llm)
-    graphs = engine.runner.graphs
+    graphs = engine.core.runner.graphs
     if graphs is not None:
         graph, _ = graphs.graphs[1]
         fwd = bench_ms(graph.replay)
@@ -317,7 +317,7 @@ def decode(model_dir: str) -> None:
         f"(floor {floor_ms:.2f} ms = {weight_bytes / 1e9:.2f} GB "
         f"/ {bw} TB/s; {100 * floor_ms / ms:.0f}% of floor; target <= 4.15)",
     )
-    record("kv_capacity_tokens", engine.kv_capacity_tokens)
+    record("kv_capacity_tokens", engine.core.kv_capacity_tokens)
     return llm
 
 
@@ -334,31 +334,30 @@ def throughput(model_dir: str, llm=None) -> None:
     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     llm.engine.reset_prefix_cache()
     engine = llm.engine
-    phases = {"schedule": [], "execute": [], "process": []}
+    core = engine.core
+    phases = {"schedule": [], "execute": [], "update": []}
 
     def timed(name, fn):
         def wrapper(*a):
             t = time.perf_counter()
             r = fn(*a)
-            n = a[0].num_tokens if name != "schedule" and a and a[0] is not None else 0
+            work = r if name == "schedule" else a[0]
+            n = work.sched.num_tokens if work is not None and work.sched is not None else 0
             phases[name].append((time.perf_counter() - t, n))
             return r
 
         return wrapper
 
-    # Sync steps: schedule / execute / process. Async scheduling: "execute" is launching step N+1 and waiting for
-    # step N's tokens (launch_and_wait_prev), "process" is processing step N (complete_overlapped); host time only.
-    names = ("schedule", "launch_and_wait_prev", "complete_overlapped") if engine.async_scheduling else (
-        "schedule", "execute", "process")  # fmt: skip
-    orig = [getattr(engine, name) for name in names]
-    for phase, name, fn in zip(("schedule", "execute", "process"), names, orig):
-        setattr(engine, name, timed(phase, fn))
+    # The engine core's phases, host time. With async scheduling, "execute" launches step N+1 and waits for step N's
+    # tokens, and "update" applies step N.
+    for name in phases:
+        setattr(core, name, timed(name, getattr(core, name)))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
-    for name in names:
-        delattr(engine, name)  # back to the class's methods
-    graphs = engine.runner.graphs
+    for name in phases:
+        delattr(core, name)  # back to the class's methods
+    graphs = engine.core.runner.graphs
     if graphs is not None:
         top_kernels(lambda: graphs.graphs[256][0].replay(), "decode_b256_kernels")
     decode_steps = [i for i, (_, n) in enumerate(phases["execute"]) if n == 256]
@@ -388,7 +387,7 @@ def verify_cost(model_dir: str) -> None:
 
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
               enforce_eager=True)  # fmt: skip
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     rows = []
     for batch in (1, 4, 16, 64, 256):
         times = []

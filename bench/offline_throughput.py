@@ -33,7 +33,7 @@ def run_aserve(args, prompts):
         kw["max_num_seqs"] = args.max_num_seqs
     llm = LLM(args.model, **kw)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    warm = make_prompts(2, 16, llm.engine.vocab_size, args.seed + 1)
+    warm = make_prompts(2, 16, llm.engine.config.vocab_size, args.seed + 1)
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=4, ignore_eos=True))
     llm.engine.reset_prefix_cache()
 

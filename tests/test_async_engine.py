@@ -30,9 +30,13 @@ async def collect(engine, p, params, request_id):
     return chunks
 
 
-def assert_all_blocks_free(core):
-    assert core.kv_manager.pool.num_free_blocks == core.num_kv_blocks
-    assert not core.kv_manager.req_to_blocks and not core.scheduler.has_unfinished() and not core.states
+def assert_all_blocks_free(llm_engine):
+    assert llm_engine.core.kv_manager.pool.num_free_blocks == llm_engine.core.num_kv_blocks
+    assert (
+        not llm_engine.core.kv_manager.req_to_blocks
+        and not llm_engine.core.scheduler.has_unfinished()
+        and not llm_engine.output_processor.states
+    )
 
 
 async def test_streamed_deltas_equal_offline_output(engine, tiny_model):
@@ -113,8 +117,8 @@ async def test_bad_input_raises_and_engine_keeps_serving(engine):
 
 
 async def test_failed_step_ends_its_requests_only(engine, monkeypatch):
-    core = engine.engine
-    real_launch = core.runner.launch
+    llm_engine = engine.engine
+    real_launch = llm_engine.core.runner.launch
     calls = {"n": 0}
 
     def flaky(sched, *args, **kwargs):
@@ -123,11 +127,11 @@ async def test_failed_step_ends_its_requests_only(engine, monkeypatch):
             raise RuntimeError("injected fault")
         return real_launch(sched, *args, **kwargs)
 
-    monkeypatch.setattr(core.runner, "launch", flaky)
+    monkeypatch.setattr(llm_engine.core.runner, "launch", flaky)
     chunks = await collect(engine, prompt(12), SamplingParams(max_tokens=10, ignore_eos=True), "victim")
     assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "error"
     assert "injected" not in (chunks[-1].error or "") and chunks[-1].error
-    assert_all_blocks_free(core)
+    assert_all_blocks_free(llm_engine)
     ok = await collect(engine, prompt(12), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "after")
     assert ok[-1].outputs[0].finish_reason == "length"
     await engine.shutdown()

@@ -85,7 +85,7 @@ def aserve_greedy(path: str, **engine_args) -> list[list[int]]:
 
 
 def awq_layers(llm) -> list[str]:
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     return [n for n, m in model.named_modules() if isinstance(m, AWQLinear)]
 
 
@@ -174,7 +174,7 @@ def test_quantization_arg_checks_the_checkpoint(tiny_model_factory):
 def test_dummy_weights_for_an_awq_config(tiny_model_factory, tmp_path):
     awq_dir = autoawq_checkpoint(tiny_model_factory("gqa"), str(tmp_path / "awq"), 32)
     llm = LLM(awq_dir, load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=256)
-    qweight = llm.engine.runner.model.layers[0].mlp.down_proj.qweight
+    qweight = llm.engine.core.runner.model.layers[0].mlp.down_proj.qweight
     assert qweight.dtype == torch.int32 and qweight.min() < 0 < qweight.max()  # random bits, the sign bit included
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
@@ -220,7 +220,7 @@ def test_gpu_engine_holds_awq_weights_once_and_matches_transformers(tiny_model_f
     llm = LLM(awq_dir, dtype="float32", enforce_eager=True, max_model_len=256)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert [o.outputs[0].token_ids for o in outs] == expected
-    layers = {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, AWQLinear)}
+    layers = {n: m for n, m in llm.engine.core.runner.model.named_modules() if isinstance(m, AWQLinear)}
     dropped = {n.split(".")[-1] for n, m in layers.items() if m.autoawq_dropped}
     assert dropped == {"o_proj", "gate_up_proj", "down_proj"}
     assert all(m.qweight.numel() == 0 for m in layers.values() if m.autoawq_dropped)

@@ -14,7 +14,7 @@ from aserve.model.cpu_decode import OneTokenForward
 )
 def test_one_token_forward_matches_module_forward(tiny_model):
     llm = LLM(tiny_model, dtype="bfloat16", enforce_eager=True)
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     fast = model.cpu_one_token
     assert isinstance(fast, OneTokenForward)
     diffs = []
@@ -42,4 +42,4 @@ def test_one_token_forward_matches_module_forward(tiny_model):
 
 
 def test_not_built_for_float32(tiny_model):
-    assert LLM(tiny_model, dtype="float32", enforce_eager=True).engine.runner.model.cpu_one_token is None
+    assert LLM(tiny_model, dtype="float32", enforce_eager=True).engine.core.runner.model.cpu_one_token is None

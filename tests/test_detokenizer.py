@@ -2,7 +2,7 @@
 
 import pytest
 
-from aserve.engine.detokenizer import IncrementalDetokenizer
+from aserve.engine.output_processor import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

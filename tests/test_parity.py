@@ -58,14 +58,14 @@ def test_greedy_parity_with_transformers(references, variant, config):
         assert o.outputs[0].finish_reason == ("stop" if exp[-1] == 1 else "length")
     engine = llm.engine
     if config.endswith("preemption"):
-        assert engine.scheduler.num_preemptions > 0
+        assert engine.core.scheduler.num_preemptions > 0
     if config.startswith("async"):
-        assert engine.async_scheduling and engine.inflight is None
+        assert engine.core.async_scheduling and engine.core.inflight is None
     if "chunked" in config:
         assert engine.stats.scheduled_tokens_total >= sum(PROMPT_LENS)
     # Nothing is left holding a block: all free or cached-evictable.
-    assert engine.kv_manager.pool.num_free_blocks == engine.num_kv_blocks
-    assert not engine.kv_manager.req_to_blocks
+    assert engine.core.kv_manager.pool.num_free_blocks == engine.core.num_kv_blocks
+    assert not engine.core.kv_manager.req_to_blocks
 
 
 def test_batch_of_one_equals_batch_of_many(tiny_model):
@@ -87,7 +87,7 @@ def test_compiled_cpu_path_matches_transformers(references, monkeypatch):
     monkeypatch.setattr(cpu_elementwise, "supports", lambda dtype: False)
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32")
-    assert llm.engine.runner.compiled
+    assert llm.engine.core.runner.compiled
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
     )
@@ -104,7 +104,7 @@ def test_native_cpu_elementwise_path_matches_transformers(references):
         pytest.skip("no working C compiler")
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32", enforce_eager=True)
-    assert llm.engine.runner.model.ops.kind == "native"
+    assert llm.engine.core.runner.model.ops.kind == "native"
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
     )
@@ -132,7 +132,7 @@ def test_gpu_decode_kernels_parity(references):
 
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", max_num_seqs=1)
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     model.ops.use_triton()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for m in linears:
@@ -167,7 +167,7 @@ def test_deleted_llm_is_freed(tiny_model):
 
     llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
     llm.generate("hello", SamplingParams(max_tokens=4))
-    engine, kv = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_caches)
+    engine, kv = weakref.ref(llm.engine), weakref.ref(llm.engine.core.runner.kv_caches)
     del llm
     gc.collect()
     assert engine() is None and kv() is None

@@ -23,7 +23,7 @@ def test_shared_64_token_prefix_is_served_from_cache(tiny_model):
     assert ref2.num_cached_tokens == 0
     assert out2.outputs[0].token_ids == ref2.outputs[0].token_ids
 
-    stats = cached.engine.kv_manager.stats
+    stats = cached.engine.core.kv_manager.stats
     assert stats.queries == len(first["prompt_token_ids"]) + len(second["prompt_token_ids"])
     assert stats.hits == out2.num_cached_tokens
 

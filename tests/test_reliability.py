@@ -23,27 +23,27 @@ from test_server import assert_idle, make_client, metric
 from aserve import EngineArgs, LLMEngine
 from aserve.cli import build_parser, engine_args_from
 from aserve.engine.async_engine import AsyncEngine
-from aserve.engine.detokenizer import IncrementalDetokenizer
+from aserve.engine.output_processor import IncrementalDetokenizer
 from aserve.entrypoints.openai import server as server_module
 from aserve.entrypoints.openai.server import MAX_BODY_BYTES, build_app
 
 MODEL = "tiny"
 
 
-def make_core(tiny_model, **overrides) -> LLMEngine:
+def make_llm_engine(tiny_model, **overrides) -> LLMEngine:
     args = dict(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=256, served_model_name=MODEL,
                 debug_invariants=True)  # fmt: skip
     return LLMEngine(EngineArgs(**{**args, **overrides}))
 
 
 @pytest.fixture(scope="module")
-def core(tiny_model):
-    return make_core(tiny_model)
+def llm_engine(tiny_model):
+    return make_llm_engine(tiny_model)
 
 
 @pytest.fixture
-async def client(core):
-    client = await make_client(core)
+async def client(llm_engine):
+    client = await make_client(llm_engine)
     yield client
     await client.close()
 
@@ -97,8 +97,8 @@ def test_max_queue_len_and_shutdown_timeout_flags():
 
 
 async def test_overload_gets_429_and_admitted_requests_complete(tiny_model):
-    core = make_core(tiny_model, max_num_seqs=1, max_queue_len=1)
-    client = await make_client(core)
+    llm_engine = make_llm_engine(tiny_model, max_num_seqs=1, max_queue_len=1)
+    client = await make_client(llm_engine)
     try:
         prompts = [prompt_ids(i) for i in range(10)]
         expected = await reference_texts(client, prompts, max_tokens=24)
@@ -143,7 +143,7 @@ async def test_overload_gets_429_and_admitted_requests_complete(tiny_model):
         assert ok.status == 200 and (await ok.json())["choices"][0]["text"] == expected[0]
         never = await client.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 2})
         assert never.status == 400 and "max-queue-len" in assert_openai_error(await never.json())["message"]
-        assert_idle(core)  # no KV blocks held after the drain
+        assert_idle(llm_engine)  # no KV blocks held after the drain
     finally:
         await client.close()
 
@@ -259,26 +259,26 @@ def test_sigterm_after_timeout_ends_streams_with_error_event(tiny_model):
         ),
     ],
 )
-async def test_limits_get_clear_400s(client, core, path, body, param, words):
+async def test_limits_get_clear_400s(client, llm_engine, path, body, param, words):
     resp = await asyncio.wait_for(client.post(path, json=body), 60)
     assert resp.status == 400
     error = assert_openai_error(await resp.json(), param)
     assert words in error["message"]
     ok = await client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
     assert ok.status == 200
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
-async def test_limits_at_the_cap_are_served(client, core):
+async def test_limits_at_the_cap_are_served(client, llm_engine):
     body = {"prompt": "x", "n": 3, "max_tokens": 2, "stop": [f"s{i}" for i in range(63)] + ["y" * 256],
             "stop_token_ids": list(range(2, 66)), "logprobs": 20, "seed": 2**63 - 3}  # fmt: skip
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 200, await resp.text()
     assert len((await resp.json())["choices"]) == 3
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
-async def test_too_large_body_gets_413_json(client, core):
+async def test_too_large_body_gets_413_json(client, llm_engine):
     body = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
     resp = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
     assert resp.status == 413
@@ -287,10 +287,10 @@ async def test_too_large_body_gets_413_json(client, core):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
-async def test_huge_prompts_are_tokenised_off_the_event_loop(client, core, monkeypatch, path):
+async def test_huge_prompts_are_tokenised_off_the_event_loop(client, llm_engine, monkeypatch, path):
     """The tokeniser is made to block on a huge prompt until the test lets it go: if it ran on the event loop, the
     test itself (on the same loop) could not ask /health anything, let alone release it."""
-    real_encode = core.tokenizer.encode
+    real_encode = llm_engine.tokenizer.encode
     entered, release = threading.Event(), threading.Event()
     released_by_test = []
 
@@ -300,7 +300,7 @@ async def test_huge_prompts_are_tokenised_off_the_event_loop(client, core, monke
             released_by_test.append(release.wait(timeout=10))
         return real_encode(text, *args, **kwargs)
 
-    monkeypatch.setattr(core.tokenizer, "encode", encode)
+    monkeypatch.setattr(llm_engine.tokenizer, "encode", encode)
     huge = "the quick brown fox " * 2_000
     body = {"prompt": huge} if path != "/v1/chat/completions" else {"messages": [{"role": "user", "content": huge}]}
     task = asyncio.create_task(client.post(path, json=body))
@@ -315,7 +315,7 @@ async def test_huge_prompts_are_tokenised_off_the_event_loop(client, core, monke
     else:  # longer than the context: a clear 400 once tokenised
         assert resp.status == 400
         assert assert_openai_error(await resp.json())["code"] == "context_length_exceeded"
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
 # -- 4. fault isolation ------------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def is_poisoned(prompt_token_ids) -> bool:
     return list(prompt_token_ids[: len(POISON)]) == POISON
 
 
-def inject_detokenizer_fault(monkeypatch, core):
+def inject_detokenizer_fault(monkeypatch, llm_engine):
     """The detokeniser raises on the 3rd output token of poisoned requests."""
     real_init, real_add = IncrementalDetokenizer.__init__, IncrementalDetokenizer.add_token
 
@@ -345,38 +345,39 @@ def inject_detokenizer_fault(monkeypatch, core):
     monkeypatch.setattr(IncrementalDetokenizer, "add_token", add_token)
 
 
-def inject_step_fault(monkeypatch, core):
+def inject_step_fault(monkeypatch, llm_engine):
     """The model step raises whenever a poisoned request past its 2nd token is in the batch (as a NaN check or a
     kernel's bounds check would): the batch fails as a whole, and only the poisoned request is to blame."""
-    real_launch = core.runner.launch
+    real_launch = llm_engine.core.runner.launch
 
     def launch(sched, *args, **kwargs):
         if any(is_poisoned(s.request.prompt_token_ids) and s.request.num_output_tokens >= 2 for s in sched.scheduled):
             raise RuntimeError("injected: NaN in logits")
         return real_launch(sched, *args, **kwargs)
 
-    monkeypatch.setattr(core.runner, "launch", launch)
+    monkeypatch.setattr(llm_engine.core.runner, "launch", launch)
 
 
-def inject_bad_token(monkeypatch, core):
+def inject_bad_token(monkeypatch, llm_engine):
     """The model 'samples' a token id outside the vocabulary for poisoned requests (what NaN logits can produce);
     fed back as input it would fail every later step of the batch."""
-    real_process = core.process
+    scheduler = llm_engine.core.scheduler
+    real_update = scheduler.update_from_output
 
-    def process(sched, result):
+    def update_from_output(sched, result):
         for i, s in enumerate(result.sampled):
             if is_poisoned(s.request.prompt_token_ids) and s.request.num_output_tokens >= 2:
-                result.sampler_output.token_ids[i] = [core.vocab_size + 5]
-        return real_process(sched, result)
+                result.sampler_output.token_ids[i] = [llm_engine.config.vocab_size + 5]
+        return real_update(sched, result)
 
-    monkeypatch.setattr(core, "process", process)
+    monkeypatch.setattr(scheduler, "update_from_output", update_from_output)
 
 
-def inject_nan_logits(monkeypatch, core):
+def inject_nan_logits(monkeypatch, llm_engine):
     """The model's logits turn NaN for poisoned requests from their 3rd token on (only their rows: the others in the
     batch are untouched). A greedy argmax over NaNs still returns an in-vocabulary id: only the sampler's finiteness
     flag tells."""
-    real_sampler = core.runner.sampler
+    real_sampler = llm_engine.core.runner.sampler
 
     def poison(logits, requests):
         rows = [i for i, r in enumerate(requests) if is_poisoned(r.prompt_token_ids) and r.num_output_tokens >= 2]
@@ -392,14 +393,14 @@ def inject_nan_logits(monkeypatch, core):
         def launch(self, logits, requests):
             return real_sampler.launch(poison(logits, requests), requests)
 
-    monkeypatch.setattr(core.runner, "sampler", NaNSampler())
+    monkeypatch.setattr(llm_engine.core.runner, "sampler", NaNSampler())
 
 
 @pytest.mark.parametrize("inject", [inject_detokenizer_fault, inject_step_fault, inject_bad_token, inject_nan_logits])
-async def test_fault_in_one_request_ends_only_that_request(client, core, monkeypatch, inject):
+async def test_fault_in_one_request_ends_only_that_request(client, llm_engine, monkeypatch, inject):
     good = [prompt_ids(i, 20) for i in range(4)]
     expected = await reference_texts(client, good, max_tokens=16)
-    inject(monkeypatch, core)
+    inject(monkeypatch, llm_engine)
     base = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
     async def post(prompt, stream):
@@ -425,10 +426,10 @@ async def test_fault_in_one_request_ends_only_that_request(client, core, monkeyp
     # The server keeps serving, and nothing leaked.
     again = await client.post("/v1/completions", json={**base, "prompt": good[2]})
     assert (await again.json())["choices"][0]["text"] == expected[2]
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
-async def test_fault_while_writing_a_stream_ends_it_with_an_error_event(client, core, monkeypatch):
+async def test_fault_while_writing_a_stream_ends_it_with_an_error_event(client, llm_engine, monkeypatch):
     real_chunk = server_module.completion_chunk
     calls = []
 
@@ -446,7 +447,7 @@ async def test_fault_while_writing_a_stream_ends_it_with_an_error_event(client, 
     monkeypatch.undo()
     ok = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert ok.status == 200
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
 # -- 5. /openapi.json and fuzzing --------------------------------------------------------------------------------
@@ -484,11 +485,11 @@ def live_server(tiny_model):
     from aiohttp import web
     from aserve_server import free_port
 
-    core = make_core(tiny_model)
+    llm_engine = make_llm_engine(tiny_model)
     port, loop, started, runners = free_port(), asyncio.new_event_loop(), threading.Event(), []
 
     async def start():
-        runner = web.AppRunner(build_app(AsyncEngine(core), MODEL), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(build_app(AsyncEngine(llm_engine), MODEL), handler_cancellation=True, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         runners.append(runner)
@@ -502,7 +503,7 @@ def live_server(tiny_model):
     thread = threading.Thread(target=run, name="fuzz-server", daemon=True)
     thread.start()
     assert started.wait(60)
-    yield f"http://127.0.0.1:{port}", core
+    yield f"http://127.0.0.1:{port}", llm_engine
     asyncio.run_coroutine_threadsafe(runners[0].cleanup(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(30)
@@ -623,7 +624,7 @@ def request_cases():
 _ABSENT = object()
 
 
-def fuzz(url: str, core, num_cases: int, derandomize: bool) -> None:
+def fuzz(url: str, llm_engine, num_cases: int, derandomize: bool) -> None:
     from hypothesis import HealthCheck, given, settings
 
     statuses = []
@@ -653,18 +654,18 @@ def fuzz(url: str, core, num_cases: int, derandomize: bool) -> None:
     # The step loop is alive and right: a normal request gets the same text as before the fuzzing, nothing leaked.
     status, text = send(url, "/v1/completions", normal)
     assert status == 200 and json.loads(text)["choices"][0]["text"] == expected
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
 def test_fuzz_request_bodies(live_server):
-    url, core = live_server
-    fuzz(url, core, num_cases=150, derandomize=True)
+    url, llm_engine = live_server
+    fuzz(url, llm_engine, num_cases=150, derandomize=True)
 
 
 @pytest.mark.slow
 def test_fuzz_request_bodies_1000(live_server):
-    url, core = live_server
-    fuzz(url, core, num_cases=1000, derandomize=False)
+    url, llm_engine = live_server
+    fuzz(url, llm_engine, num_cases=1000, derandomize=False)
 
 
 # -- 6. NaN logits -----------------------------------------------------------------------------------------------
@@ -691,10 +692,10 @@ def test_sampler_flags_non_finite_rows():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-async def test_nan_logits_end_only_that_request_with_a_clear_error(client, core, monkeypatch, temperature):
+async def test_nan_logits_end_only_that_request_with_a_clear_error(client, llm_engine, monkeypatch, temperature):
     good = [prompt_ids(i, 16) for i in range(3)]
     expected = await reference_texts(client, good, max_tokens=12)
-    inject_nan_logits(monkeypatch, core)
+    inject_nan_logits(monkeypatch, llm_engine)
     errors = 'aserve:request_success_total{finished_reason="error",model_name="tiny"}'
     before = metric(await (await client.get("/metrics")).text(), errors)
     base = {"max_tokens": 12, "ignore_eos": True}
@@ -721,7 +722,7 @@ async def test_nan_logits_end_only_that_request_with_a_clear_error(client, core,
     monkeypatch.undo()  # the fault is gone: the same prompt is served again (its KV was not reused from the cache)
     status, text = await post(POISON + good[0], False)
     assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "length"
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
 # -- 7. disconnect storm -----------------------------------------------------------------------------------------
@@ -795,8 +796,8 @@ async def test_kv_exhaustion_preempts_and_every_request_completes_unchanged(clie
         return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(12))), 180)
 
     expected = await load(client)
-    small = make_core(tiny_model, num_gpu_blocks_override=16, enable_prefix_caching=prefix_caching)
-    assert small.num_kv_blocks == 16
+    small = make_llm_engine(tiny_model, num_gpu_blocks_override=16, enable_prefix_caching=prefix_caching)
+    assert small.core.num_kv_blocks == 16
     small_client = await make_client(small)
     try:
         got = await load(small_client)
@@ -813,45 +814,45 @@ async def test_kv_exhaustion_preempts_and_every_request_completes_unchanged(clie
 # -- 9. the invariant checker ------------------------------------------------------------------------------------
 
 
-def corrupt_leaked_ref(core, rid):
-    block = core.kv_manager.req_to_blocks[rid][0]
+def corrupt_leaked_ref(llm_engine, rid):
+    block = llm_engine.core.kv_manager.req_to_blocks[rid][0]
     block.ref_cnt += 1
     return lambda: setattr(block, "ref_cnt", block.ref_cnt - 1)
 
 
-def corrupt_free_and_held(core, rid):
-    block, queue = core.kv_manager.req_to_blocks[rid][-1], core.kv_manager.pool.free_block_queue
+def corrupt_free_and_held(llm_engine, rid):
+    block, queue = llm_engine.core.kv_manager.req_to_blocks[rid][-1], llm_engine.core.kv_manager.pool.free_block_queue
     queue.append(block)
     return lambda: queue.remove(block)
 
 
-def corrupt_lost_block(core, rid):
+def corrupt_lost_block(llm_engine, rid):
     """A block taken from the free list and referenced, but recorded for no request: it would never be freed."""
-    queue = core.kv_manager.pool.free_block_queue
+    queue = llm_engine.core.kv_manager.pool.free_block_queue
     block = queue.popleft()
     block.ref_cnt = 1
     return lambda: (setattr(block, "ref_cnt", 0), queue.append(block))
 
 
-def corrupt_queue(core, rid):
-    core.scheduler.waiting.append(core.scheduler.requests[rid])
-    return core.scheduler.waiting.pop
+def corrupt_queue(llm_engine, rid):
+    llm_engine.core.scheduler.waiting.append(llm_engine.core.scheduler.requests[rid])
+    return llm_engine.core.scheduler.waiting.pop
 
 
-def corrupt_lost_request(core, rid):
-    request = core.scheduler.requests[rid]
-    core.scheduler.running.remove(request)
-    return lambda: core.scheduler.running.append(request)
+def corrupt_lost_request(llm_engine, rid):
+    request = llm_engine.core.scheduler.requests[rid]
+    llm_engine.core.scheduler.running.remove(request)
+    return lambda: llm_engine.core.scheduler.running.append(request)
 
 
-def corrupt_request_table(core, rid):
-    entry = core.child_to_state.pop(rid)
-    return lambda: core.child_to_state.__setitem__(rid, entry)
+def corrupt_request_table(llm_engine, rid):
+    entry = llm_engine.output_processor.sequence_to_state.pop(rid)
+    return lambda: llm_engine.output_processor.sequence_to_state.__setitem__(rid, entry)
 
 
 @pytest.fixture(scope="module")
 def small_engine(tiny_model):
-    return make_core(tiny_model, num_gpu_blocks_override=32)
+    return make_llm_engine(tiny_model, num_gpu_blocks_override=32)
 
 
 @pytest.mark.parametrize("corrupt,words", [
@@ -900,7 +901,9 @@ def test_invariant_checker_runs_after_every_step_and_abort(small_engine):
     undo()
     engine.abort_request("b")
     assert_idle(engine)
-    engine.args.debug_invariants = False  # off: not checked (it costs a pass over every block per step and abort)
+    engine.config.args.debug_invariants = (
+        False  # off: not checked (it costs a pass over every block per step and abort)
+    )
     try:
         engine.add_request("c", {"prompt_token_ids": prompt_ids(3, 20)}, params)
         engine.step()
@@ -909,17 +912,17 @@ def test_invariant_checker_runs_after_every_step_and_abort(small_engine):
         undo()
         engine.abort_request("c")
     finally:
-        engine.args.debug_invariants = True
+        engine.config.args.debug_invariants = True
     assert_idle(engine)
 
 
 # -- security -------------------------------------------------------------------------------------------------------
 
 
-async def test_api_key_guards_every_v1_route(core):
+async def test_api_key_guards_every_v1_route(llm_engine):
     """With --api-key, every /v1 route (whatever it is, present or future) answers 401 without the right bearer
     token; /health and /metrics stay open for probes and scrapers."""
-    client = await make_client(core, api_key="sekrit")
+    client = await make_client(llm_engine, api_key="sekrit")
     try:
         routes = [
             (r.method, r.resource.canonical)
@@ -947,7 +950,7 @@ def test_serve_binds_localhost_by_default():
 def test_prefix_hash_seed_is_random_per_process():
     """The same tokens hash differently in two processes: block hashes cannot be predicted (or collided on purpose)
     from outside."""
-    code = ("from aserve.core.block_hash import BlockHasher; h = []; BlockHasher(16).extend(h, list(range(32)));"
+    code = ("from aserve.core.block_pool import BlockHasher; h = []; BlockHasher(16).extend(h, list(range(32)));"
             "print(h[-1].hex())")  # fmt: skip
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
             for _ in range(2)]  # fmt: skip
@@ -957,7 +960,7 @@ def test_prefix_hash_seed_is_random_per_process():
 async def test_cache_salt_isolates_prefix_sharing(tiny_model):
     """Requests share prefix-cache blocks only with requests of the same cache_salt (tenant). A fresh engine: the
     shared one's hit counter also moves with other tests' leftover step statistics."""
-    client = await make_client(make_core(tiny_model))
+    client = await make_client(make_llm_engine(tiny_model))
     prompt = list(range(10, 74))  # 4 full blocks
 
     async def hits_of(salt) -> float:

@@ -46,7 +46,7 @@ def test_n_samples(llm):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 16 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
-    assert llm.engine.kv_manager.pool.num_free_blocks == llm.engine.num_kv_blocks
+    assert llm.engine.core.kv_manager.pool.num_free_blocks == llm.engine.core.num_kv_blocks
 
 
 def test_n_samples_share_prompt_blocks_without_prefix_caching(tiny_model):
@@ -55,16 +55,16 @@ def test_n_samples_share_prompt_blocks_without_prefix_caching(tiny_model):
     engine.add_request("r", prompt(40), SamplingParams(n=3, temperature=1.0, max_tokens=4))
     engine.step()
     # 40 prompt tokens: blocks 0 and 1 (full) are shared by all three samples; each has its own third block.
-    blocks = [engine.kv_manager.get_block_ids(f"r#{i}") for i in range(3)]
+    blocks = [engine.core.kv_manager.get_block_ids(f"r#{i}") for i in range(3)]
     assert blocks[0][:2] == blocks[1][:2] == blocks[2][:2]
     assert len({b[2] for b in blocks}) == 3
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv_manager.stats.hits == 2 * 32  # the second and third sample hit two blocks each
+    assert engine.core.kv_manager.stats.hits == 2 * 32  # the second and third sample hit two blocks each
     # An unrelated request with the same prompt does not hit those blocks.
     engine.add_request("s", prompt(40), SamplingParams(max_tokens=1))
     engine.step()
-    assert engine.kv_manager.stats.hits == 2 * 32
+    assert engine.core.kv_manager.stats.hits == 2 * 32
 
 
 def test_greedy_equivalents(llm):
@@ -224,8 +224,8 @@ def test_async_scheduling_gives_the_same_outputs(llm, tiny_model, monkeypatch):
     patched.clear()
     assert run(overlapped, cases) == run(llm, cases)
     engine = overlapped.engine
-    assert engine.inflight is None and not engine._sync_states
-    assert engine.kv_manager.pool.num_free_blocks == engine.num_kv_blocks
+    assert engine.core.inflight is None and not engine.core._sync_requests
+    assert engine.core.kv_manager.pool.num_free_blocks == engine.core.num_kv_blocks
 
 
 def test_max_tokens_defaults_to_context_left(tiny_model):

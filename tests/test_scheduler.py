@@ -1,7 +1,8 @@
 """Scheduler and KV cache manager on CPU with exact block ids (no model involved)."""
 
-from aserve.core.block_hash import BlockHasher
+from aserve.core.block_pool import BlockHasher
 from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.outputs import RunnerOutput, SamplerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler
 from aserve.sampling_params import SamplingParams
@@ -18,14 +19,17 @@ def req(rid, tokens, hasher=None, max_tokens=8):
     return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, hasher)
 
 
+def land(sched, out, token):
+    """The step `out` finished: every request it sampled for got `token` (what the model runner would return)."""
+    sampled = [s for s in out.scheduled if s.samples]
+    result = RunnerOutput(sampled, SamplerOutput([[token] for _ in sampled], [None] * len(sampled), [0] * len(sampled)))
+    return sched.update_from_output(out, result)
+
+
 def run_step(sched, token=7):
     """Schedules a step and 'samples' `token` for every request that samples."""
     out = sched.schedule()
-    for s in out.scheduled:
-        if s.samples:
-            s.request.num_inflight -= 1  # the step's token arrived (what the engine's process() does)
-            if not s.request.is_finished:
-                sched.append_token(s.request, token)
+    land(sched, out, token)
     sched.check_invariants()
     return out
 
@@ -166,24 +170,19 @@ def test_async_scheduling_counts_tokens_in_flight():
     step2 = sched.schedule()  # before step 1's tokens arrive: each decodes its in-flight token (position 7)
     assert summary(step2) == [("a", 7, 1, [0, 1]), ("b", 7, 1, [2, 3])]
     assert a.num_inflight == 2 and a.num_computed_tokens == 8
-    for s in step1.scheduled:  # step 1's tokens arrive
-        s.request.num_inflight -= 1
-        sched.append_token(s.request, 7)
+    land(sched, step1, 7)  # step 1's tokens arrive
     # Step 3 needs a third block for a's position 8: b, the newest, is preempted with a token still in flight.
     step3 = sched.schedule()
     assert [r.request_id for r in step3.preempted] == ["b"] and summary(step3) == [("a", 8, 1, [0, 1, 3])]
     assert b.status == RequestStatus.PREEMPTED and b.num_inflight == 1
-    for s in step2.scheduled:  # step 2's tokens arrive (b's is kept: its recompute includes it)
-        s.request.num_inflight -= 1
-        sched.append_token(s.request, 8)
+    land(sched, step2, 8)  # step 2's tokens arrive (b's is kept: its recompute includes it)
     assert b.num_tokens == 9 and a.num_output_tokens == 2
     # a has 2 tokens and one more in flight = its max_tokens (3): nothing left to schedule for it; b still waits
     # for blocks (a holds 3 of 4).
     step4 = sched.schedule()
     assert step4.scheduled == [] and a.num_inflight == 1
-    for s in step3.scheduled:
-        s.request.num_inflight -= 1
-        assert sched.append_token(s.request, 9)  # a's third token: finished by length, blocks freed
+    outputs = land(sched, step3, 9)  # a's third token: finished by length, blocks freed
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [("a", [9], "length")]
     assert a.is_finished and b.num_inflight == 0
     step5 = sched.schedule()  # b is re-admitted and recomputes its 9 tokens
     # Free list: b's blocks (tail first: 3, 2), 3 went to a, then a's freed tail first (3, 1, 0).

@@ -14,7 +14,7 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def core(tiny_model):
+def llm_engine(tiny_model):
     return LLMEngine(
         EngineArgs(
             model=tiny_model,
@@ -27,23 +27,23 @@ def core(tiny_model):
     )
 
 
-async def make_client(core, api_key=None):
-    app = build_app(AsyncEngine(core), MODEL, api_key)
+async def make_client(llm_engine, api_key=None):
+    app = build_app(AsyncEngine(llm_engine), MODEL, api_key)
     client = TestClient(TestServer(app, handler_cancellation=True))
     await client.start_server()
     return client
 
 
 @pytest.fixture
-async def client(core):
-    client = await make_client(core)
+async def client(llm_engine):
+    client = await make_client(llm_engine)
     yield client
     await client.close()
 
 
-def assert_idle(core):
-    assert not core.states and not core.scheduler.has_unfinished()
-    assert core.kv_manager.pool.num_free_blocks == core.num_kv_blocks
+def assert_idle(llm_engine):
+    assert not llm_engine.output_processor.states and not llm_engine.core.scheduler.has_unfinished()
+    assert llm_engine.core.kv_manager.pool.num_free_blocks == llm_engine.core.num_kv_blocks
 
 
 async def sse_events(resp):
@@ -55,7 +55,7 @@ async def sse_events(resp):
     return [json.loads(e[6:]) for e in events[:-1]]
 
 
-async def test_completion_and_usage(client, core):
+async def test_completion_and_usage(client, llm_engine):
     resp = await client.post(
         "/v1/completions",
         json={"model": MODEL, "prompt": "Hello", "max_tokens": 7, "temperature": 0, "ignore_eos": True},
@@ -65,12 +65,12 @@ async def test_completion_and_usage(client, core):
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
     (choice,) = body["choices"]
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["text"]
-    prompt_tokens = len(core.tokenizer.encode("Hello"))
+    prompt_tokens = len(llm_engine.tokenizer.encode("Hello"))
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 7, "total_tokens": prompt_tokens + 7}
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
-async def test_streamed_completion_equals_non_streamed(client, core):
+async def test_streamed_completion_equals_non_streamed(client, llm_engine):
     req = {"prompt": "The cache", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     whole = await (await client.post("/v1/completions", json=req)).json()
     resp = await client.post("/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}})
@@ -80,11 +80,11 @@ async def test_streamed_completion_equals_non_streamed(client, core):
     assert text == whole["choices"][0]["text"]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
     assert [c["finish_reason"] for e in events[:-1] for c in e["choices"]][-1] == "length"
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
-async def test_prompt_forms_and_n(client, core):
-    ids = core.tokenizer.encode("blocks")
+async def test_prompt_forms_and_n(client, llm_engine):
+    ids = llm_engine.tokenizer.encode("blocks")
     resp = await client.post(
         "/v1/completions",
         json={"prompt": ["one", ids], "n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True},
@@ -92,15 +92,15 @@ async def test_prompt_forms_and_n(client, core):
     body = await resp.json()
     assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
     assert body["usage"]["completion_tokens"] == 12
-    assert body["usage"]["prompt_tokens"] == len(core.tokenizer.encode("one")) + len(ids)
+    assert body["usage"]["prompt_tokens"] == len(llm_engine.tokenizer.encode("one")) + len(ids)
 
 
-async def test_chat_completion_stream_shapes(client, core):
+async def test_chat_completion_stream_shapes(client, llm_engine):
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}]
     req = {"model": MODEL, "messages": msgs, "max_completion_tokens": 6, "temperature": 0, "ignore_eos": True}
     whole = await (await client.post("/v1/chat/completions", json=req)).json()
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["role"] == "assistant"
-    prompt_ids = core.tokenizer.encode("user: Hi there\nassistant:", add_special_tokens=False)
+    prompt_ids = llm_engine.tokenizer.encode("user: Hi there\nassistant:", add_special_tokens=False)
     assert whole["usage"]["prompt_tokens"] == len(prompt_ids)
     events = await sse_events(await client.post("/v1/chat/completions", json={**req, "stream": True}))
     assert all(e["object"] == "chat.completion.chunk" for e in events)
@@ -110,7 +110,7 @@ async def test_chat_completion_stream_shapes(client, core):
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
-async def test_stop_and_logprobs(client, core):
+async def test_stop_and_logprobs(client, llm_engine):
     base = {"prompt": "Prefix caching", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     full = (await (await client.post("/v1/completions", json=base)).json())["choices"][0]["text"]
     stop = full[8:10]
@@ -182,7 +182,7 @@ async def test_stop_and_logprobs(client, core):
         ("/v1/nope", {}, 404, None),
     ],
 )
-async def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, core, path, body, status, param):
+async def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, llm_engine, path, body, status, param):
     kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
     resp = await client.post(path, **kwargs)
     assert resp.status == status
@@ -191,18 +191,18 @@ async def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, c
     assert error["param"] == param
     ok = await client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
     assert ok.status == 200
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
-async def test_logit_bias_and_accepted_no_op_fields(client, core):
+async def test_logit_bias_and_accepted_no_op_fields(client, llm_engine):
     """logit_bias (token ids as string keys) reaches the sampler: +100 forces a token; fields aserve accepts only
     where they change nothing (response_format text, tools with tool_choice none, best_of = n) give the plain
     output."""
     base = {"prompt": "Bias", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     plain = (await (await client.post("/v1/completions", json=base)).json())["choices"][0]["text"]
-    token = core.tokenizer.encode("z", add_special_tokens=False)[0]
+    token = llm_engine.tokenizer.encode("z", add_special_tokens=False)[0]
     forced = await (await client.post("/v1/completions", json={**base, "logit_bias": {str(token): 100}})).json()
-    assert forced["choices"][0]["text"] == core.tokenizer.decode([token] * 4) != plain
+    assert forced["choices"][0]["text"] == llm_engine.tokenizer.decode([token] * 4) != plain
     same = {**base, "best_of": 1}
     assert (await (await client.post("/v1/completions", json=same)).json())["choices"][0]["text"] == plain
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -211,7 +211,7 @@ async def test_logit_bias_and_accepted_no_op_fields(client, core):
               "tools": [{"type": "function", "function": {"name": "f"}}]}  # fmt: skip
     resp = await client.post("/v1/chat/completions", json={**chat, **extras})
     assert resp.status == 200 and (await resp.json())["choices"][0]["message"] == reference
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
 async def test_wrong_method_and_models(client):
@@ -222,8 +222,8 @@ async def test_wrong_method_and_models(client):
     assert (await client.get("/health")).status == 200
 
 
-async def test_api_key(core):
-    client = await make_client(core, api_key="sekrit")
+async def test_api_key(llm_engine):
+    client = await make_client(llm_engine, api_key="sekrit")
     try:
         resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
@@ -236,13 +236,13 @@ async def test_api_key(core):
         await client.close()
 
 
-async def test_tokenize_detokenize(client, core):
+async def test_tokenize_detokenize(client, llm_engine):
     tok = await (await client.post("/tokenize", json={"prompt": "Hello world"})).json()
-    assert tok["tokens"] == core.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
+    assert tok["tokens"] == llm_engine.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
     detok = await (await client.post("/detokenize", json={"tokens": tok["tokens"]})).json()
     assert detok["prompt"] == "Hello world"
     chat = await (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})).json()
-    assert chat["tokens"] == core.tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False)
+    assert chat["tokens"] == llm_engine.tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False)
     bad = await client.post("/detokenize", json={"tokens": [-1]})
     assert bad.status == 400
 
@@ -254,7 +254,7 @@ def metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
-async def test_disconnect_mid_stream_aborts_and_frees_kv(client, core):
+async def test_disconnect_mid_stream_aborts_and_frees_kv(client, llm_engine):
     resp = await client.post(
         "/v1/completions", json={"prompt": "x" * 50, "max_tokens": 200, "stream": True, "ignore_eos": True}
     )
@@ -271,7 +271,7 @@ async def test_disconnect_mid_stream_aborts_and_frees_kv(client, core):
     assert metric(text, "aserve:num_requests_running") == 0
     assert metric(text, "aserve:kv_cache_usage_perc") == 0
     assert metric(text, 'aserve:request_success_total{finished_reason="abort",model_name="tiny"}') >= 1
-    assert_idle(core)
+    assert_idle(llm_engine)
 
 
 async def test_metrics_names(client):

@@ -57,8 +57,8 @@ def test_greedy_outputs_unchanged(tiny_model, tiny_model_factory, greedy_referen
         assert stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total
         assert stats.steps_total < MAX_NEW  # several tokens per step
     if engine == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.kv_manager.pool.num_free_blocks == llm.engine.num_kv_blocks
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.engine.core.kv_manager.pool.num_free_blocks == llm.engine.core.num_kv_blocks
 
 
 def test_aborted_speculative_requests_free_their_blocks(tiny_model, tiny_model_factory):
@@ -69,11 +69,17 @@ def test_aborted_speculative_requests_free_their_blocks(tiny_model, tiny_model_f
         engine.add_request(str(i), p, SamplingParams(temperature=0.8, max_tokens=200, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine.stats.spec_draft_tokens_total > 0 and engine.kv_manager.pool.num_free_blocks < engine.num_kv_blocks
+    assert (
+        engine.stats.spec_draft_tokens_total > 0
+        and engine.core.kv_manager.pool.num_free_blocks < engine.core.num_kv_blocks
+    )
     for i in range(len(prompts_for())):
         engine.abort_request(str(i))
     assert not engine.has_unfinished_requests()
-    assert engine.kv_manager.pool.num_free_blocks == engine.num_kv_blocks and not engine.kv_manager.req_to_blocks
+    assert (
+        engine.core.kv_manager.pool.num_free_blocks == engine.core.num_kv_blocks
+        and not engine.core.kv_manager.req_to_blocks
+    )
 
 
 def test_stop_conditions_inside_an_accepted_run(tiny_model, tiny_model_factory, greedy_reference):

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from aserve.core.block_hash import BlockHasher
+from aserve.core.block_pool import BlockHasher
 from aserve.sampling_params import SamplingParams
 
 

@@ -5,6 +5,10 @@ Each step: running requests first (in arrival order), then waiting ones FCFS, ea
 running will sample: see `Request.num_inflight`). A prompt longer than what is left is chunked; the
 rest comes in later steps, mixed with other requests' decodes. When the pool runs out of blocks, the newest running
 request is preempted: its blocks are freed and it is recomputed later (prefix caching usually makes that cheap).
+
+The scheduler owns every change to a request's state: `schedule()` hands out tokens, `update_from_output()` applies
+a step's result (tokens appended, drafts accepted, in-flight counts, EOS / stop-token / length finishes, faulty
+outputs), `finish_request()` ends one from outside (abort, stop string, error). Each of them tells `stats`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from aserve.core.kv_cache_manager import InvariantError, KVCacheManager
+from aserve.core.outputs import EngineCoreOutput, RunnerOutput
 from aserve.core.request import Request, RequestStatus
+from aserve.core.stats import EngineStats
+from aserve.spec.ngram import propose_ngram
+
+NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or infinity) for this request"
 
 
 @dataclass(slots=True)
@@ -52,9 +61,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         spec_policy=None,
+        vocab_size: int | None = None,
+        stats: EngineStats | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.spec_policy = spec_policy  # None: no speculative decoding
+        self.vocab_size = vocab_size  # sampled ids at or past it end their request with an error
+        self.stats = stats if stats is not None else EngineStats()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -82,6 +95,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self.stats.on_request_finished(request, time.monotonic())
         return request
 
     @property
@@ -198,7 +212,55 @@ class Scheduler:
 
     # -- after the step --------------------------------------------------------------------------------------
 
-    def append_token(self, request: Request, token_id: int) -> bool:
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Applies a finished step: for each request that sampled, its in-flight token lands, accepted drafts and the
+        sampled token are appended (up to a stop condition), the next step's drafts are set. A request whose logits
+        were not finite (its KV may hold NaNs too: dropped from the prefix cache), or whose token lies outside the
+        vocabulary, ends with an error instead. Requests aborted while the step ran are skipped. -> what changed for
+        each request the step advanced or ended."""
+        now = time.monotonic()
+        sampler = result.sampler_output
+        n = len(result.sampled)
+        drafts = result.next_drafts or [None] * n
+        draft_probs = result.next_draft_probs or [None] * n
+        nonfinite = sampler.nonfinite or [False] * n
+        outputs = []
+        for s, token_ids, lps, next_drafts, probs, bad in zip(
+            result.sampled, sampler.token_ids, sampler.logprobs, drafts, draft_probs, nonfinite
+        ):
+            request = s.request
+            request.num_inflight -= 1
+            if request.is_finished:  # aborted while the step ran (or finished by the step before it)
+                continue
+            if bad:  # its tokens are argmaxes of garbage (in the vocabulary all the same): use none of them
+                outputs.append(self._fail(request, NON_FINITE_LOGITS, forget_kv=True))
+                continue
+            if s.spec_token_ids:
+                self._accept_drafts(s, len(token_ids) - 1)
+            appended, error = self._append_tokens(request, token_ids, now)
+            if error is not None:
+                outputs.append(self._fail(request, error, new_token_ids=appended))
+                continue
+            if not request.is_finished and s.num_draft_next > 0:
+                self._set_drafts(request, s.num_draft_next, next_drafts, probs)
+            outputs.append(self._output(request, appended, lps[: len(appended)] if lps is not None else None))
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> tuple[list[int], str | None]:
+        """Appends a step's tokens until one finishes the request. -> (the tokens appended, an error for a token id
+        outside the vocabulary: e.g. from NaN logits; fed back as input it would fail every later step of its
+        batch)."""
+        appended = []
+        for token_id in token_ids:
+            if self.vocab_size is not None and not 0 <= token_id < self.vocab_size:
+                return appended, f"internal error: the model produced token id {token_id}, outside the vocabulary"
+            self.stats.on_token(request, now)
+            appended.append(token_id)
+            if self._append_token(request, token_id):
+                break
+        return appended, None
+
+    def _append_token(self, request: Request, token_id: int) -> bool:
         """Adds a sampled token; finishes the request (freeing its blocks) if a stop condition is met.
         Returns whether it finished."""
         request.append_token(token_id)
@@ -216,12 +278,52 @@ class Scheduler:
         self.finish_request(request.request_id, status)
         return True
 
-    def accept_drafts(self, scheduled: ScheduledRequest, num_accepted: int) -> None:
+    def _accept_drafts(self, scheduled: ScheduledRequest, num_accepted: int) -> None:
         """After verification: KV past the accepted drafts is garbage, so those positions count as uncomputed
         again (the blocks stay with the request). The drafts are spent."""
         request = scheduled.request
-        request.num_computed_tokens -= len(scheduled.spec_token_ids) - num_accepted
+        num_drafted = len(scheduled.spec_token_ids)
+        request.num_computed_tokens -= num_drafted - num_accepted
         request.spec_token_ids, request.spec_draft_probs = [], None
+        self.stats.on_drafts(num_drafted, num_accepted)
+        if self.spec_policy is not None:
+            self.spec_policy.observe(request, num_drafted, num_accepted)
+
+    def _set_drafts(self, request: Request, k: int, model_drafts, model_probs) -> None:
+        """Drafts for the next step: from the model drafter (computed in the step), or n-gram lookup here."""
+        if model_drafts is not None:
+            request.spec_token_ids, request.spec_draft_probs = model_drafts[:k], model_probs
+        else:
+            cfg = self.spec_policy.config
+            request.spec_token_ids = propose_ngram(
+                request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            )
+
+    def _fail(self, request: Request, error: str, forget_kv: bool = False, new_token_ids=()) -> EngineCoreOutput:
+        if forget_kv:
+            self.kv.forget_uncomputed(request, 0)
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        return self._output(request, list(new_token_ids), None, error)
+
+    @staticmethod
+    def _output(request: Request, new_token_ids, new_logprobs, error: str | None = None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request.request_id,
+            new_token_ids,
+            new_logprobs,
+            request.status.finish_reason,
+            request.stop_reason,
+            error,
+            max(0, request.num_cached_tokens),
+        )
+
+    def fail_requests(self, request_ids, error: str) -> list[EngineCoreOutput]:
+        """Ends live requests with an error (a failed step, a fault in their output)."""
+        return [self._fail(r, error) for rid in request_ids if (r := self.requests.get(rid)) is not None]
+
+    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list:
+        """Ends live requests from outside (a client gone, a stop string found in the text). -> their outputs."""
+        return [self._output(r, [], None) for rid in request_ids if (r := self.finish_request(rid, status)) is not None]
 
     def rollback_failed_step(self, out: SchedulerOutput) -> None:
         """The model step for `out` failed: nothing it scheduled was computed."""

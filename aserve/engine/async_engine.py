@@ -1,11 +1,11 @@
 """AsyncEngine: the engine driven by a step coroutine on the event loop.
 
-    event loop thread                          step worker thread
-    ─────────────────                          ──────────────────
-    schedule()  ──── SchedulerOutput ────────▶  execute(): model forward + sampling
-       ▲                                              │
-    process(): tokens, stop strings, text  ◀── RunnerOutput
-    → per-request asyncio.Queue → generate() iterators → HTTP streams
+    event loop thread                                  step worker thread
+    ─────────────────                                  ──────────────────
+    EngineCore.schedule()  ───── StepWork ──────────▶  EngineCore.execute(): model forward + sampling
+       ▲                                                      │
+    EngineCore.update(): the scheduler applies it  ◀── StepResult
+    → OutputProcessor: text, stop strings, n → per-request asyncio.Queue → generate() iterators → HTTP streams
 
 Scheduler and request state are only touched on the loop thread, so they need no locks. An abort frees a
 request's blocks at once even while a step that uses them is running: blocks are only handed out again by the next
@@ -21,13 +21,15 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from aserve.config import EngineArgs
-from aserve.engine.llm_engine import LLMEngine, PromptType
+from aserve.engine.config import EngineConfig
+from aserve.engine.input_processor import PromptType
+from aserve.engine.llm_engine import LLMEngine, freeze_for_serving
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("aserve")
 
-_INLINE_TOKENIZE_CHARS = 20_000  # longer prompts are tokenised in a thread, off the event loop
+_INLINE_CHARS = 20_000  # longer texts (and token lists) are tokenised / decoded in a thread, off the event loop
 
 
 class EngineDeadError(RuntimeError):
@@ -92,11 +94,57 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
-        from aserve.engine.llm_engine import freeze_for_serving
-
         engine = LLMEngine(args)
         freeze_for_serving()
         return cls(engine)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The resolved engine configuration: served_model_name, model_dir, max_model_len, vocab_size, ..."""
+        return self.engine.config
+
+    @property
+    def num_params(self) -> int:
+        return self.engine.core.runner.num_params
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.engine.core.kv_capacity_tokens
+
+    @property
+    def stats(self):
+        """The engine's running totals and gauges; `stats.add_listener(fn)` sees every step (metrics, logs)."""
+        return self.engine.stats
+
+    # -- text -------------------------------------------------------------------------------------------------
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Long texts are tokenised in a thread: a multi-megabyte prompt takes seconds, and /health (and every
+        stream) must keep answering meanwhile."""
+        encode = self.engine.tokenizer.encode
+        if len(text) > _INLINE_CHARS:
+            return await asyncio.to_thread(encode, text, add_special_tokens=add_special_tokens)
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.engine.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ParamError("tokens", f"token ids must be in [0, {vocab})")
+        decode = self.engine.tokenizer.decode
+        return await asyncio.to_thread(decode, token_ids) if len(token_ids) > _INLINE_CHARS else decode(token_ids)
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs=None):
+        """A conversation through the tokenizer's chat template -> its prompt token ids."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer.chat_template is None:
+            raise ParamError("messages", "this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
+            )
+        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+            raise ParamError("messages", f"the chat template rejected the messages: {e}") from e
+        return await self.tokenize(text, add_special_tokens=False)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -143,7 +191,7 @@ class AsyncEngine:
         await in between) cannot be overtaken."""
         if self._closed_reason is not None:
             raise EngineClosedError(self._closed_reason)
-        limit = self.engine.args.max_queue_len
+        limit = self.engine.config.args.max_queue_len
         if limit is None:
             return
         if num_seqs > limit:
@@ -152,7 +200,7 @@ class AsyncEngine:
                 f"this request asks for {num_seqs} sequences (prompts x n), more than the server's queue "
                 f"limit (--max-queue-len {limit}) could ever admit; send fewer prompts or a smaller n",
             )
-        waiting = self.engine.scheduler.num_waiting
+        waiting = self.engine.core.scheduler.num_waiting
         if waiting + num_seqs > limit:
             raise EngineOverloadedError(
                 f"the server is overloaded: {waiting} sequences are already waiting (limit {limit}); retry later",
@@ -166,6 +214,7 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: list[int] | None = None,
         check_queue: bool = True,
+        max_tokens_must_fit: bool = False,
     ) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineOverloadedError when the waiting queue is
         full; both before anything is queued). The caller must iterate the returned stream to its end or aclose()
@@ -175,15 +224,18 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine's step loop is not running")
         if prompt_token_ids is None:
-            if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
-                prompt, prompt_token_ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
+            if isinstance(prompt, str):
+                prompt_token_ids = await self.tokenize(prompt)
             else:
-                prompt, prompt_token_ids = self.engine.tokenize_prompt(prompt)
+                prompt, prompt_token_ids = self.engine.input_processor.tokenize_prompt(prompt)
         if check_queue:
             self.check_queue((params or SamplingParams()).n)
         elif self._closed_reason is not None:
             raise EngineClosedError(self._closed_reason)
-        self.engine.add_request(request_id, prompt, params, delta=True, prompt_token_ids=prompt_token_ids)
+        self.engine.add_request(
+            request_id, prompt, params, delta=True, prompt_token_ids=prompt_token_ids,
+            max_tokens_must_fit=max_tokens_must_fit,
+        )  # fmt: skip
         stream = RequestStream(self, request_id)
         self._queues[request_id] = stream.queue
         self._wakeup.set()
@@ -231,53 +283,21 @@ class AsyncEngine:
     # -- the step loop ----------------------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        """EngineCore's step with its model work in the worker thread (see aserve/engine/core.py)."""
         loop = asyncio.get_running_loop()
-        engine = self.engine
+        engine, core = self.engine, self.engine.core
         while True:
             if not engine.has_unfinished_requests():
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            step = self._overlapped_step if engine.async_scheduling else self._step
-            outputs = await step(loop)
-            for out in outputs:
+            work = core.schedule()
+            if work is None:
+                await asyncio.sleep(0.001)
+                continue
+            done = await loop.run_in_executor(self._executor, core.execute, work)
+            for out in engine.process(core.update(work, done)):
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
             await asyncio.sleep(0)  # let handlers send what just arrived
-
-    async def _step(self, loop) -> list[RequestOutput]:
-        engine = self.engine
-        sched = engine.schedule()
-        if sched.is_empty:
-            await asyncio.sleep(0.001)
-            return []
-        try:
-            result = await loop.run_in_executor(self._executor, engine.execute, sched)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a failed step ends its requests, never the loop
-            outputs, retry = engine.triage_failed_step(sched, e)
-            return outputs + await self._retry_one_by_one(loop, retry)
-        return engine.process_safely(sched, result)
-
-    async def _overlapped_step(self, loop) -> list[RequestOutput]:
-        """Async scheduling: the worker launches step N+1 and then waits for step N, whose tokens this thread
-        processes while N+1 runs on the GPU (see LLMEngine)."""
-        engine = self.engine
-        sched = engine.schedule_overlapped()
-        if sched is None and engine.inflight is None:
-            await asyncio.sleep(0.001)
-            return []
-        pending, prev_result, launch_error = await loop.run_in_executor(
-            self._executor, engine.launch_and_wait_prev, sched
-        )
-        outputs, retry = engine.complete_overlapped(sched, pending, prev_result, launch_error)
-        return outputs + await self._retry_one_by_one(loop, retry)
-
-    async def _retry_one_by_one(self, loop, sched) -> list[RequestOutput]:
-        """A failed step's requests, each run alone in the worker thread (see LLMEngine.triage_failed_step)."""
-        if sched is None:
-            return []
-        results = await loop.run_in_executor(self._executor, self.engine.execute_each, sched)
-        return self.engine.process_each(results)

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from aserve.config import EngineArgs
-from aserve.engine.llm_engine import LLMEngine, PromptType
+from aserve.engine.input_processor import PromptType
+from aserve.engine.llm_engine import LLMEngine
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 
@@ -41,9 +42,10 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         # Validate everything first, so a bad prompt leaves nothing half-queued.
-        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        inputs = self.engine.input_processor
+        tokenized = [inputs.tokenize_prompt(p) for p in prompts]
         for _, ids in tokenized:
-            self.engine.validate_prompt(ids)
+            inputs.validate_prompt(ids)
         request_ids = []
         for (text, ids), params in zip(tokenized, params_list):
             request_id = str(next(self._ids))

@@ -70,5 +70,5 @@ def perplexity(model: str | None, text: str, window: int = 512, max_windows: int
     windows = window_ids(llm.get_tokenizer(), text, window, max_windows)
     if not windows:
         raise ValueError(f"the text is shorter than one window of {window} tokens")
-    total, count = model_nll(llm.engine.runner.model, windows)
+    total, count = model_nll(llm.engine.core.runner.model, windows)
     return math.exp(total / count), count

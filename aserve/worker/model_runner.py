@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from aserve.core.kv_cache_manager import cdiv
+from aserve.core.outputs import RunnerOutput, SamplerOutput
 from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from aserve.model.loader import build_model
 from aserve.worker.cuda_graphs import DecodeGraphs
-from aserve.worker.sampler import PendingSample, Sampler, SamplerOutput, list_to_device
+from aserve.worker.sampler import PendingSample, Sampler, list_to_device
 
 logger = logging.getLogger("aserve")
 
@@ -47,17 +48,6 @@ class StepLayout:
     @property
     def decode_only(self) -> bool:
         return self.num_tokens == self.num_reqs
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    """Tokens of the requests that sample this step (in `SchedulerOutput.scheduled` order): accepted drafts plus
-    one sampled token each; and, from a model drafter, the drafts to verify next step."""
-
-    sampled: list[ScheduledRequest]
-    sampler_output: SamplerOutput
-    next_drafts: list[list[int]] | None = None
-    next_draft_probs: list | None = None
 
 
 class PendingStep:

@@ -21,10 +21,9 @@ samples do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from aserve.core.outputs import SampledLogprobs, SamplerOutput
 from aserve.core.request import Request
 
 
@@ -58,33 +57,6 @@ class SampleRow:
     @property
     def output_token_ids(self) -> list[int]:
         return self.request.output_token_ids + self.prefix
-
-
-@dataclass(slots=True)
-class SampledLogprobs:
-    """For one emitted token: the ids and logprobs of the token (first) and the top-n alternatives."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int
-
-    @staticmethod
-    def of(token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float], n: int):
-        """The entry a request asking for `n` logprobs gets (top_ids/top_logprobs: at least n, best first)."""
-        return SampledLogprobs([token] + top_ids[:n], [logprob] + top_logprobs[:n], rank)
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    token_ids: list[list[int]]  # per request: accepted drafts, then one sampled token
-    logprobs: list[list[SampledLogprobs] | None]
-    num_drafts: list[int]
-    # Per request: whether any of its logits rows held NaN or infinity (its tokens are meaningless). Empty: unknown.
-    nonfinite: list[bool] = field(default_factory=list)
-
-    @staticmethod
-    def empty() -> SamplerOutput:
-        return SamplerOutput([], [], [])
 
 
 class PendingSample:

@@ -19,12 +19,16 @@ from aserve.entrypoints.openai.openapi import openapi_spec
 from aserve.entrypoints.openai.protocol import (
     MAX_SEQUENCES,
     ChatCompletionRequest,
+    ChoiceState,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     _GenerationRequest,
+    chat_chunk,
+    completion_chunk,
+    error_body,
+    usage,
 )
-from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, error_body, usage
 from aserve.metrics import PrometheusMetrics
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError
@@ -37,7 +41,6 @@ STATE_KEY = web.AppKey("server_state", object)
 _encode = msgspec.json.encode
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 before any of them is parsed
-_INLINE_CHARS = 20_000  # longer texts (and token lists) are tokenised / decoded in a thread, off the event loop
 _SHUTDOWN_FLUSH_S = 5.0  # after a forced shutdown ends the last requests, how long their handlers get to say so
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 
@@ -60,12 +63,11 @@ def json_response(obj, status: int = 200) -> web.Response:
 class ServerState:
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None) -> None:
         self.engine = engine
-        self.core = engine.engine
         self.model_name = served_model_name
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = PrometheusMetrics(served_model_name)
-        self.core.stats.add_listener(self.metrics)
+        engine.stats.add_listener(self.metrics)
         self.draining = False  # graceful shutdown began: new requests get 503, in-flight ones finish
         self.inflight = 0  # requests being handled, /health and /metrics aside
         self.idle = asyncio.Event()
@@ -75,50 +77,11 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    async def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """Long prompts are tokenised in a thread: a multi-megabyte prompt takes seconds, and /health (and every
-        stream) must keep answering meanwhile."""
-        encode = self.core.tokenizer.encode
-        if len(prompt) > _INLINE_CHARS:
-            return await asyncio.to_thread(encode, prompt, add_special_tokens=add_special_tokens)
-        return encode(prompt, add_special_tokens=add_special_tokens)
-
-    async def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool, template_kwargs) -> list[int]:
-        tokenizer = self.core.tokenizer
-        if tokenizer.chat_template is None:
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
-            )
-        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        return await self.tokenize(text, add_special_tokens=False)
-
-    def sampling_params(self, req: _GenerationRequest, prompt_len: int, default_max_tokens: int | None):
-        max_model_len = self.core.max_model_len
-        if prompt_len > max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-                f"{prompt_len} tokens. Please reduce the length of the prompt.",
-                param="prompt" if isinstance(req, CompletionRequest) else "messages",
-                code="context_length_exceeded",
-            )
+    def sampling_params(self, req: _GenerationRequest, default_max_tokens: int | None):
+        """The request's parameters; max_tokens None: up to the context length (the engine resolves it per prompt,
+        and checks that prompt + max_tokens fits)."""
         requested = req.requested_max_tokens()
-        max_tokens = requested if requested is not None else default_max_tokens
-        if max_tokens is None:
-            max_tokens = max_model_len - prompt_len
-        if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
-                "Please reduce the length of the prompt or completion.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return req.to_sampling_params(max(max_tokens, 1) if requested is None else max_tokens)
+        return req.to_sampling_params(requested if requested is not None else default_max_tokens)
 
 
 async def parse_body(request: web.Request, struct_type):
@@ -163,8 +126,8 @@ async def list_models(request: web.Request) -> web.Response:
         "object": "model",
         "created": state.created,
         "owned_by": "aserve",
-        "root": state.core.model_dir,
-        "max_model_len": state.core.max_model_len,
+        "root": state.engine.config.model_dir,
+        "max_model_len": state.engine.config.max_model_len,
     }
     return json_response({"object": "list", "data": [card]})
 
@@ -176,23 +139,18 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.prompt is not None:
-        ids = await state.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await state.engine.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         conv = ChatCompletionRequest(messages=req.messages).conversation()
-        ids = await state.chat_prompt_ids(conv, req.add_generation_prompt, None)
-    return json_response({"tokens": ids, "count": len(ids), "max_model_len": state.core.max_model_len})
+        ids = await state.engine.render_chat(conv, req.add_generation_prompt)
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": state.engine.config.max_model_len})
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     req = await parse_body(request, DetokenizeRequest)
     state.check_model(req.model)
-    vocab = state.core.vocab_size
-    if any(not 0 <= t < vocab for t in req.tokens):
-        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-    decode = state.core.tokenizer.decode
-    text = await asyncio.to_thread(decode, req.tokens) if len(req.tokens) > _INLINE_CHARS else decode(req.tokens)
-    return json_response({"prompt": text})
+    return json_response({"prompt": await state.engine.detokenize(req.tokens)})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -204,11 +162,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if len(raw_prompts) * req.n > MAX_SEQUENCES:
         raise APIError(400, f"prompts x n must be <= {MAX_SEQUENCES}, got {len(raw_prompts) * req.n}", param="n")
     state.engine.check_queue(len(raw_prompts) * req.n)  # overloaded: refuse before spending time on tokenising
+    params = state.sampling_params(req, default_max_tokens=16)
     prompts = []
     for p in raw_prompts:
-        ids = await state.tokenize(p) if isinstance(p, str) else p
-        text = p if isinstance(p, str) else None
-        prompts.append((text, ids, state.sampling_params(req, len(ids), default_max_tokens=16)))
+        ids = await state.engine.tokenize(p) if isinstance(p, str) else p
+        prompts.append((p if isinstance(p, str) else None, ids, params))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     return await _generate(request, state, req, request_id, prompts, chat=False)
 
@@ -219,8 +177,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     req.check_limits()
     state.engine.check_queue(req.n)
-    ids = await state.chat_prompt_ids(req.conversation(), req.add_generation_prompt, req.chat_template_kwargs)
-    params = state.sampling_params(req, len(ids), default_max_tokens=None)
+    params = state.sampling_params(req, default_max_tokens=None)
+    ids = await state.engine.render_chat(req.conversation(), req.add_generation_prompt, req.chat_template_kwargs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True)
 
@@ -234,11 +192,15 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     state.engine.check_queue(len(prompts) * n)
     try:
         for i, (text, ids, params) in enumerate(prompts):
-            stream = await state.engine.add_request(text, params, f"{request_id}-{i}", ids, check_queue=False)
+            stream = await state.engine.add_request(
+                text, params, f"{request_id}-{i}", ids, check_queue=False, max_tokens_must_fit=True
+            )
             streams.append(stream)
-    except BaseException:
+    except BaseException as e:
         for stream in streams:
             await stream.aclose()
+        if chat and isinstance(e, ParamError) and e.param == "prompt":  # a chat prompt is its rendered messages
+            e.param = "messages"
         raise
     num_top = req.num_logprobs()
     choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
@@ -405,7 +367,7 @@ async def _handle(request: web.Request, handler, state: ServerState):
     except APIError as e:
         return error_response(e.status, e.message, e.type, e.param, e.code)
     except ParamError as e:
-        return error_response(400, str(e), param=e.param)
+        return error_response(400, str(e), param=e.param, code=e.code)
     except EngineOverloadedError as e:
         state.metrics.on_rejected("queue_full")
         resp = error_response(429, str(e), type_="rate_limit_error", code="queue_full")

@@ -1,0 +1,72 @@
+"""EngineArgs resolved against the model: where it lives, its HF config and tokenizer, device, dtype, context length and
+the step's token budget. Built once per engine; the engine core and the input / output processors read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
+from aserve.model.loader import resolve_model
+from aserve.spec.config import SpeculativeConfig
+
+
+@dataclass
+class EngineConfig:
+    args: EngineArgs
+    model_dir: str
+    served_model_name: str
+    hf_config: object
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_id: int | None
+    vocab_size: int
+    spec_config: SpeculativeConfig | None
+    async_scheduling: bool  # launch step N+1 before step N is processed (see aserve/engine/core.py)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> EngineConfig:
+        args.validate()
+        model_dir, default_name = resolve_model(args.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+        device = resolve_device(args.device)
+        spec_config = SpeculativeConfig.parse(args.speculative_config)
+        async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.type == "cuda"
+        return cls(
+            args=args,
+            model_dir=model_dir,
+            served_model_name=args.served_model_name or default_name,
+            hf_config=hf_config,
+            tokenizer=tokenizer,
+            device=device,
+            dtype=resolve_dtype(args.dtype, hf_config, device),
+            max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
+            max_num_batched_tokens=args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048),
+            eos_token_id=_eos_token_id(hf_config, tokenizer),
+            vocab_size=hf_config.vocab_size,
+            spec_config=spec_config,
+            async_scheduling=async_scheduling and spec_config is None,
+        )
+
+
+def _eos_token_id(hf_config, tokenizer) -> int | None:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+    return eos

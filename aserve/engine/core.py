@@ -1,0 +1,313 @@
+"""The engine core: one step = schedule -> execute (model) -> update (the scheduler applies the result).
+
+    schedule()  the scheduler's next batch (or the retry of a failed one)              event loop / caller
+    execute()   the model: forward, sampling, drafting; touches nothing else            worker thread (AsyncEngine)
+    update()    Scheduler.update_from_output: tokens, finishes, drafts; stats           event loop / caller
+
+`step()` runs the three in a row (the offline API); AsyncEngine runs `execute` in its worker thread and the other two
+on the event loop. Requests are single sequences here (`n` fan-out, text and stop strings are the output processor's);
+the core returns, per step, what changed for each sequence (EngineCoreOutput).
+
+Async scheduling (`async_scheduling`, on by default on CUDA): the host work of a step (updating from step N's tokens,
+scheduling and preparing step N+1) overlaps the GPU's work instead of alternating with it:
+
+    launch N+1 (its decodes' inputs = N's samples, read on the device) -> wait for N -> update from N -> schedule N+2
+
+A request that step N finishes (EOS, a stop string) has been scheduled in N+1 already: that one extra token is
+computed and dropped. Requests with repetition/presence/frequency penalties (which need every earlier token id on
+the host before sampling the next) turn the overlap off while they are live (`can_overlap`); speculative decoding
+turns it off for the engine.
+
+Fault isolation: a step that raises ends its request if it carried one; with more, the next step re-runs them one at
+a time (same inputs, same KV slots) so that only the request at fault ends. Non-finite logits end only their request
+(the scheduler, from the sampler's flag).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from aserve.core.kv_cache_manager import KVCacheManager, cdiv
+from aserve.core.outputs import EngineCoreOutput, RunnerOutput
+from aserve.core.request import Request, RequestStatus
+from aserve.core.scheduler import Scheduler, SchedulerOutput
+from aserve.core.stats import EngineStats
+from aserve.engine.config import EngineConfig
+from aserve.spec.policy import SpecPolicy, StepCostModel
+from aserve.worker.drafter import ModelDrafter
+from aserve.worker.host_memory import retain_freed_memory
+from aserve.worker.model_runner import ModelRunner, PendingStep
+
+logger = logging.getLogger("aserve")
+
+_CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class StepWork:
+    """What `execute` is to run: a batch to launch (None with async scheduling when only the step in flight is awaited),
+    or a failed batch to re-run one request at a time."""
+
+    sched: SchedulerOutput | None
+    overlap: bool = False  # async scheduling: launch without waiting, sampling on the device path
+    retry: bool = False
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What `execute` did. One step at a time: `result` or `error`. Async scheduling: the step it launched
+    (`pending`, or the launch's `error`) and the result (or exception) of the step in flight it waited for. Retry:
+    each request's result or exception."""
+
+    result: RunnerOutput | None = None
+    error: Exception | None = None
+    pending: PendingStep | None = None
+    prev: RunnerOutput | Exception | None = None
+    each: list[tuple[SchedulerOutput, RunnerOutput | Exception]] | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        args = config.args
+        if config.device.type == "cpu":
+            retain_freed_memory()
+        self.runner = ModelRunner(
+            config.hf_config,
+            config.model_dir,
+            config.dtype,
+            config.device,
+            max_model_len=config.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size,
+            load_format=args.load_format,
+            seed=args.seed,
+            compile_model=config.device.type == "cpu" and not args.enforce_eager,
+            attention_backend=args.attention_backend,
+        )
+        spec = config.spec_config
+        if spec is not None and spec.needs_kv:
+            self.runner.drafter = ModelDrafter(self.runner, spec, args.seed)
+        self.num_kv_blocks = num_blocks = self._num_kv_blocks()
+        if num_blocks < cdiv(config.max_model_len, config.block_size):
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
+                f"({config.max_model_len}): one long request could never run. Give the cache more memory "
+                "(gpu_memory_utilization / kv_cache_memory_gb) or lower max_model_len."
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.compiled:
+            self.runner.warmup()
+        if config.device.type == "cuda" and not args.enforce_eager:
+            self.runner.capture_cuda_graphs()
+        self.spec_policy = self._spec_policy()
+        self.stats = EngineStats()
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            args.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+            self.spec_policy,
+            config.vocab_size,
+            self.stats,
+        )
+        self.async_scheduling = config.async_scheduling
+        self.inflight: tuple[SchedulerOutput, PendingStep] | None = None  # the launched step not yet updated from
+        self._retry: SchedulerOutput | None = None  # a failed batch, re-run one request at a time next
+        self._sync_requests: set[str] = set()  # live requests whose sampling needs every token on the host
+
+    def _spec_policy(self) -> SpecPolicy | None:
+        cfg = self.config.spec_config
+        if cfg is None:
+            return None
+        cost = None
+        if cfg.adaptive:
+            drafter = self.runner.drafter
+            cost = StepCostModel(self.runner.measure_step_times(), drafter.cost_fraction if drafter else 0.0)
+            logger.info("Speculation cost model (step seconds by tokens): %s", dict(zip(cost.sizes, cost.times)))
+        return SpecPolicy(cfg, cost)
+
+    def _num_kv_blocks(self) -> int:
+        args, config = self.config.args, self.config
+        per_block = self.runner.kv_bytes_per_block
+        if args.num_gpu_blocks_override is not None:
+            return args.num_gpu_blocks_override
+        if args.kv_cache_memory_gb is not None:
+            return int(args.kv_cache_memory_gb * (1 << 30)) // per_block
+        if config.device.type == "cuda":
+            return self.runner.profile_num_kv_blocks(args.gpu_memory_utilization)
+        # CPU: a fixed budget, but no more than every sequence at full length could use.
+        useful = args.max_num_seqs * cdiv(config.max_model_len, config.block_size)
+        return min(_CPU_DEFAULT_KV_BYTES // per_block, useful)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.config.block_size
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.sampling_params.needs_penalties:
+            self._sync_requests.add(request.request_id)
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids, error: str | None = None, stopped: bool = False) -> list[EngineCoreOutput]:
+        """Ends live requests now and frees their blocks: aborted (a client gone), stopped (a stop string the output
+        processor found) or, with `error`, failed. Unknown or finished ids are ignored."""
+        if error is not None:
+            outputs = self.scheduler.fail_requests(request_ids, error)
+        else:
+            status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+            outputs = self.scheduler.abort_requests(request_ids, status)
+        self._sync_requests.difference_update(request_ids)
+        self.stats.flush(self.scheduler, self.kv_manager)  # gauges reflect it even if no step follows
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.inflight is not None or self._retry is not None
+
+    def can_overlap(self) -> bool:
+        """May the next step be scheduled before the one in flight is updated from?"""
+        return self.async_scheduling and not self._sync_requests
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        work = self.schedule()
+        return [] if work is None else self.update(work, self.execute(work))
+
+    def schedule(self) -> StepWork | None:
+        """The next work for `execute`, or None: nothing to run (with async scheduling: nothing to launch and no
+        step in flight)."""
+        if self._retry is not None:
+            sched, self._retry = self._retry, None
+            live = [s for s in sched.scheduled if not s.request.is_finished]  # aborted since: not re-run
+            self.scheduler.rollback_failed_step(SchedulerOutput([s for s in sched.scheduled if s not in live]))
+            return StepWork(SchedulerOutput(live), retry=True) if live else None
+        if not self.async_scheduling:
+            sched = self.scheduler.schedule()
+            return None if sched.is_empty else StepWork(sched)
+        # The step in flight must be updated from first when a request needs every token id on the host, or when it
+        # sampled on the host path (its tokens cannot feed the next step on the device).
+        overlap = self.can_overlap()
+        sched = None
+        if self.inflight is None or (overlap and self.inflight[1].feeds_next):
+            sched = self.scheduler.schedule()
+            sched = None if sched.is_empty else sched
+        if sched is None and self.inflight is None:
+            return None
+        return StepWork(sched, overlap=overlap)
+
+    def execute(self, work: StepWork) -> StepResult:
+        """Runs `work` on the model. Touches only the model and the KV tensors (AsyncEngine's worker thread runs it);
+        exceptions come back in the result."""
+        if work.retry:
+            each = []
+            for s in work.sched.scheduled:
+                one = SchedulerOutput(scheduled=[s])
+                try:
+                    each.append((one, self._execute_one_step(one)))
+                except Exception as e:
+                    each.append((one, e))
+            return StepResult(each=each)
+        if not self.async_scheduling:
+            try:
+                return StepResult(result=self._execute_one_step(work.sched))
+            except Exception as e:
+                return StepResult(error=e)
+        done = StepResult()
+        if work.sched is not None:  # launched behind the step in flight, then that one is waited for
+            prev = self.inflight[1] if self.inflight is not None else None
+            try:
+                done.pending = self.runner.launch(work.sched, prev, overlap=work.overlap)
+            except Exception as e:
+                done.error = e
+        if self.inflight is not None:
+            try:
+                done.prev = self.inflight[1].wait()
+            except Exception as e:
+                done.prev = e
+        return done
+
+    def _execute_one_step(self, sched: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        result = self.runner.execute(sched)
+        cost = self.spec_policy.cost if self.spec_policy is not None else None
+        if cost is not None and all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled):
+            cost.observe(sched.num_tokens, time.perf_counter() - t0)  # a decode/verify step: what the policy prices
+        return result
+
+    def update(self, work: StepWork, done: StepResult) -> list[EngineCoreOutput]:
+        """Applies what `execute` did (see StepResult) through the scheduler. -> what changed per sequence."""
+        if work.retry:
+            outputs = []
+            for one, result in done.each:
+                if isinstance(result, Exception):
+                    outputs += self._fail_step(one, result)
+                else:
+                    outputs += self.scheduler.update_from_output(one, result)
+        elif not self.async_scheduling:
+            outputs = self._triage(work.sched, done.error) if done.error else self._update(work.sched, done.result)
+        else:
+            outputs = self._update_overlapped(work, done)
+        self.stats.on_step(work.sched.num_tokens if work.sched is not None else 0, self.scheduler, self.kv_manager)
+        if self._sync_requests:
+            self._sync_requests.intersection_update(self.scheduler.requests)
+        if self.config.args.debug_invariants:
+            self.scheduler.check_invariants()
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        try:
+            return self.scheduler.update_from_output(sched, result)
+        except Exception as e:  # update_from_output isolates per-request faults itself; this is a last resort
+            return self._fail_step(sched, e)
+
+    def _update_overlapped(self, work: StepWork, done: StepResult) -> list[EngineCoreOutput]:
+        prev, self.inflight = self.inflight, None
+        outputs: list[EngineCoreOutput] = []
+        launch_error, pending = done.error, done.pending
+        if isinstance(done.prev, Exception):
+            # The device failed under step N; N+1 (launched on garbage inputs, or not at all) is rolled back.
+            if pending is not None:
+                try:
+                    pending.wait()
+                except Exception:
+                    pass
+            if work.sched is not None:
+                self.scheduler.rollback_failed_step(work.sched)
+            pending = launch_error = None
+            outputs += self._fail_step(prev[0], done.prev)
+        elif prev is not None:
+            outputs += self._update(prev[0], done.prev)
+        if launch_error is not None:
+            outputs += self._triage(work.sched, launch_error)
+        elif pending is not None:
+            self.inflight = (work.sched, pending)
+        return outputs
+
+    def _triage(self, sched: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
+        """A step raised. With one request, that request ends; with more, the next step re-runs them one at a time
+        to find the one at fault."""
+        if len(sched.scheduled) == 1:
+            return self._fail_step(sched, error)
+        logger.warning("a step of %d requests failed (%r); retrying them one by one", len(sched.scheduled), error)
+        self._retry = sched
+        return []
+
+    def _fail_step(self, sched: SchedulerOutput, error: BaseException) -> list[EngineCoreOutput]:
+        """The model step raised: end the requests it carried with an error; everything else goes on."""
+        logger.exception("model step failed; ending its %d requests", len(sched.scheduled), exc_info=error)
+        self.scheduler.rollback_failed_step(sched)
+        message = f"internal error while running the model: {type(error).__name__}"
+        return self.scheduler.fail_requests([s.request.request_id for s in sched.scheduled], message)
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_manager.reset_prefix_cache()

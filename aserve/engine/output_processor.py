@@ -1,0 +1,264 @@
+"""Between the engine core and its front ends (LLM, AsyncEngine): per-sequence token updates in, RequestOutputs out.
+
+The core knows sequences; a client request has `n` of them. Here each request's state gathers its sequences' tokens,
+turns them into text (incremental detokenizing), finds stop strings, shapes logprobs and builds outputs: deltas for
+streams, one cumulative output at the end for the offline API.
+
+Some endings start here and must reach the core: a stop string found in the text (the sequence stops), a fault while
+processing a sequence's output, or a sequence ended by an error (its siblings fail with it: the whole request fails).
+`process` returns those as a `Finishes` for the front end to hand to `EngineCore.finish_requests`; the outputs the
+core then reports for them change nothing here (those sequences are finished already).
+
+Text grows token by token (IncrementalDetokenizer: tokenizers' DecodeStream, where a token that ends inside a
+multi-byte character yields text only once the character is complete). Stop strings are searched in the newly grown
+tail; a matched stop string is cut from the text. While a request runs, the last `len(longest stop) - 1` characters
+are held back from streaming, so a stop string that is still forming never leaks to a client.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from tokenizers.decoders import DecodeStream
+
+from aserve.core.outputs import EngineCoreOutput, SampledLogprobs
+from aserve.outputs import CompletionOutput, Logprob, RequestOutput
+from aserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("aserve")
+
+_PRIME_TOKENS = 6  # prompt tokens fed to the stream first, so the first output token decodes in context
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop_strings: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+    ) -> None:
+        self._backend = tokenizer._tokenizer  # the Rust tokenizers.Tokenizer behind a fast HF tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._prime(prompt_token_ids[-_PRIME_TOKENS:])
+        self.stop_strings = stop_strings
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.holdback = max((len(s) for s in stop_strings), default=1) - 1
+        self.text = ""
+
+    def _prime(self, token_ids: list[int]) -> None:
+        for token_id in token_ids:
+            self._step(token_id)
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception:
+            # An id the tokenizer cannot decode (e.g. a padded vocab entry): drop it and restart the stream.
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            return ""
+
+    def add_token(self, token_id: int) -> str | None:
+        """Appends one token's text. Returns the stop string it completed, if any (the text is then cut)."""
+        new_text = self._step(token_id)
+        if not new_text:
+            return None
+        self.text += new_text
+        if not self.stop_strings:
+            return None
+        search_from = len(self.text) - len(new_text)
+        matches = []
+        for stop in self.stop_strings:
+            idx = self.text.find(stop, max(0, search_from - len(stop) + 1))
+            if idx != -1:
+                matches.append((idx, stop))
+        if not matches:
+            return None
+        idx, stop = min(matches, key=lambda m: m[0])
+        self.text = self.text[: idx + len(stop)] if self.include_stop_str_in_output else self.text[:idx]
+        return stop
+
+    def streamable_len(self, finished: bool) -> int:
+        """How much of `text` may be sent to a client now."""
+        if finished or not self.stop_strings:
+            return len(self.text)
+        return max(0, len(self.text) - self.holdback)
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One client request: its sequences (ids in the core), their text and tokens, and what was reported so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequence_ids: list[str]
+    detokenizers: list[IncrementalDetokenizer]
+    delta: bool  # stream deltas (AsyncEngine) or report once, cumulatively, when finished (LLM.generate)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    stop_reasons: list[int | str | None] = field(default_factory=list)
+    sent_text: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    finish_sent: list[bool] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(reason is not None for reason in self.finish_reasons)
+
+
+@dataclass(slots=True)
+class Finishes:
+    """Sequences the core must end: stopped by a stop string, or failed (with the reason)."""
+
+    stopped: list[str] = field(default_factory=list)
+    failed: dict[str, list[str]] = field(default_factory=dict)  # error -> sequence ids
+
+    def __bool__(self) -> bool:
+        return bool(self.stopped or self.failed)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.sequence_to_state: dict[str, tuple[RequestState, int]] = {}
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params, sequence_ids, delta: bool) -> None:
+        detokenizers = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                params.stop_strings,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+            for _ in sequence_ids
+        ]
+        n = len(sequence_ids)
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, list(sequence_ids), detokenizers, delta,
+            token_ids=[[] for _ in range(n)], logprobs=[[] for _ in range(n)], finish_reasons=[None] * n,
+            stop_reasons=[None] * n, sent_text=[0] * n, sent_tokens=[0] * n, finish_sent=[False] * n,
+        )  # fmt: skip
+        self.states[request_id] = state
+        for i, sequence_id in enumerate(sequence_ids):
+            self.sequence_to_state[sequence_id] = (state, i)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def live_sequence_ids(self, request_id: str, error: str | None = None) -> list[str]:
+        """The request's sequences that have not finished (for an abort); `error`: why the server ends it."""
+        state = self.states.get(request_id)
+        if state is None:
+            return []
+        if error is not None:
+            state.error = error
+        return [s for s, reason in zip(state.sequence_ids, state.finish_reasons) if reason is None]
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], Finishes]:
+        finishes = Finishes()
+        changed: dict[int, RequestState] = {}
+        for out in core_outputs:
+            entry = self.sequence_to_state.get(out.request_id)
+            if entry is None:
+                continue
+            state, index = entry
+            if state.finish_reasons[index] is not None:
+                continue  # ended here already (a stop string, a sibling's failure)
+            changed[id(state)] = state
+            try:
+                self._absorb(state, index, out, finishes)
+            except Exception as e:  # a fault in one request's output (detokenizer, bad token) ends only that request
+                logger.exception("processing the output of request %s failed; ending it", state.request_id)
+                self._fail(state, f"internal error while processing the output: {type(e).__name__}", finishes)
+        outputs = []
+        for state in changed.values():
+            out = self._finalize(state) if state.finished else (self._make_output(state) if state.delta else None)
+            if out is not None:
+                outputs.append(out)
+        return outputs, finishes
+
+    def _absorb(self, state: RequestState, index: int, out: EngineCoreOutput, finishes: Finishes) -> None:
+        if index == 0:
+            state.num_cached_tokens = out.num_cached_tokens
+        detok = state.detokenizers[index]
+        for i, token_id in enumerate(out.new_token_ids):
+            stop = detok.add_token(token_id)
+            state.token_ids[index].append(token_id)
+            if out.new_logprobs is not None:
+                state.logprobs[index].append(self._logprob_dict(out.new_logprobs[i]))
+            if stop is not None:  # tokens after it (accepted drafts) are dropped
+                state.finish_reasons[index], state.stop_reasons[index] = "stop", stop
+                if not out.finished:
+                    finishes.stopped.append(out.request_id)
+                return
+        if out.finished:
+            if out.error is not None:
+                self._fail(state, out.error, finishes)
+            else:
+                state.finish_reasons[index], state.stop_reasons[index] = out.finish_reason, out.stop_reason
+
+    def _fail(self, state: RequestState, error: str, finishes: Finishes) -> None:
+        """Ends every sequence of a request with finish_reason "error" (siblings included: the whole request fails);
+        the next output reports `error`."""
+        state.error = error
+        for sequence_id, reason in zip(state.sequence_ids, state.finish_reasons):
+            if reason is None:
+                finishes.failed.setdefault(error, []).append(sequence_id)
+        state.finish_reasons = ["error" if r is None else r for r in state.finish_reasons]
+
+    def _logprob_dict(self, lp: SampledLogprobs) -> dict[int, Logprob]:
+        texts = self.tokenizer.batch_decode([[t] for t in lp.token_ids])
+        out = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.sampled_rank, texts[0])}
+        for rank, (tid, value, text) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:], texts[1:]), start=1):
+            out.setdefault(tid, Logprob(value, rank, text))
+        return out
+
+    def _finalize(self, state: RequestState) -> RequestOutput | None:
+        if self.states.pop(state.request_id, None) is None:
+            return None  # already reported
+        for sequence_id in state.sequence_ids:
+            self.sequence_to_state.pop(sequence_id, None)
+        return self._make_output(state)
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        completions = []
+        want_logprobs = state.params.logprobs is not None
+        for i, detok in enumerate(state.detokenizers):
+            finished = state.finish_reasons[i] is not None
+            text_end = detok.streamable_len(finished)
+            n_tokens = len(state.token_ids[i])
+            if state.delta:
+                unchanged = text_end == state.sent_text[i] and n_tokens == state.sent_tokens[i]
+                if unchanged and (not finished or state.finish_sent[i]):
+                    continue
+                text = detok.text[state.sent_text[i] : text_end]
+                token_ids = state.token_ids[i][state.sent_tokens[i] :]
+                logprobs = state.logprobs[i][state.sent_tokens[i] :] if want_logprobs else None
+            else:
+                text, token_ids = detok.text[:text_end], list(state.token_ids[i])
+                logprobs = state.logprobs[i] if want_logprobs else None
+            state.sent_text[i], state.sent_tokens[i] = text_end, n_tokens
+            state.finish_sent[i] = finished
+            reason = state.finish_reasons[i]
+            completions.append(CompletionOutput(i, text, token_ids, reason, state.stop_reasons[i], logprobs))
+        if not completions:
+            return None
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+            error=state.error,
+        )
