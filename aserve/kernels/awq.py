@@ -1,88 +1,63 @@
-"""Triton kernels for AWQ int4 linear layers (AutoAWQ "gemm" layout; see aserve/kernels/awq_reference.py for the layout
-and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M (AWQLinear
-on a GPU: the same kernels' twins over awq_repack's layout, *_repacked, which is all it keeps of the weights):
+"""Triton kernels for AWQ int4 linear layers, over AutoAWQ's "gemm" tensors (aserve/kernels/awq_reference.py has the
+layout and the pure-torch reference the tests compare against) or over awq_repack's copy of them (the *_repacked
+kernels; AWQLinear on a GPU keeps only that copy where it applies: group 128, outputs a multiple of 128).
+`awq_linear` picks one by the number of rows M:
 
-    M == 1       awq_gemv     batch-1 decode: memory-bound. fp16 / bf16 activations: packed f16x2 arithmetic in
-                              inline PTX (below) and a split-K reduction fused into the same launch (below).
-                              float32 activations take the M <= 16 kernel (f16 would round them). Over the
-                              repacked copy up to REPACKED_GEMV1_MAX_M = 6 rows, two rows per program (each
-                              weight unpacked once for both; a tile's programs run together, so its weights come
-                              from DRAM once).
-    1 < M <= 16  awq_gemv     small batches / speculative verification: a dequantised K tile, then tl.dot.
-    M > 16       dequantise the whole weight once (awq_dequantize, at ~3.3 TB/s of bytes moved on an H200), then
-                 cuBLAS. A fused dequantise + tl.dot GEMM was 2-4x slower than this on the H200 at every M from
-                 64 to 2048 (bench/awq_bench.py, docs/benchmarks.md), so there is none.
+    M == 1       f16x2 GEMV (fp16 / bf16 activations) with a fused split-K reduction, below; float32 activations
+                 take the tl.dot kernel (f16 would round them). Over the repacked copy the same kernel takes up to
+                 REPACKED_GEMV1_MAX_M rows, REPACKED_GEMV1_ROWS per program (each weight unpacked once for both).
+    1 < M <= 16  a dequantised K tile, then tl.dot (small batches, speculative verification).
+    M > 16       the whole weight dequantised once (awq_dequantize), then cuBLAS.
 
-M = 1, f16x2. Unpacking and multiplying each weight alone in float32 took ~6 instructions per weight and left the
-GEMV instruction-bound; here the work is done two columns at a time in f16x2 (two halves of a 32-bit register):
+f16x2 arithmetic (inline PTX). Nibble i of an int32 holds column AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i], so
+nibbles p and p + 4 hold the column pair (2p, 2p + 1), 16 bits apart: the two halves of an f16x2.
 
-  * Nibble i of an int32 holds column AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i], so nibbles p and p + 4 hold the
-    column pair (2p, 2p + 1), 16 bits apart: exactly the two halves of an f16x2.
   * lop3(v, 0x000F000F, 0x64006400) is (1024 + q0, 1024 + q4) as f16x2 (the nibble lands in the mantissa of
     1024.0 = 0x6400); mask 0x00F000F0 gives (1024 + 16 q1, 1024 + 16 q5); v >> 8 and the same two masks give the
     pairs (2, 6) and (3, 7). One shift and four LOP3 per int32 (8 weights).
-  * Zero points: the same on the group's qzeros int32 gives 1024 + z (pairs 0, 2) and, times -1/16, -(64 + z)
-    (pairs 1, 3), once per tile and column group. Then q - z exactly: sub.f16x2 (pairs 0, 2) or
+  * Zero points, once per tile and column group: the same on the group's qzeros int32 gives 1024 + z (pairs 0, 2)
+    and, times -1/16, -(64 + z) (pairs 1, 3). Then q - z exactly: sub.f16x2 (pairs 0, 2) or
     fma.f16x2(1024 + 16 q, 1/16, -(64 + z)) (pairs 1, 3). One instruction per 2 weights.
   * acc = fma.f16x2(q - z, (x/16, x/16), acc) over R rows of one column group (rows k0 + r BLOCK_K/R + i, r < R),
     then cvt to eight float32, times the group's scale * 16, summed element-wise in float32 over the program's
     tiles and reduced over rows once at the end. Per weight ~(5 + 4 + 4) / 8 + 2 / R instructions.
   * Overflow: an f16 partial is at most R * 15 * |x| / 16 (|q - z| <= 15), so it stays finite (< 65504) while the
     R inputs of one asm call (R rows BLOCK_K / R apart inside one group) are below 69871 / R in magnitude: 4367 for
-    R = 16. A single input may go up to ~69000 (and |x| >= 2**20 overflows the conversion of x / 16 itself). Outlier
-    channels of LLM activations are few (on an H200, 8 outliers up to 3e4 stayed finite), but a whole group of 128
-    consecutive inputs at ~1e4 gives inf. R = 8 doubles the bound (8734; that group then has 1-3 inf outputs) but
-    cost ~30 % (H200, R = 8 vs 16 at the same tiles: 10.0 / 22.2 / 22.0 vs 7.9 / 16.9 / 16.5 us on 4096x4096 /
-    4096x14336 / 14336x4096), so GEMV1_CONFIG has R = 16; R is a config key (1, 2, 4, 8, 16).
-  * Error: fp16 rounding of the R-row partials; relative error 1.8e-3 against a float64 reference with bf16
-    activations at Llama-3-8B shapes (the float32 kernel before it: 1.7e-3; both mostly the bf16 output rounding).
+    R = 16 (GEMV1_CONFIG; R is a config key: 1, 2, 4, 8, 16). A single input may go up to ~69000 (|x| >= 2**20
+    overflows the conversion of x / 16 itself).
+  * Error: fp16 rounding of the R-row partials, ~1.8e-3 relative against float64 at Llama-3-8B shapes with bf16
+    activations (mostly the bf16 output rounding).
 
-M = 1, fused split-K. Programs split K (TILES tiles of BLOCK_K rows each) and write float32 partials [SPLIT_K, N];
-each then increments its column block's int32 counter (atomic, acq_rel, after a barrier so the whole program's
-partials are released). The program that takes it to SPLIT_K - 1 sums the partials in a fixed order (so results do
-not depend on scheduling), adds the bias, writes the output and sets the counter back to 0: one launch instead of a
-GEMV and a reduce kernel, and the counters are zero again for the next launch or CUDA-graph replay. Counters are
-allocated once (gemv_counters: AWQLinear keeps one set per layer; plain awq_gemv calls share one per device and
-output size), never during graph capture. Two launches that share counters must not overlap: kernels in one stream
-do not, also with programmatic dependent launch (aserve/kernels/pdl.py), which this kernel uses like the rest of
-kernels/: every program waits for the previous kernel (gdc_sync) before it touches x, the partials or the counters. Its
-first tile's weights, zeros and scales are loaded before that wait (nothing in a decode step writes them), so with PDL
-their DRAM latency overlaps the previous kernel's tail.
+Split K, fused. Programs split K (`tiles` K tiles of BLOCK_K rows each, walked in a runtime loop that issues the next
+tile's loads before this tile's arithmetic) and write float32 partials [SPLIT_K, N]; each then increments its column
+block's int32 counter (atomic, acq_rel, after a barrier so the whole program's partials are released). The program
+that takes it to SPLIT_K - 1 sums the partials in a fixed order (so results do not depend on scheduling), adds the
+bias, writes the output and sets the counter back to 0 for the next launch or CUDA-graph replay. Counters are
+allocated once (gemv_counters: one set per AWQLinear; plain calls share one per device and output size), never
+during graph capture. One warp per program, BLOCK_N 128; tiles per program: _repacked_tiles_m1 for one row over the
+repacked copy (the fewest whose programs fit one wave), _tiles_per_program otherwise. With silu_mul_out the last
+programs of a gate column block and its up partner apply the MLP's SiLU·mul instead of writing gate and up.
 
-M = 1 over a repacked copy (awq_repack, built once at load time; AWQLinear.repack then frees the AutoAWQ tensors,
-and the M <= 16 tl.dot GEMV and the dequantise kernel read the copy too): the same arithmetic and reduction over a
-layout where each warp load is 512 contiguous bytes, a program's tiles are one contiguous chunk, zero points
-(already in the asm's form) and scales sit beside the weights (16-byte loads) and inputs come as row pairs; 9-13 %
-faster on an H200 (docs/benchmarks.md, session 10). Group size 128 and outputs a multiple of 128 only; other layers
-keep the AutoAWQ tensors and awq_gemv's kernels.
+PDL (aserve/kernels/pdl.py): every program waits for the previous kernel (gdc_sync) before it touches x, the
+partials or the counters (launches that share counters must not overlap; in one stream they do not, PDL included).
+Its first tile's weights, zeros and scales
+are loaded before that wait (nothing in a decode step writes them), so their DRAM latency overlaps the previous
+kernel's tail.
 
-M = 1, memory-level parallelism (H200, docs/benchmarks.md session 9). A load-only kernel reaches ~3.2 TB/s in CUDA
-graphs (9.0 us for 4096x14336's 29 MB of packed weights) with one-warp programs reading rows of 64 bytes, and
-flat streaming, cp.async (num_stages) and TMA descriptor loads were no faster; programs of 4-8 warps were much
-slower for the GEMV (2-4x). What separated the GEMV from that: loads issued late (x and scales after the first
-arithmetic: serial round trips), the split-K reduction (a program's atomic round trip, and the last program's
-partials: ~6 us at SPLIT_K 56 vs ~1 us at 16) and per-program instruction overhead. So: one warp per program,
-BLOCK_N 128, each tile's loads (weights, zeros, scales, x) issued together, the next tile's before this one's
-arithmetic in a loop the compiler does not unroll, and 2-4 tiles per program to keep SPLIT_K at 8-28. Over the
-repacked copy (session 14): the fewest tiles per program whose programs fit one wave of 8 per SM (_repacked_tiles_m1;
-the kernel's 254 registers allow 8 one-warp programs per SM); TMA into a shared-memory pipeline and 2-4 warps per
-program (fewer registers, more warps per SM) were no faster, and the arithmetic is not the bound either: with the
-f16x2 step reduced to an XOR of the weights the kernel is only 0.4-1.7 us faster (bench/awq_alu_diag.py).
+The tl.dot and dequantise kernels unpack without per-weight shifts or int-to-float conversions: for nibble i < 5 of
+an int32 v, (v & (15 << 4i)) | 0x4B000000 read as a float32 is exactly 2**23 + q * 16**i (the nibble lands in the
+mantissa of 2**23), so (that - the same for the zero point) = (q - z) * 16**i exactly, and 16**-i is folded into the
+scale; the three top nibbles do the same on v >> 20. One AND-OR (a single LOP3) and one subtraction per weight.
+Joining the eight nibble planes as join(join(join(n0, n2), join(n1, n3)), join(join(n4, n6), join(n5, n7))) (AutoAWQ's
+interleave is exactly that tree) gives tiles [BLOCK_K, BLOCK_N] in natural column order. Every K tile lies inside one
+quantisation group (BLOCK_K divides the group size), so a tile needs one row of zeros and scales.
 
 Triton's interpreter (the tests on CPU) cannot run inline asm: there the asm helpers have twins in plain tl ops
 (same interface, f16 rounding after every multiply-add), so the tests check indexing, nibble order, scales and the
 counter logic on CPU, and the asm itself on a GPU.
 
-M <= 16 and the dequantise kernel unpack without per-weight shifts or int-to-float conversions (a slow path on
-NVIDIA GPUs): for nibble i < 5 of an int32 v, (v & (15 << 4i)) | 0x4B000000 read as a float32 is exactly
-2**23 + q * 16**i (the nibble lands in the mantissa of 2**23), so (that - the same for the zero point) =
-(q - z) * 16**i exactly, and 16**-i is folded into the scale. The three top nibbles do the same on v >> 20. One
-AND-OR (a single LOP3) and one subtraction per weight. Joining the eight nibble planes as a binary tree,
-join(join(join(n0, n2), join(n1, n3)), join(join(n4, n6), join(n5, n7))), puts them in column order (AutoAWQ's
-interleave is exactly that tree), so tiles come out [BLOCK_K, BLOCK_N] with natural columns.
-
-Every K tile lies inside one quantisation group (BLOCK_K divides the group size), so a tile needs one row of zeros
-and scales.
+Why the kernels are shaped so (what bounds them, what was tried and measured on an H200): docs/quantization.md,
+"Kernels".
 """
 
 from __future__ import annotations
@@ -103,8 +78,8 @@ GEMV_MAX_M = 16  # more rows: dequantise + cuBLAS
 # Launch configurations chosen on an H200 (bench/awq_bench.py --sections tune); awq_bench may override them.
 # M = 1 (f16x2): BLOCK_N columns and TILES K tiles of BLOCK_K rows per program, R rows per asm call (overflow: see
 # the module docstring); TILES None: 4 or 2 where that leaves GEMV1_MIN_PROGRAMS programs (one warp each), else 1.
-# The fastest of the configurations tried on an H200 (docs/benchmarks.md, session 9): rows of 64 bytes per program
-# (BLOCK_N 128), 4 tiles for 4096x14336 and 14336x4096 (896 programs), 2 for 4096x4096 (512).
+# The fastest of the configurations tried on an H200 (docs/benchmarks.md, "What was tried: AWQ kernels"): rows of 64
+# bytes per program (BLOCK_N 128), 4 tiles for 4096x14336 and 14336x4096 (896 programs), 2 for 4096x4096 (512).
 GEMV1_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, R=16, TILES=None, num_warps=1, num_stages=1)
 GEMV1_MIN_PROGRAMS = 512
 F16X2_DTYPES = (torch.float16, torch.bfloat16)  # float32 activations take the tl.dot kernel (f16 would round them)
@@ -667,7 +642,7 @@ def _awq_gemv1_kernel(
 
 # -- M = 1 over a repacked copy of the weights (awq_repack) ------------------------------------------------------
 # The same f16x2 arithmetic and fused split-K reduction as _awq_gemv1_kernel, over a layout built once at load time
-# (docs/benchmarks.md session 10: 9-13 % faster on an H200 at the three Llama-3-8B shapes, with PDL):
+# (9-13 % faster than over the AutoAWQ tensors on an H200 at the three Llama-3-8B shapes, with PDL; docs/benchmarks.md):
 #
 #   wq    int32 [N/128, K/128, 16, 8, 16]: column block b (128 columns), K tile t (128 rows = one group), slice r,
 #         row group i, column group j  <-  qweight[128 t + 16 i + r, 16 b + j]
@@ -1165,8 +1140,8 @@ def awq_repack(qweight, qzeros, scales, group_size: int) -> RepackedAWQ | None:
 def _repacked_tiles_m1(k_tiles: int, n_blocks: int, sms: int) -> int:
     """K tiles per program of the one-row repacked kernel: the fewest of 1, 2, 4, 8, 16 (dividing K's tiles) whose
     programs fit one wave, REPACKED_GEMV1_PER_SM one-warp programs per SM (the kernel's 254 registers allow 8);
-    else the most of them that divides. H200, graphs with PDL (docs/benchmarks.md, session 14): the fastest of 1 / 2
-    / 4 / 8 tiles at each of the five Llama-3-8B layer shapes was the one this picks (896-1024 programs)."""
+    else the most of them that divides. H200, graphs with PDL (docs/benchmarks.md, "AWQ kernel speed"): the fastest of
+    1 / 2 / 4 / 8 tiles at each of the five Llama-3-8B layer shapes is the one this picks (896-1024 programs)."""
     fits = [t for t in (1, 2, 4, 8, 16) if k_tiles % t == 0]
     wave = REPACKED_GEMV1_PER_SM * sms
     return next((t for t in fits if n_blocks * k_tiles // t <= wave), fits[-1])
@@ -1258,8 +1233,8 @@ def _repacked_dequant_tile(w_ptr, m_ptr, rp, BP: tl.constexpr):
 def _repacked_rows(c, CH: tl.constexpr, BP: tl.constexpr):
     """Chunk c (of CH per tile) -> (layout positions, K rows inside the tile) of its BP rows: K rows c % CH * BP ..
     + BP in order, so x loads and W stores are contiguous (each row's 64 bytes of weights are too). Taking the
-    positions in order instead (rows scattered) made the M <= 16 GEMV ~35 % slower on an H200 (docs/benchmarks.md,
-    session 11)."""
+    positions in order instead (rows scattered) makes the M <= 16 GEMV ~35 % slower on an H200 (docs/benchmarks.md,
+    "What was tried: AWQ kernels")."""
     q = (c % CH) * BP + tl.arange(0, BP)
     return (q % 16) * 8 + q // 16, q
 
@@ -1327,13 +1302,13 @@ def _awq_gemv_repacked_dot_kernel(
 
 # Launch configurations (H200, bench/awq_bench.py; awq_bench may override them)
 # Up to REPACKED_GEMV1_MAX_M rows (fp16 / bf16) the f16x2 kernel, REPACKED_GEMV1_ROWS rows per program (2: each
-# weight unpacked once for both); more rows: tl.dot. H200, CUDA graphs (docs/benchmarks.md, session 11 run 8): two
-# rows per program beat one at M = 4 (9.9 / 26.1 / 26.0 vs 11.7 / 32.2 / 32.2 us), both beat tl.dot up to M = 6.
+# weight unpacked once for both); more rows: tl.dot. H200, CUDA graphs (docs/benchmarks.md, "AWQ kernel speed"): two
+# rows per program beat one at M = 4 (9.9 / 25.5 / 26.2 vs 11.5 / 31.9 / 32.4 us), both beat tl.dot up to M = 6.
 REPACKED_GEMV1_MAX_M = 6
 REPACKED_GEMV1_ROWS = 2
 REPACKED_GEMV1_PER_SM = 8  # one-row programs per SM in one wave (_repacked_tiles_m1)
-# tl.dot kernel: bench section tune_repacked, session 13 (209.8 us summed over M 4 + 16 and the three shapes; the
-# best without SWAP 215.1 us, the previous default BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
+# tl.dot kernel: bench section tune_repacked (209.8 us summed over M 4 + 16 and the three shapes; the best without
+# SWAP 215.1 us, BP 64 / 4 warps / 3 stages without SWAP > 238.3 us)
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)
 REPACKED_DEQUANT_CONFIG = dict(BP=64, num_warps=4)
 
