@@ -1,4 +1,4 @@
-"""GPU benchmark of AWQ int4 (aserve/kernels/awq.py) against bf16 cuBLAS, and of an AWQ Llama-3-8B-shaped model's
+"""GPU benchmark of AWQ int4 (aserve/kernels/awq/) against bf16 cuBLAS, and of an AWQ Llama-3-8B-shaped model's
 batch-1 decode against the bf16 one, in one command:
 
     PYTHONPATH=. python bench/awq_bench.py --out DIR [--sections correctness,tune,kernels,decode]
@@ -8,8 +8,8 @@ correctness  the kernels against the pure-torch reference at full shapes (bf16 a
              one set of split-K counters, against eager launches
 diag         a load-only kernel with a GEMV's tiles and grid: the bandwidth its access pattern can reach
 tune         launch-config sweeps: the M = 1 f16x2 GEMV inside CUDA graphs (summed over the three shapes; the best
-             becomes the config the later sections use, print it and copy it into aserve/kernels/awq.py), the dequantise
-             kernel
+             becomes the config the later sections use, print it and copy it into aserve/kernels/awq/tuning.py), the
+             dequantise kernel
 kernels      int4 vs bf16 cuBLAS (F.linear, as aserve's bf16 layers) for M = 1, 4, 16, 64, 256, 2048 on
              4096x4096, 4096x14336, 14336x4096 (K x N): time, speed-up, and the path awq_linear picks; plus each
              path alone where it applies (gemv M <= 16; dequantise + cuBLAS M >= 16). Targets: GEMV at M = 1 >= 3x
@@ -108,6 +108,7 @@ def m1_graph_pdl_check() -> None:
     set of split-K counters) in a CUDA graph, with programmatic dependent launch, replayed 3 times; every output must
     equal an eager launch's bit for bit (the reduction order is fixed) and the counters must end at zero."""
     from aserve.kernels import awq, pdl
+    from aserve.kernels.awq import split_k
 
     k, n = 4096, 14336
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -129,7 +130,7 @@ def m1_graph_pdl_check() -> None:
             same &= all(torch.equal(o, e) for o, e in zip(outs, eager))
     finally:
         pdl.enable(False)
-    counters = awq._shared_counters(n, x.device)
+    counters = split_k._shared_counters(n, x.device)
     record("correct_m1_graph_pdl", bool(same and not counters.any()), "",
            "(24 launches sharing counters, graph + PDL, 3 replays == eager; counters back at 0)")  # fmt: skip
 
@@ -137,8 +138,9 @@ def m1_graph_pdl_check() -> None:
 def tune_gemv1() -> None:
     """M = 1 f16x2 GEMV configurations timed inside CUDA graphs over rotating weight copies (graph_us; do_bench's
     per-call L2 flush and event overhead put a ~10 us floor under every config, which hides the differences),
-    summed over the three shapes. The best becomes awq.GEMV1_CONFIG for the later sections."""
+    summed over the three shapes. The best becomes tuning.GEMV1_CONFIG for the later sections."""
     from aserve.kernels import awq
+    from aserve.kernels.awq import tuning
 
     configs = [
         dict(BLOCK_N=bn, BLOCK_K=bk, R=r, TILES=t, num_warps=w, num_stages=1)
@@ -162,12 +164,13 @@ def tune_gemv1() -> None:
     ranked = sorted((i for i in totals if len(totals[i]) == len(SHAPES)), key=lambda i: sum(totals[i]))
     for i in ranked[:10]:
         print(f"   gemv M=1 {configs[i]}: {' / '.join(f'{t:.1f}' for t in totals[i])} us (graph)", flush=True)
-    awq.GEMV1_CONFIG = configs[ranked[0]]
+    tuning.GEMV1_CONFIG = configs[ranked[0]]
     record("tune_gemv_m1", " / ".join(f"{t:.1f}" for t in totals[ranked[0]]), "us (graph)", str(configs[ranked[0]]))
 
 
 def tune() -> None:
     from aserve.kernels import awq
+    from aserve.kernels.awq import tuning
 
     tune_gemv1()
     k, n = 4096, 14336
@@ -176,7 +179,7 @@ def tune() -> None:
                for bn in (64, 128, 256) for bk in (32, 64, 128) for w in (4, 8)]  # fmt: skip
     ms, best = _sweep("dequant", configs, lambda cfg: bench_ms(
         lambda: awq.awq_dequantize(qweight, qzeros, scales, GROUP, torch.bfloat16, cfg), 5, 25))  # fmt: skip
-    awq.DEQUANT_CONFIG = best
+    tuning.DEQUANT_CONFIG = best
     moved = awq_bytes(k, n) + 2 * k * n
     record("tune_dequant", f"{ms * 1e3:.1f}", "us", f"{best} ({moved / ms / 1e9:.2f} TB/s read + written)")
 
@@ -199,6 +202,7 @@ def tune_repacked() -> None:
     """Launch-config sweeps of the kernels over awq_repack's layout: the tl.dot GEMV (M = 4 and 16, summed over the
     three shapes) and the dequantise kernel (4096x14336). The best become the configs the later sections use."""
     from aserve.kernels import awq
+    from aserve.kernels.awq import tuning
 
     sets = [awq.awq_repack(*random_awq(k, n), GROUP) for k, n in SHAPES]
 
@@ -212,21 +216,22 @@ def tune_repacked() -> None:
 
     configs = [dict(BP=bp, num_warps=w, num_stages=st, SWAP=swap)  # SWAP: out^T = W^T x^T (wgmma on Hopper)
                for swap, bp, w, st in itertools.product((False, True), (32, 64, 128), (4, 8), (1, 2, 3))]  # fmt: skip
-    best_ms, awq.REPACKED_DOT_CONFIG = _sweep("dot (M 4 + 16 summed)", configs, dot_ms)
-    record("tune_repacked_dot", f"{best_ms * 1e3:.1f}", "us", f"{awq.REPACKED_DOT_CONFIG} (M 4 + 16, three shapes)")
+    best_ms, tuning.REPACKED_DOT_CONFIG = _sweep("dot (M 4 + 16 summed)", configs, dot_ms)
+    record("tune_repacked_dot", f"{best_ms * 1e3:.1f}", "us", f"{tuning.REPACKED_DOT_CONFIG} (M 4 + 16, three shapes)")
     packed = sets[1]
     k, n = SHAPES[1]
     configs = [dict(BP=bp, num_warps=w) for bp, w in itertools.product((16, 32, 64, 128), (4, 8))]
-    best_ms, awq.REPACKED_DEQUANT_CONFIG = _sweep(
+    best_ms, tuning.REPACKED_DEQUANT_CONFIG = _sweep(
         "dequant", configs,
         lambda cfg: bench_ms(lambda: awq.awq_dequantize_repacked(packed, torch.bfloat16, cfg), 5, 25))  # fmt: skip
     moved = awq_bytes(k, n) + 2 * k * n
     record("tune_repacked_dequant", f"{best_ms * 1e3:.1f}", "us",
-           f"{awq.REPACKED_DEQUANT_CONFIG} ({moved / best_ms / 1e9:.2f} TB/s read + written)")  # fmt: skip
+           f"{tuning.REPACKED_DEQUANT_CONFIG} ({moved / best_ms / 1e9:.2f} TB/s read + written)")  # fmt: skip
 
 
 def kernels() -> None:
     from aserve.kernels import awq
+    from aserve.kernels.awq import tuning
 
     print(
         "\n| K x N | M | bf16 cuBLAS us | int4 us (path) | speed-up | AutoAWQ-tensor kernels us | gemv us | "
@@ -242,7 +247,7 @@ def kernels() -> None:
             bf16 = bench_ms(lambda: F.linear(x, w))
             int4 = bench_ms(lambda: awq.awq_linear(x, None, None, None, GROUP, packed=packed))
             autoawq = bench_ms(lambda: awq.awq_linear(x, qweight, qzeros, scales, GROUP))
-            path = "gemv" if m <= awq.GEMV_MAX_M else "dequant+mm"
+            path = "gemv" if m <= tuning.GEMV_MAX_M else "dequant+mm"
             gemv = bench_ms(lambda: awq.awq_gemv(x, qweight, qzeros, scales, GROUP)) if m <= 16 else None
             deq = bench_ms(lambda: x @ awq.awq_dequantize(qweight, qzeros, scales, GROUP, x.dtype)) if m >= 16 else None
             fmt = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
@@ -259,9 +264,10 @@ def kernels() -> None:
 def small_m() -> None:
     """M = 1-16 inside CUDA graphs with PDL (decode batches, speculative verification): bf16 cuBLAS vs the kernels
     over the repacked copy: the f16x2 one with one or two rows per program, and the tl.dot one. Sets
-    awq.REPACKED_GEMV1_ROWS to the faster f16x2 variant (summed over M 2-16 and the shapes) and
-    awq.REPACKED_GEMV1_MAX_M to the largest M up to which it beats tl.dot, summed over the shapes."""
+    tuning.REPACKED_GEMV1_ROWS to the faster f16x2 variant (summed over M 2-16 and the shapes) and
+    tuning.REPACKED_GEMV1_MAX_M to the largest M up to which it beats tl.dot, summed over the shapes."""
     from aserve.kernels import awq, pdl
+    from aserve.kernels.awq import tuning
 
     rows = (1, 2, 3, 4, 6, 8, 16)
     sums = {m: [0.0, 0.0, 0.0] for m in rows}  # f16x2 one row, f16x2 two rows, tl.dot
@@ -291,12 +297,12 @@ def small_m() -> None:
     finally:
         pdl.enable(False)
     two_rows = sum(sums[m][1] for m in rows if m > 1) < sum(sums[m][0] for m in rows if m > 1)
-    awq.REPACKED_GEMV1_ROWS = 2 if two_rows else 1
+    tuning.REPACKED_GEMV1_ROWS = 2 if two_rows else 1
     f16x2 = 1 if two_rows else 0
-    awq.REPACKED_GEMV1_MAX_M = max(m for m in rows if all(sums[r][f16x2] <= sums[r][2] for r in rows if r <= m))
+    tuning.REPACKED_GEMV1_MAX_M = max(m for m in rows if all(sums[r][f16x2] <= sums[r][2] for r in rows if r <= m))
     record(
         "small_m_f16x2",
-        f"{awq.REPACKED_GEMV1_ROWS} rows / program up to M = {awq.REPACKED_GEMV1_MAX_M}",
+        f"{tuning.REPACKED_GEMV1_ROWS} rows / program up to M = {tuning.REPACKED_GEMV1_MAX_M}",
         "",
         "(the faster f16x2 variant over M 2-16, and the largest M up to which it beats tl.dot)",
     )

@@ -168,7 +168,8 @@ def section_silu() -> None:
     torch.cuda.empty_cache()
 
 
-OLD_DEFAULT = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=2)  # session 4's first default
+# One config for every shape: the baseline that gemv_config's per-shape rule is compared with
+OLD_DEFAULT = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=2)
 
 
 def section_pdl() -> None:

@@ -1,4 +1,4 @@
-"""AWQ Triton kernels (aserve/kernels/awq.py) against the pure-torch reference (aserve/kernels/awq_reference.py), on
+"""AWQ Triton kernels (aserve/kernels/awq/) against the pure-torch reference (aserve/kernels/awq_reference.py), on
 random packed weights: Triton's interpreter on CPU at small shapes; on a GPU the same tests plus full shapes and bf16.
 
 The interpreter rounds float32 -> bfloat16 by truncation and its bf16 dot is wrong, so bf16 runs on GPUs only."""
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from aserve.kernels import awq
+from aserve.kernels.awq import dispatch, split_k, tuning
 from aserve.kernels.awq_reference import awq_matmul, dequantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,13 +100,13 @@ def test_gemv1_counters_reset_across_calls():
             own = awq.awq_gemv(x, *weights, g, config=config, counters=counters)
             shared = awq.awq_gemv(x, *weights, g, config=config)  # the per-(device, N) set
             assert rel_err(own, ref) < REL_TOL[torch.float16] and torch.equal(own, shared)
-    assert not counters.any() and not awq._shared_counters(n, torch.device(DEVICE)).any()
+    assert not counters.any() and not split_k._shared_counters(n, torch.device(DEVICE)).any()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's f16 overflow, on purpose
 @pytest.mark.parametrize("r", [8, 16])
 def test_gemv1_f16_overflow_bound(r):
-    """The bound of aserve/kernels/awq.py's docstring: R rows of x/16 * (q - z) summed in f16 stay finite while
+    """The bound of aserve/kernels/awq/f16x2.py's docstring: R rows of x/16 * (q - z) summed in f16 stay finite while
     |x| < 69871 / R (worst case, q - z = 15 everywhere), and overflow above it."""
     k = n = 128
     qweight = torch.full((k, n // 8), -1, dtype=torch.int32, device=DEVICE)  # every nibble 15
@@ -156,13 +157,26 @@ def test_dequantize_kernel_is_exact(group_size):
         assert torch.equal(awq.awq_dequantize(qweight, qzeros, scales, group_size, dtype), ref.to(dtype))
 
 
+def test_tuning_knobs_are_read_from_one_module(monkeypatch):
+    """aserve.kernels.awq shows tuning.py's knobs as they are when read; assigning one there raises (the kernels read
+    tuning.py, so the assignment would change nothing)."""
+    monkeypatch.setattr(tuning, "GEMV_MAX_M", 8)
+    assert awq.GEMV_MAX_M == 8
+    from aserve.kernels.awq import GEMV_MAX_M
+
+    assert GEMV_MAX_M == 8
+    with pytest.raises(AttributeError, match="aserve.kernels.awq.tuning.GEMV_MAX_M"):
+        awq.GEMV_MAX_M = 4
+    assert tuning.GEMV_MAX_M == 8
+
+
 def test_linear_dispatch_by_rows(monkeypatch):
     """awq_linear: GEMV up to 16 rows, dequantise + matmul above; same results."""
     qweight, qzeros, scales, bias = random_awq(128, 64, 32, seed=5)
     calls = []
     for name in ("awq_gemv", "awq_dequantize"):
-        fn = getattr(awq, name)
-        monkeypatch.setattr(awq, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
+        fn = getattr(dispatch, name)  # the names awq_linear calls
+        monkeypatch.setattr(dispatch, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
     for m in (1, 16, 17, 32):
         x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(DEVICE)
         out = awq.awq_linear(x, qweight, qzeros, scales, 32, bias)

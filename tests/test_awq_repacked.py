@@ -1,4 +1,4 @@
-"""The M = 1 AWQ GEMV over awq_repack's layout (aserve/kernels/awq.py) against the pure-torch reference: the layout
+"""The M = 1 AWQ GEMV over awq_repack's layout (aserve/kernels/awq/) against the pure-torch reference: the layout
 itself in torch, the kernel through Triton's interpreter on CPU at small shapes (the asm helpers' tl twins), on a GPU
 the same with the asm; and AWQLinear's use of the repacked copy."""
 
@@ -7,6 +7,8 @@ import torch
 from test_awq_kernels import DEVICE, random_awq, rel_err
 
 from aserve.kernels import awq
+from aserve.kernels.awq import tuning
+from aserve.kernels.awq.gemv1_repacked import _repacked_tiles_m1
 from aserve.kernels.awq_reference import awq_matmul, dequantize, unpack_int4
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -83,12 +85,12 @@ def test_repacked_m1_tiles_fill_one_wave(monkeypatch):
     """One-row launches take the fewest K tiles per program (of 1, 2, 4, 8, 16) whose programs fit one wave of
     REPACKED_GEMV1_PER_SM per SM (H200: 8 x 132 = 1056), else the most that divides K's tiles."""
     shapes = ((4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096), (4096, 28672), (256, 128), (384, 128))
-    assert [awq._repacked_tiles_m1(k // 128, n // 128, 132) for k, n in shapes] == [1, 2, 4, 4, 8, 1, 1]
-    assert awq._repacked_tiles_m1(32, 20000, 132) == 16 and awq._repacked_tiles_m1(3, 20000, 132) == 1
+    assert [_repacked_tiles_m1(k // 128, n // 128, 132) for k, n in shapes] == [1, 2, 4, 4, 8, 1, 1]
+    assert _repacked_tiles_m1(32, 20000, 132) == 16 and _repacked_tiles_m1(3, 20000, 132) == 1
     # a wave of 2 programs: 512 x 256 (4 K tiles, 2 column blocks) runs 4 tiles per program, still correct
-    sms = awq._num_sms(torch.device(DEVICE).index)
-    monkeypatch.setattr(awq, "REPACKED_GEMV1_PER_SM", 2 / sms)
-    assert awq._repacked_tiles_m1(4, 2, sms) == 4
+    sms = tuning._num_sms(torch.device(DEVICE).index)
+    monkeypatch.setattr(tuning, "REPACKED_GEMV1_PER_SM", 2 / sms)
+    assert _repacked_tiles_m1(4, 2, sms) == 4
     qweight, qzeros, scales, _ = random_awq(512, 256, 128, seed=5)
     packed = awq.awq_repack(qweight, qzeros, scales, 128)
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)

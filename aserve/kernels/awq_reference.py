@@ -1,4 +1,4 @@
-"""Pure-torch reference of the AWQ int4 kernels (aserve/kernels/awq.py): unpacking, dequantisation and the matmul.
+"""Pure-torch reference of the AWQ int4 kernels (aserve/kernels/awq/): unpacking, dequantisation and the matmul.
 
 The slowest, most obvious implementation. The Triton kernels are tested against it, and AWQ layers use it on CPU.
 

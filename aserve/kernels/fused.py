@@ -144,7 +144,7 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
 @triton.jit
 def silu_mul_rounded(g, u, dtype: tl.constexpr):
     """float32 gate and up (values of `dtype`) -> silu(g) * u in `dtype`, rounded after the SiLU and after the
-    product. Every kernel that fuses SiLU·mul (aserve/kernels/gemv.py, aserve/kernels/awq.py) uses this, so they stay
+    product. Every kernel that fuses SiLU·mul (aserve/kernels/gemv.py, aserve/kernels/awq/) uses this, so they stay
     bit-identical to silu_and_mul below."""
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     return (act * u).to(dtype)

@@ -11,11 +11,11 @@ K slice of silu(gate) * up is computed in the loop (one kernel less per layer); 
 (twice the x traffic per weight tile). With programmatic dependent launch (aserve/kernels/pdl.py) a GEMV's launch
 overlaps the previous kernel's tail.
 
-Fusions that measured slower on the H200 and were removed (docs/benchmarks.md): the add + RMSNorm before q/k/v and
-gate/up in the GEMV, as a pre-pass over the row in every program, as a last-program step (atomic ticket) of the GEMV
-before, and folded into the dot products (x * norm weight and sum(x^2) in the loop); rotary + cache write in the
-q/k/v GEMV's epilogue. Reference: torch.nn.functional.linear (after aserve/kernels/fused.py's silu_and_mul for
-SILU_MUL).
+Not fused here, because each measured slower on the H200 (docs/benchmarks.md, "GPU batch-1 decode"): the add +
+RMSNorm before q/k/v and gate/up (as a pre-pass over the row in every program, as a last-program step (atomic ticket)
+of the GEMV before, or folded into the dot products: x * norm weight and sum(x^2) in the loop); rotary + cache write
+in the q/k/v GEMV's epilogue (rotary is fused with the cache write instead: aserve/kernels/fused.py rotary_split).
+Reference: torch.nn.functional.linear (after aserve/kernels/fused.py's silu_and_mul for SILU_MUL).
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _gemv_block(x_ptr, w_ptr, bias_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, B
     """This program's output rows rn [BLOCK_N] and their float32 values (rows past N: clamped, not to be stored)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, N - 1).to(tl.int64)
-    # (Loading the first weight tile before gdc_sync, to overlap it with the previous kernel's tail, measured
-    # slower on the H200: docs/benchmarks.md.)
+    # The first weight tile is loaded after gdc_sync: loading it before, to overlap it with the previous kernel's
+    # tail, measures slower on the H200 (docs/benchmarks.md, "GPU batch-1 decode").
     pdl.gdc_sync(USE_PDL)
     y = _gemv_rows(x_ptr, w_ptr, rows, K, stride_w, BLOCK_N, BLOCK_K, SILU_MUL)
     if HAS_BIAS:

@@ -3,8 +3,9 @@ an infinity, reading the logits in the model's dtype; the GPU twin of aserve/ker
 
 torch's way to get the same for a batch-1 decode step (widen to float32, a sum for the finite check, then
 max(dim).indices) runs one single-row reduction per op: ~45 us of GPU time per step over a 128256-entry vocabulary
-on an H200 (docs/benchmarks.md, session 14), in series with the model. Here: one program per BLOCK entries of a row
-(its maximum, that maximum's first index, a non-finite flag), then one program per row combining its chunks.
+on an H200 (docs/benchmarks.md, "GPU batch-1 decode"), in series with the model. Here: one program per BLOCK entries
+of a row (its maximum, that maximum's first index, a non-finite flag), then one program per row combining its
+chunks.
 
 Same result as `logits.float().max(dim=-1).indices` with first-maximum ties (-0.0 == 0.0) and
 `~isfinite(logits.float().sum(-1))` for rows of finite values and rows holding NaN or an infinity (flagged; the

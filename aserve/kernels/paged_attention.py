@@ -14,7 +14,7 @@ so the host computes nothing per step and the grid depends only on (num_tokens, 
 K/V are read TILE_N keys at a time straight from the pages (no gather copy), with an online softmax in float32.
 With k_new / v_new (NEW_KV), only the cached context comes through the pages and the step's own keys from those
 [T, Hkv, D] rows (the fused qkv rows in the engine): no per-key page lookups for a prompt's own keys, 0.82x instead
-of 0.71x SDPA on a 4096-token prompt (docs/benchmarks.md, session 7).
+of 0.71x SDPA on a 4096-token prompt (docs/benchmarks.md, "GPU offline throughput and attention kernels").
 
 Split-KV (flash-decoding): with NUM_SEGMENTS > 1 the keys of a tile row are divided among NUM_SEGMENTS programs
 that write partial (acc, max, sum) results; a second kernel combines them. This fills the GPU when a few long

@@ -3,7 +3,7 @@ before it in the stream is still finishing, so launch latency and the previous k
 graph the dependency is kept as a programmatic edge. In a decode step of a small batch (hundreds of kernels of a few
 microseconds each) those gaps add up.
 
-Every kernel of kernels/ that takes USE_PDL calls `gdc_sync` (below) before it touches memory an earlier kernel
+Every kernel of aserve/kernels/ that takes USE_PDL calls `gdc_sync` (below) before it touches memory an earlier kernel
 may write or read, and in every program, even one that returns early: a kernel's completion then implies its
 predecessor's, so ordering stays transitive. The launches pass `**launch_kwargs()`.
 
