@@ -9,7 +9,7 @@ that no request waits for a compile.
                                         Python functions of aserve/kernels/cpu_*.py call these
     csrc/raw.cpp                        the extension's module: the C entry points with integer pointers, for the
                                         one-token forward (aserve/model/cpu_decode.py, ~270 calls per token), where
-                                        a typed op would cost ~2 us more per call
+                                        a typed op would cost ~2 us more per call (bench/cpu_call_overhead.py)
 
 Flags: -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math. -march=native makes a build specific to the
 CPU's instruction sets, so they are part of the cache key: the build lives in

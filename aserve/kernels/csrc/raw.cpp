@@ -1,8 +1,8 @@
 // The extension's Python module: the kernels' C entry points (cpu_kernels.h) with integer pointers (tensors'
 // data_ptr()), for the CPU one-token forward (aserve/model/cpu_decode.py), which owns its buffers and makes ~270
 // kernel calls per token. A call here costs ~0.9 us against ~2.8 us for the typed op (torch.ops.aserve.*, its
-// dispatcher and argument checks) and ~1.8 us through ctypes; like ctypes, they release the GIL while the kernel
-// runs. register_ops() registers the typed ops (ops.cpp).
+// dispatcher and argument checks) and ~1.8 us through ctypes (bench/cpu_call_overhead.py); like ctypes, they release
+// the GIL while the kernel runs. register_ops() registers the typed ops (ops.cpp).
 #include <pybind11/pybind11.h>
 
 #include "cpu_kernels.h"
