@@ -66,18 +66,37 @@ def e2e(repeats: int) -> None:
 
 
 def baseline_kernel(rev: str):
-    """The compiled kernel library of aserve/kernels/cpu_attention.py at git revision `rev`."""
+    """The raw entry points of the CPU kernels at git revision `rev`: its aserve/kernels/csrc built as an extension
+    (nothing registered), or, for revisions that held the C source in Python strings, that source compiled by its
+    own aserve/kernels/cpu_build.py and loaded with ctypes."""
     import subprocess
+    import tempfile
     import types
 
     from aserve.kernels import cpu_build
 
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    text = subprocess.run(["git", "show", f"{rev}:aserve/kernels/cpu_attention.py"], cwd=root, check=True,
-                          capture_output=True, text=True).stdout  # fmt: skip
-    module = types.ModuleType("cpu_attention_baseline")
-    exec(compile(text, f"{rev}:aserve/kernels/cpu_attention.py", "exec"), module.__dict__)
-    return cpu_build.library(f"paged_decode_{rev}", module._SOURCE, module._SIGNATURES)
+
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+
+    tree = subprocess.run(["git", "ls-tree", "--name-only", rev, "aserve/kernels/csrc/"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout.split()  # fmt: skip
+    if tree:
+        csrc = tempfile.mkdtemp(prefix="aserve_csrc_")
+        for path in tree:
+            with open(os.path.join(csrc, os.path.basename(path)), "w") as f:
+                f.write(show(path))
+        return cpu_build.build(csrc)
+    modules = {}
+    for name in ("cpu_build", "cpu_attention"):
+        module = modules[name] = types.ModuleType(f"{name}_{rev}")
+        module.cpu_build = modules.get("cpu_build")
+        text = show(f"aserve/kernels/{name}.py").replace("from aserve.kernels import cpu_build", "")
+        exec(compile(text, f"{rev}:aserve/kernels/{name}.py", "exec"), module.__dict__)
+    old = modules["cpu_attention"]
+    return modules["cpu_build"].library(f"paged_decode_{rev}", old._SOURCE, old._SIGNATURES)
 
 
 def raw_call(lib, q, kv, meta, out):

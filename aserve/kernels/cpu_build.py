@@ -1,115 +1,131 @@
-"""Compiles aserve's small C kernels for the CPU (aserve/kernels/cpu_attention.py, aserve/kernels/cpu_elementwise.py)
-with the system C compiler — the one torch.compile's CPU backend needs anyway — once per machine and source, into
-~/.cache/aserve/cpu_kernels, and loads them with ctypes. OpenMP in them binds to torch's own libgomp (already
-loaded), so they share torch's threads. ASERVE_CPU_KERNELS=0 turns them all off (the torch paths run)."""
+"""Builds aserve's CPU kernels (C++ in aserve/kernels/csrc) into one torch extension with torch.utils.cpp_extension,
+once per machine, and loads it. `load_all()` compiles and loads everything at once; the engine calls it at start, so
+that no request waits for a compile.
+
+    csrc/cpu_common.h, cpu_kernels.h    bf16 <-> float32, AVX-512 sums and exp2; the kernels' C entry points
+    csrc/elementwise.cpp, gemv.cpp,     the kernels, raw pointers in (aserve/kernels/cpu_*.py describe them)
+        attention.cpp, sample.cpp
+    csrc/ops.cpp                        typed ops, torch.ops.aserve.*: tensors in and out, arguments checked; the
+                                        Python functions of aserve/kernels/cpu_*.py call these
+    csrc/raw.cpp                        the extension's module: the C entry points with integer pointers, for the
+                                        one-token forward (aserve/model/cpu_decode.py, ~270 calls per token), where
+                                        a typed op would cost ~2 us more per call (bench/cpu_call_overhead.py)
+
+Flags: -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math. -march=native makes a build specific to the
+CPU's instruction sets, so they are part of the cache key: the build lives in
+$ASERVE_CACHE/torch_extensions/aserve_cpu_<key> (default ~/.cache/aserve), key = hash of the compiler's predefined
+macros under -march=native (its version and every instruction set it targets on this CPU: __AVX512BF16__,
+__AMX_TILE__, ...; kept in target_macros.txt beside the library), the sources, the flags and the torch and Python
+versions. A cache shared by several machines holds one build per kind of CPU; a build made for AVX-512 or AMX is
+never loaded on a CPU without them. A build runs in a directory of its own and its library is then renamed into
+place: concurrent starts each build and one wins, and a killed build leaves neither a lock nor half a library.
+
+-fopenmp links libgomp.so.1, which the dynamic loader resolves to the libgomp torch has already loaded: the kernels'
+OpenMP regions run on torch's threads. ASERVE_CPU_KERNELS=0 turns the kernels off; without a working compiler (CXX,
+default c++, as torch.utils.cpp_extension picks it) or ninja, load_all() warns and returns None, and callers keep
+their torch paths.
+"""
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
+import time
+import types
+
+import torch
 
 logger = logging.getLogger("aserve")
 
-# bfloat16 <-> float32 in C, for the sources' preambles (round to nearest even on the way down; no NaN handling:
-# activations and caches hold none).
-BF16_C = r"""
-#include <stdint.h>
-#include <string.h>
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = ("elementwise.cpp", "gemv.cpp", "attention.cpp", "sample.cpp", "ops.cpp", "raw.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+LDFLAGS = ("-fopenmp",)
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-"""
-
-# AVX-512 helpers (empty without AVX-512): hsum16, 16 vectors -> one whose lane j is the sum of v[j]'s lanes (a
-# transpose-and-add tree: 45 instructions instead of 16 separate horizontal sums); exp2_16, 2**x for 16 lanes, x
-# clamped to [-126, 126] (exponent through scalef, a degree-6 polynomial for the fraction, relative error ~2e-7:
-# libm's expf does not vectorise).
-AVX512_C = r"""
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 s1[8], s2[4];
-    for (int i = 0; i < 8; i++)
-        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int k = 0; k < 4; k++)
-        s2[k] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_ps(s1[2 * k], s1[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(s2[2], s2[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-static inline __m512 exp2_16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
-    const __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, fl);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, fl);
-}
-#endif
-"""
-
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
-_cache: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[str, types.ModuleType | None] = {}  # "module": the outcome of this process's load_all()
 
 
-def _cache_dir() -> str:
+def cache_dir() -> str:
     root = os.environ.get("ASERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "aserve"))
-    return os.path.join(root, "cpu_kernels")
+    return os.path.join(root, "torch_extensions")
 
 
-def library(name: str, source: str, signatures: dict | None = None) -> ctypes.CDLL | None:
-    """The compiled `source` (compiling it the first time on this machine), or None where no compiler works; loaded
-    once per process. `signatures`: {function name: (argtypes, restype)}, set when it is loaded."""
-    if name in _cache:
-        return _cache[name]
-    _cache[name] = None
-    if os.environ.get("ASERVE_CPU_KERNELS", "1") == "0":
-        return None
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256((source + " ".join(FLAGS) + cc).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"{name}_{key}.so")
+def target_macros(cxx: str) -> str:
+    """The compiler's predefined macros under -march=native: its version and the instruction sets a build targets on
+    this CPU (what the sources' #if's test)."""
+    return subprocess.run([cxx, "-march=native", "-dM", "-E", "-x", "c++", os.devnull], check=True,
+                          capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+
+
+def build(csrc: str = CSRC) -> types.ModuleType:
+    """The extension of `csrc`'s sources for this CPU: loaded from the cache, or compiled into it first. Raises where
+    it cannot be built. Registers nothing (load_all registers the typed ops)."""
+    cxx = os.environ.get("CXX", "c++")
+    macros = target_macros(cxx)
+    key = hashlib.sha256()
+    for part in (macros, " ".join(CFLAGS + LDFLAGS), torch.__version__, sys.version):
+        key.update(part.encode() + b"\0")
+    for name in sorted(f for f in os.listdir(csrc) if f.endswith((".h", ".cpp"))):
+        with open(os.path.join(csrc, name), "rb") as f:
+            key.update(name.encode() + b"\0" + f.read())
+    name = f"aserve_cpu_{key.hexdigest()[:16]}"
+    final_dir = os.path.join(cache_dir(), name)
+    library = os.path.join(final_dir, f"{name}.so")
+    if os.path.exists(library):
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return _compile(name, csrc, macros, final_dir)
+
+
+def _compile(name: str, csrc: str, macros: str, final_dir: str) -> types.ModuleType:
+    # Imported here: only a cold build needs it (it imports setuptools, ~0.2 s).
+    from torch.utils import cpp_extension
+
+    os.makedirs(cache_dir(), exist_ok=True)
+    build_dir = tempfile.mkdtemp(prefix=f"{name}.build-", dir=cache_dir())
     try:
-        if not os.path.exists(path):
-            os.makedirs(_cache_dir(), exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                src = os.path.join(tmp, f"{name}.c")
-                with open(src, "w") as f:
-                    f.write(source)
-                built = os.path.join(tmp, f"{name}.so")
-                subprocess.run([cc, *FLAGS, src, "-o", built], check=True, capture_output=True, timeout=120)
-                os.replace(built, path)  # atomic: a concurrent process sees all of it or nothing
-        lib = ctypes.CDLL(path)
-        for fn, (argtypes, restype) in (signatures or {}).items():
-            getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
-        _cache[name] = lib
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("CPU kernels %s unavailable (%s %s); using the torch path", name, e,
-                       detail.decode(errors="replace")[-500:])  # fmt: skip
-    return _cache[name]
+        logger.info("compiling the CPU kernels for this CPU (once per machine), into %s", final_dir)
+        t0 = time.perf_counter()
+        module = cpp_extension.load(
+            name,
+            [os.path.join(csrc, s) for s in SOURCES],
+            extra_cflags=list(CFLAGS),  # copies: load() appends to its lists
+            extra_ldflags=list(LDFLAGS),
+            extra_include_paths=[csrc],
+            build_directory=build_dir,
+        )
+        os.makedirs(final_dir, exist_ok=True)
+        with open(os.path.join(final_dir, "target_macros.txt"), "w") as f:
+            f.write(macros)
+        os.replace(os.path.join(build_dir, f"{name}.so"), os.path.join(final_dir, f"{name}.so"))  # atomic
+        logger.info("compiled the CPU kernels in %.1f s", time.perf_counter() - t0)
+        return module
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def load_all() -> types.ModuleType | None:
+    """Compiles (the first time on this machine) and loads all CPU kernels, once per process, and registers the typed
+    ops torch.ops.aserve.*. -> the extension's module (the raw entry points of csrc/raw.cpp), or None: turned off
+    (ASERVE_CPU_KERNELS=0) or not buildable here (a warning says why; callers keep their torch paths)."""
+    if "module" not in _loaded:
+        _loaded["module"] = None
+        if os.environ.get("ASERVE_CPU_KERNELS", "1") != "0":
+            try:
+                module = build()
+                module.register_ops()
+                _loaded["module"] = module
+            except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:
+                text = f"{e} {getattr(e, 'stderr', '') or ''}".strip()
+                text = text if len(text) <= 1500 else f"{text[:300]} ... {text[-1200:]}"
+                logger.warning("CPU kernels unavailable, using the torch paths (a working C++ compiler, CXX, and ninja "
+                               "build them; ASERVE_CPU_KERNELS=0 skips them): %s", text)  # fmt: skip
+    return _loaded["module"]
