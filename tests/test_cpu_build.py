@@ -117,7 +117,7 @@ def test_without_the_kernels_the_engine_runs_the_torch_paths(tiny_model, monkeyp
     prompts = [[5, 17, 99, 3, 250], list(range(40, 73))]
     expected = hf_greedy(tiny_model, prompts, 12)
     llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     assert cpu_build.load_all() is None and model.ops.kind != "native" and model.cpu_one_token is None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12))
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -130,3 +130,16 @@ def test_switched_off(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="aserve"):
         assert cpu_build.load_all() is None and not cpu_elementwise.available()
     assert not caplog.text  # off by request: no build tried, nothing to warn about
+
+
+@built
+def test_the_engine_builds_the_kernels_at_start(tiny_model, monkeypatch):
+    """A CPU engine loads (or compiles) the kernels while it starts, so the first request never waits for a compile."""
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    calls = []
+    real_build = cpu_build.build
+    monkeypatch.setattr(cpu_build, "build", lambda *a, **kw: calls.append(1) or real_build(*a, **kw))
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
+    assert calls == [1] and cpu_build._loaded["module"] is not None
+    llm.generate([{"prompt_token_ids": [5, 17, 99]}], SamplingParams(temperature=0, max_tokens=4))
+    assert calls == [1]
