@@ -68,7 +68,7 @@ class EngineArgs:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.quantization is not None:
-            from aserve.quantization.awq_format import check_quantization_arg
+            from aserve.layers.quantization.awq_format import check_quantization_arg
 
             check_quantization_arg(self.quantization, self.model)
 

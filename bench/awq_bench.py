@@ -366,7 +366,7 @@ def silu(root: str) -> None:
     to False, so the MLP runs the GEMV, then silu_and_mul)."""
     from aserve.kernels import awq, pdl
     from aserve.kernels.fused import silu_and_mul
-    from aserve.quantization.awq_linear import AWQLinear
+    from aserve.layers.quantization.awq import AWQLinear
 
     k, n = 4096, 28672
     print("\n| M | GEMV + silu_and_mul us | fused us | change |")

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from attention_cases import random_batch  # noqa: E402
 
 from aserve.kernels import cpu_attention  # noqa: E402
-from aserve.model.attention import TorchAttentionBackend  # noqa: E402
+from aserve.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 
 def e2e(repeats: int) -> None:

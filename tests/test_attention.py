@@ -6,7 +6,7 @@ from attention_cases import random_batch
 
 from aserve.kernels.reference import paged_attention as reference_paged_attention
 from aserve.kernels.reference import write_kv_cache
-from aserve.model.attention import TorchAttentionBackend
+from aserve.layers.attention.torch_backend import TorchAttentionBackend
 
 CASES = {
     "decode-only": ([1, 1, 1, 1], [0, 5, 31, 47]),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aserve.kernels.awq_reference import dequantize, unpack_int4
-from aserve.quantization.awq_format import (
+from aserve.layers.quantization.awq_format import (
     AWQConfig,
     awq_config_from,
     fake_quantize,

@@ -120,7 +120,7 @@ def test_gemv1_f16_overflow_bound(r):
 
 
 def test_awq_linear_module_m1_keeps_its_own_counters():
-    from aserve.quantization.awq_linear import AWQLinear
+    from aserve.layers.quantization.awq import AWQLinear
 
     k, n, g = 256, 136, 64
     qweight, qzeros, scales, bias = random_awq(k, n, g, seed=3)

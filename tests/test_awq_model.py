@@ -18,7 +18,7 @@ from tiny_models import hf_greedy
 from aserve import LLM, SamplingParams
 from aserve.cli import main as cli_main
 from aserve.kernels.awq_reference import awq_matmul, dequantize
-from aserve.quantization.awq_linear import AWQLinear
+from aserve.layers.quantization.awq import AWQLinear
 
 MAX_NEW = 16
 PROMPTS = [[5, 9, 33, 2, 71], [100 + 3 * i for i in range(21)], [7 * i % 380 + 2 for i in range(40)]]

@@ -22,7 +22,7 @@ def f16_halves(words: torch.Tensor) -> torch.Tensor:
 def loaded_layer(k: int, n: int, seed: int, bias: bool):
     """An AWQLinear (group 128, Triton backend) with random_awq(k, n, 128, seed)'s weights loaded -> (layer,
     qweight, qzeros, scales, bias or None)."""
-    from aserve.quantization.awq_linear import AWQLinear
+    from aserve.layers.quantization.awq import AWQLinear
 
     layer = AWQLinear(k, n, bias=bias, group_size=128).to(DEVICE)
     layer.backend = "triton"
@@ -98,7 +98,7 @@ def test_repacked_m1_tiles_fill_one_wave(monkeypatch):
 def test_awq_linear_keeps_a_repacked_copy():
     """M = 1 runs over the copy made on the first call; loading weights drops it (made again from the new ones);
     a layer the layout does not fit (group 64) keeps the AutoAWQ kernel."""
-    from aserve.quantization.awq_linear import AWQLinear
+    from aserve.layers.quantization.awq import AWQLinear
 
     for k, n, g in ((256, 128, 128), (256, 128, 64)):
         layer = AWQLinear(k, n, bias=True, group_size=g).to(DEVICE)
@@ -139,7 +139,7 @@ def test_awq_linear_applies_silu_mul_for_an_mlp():
     """AWQLinear.fuses_silu_mul / forward_silu_mul_out (what the Llama MLP calls for small decode batches): only
     once the repacked copy exists, up to REPACKED_GEMV1_MAX_M rows of fp16 / bf16, outputs a multiple of 256."""
     from aserve.kernels.fused import silu_and_mul
-    from aserve.quantization.awq_linear import AWQLinear
+    from aserve.layers.quantization.awq import AWQLinear
 
     k, n = 256, 256
     layer = loaded_layer(k, n, 6, bias=False)[0]
@@ -192,7 +192,7 @@ def test_awq_linear_repack_holds_the_weights_once():
     """repack() frees the AutoAWQ tensors; every M (1 and 4 in fp16: the f16x2 kernel; 1 in float32 and 7: tl.dot;
     20: dequantise) and both backends then run over the repacked copy alone; loading into it afterwards is refused.
     A layer the layout does not fit keeps its tensors."""
-    from aserve.quantization.awq_linear import AWQLinear
+    from aserve.layers.quantization.awq import AWQLinear
 
     k, n = 256, 256
     layer, qweight, qzeros, scales, bias = loaded_layer(k, n, 11, bias=True)

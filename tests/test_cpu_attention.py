@@ -41,7 +41,7 @@ def test_decode_kernel_matches_reference(dtype, generic, heads, head_dim, ctx_le
 def test_torch_backend_uses_kernel_for_decodes_and_matches_without(monkeypatch):
     """A mixed batch through TorchAttentionBackend: the decode rows go through the kernel, the rest through SDPA;
     same output as the backend without the kernel."""
-    from aserve.model.attention import TorchAttentionBackend
+    from aserve.layers.attention.torch_backend import TorchAttentionBackend
 
     q_lens, ctx_lens = [1, 1, 1, 9, 20], [17, 64, 3, 0, 40]
     q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, 6, 2, 32, 16, 40)

@@ -1,4 +1,4 @@
-"""The CPU one-token forward (aserve/model/cpu_decode.py) against the module forward it replaces, inside the engine:
+"""The CPU one-token forward (aserve/models/cpu_one_token.py) against the module forward it replaces, inside the engine:
 every batch-1 decode step computed both ways on the same cache (both write the same K/V to the same slot)."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.kernels import cpu_gemv
-from aserve.model.cpu_decode import OneTokenForward
+from aserve.models.cpu_one_token import OneTokenForward
 
 
 @pytest.mark.skipif(

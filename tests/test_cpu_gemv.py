@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aserve.kernels import cpu_gemv
-from aserve.model.layers import Linear
+from aserve.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemv.supports(torch.empty(1, 32, dtype=torch.bfloat16)), reason="no compiler or no AVX512-BF16"

@@ -128,7 +128,7 @@ def test_gpu_decode_kernels_parity(references):
     into its prologue). One request at a time, so every decode step takes that path: same greedy tokens."""
     import aserve.kernels.gemv as gemv_mod
     from aserve.kernels.gemv import gemv_config
-    from aserve.model.layers import Linear
+    from aserve.layers.linear import Linear
 
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", max_num_seqs=1)

@@ -30,7 +30,7 @@ from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.stats import EngineStats
-from aserve.model.loader import resolve_model
+from aserve.models.model_path import resolve_model
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
 from aserve.spec.config import SpeculativeConfig

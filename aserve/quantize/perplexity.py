@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from aserve.model.attention import AttentionMetadata
+from aserve.layers.attention.metadata import AttentionMetadata
 
 
 def window_ids(tokenizer, text: str, window: int, max_windows: int | None = None) -> list[list[int]]:

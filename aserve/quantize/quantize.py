@@ -28,7 +28,7 @@ from importlib import resources
 import torch
 
 from aserve.config import resolve_device
-from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear, pack_quantized
+from aserve.layers.quantization.awq_format import AWQConfig, fake_quantize, pack_linear, pack_quantized
 from aserve.quantize.awq_search import awq_layer
 from aserve.quantize.dense_layer import DenseDecoderLayer
 from aserve.quantize.gptq import gptq_layer
@@ -118,7 +118,8 @@ def quantize_model(
     tensors come back to the CPU."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from aserve.model.loader import iterate_safetensors, resolve_model
+    from aserve.models.loader import iterate_safetensors
+    from aserve.models.model_path import resolve_model
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels.awq_reference import unpack_int4
-from aserve.quantization.awq_format import pack_int4
+from aserve.layers.quantization.awq_format import pack_int4
 from aserve.quantize.dense_layer import DenseDecoderLayer
 
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")

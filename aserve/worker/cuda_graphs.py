@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from aserve.model.attention import AttentionMetadata
+from aserve.layers.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("aserve")
 

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from aserve.model.attention import AttentionMetadata
+from aserve.layers.attention.metadata import AttentionMetadata
 from aserve.spec.config import SpeculativeConfig
 from aserve.worker.sampler import SampleRow
 
@@ -42,7 +42,8 @@ class ModelDrafter:
         else:
             from transformers import AutoConfig
 
-            from aserve.model.loader import build_model, resolve_model
+            from aserve.models.loader import build_model
+            from aserve.models.model_path import resolve_model
             from aserve.worker.model_runner import kv_bytes_per_block
 
             model_dir, _ = resolve_model(config.model)

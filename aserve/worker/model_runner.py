@@ -24,8 +24,10 @@ import torch
 
 from aserve.core.kv_cache_manager import cdiv
 from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from aserve.model.loader import build_model
+from aserve.layers.attention.backend import AttentionBackend
+from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.torch_backend import TorchAttentionBackend
+from aserve.models.loader import build_model
 from aserve.worker.cuda_graphs import DecodeGraphs
 from aserve.worker.sampler import PendingSample, Sampler, SamplerOutput, list_to_device
 
@@ -185,7 +187,7 @@ class ModelRunner:
     def make_backend(name: str, hf_config, max_num_seqs: int, device: torch.device) -> AttentionBackend:
         if name == "torch" or (name == "auto" and device.type != "cuda"):
             return TorchAttentionBackend()
-        from aserve.model.triton_attention import TritonAttentionBackend
+        from aserve.layers.attention.triton_backend import TritonAttentionBackend
 
         num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

@@ -12,10 +12,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from aserve.model.attention import AttentionBackend, AttentionMetadata
-from aserve.model.layers import ElementwiseOps, Linear, RMSNorm, RotaryEmbedding, rope_parameters
-from aserve.quantization.awq_format import awq_config_from
-from aserve.quantization.awq_linear import AWQLinear, quantize_linears
+from aserve.layers.attention.backend import AttentionBackend
+from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.elementwise import ElementwiseOps
+from aserve.layers.layernorm import RMSNorm
+from aserve.layers.linear import Linear
+from aserve.layers.quantization.awq import AWQLinear, quantize_linears
+from aserve.layers.quantization.awq_format import awq_config_from
+from aserve.layers.rotary import RotaryEmbedding, rope_parameters
 
 CPU_ONE_TOKEN = os.environ.get("ASERVE_CPU_ONE_TOKEN", "1") != "0"
 
@@ -120,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self.cpu_one_token = None  # CPU: aserve/model/cpu_decode.py (set by optimize_for_cpu where it applies)
+        self.cpu_one_token = None  # CPU: aserve/models/cpu_one_token.py (set by optimize_for_cpu where it applies)
         # AWQ checkpoints: int4 layers in place of the decoder layers' linears (aserve/quantization)
         self.quant_config = awq_config_from(cfg)
         if self.quant_config is not None:
@@ -149,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
     def optimize_for_cpu(self, compile_elementwise: bool) -> None:
         """CPU: prepack bf16 linear weights for oneDNN; the element-wise work in C kernels
         (aserve/kernels/cpu_elementwise.py, compiled once per machine), or where they cannot be built, torch.compile'd
-        if `compile_elementwise`; one-token steps through aserve/model/cpu_decode.py where it applies
+        if `compile_elementwise`; one-token steps through aserve/models/cpu_one_token.py where it applies
         (ASERVE_CPU_ONE_TOKEN=0: off)."""
         from aserve.kernels import cpu_elementwise
 
@@ -160,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             self.ops.use_native()
         elif compile_elementwise:
             self.ops.compile()
-        from aserve.model.cpu_decode import OneTokenForward
+        from aserve.models.cpu_one_token import OneTokenForward
 
         if CPU_ONE_TOKEN and OneTokenForward.applies(self):
             self.cpu_one_token = OneTokenForward(self)
@@ -196,10 +200,3 @@ class LlamaForCausalLM(nn.Module):
                 param.data.copy_(tensor)
                 loaded.add(name)
         return loaded
-
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}

@@ -92,7 +92,7 @@ def check_quantization_arg(quantization: str | None, model: str | None) -> None:
         raise ValueError(f"quantization must be awq (or unset), got {quantization!r}")
     from transformers import AutoConfig
 
-    from aserve.model.loader import resolve_model
+    from aserve.models.model_path import resolve_model
 
     model_dir, _ = resolve_model(model)
     if awq_config_from(AutoConfig.from_pretrained(model_dir)) is None:

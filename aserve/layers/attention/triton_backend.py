@@ -7,7 +7,8 @@ import torch
 
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.paged_attention import paged_attention
-from aserve.model.attention import AttentionBackend, AttentionMetadata
+from aserve.layers.attention.backend import AttentionBackend
+from aserve.layers.attention.metadata import AttentionMetadata
 
 _MAX_SEGMENTS = 16
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from aserve.kernels.awq_reference import awq_matmul, dequantize
-from aserve.model.layers import Linear
-from aserve.quantization.awq_format import PACK_FACTOR, AWQConfig
+from aserve.layers.linear import Linear
+from aserve.layers.quantization.awq_format import PACK_FACTOR, AWQConfig
 
 # aserve's fused linears -> the HF linears they hold (for modules_to_not_convert, which names HF modules)
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -1,0 +1,116 @@
+"""Building a model and loading its weights: safetensors checkpoints, or random weights at real shapes
+(`load_format="dummy"`)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from aserve.models.model_path import ModelNotFoundError
+
+
+def iterate_safetensors(model_dir: str, show_progress: bool = False):
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(files), desc="Loading safetensors shards", leave=False, disable=None)
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+        if progress is not None:
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+
+
+def build_model(
+    hf_config,
+    model_dir: str,
+    dtype,
+    device,
+    max_model_len: int,
+    backend,
+    load_format: str,
+    seed: int,
+    compile_model: bool = False,
+) -> torch.nn.Module:
+    """Constructs the architecture on the meta device, materialises it on `device`, loads (or draws) weights, and
+    picks the element-wise implementation for the device (Triton kernels on GPU; prepacked weights and optional
+    torch.compile on CPU)."""
+    from aserve.layers.linear import Linear
+    from aserve.models.registry import ARCHITECTURES
+
+    arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = ARCHITECTURES[arch](hf_config, backend, max_position=max_model_len)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rotary.materialize(device)
+    load_weights(model, model_dir, load_format, seed, show_progress=True)
+    model.eval()
+    if device.type == "cpu":
+        model.optimize_for_cpu(compile_elementwise=compile_model)
+    elif device.type == "cuda":
+        model.ops.use_triton()
+        from aserve.kernels import pdl
+        from aserve.layers.quantization.awq import AWQLinear
+
+        # AWQ: the weights in the layout every kernel reads, the AutoAWQ tensors freed (int4 weights held once)
+        if any([module.repack() for module in model.modules() if isinstance(module, AWQLinear)]):
+            torch.cuda.empty_cache()
+
+        # Programmatic dependent launch of aserve's kernels (Hopper and newer; ASERVE_PDL=0: off, for A/B runs).
+        pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("ASERVE_PDL", "1") != "0")
+        if os.environ.get("ASERVE_GEMV", "1") != "0":  # 0: cuBLAS for batch-1 decode too (A/B runs)
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.use_gemv()
+    return model
+
+
+def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int, show_progress: bool) -> None:
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        return
+    if load_format != "auto":
+        raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
+    loaded = model.load_weights(iterate_safetensors(model_dir, show_progress))
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir!r} lacks weights for: {sorted(missing)[:8]}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights at real shapes for benchmarks: N(0, 0.02) matrices, unit norms, zero biases (AWQ layers: random
+    packed weights and zero points, scales that give weights of about the same size)."""
+    gen = None
+    for name, param in model.named_parameters():
+        if gen is None or gen.device != param.device:
+            gen = torch.Generator(device=param.device)
+            gen.manual_seed(seed)
+        if not param.is_floating_point():  # packed int4 (AWQ qweight / qzeros): random nibbles
+            param.random_(-(2**31), 2**31, generator=gen)
+        elif param.dim() == 1:
+            param.fill_(1.0 if "norm" in name else 0.0)
+        elif name.endswith(".scales"):  # AWQ: q - z has a std of ~6.5, so weights come out at ~N(0, 0.02)
+            param.normal_(0.0, 0.003, generator=gen).abs_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
