@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# CPU, one-row inputs of prepacked bf16 linears: a GEMV on the plain weight instead of oneDNN
-# (aserve/kernels/cpu_gemv.py where it applies, else torch.mv; ASERVE_CPU_MV=0: off).
-CPU_MV_FOR_ONE_ROW = os.environ.get("ASERVE_CPU_MV", "1") != "0"
+from aserve import envs
 
 
 class Linear(nn.Linear):
@@ -19,6 +15,9 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     cpu_gemv = False  # one-row inputs run aserve/kernels/cpu_gemv.py (set by prepack)
+    # CPU, one-row inputs of prepacked bf16 linears: a GEMV on the plain weight instead of oneDNN
+    # (aserve/kernels/cpu_gemv.py where it applies, else torch.mv; ASERVE_CPU_MV=0: off; set by prepack).
+    mv_one_row = False
     gemv_config: dict | None = None  # GPU: one-row inputs (batch-1 decode) run aserve/kernels/gemv.py
     gemv_silu_config: dict | None = None  # ... and with SiLU·mul fused in (forward_silu_mul); None: gemv_config
 
@@ -43,11 +42,12 @@ class Linear(nn.Linear):
         from aserve.kernels import cpu_gemv
 
         self.cpu_gemv = cpu_gemv.supports(self.weight)
+        self.mv_one_row = envs.ASERVE_CPU_MV
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            if x.shape[0] == 1 and CPU_MV_FOR_ONE_ROW:  # batch-1 decode: a GEMV streams the weight faster
+            if x.shape[0] == 1 and self.mv_one_row:  # batch-1 decode: a GEMV streams the weight faster
                 if self.cpu_gemv:
                     from aserve.kernels.cpu_gemv import gemv
 

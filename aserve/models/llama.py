@@ -6,12 +6,12 @@ q/k/v and gate/up projections are fused into one matmul each; `load_weights` map
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from aserve import envs
 from aserve.layers.attention.backend import AttentionBackend
 from aserve.layers.attention.metadata import AttentionMetadata
 from aserve.layers.elementwise import ElementwiseOps
@@ -20,8 +20,6 @@ from aserve.layers.linear import Linear
 from aserve.layers.quantization.awq import AWQLinear, quantize_linears
 from aserve.layers.quantization.awq_format import awq_config_from
 from aserve.layers.rotary import RotaryEmbedding, rope_parameters
-
-CPU_ONE_TOKEN = os.environ.get("ASERVE_CPU_ONE_TOKEN", "1") != "0"
 
 # HF name fragment -> (fused parameter fragment, shard id)
 _STACKED = {
@@ -166,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             self.ops.compile()
         from aserve.models.cpu_one_token import OneTokenForward
 
-        if CPU_ONE_TOKEN and OneTokenForward.applies(self):
+        if envs.ASERVE_CPU_ONE_TOKEN and OneTokenForward.applies(self):
             self.cpu_one_token = OneTokenForward(self)
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from aserve import envs
 from aserve.models.model_path import ModelNotFoundError
 
 
@@ -77,8 +78,8 @@ def build_model(
             torch.cuda.empty_cache()
 
         # Programmatic dependent launch of aserve's kernels (Hopper and newer; ASERVE_PDL=0: off, for A/B runs).
-        pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("ASERVE_PDL", "1") != "0")
-        if os.environ.get("ASERVE_GEMV", "1") != "0":  # 0: cuBLAS for batch-1 decode too (A/B runs)
+        pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and envs.ASERVE_PDL)
+        if envs.ASERVE_GEMV:  # 0: cuBLAS for batch-1 decode too (A/B runs)
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.use_gemv()

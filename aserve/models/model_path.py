@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from aserve import envs
+
 logger = logging.getLogger("aserve")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -38,8 +40,13 @@ def default_model_path() -> str:
     return path
 
 
-def cache_root() -> str:
-    return os.environ.get("ASERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "aserve"))
+def gguf_cache_dir(gguf_path: str) -> str:
+    """Where convert_gguf puts the HF directory of this GGUF file (under ASERVE_CACHE, keyed by the file's path, size
+    and modification time)."""
+    stat = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(envs.ASERVE_CACHE, "gguf", f"{name}-{key}")
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
@@ -63,10 +70,8 @@ def resolve_model(model: str | None) -> tuple[str, str]:
 def convert_gguf(gguf_path: str) -> str:
     """Converts a GGUF file to an HF directory (config, tokenizer, bf16 safetensors) under the cache, once.
     Later starts load the directory directly, which takes a fraction of the time."""
-    stat = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out_dir = gguf_cache_dir(gguf_path)
     name = os.path.basename(gguf_path).removesuffix(".gguf")
-    out_dir = os.path.join(cache_root(), "gguf", f"{name}-{key}")
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
 
