@@ -120,14 +120,15 @@ def test_gemv1_f16_overflow_bound(r):
 
 
 def test_awq_linear_module_m1_keeps_its_own_counters():
-    from aserve.layers.quantization.awq import AWQLinear
+    from aserve.layers.linear import Linear
+    from aserve.layers.quantization.awq import AWQConfig
 
     k, n, g = 256, 136, 64
     qweight, qzeros, scales, bias = random_awq(k, n, g, seed=3)
-    layer = AWQLinear(k, n, bias=True, group_size=g).to(DEVICE)
+    layer = Linear(k, n, bias=True, quant_config=AWQConfig(group_size=g)).to(DEVICE)
     for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
         getattr(layer, name).data.copy_(t)
-    layer.backend = "triton"
+    layer.quant_method.use_triton(layer)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float16)
     ref = awq_matmul(x.float(), qweight, qzeros, scales, g, bias.float())
     for _ in range(2):

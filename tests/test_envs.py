@@ -85,7 +85,7 @@ def test_cpu_mv_routes_one_row_inputs(clean_env, on):
     lin = Linear(64, 48, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         lin.weight.normal_()
-    lin.prepack()
+    lin.process_weights_after_loading()
     with torch.inference_mode():
         lin(torch.randn(1, 64, dtype=torch.bfloat16))
     assert calls == ([1] if on else [])

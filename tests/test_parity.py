@@ -127,7 +127,6 @@ def test_gpu_decode_kernels_parity(references):
     rotary fused with the cache write, one-row linears as Triton GEMVs (the down projection with SiLU·mul fused
     into its prologue). One request at a time, so every decode step takes that path: same greedy tokens."""
     import aserve.kernels.gemv as gemv_mod
-    from aserve.kernels.gemv import gemv_config
     from aserve.layers.linear import Linear
 
     path, expected = references("gqa")
@@ -135,10 +134,9 @@ def test_gpu_decode_kernels_parity(references):
     model = llm.engine.runner.model
     model.ops.use_triton()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    for m in linears:
-        m.packed_weight = None  # CPU oneDNN copy: off, so the GEMV path is taken
-        m.gemv_config = gemv_config(*m.weight.shape, dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2))
-        m.gemv_silu_config = gemv_config(*m.weight.shape, dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=3))
+    for m in linears:  # the GPU's choice for 16-bit weights, with small tiles (the CPU's oneDNN copy: dropped)
+        m.quant_method.use_triton_gemv(m, dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
+                                       dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=3))  # fmt: skip
     assert all(m.gemv_config is not None for m in linears)
     kernel = gemv_mod._gemv_kernel
     calls = []

@@ -119,6 +119,7 @@ class LLMEngine:
             seed=args.seed,
             compile_model=self.device.type == "cpu" and not args.enforce_eager,
             attention_backend=args.attention_backend,
+            quantization=args.quantization,
         )
         self.spec_config = SpeculativeConfig.parse(args.speculative_config)
         if self.spec_config is not None and self.spec_config.needs_kv:

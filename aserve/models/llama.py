@@ -17,8 +17,7 @@ from aserve.layers.attention.metadata import AttentionMetadata
 from aserve.layers.elementwise import ElementwiseOps
 from aserve.layers.layernorm import RMSNorm
 from aserve.layers.linear import Linear
-from aserve.layers.quantization.awq import AWQLinear, quantize_linears
-from aserve.layers.quantization.awq_format import awq_config_from
+from aserve.layers.quantization.base import QuantizationConfig
 from aserve.layers.rotary import RotaryEmbedding, rope_parameters
 
 # HF name fragment -> (fused parameter fragment, shard id)
@@ -32,15 +31,23 @@ _STACKED = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend, qkv_bias: bool, ops) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, qkv_bias: bool, ops, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:  # fmt: skip
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=qkv_bias,
+            quant_config=quant_config,
+            checkpoint_names=[f"{prefix}.{p}_proj" for p in "qkv"],
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False),
+                             quant_config=quant_config, checkpoint_names=[f"{prefix}.o_proj"])  # fmt: skip
         self.backend = backend
         self.ops = ops
 
@@ -62,23 +69,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, ops) -> None:
+    def __init__(self, cfg, ops, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.ops = ops
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         bias = getattr(cfg, "mlp_bias", False)
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, quant_config=quant_config,
+                                   checkpoint_names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])  # fmt: skip
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, quant_config=quant_config,
+                                checkpoint_names=[f"{prefix}.down_proj"])  # fmt: skip
 
     def forward(self, x):
-        fuses_silu_mul = getattr(self.gate_up_proj, "fuses_silu_mul", None)  # AWQLinear
-        if fuses_silu_mul is not None and fuses_silu_mul(x):  # GPU, small decode batches: SiLU·mul in the GEMV
+        # SiLU·mul inside a linear's kernel where its method takes this input (base.py): the gate/up GEMV's epilogue
+        # (AWQ on a GPU, small decode batches) or the down projection's prologue (GPU, batch-1 decode).
+        if self.gate_up_proj.fuses_silu_mul_out(x):
             return self.down_proj(self.gate_up_proj.forward_silu_mul_out(x))
         gate_up = self.gate_up_proj(x)
-        if isinstance(self.down_proj, Linear) and self.down_proj.takes_gemv(gate_up):  # GPU, batch-1 decode
-            return self.down_proj.forward_silu_mul(gate_up)
+        if self.down_proj.fuses_silu_mul_in(gate_up):
+            return self.down_proj.forward_silu_mul_in(gate_up)
         return self.down_proj(self.ops.silu_and_mul(gate_up))
 
     def load_shard(self, param: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
@@ -87,10 +97,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend, qkv_bias: bool, ops: ElementwiseOps) -> None:
+    def __init__(self, cfg, backend, qkv_bias: bool, ops: ElementwiseOps, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(cfg, backend, qkv_bias, ops)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, backend, qkv_bias, ops, quant_config, f"{prefix}.self_attn")
+        self.mlp = MLP(cfg, ops, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -106,7 +117,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM (which adds a q/k/v bias)."""
 
-    def __init__(self, cfg, backend: AttentionBackend, max_position: int) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, quant_config: QuantizationConfig | None,
+                 max_position: int) -> None:  # fmt: skip
         super().__init__()
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
@@ -116,17 +128,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, max_position, theta, scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, qkv_bias, self.ops) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, backend, qkv_bias, self.ops, quant_config, f"model.layers.{i}")
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # unquantised, as AutoAWQ leaves it
         self.tie_weights()
         self.cpu_one_token = None  # CPU: aserve/models/cpu_one_token.py (set by optimize_for_cpu where it applies)
-        # AWQ checkpoints: int4 layers in place of the decoder layers' linears (aserve/quantization)
-        self.quant_config = awq_config_from(cfg)
-        if self.quant_config is not None:
-            quantize_linears(self, self.quant_config)
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config says so (again after moving off the meta device,
@@ -148,16 +157,19 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
         return x + residual
 
+    def process_weights_after_loading(self) -> None:
+        """Once the weights are in, on their device: every linear's method prepares its weights and picks its
+        kernel (aserve/layers/quantization)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+
     def optimize_for_cpu(self, compile_elementwise: bool) -> None:
-        """CPU: prepack bf16 linear weights for oneDNN; the element-wise work in C kernels
-        (aserve/kernels/cpu_elementwise.py, compiled once per machine), or where they cannot be built, torch.compile'd
-        if `compile_elementwise`; one-token steps through aserve/models/cpu_one_token.py where it applies
-        (ASERVE_CPU_ONE_TOKEN=0: off)."""
+        """CPU: the element-wise work in C kernels (aserve/kernels/cpu_elementwise.py, compiled once per machine),
+        or where they cannot be built, torch.compile'd if `compile_elementwise`; one-token steps through
+        aserve/models/cpu_one_token.py where it applies (ASERVE_CPU_ONE_TOKEN=0: off)."""
         from aserve.kernels import cpu_elementwise
 
-        for module in self.modules():
-            if isinstance(module, (Linear, AWQLinear)):
-                module.prepack()
         if cpu_elementwise.supports(self.embed_tokens.weight.dtype):
             self.ops.use_native()
         elif compile_elementwise:

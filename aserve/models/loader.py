@@ -7,21 +7,22 @@ import glob
 import os
 
 import torch
+from safetensors import safe_open
+from tqdm import tqdm
 
 from aserve import envs
+from aserve.layers.quantization import QUANTIZATION_CONFIGS, get_quantization_config
+from aserve.layers.quantization.base import QuantizationConfig
 from aserve.models.model_path import ModelNotFoundError
+from aserve.models.registry import get_model_class
 
 
 def iterate_safetensors(model_dir: str, show_progress: bool = False):
-    from safetensors import safe_open
-
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir!r}")
     progress = None
     if show_progress:
-        from tqdm import tqdm
-
         progress = tqdm(total=len(files), desc="Loading safetensors shards", leave=False, disable=None)
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -43,22 +44,21 @@ def build_model(
     load_format: str,
     seed: int,
     compile_model: bool = False,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
-    """Constructs the architecture on the meta device, materialises it on `device`, loads (or draws) weights, and
-    picks the element-wise implementation for the device (Triton kernels on GPU; prepacked weights and optional
-    torch.compile on CPU)."""
-    from aserve.layers.linear import Linear
-    from aserve.models.registry import ARCHITECTURES
-
-    arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    """Constructs the architecture on the meta device (every linear with its quantisation method), materialises it on
+    `device`, loads (or draws) weights, lets every layer prepare them for its kernels (process_weights_after_loading)
+    and picks the element-wise implementation for the device (Triton kernels on GPU; C kernels or torch.compile on
+    CPU). `quantization` (the engine argument): what the checkpoint must be."""
+    model_class = get_model_class(hf_config)
+    quant_config = get_quantization_config(hf_config)
+    check_quantization_arg(quantization, quant_config, model_dir)
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = ARCHITECTURES[arch](hf_config, backend, max_position=max_model_len)
+            model = model_class(hf_config, backend, quant_config, max_position=max_model_len)
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)
@@ -66,24 +66,32 @@ def build_model(
     model.rotary.materialize(device)
     load_weights(model, model_dir, load_format, seed, show_progress=True)
     model.eval()
+    model.process_weights_after_loading()
     if device.type == "cpu":
         model.optimize_for_cpu(compile_elementwise=compile_model)
     elif device.type == "cuda":
+        from aserve.kernels import pdl  # Triton: optional, imported where it runs
+
+        torch.cuda.empty_cache()  # AWQ: the AutoAWQ tensors that repacking freed
         model.ops.use_triton()
-        from aserve.kernels import pdl
-        from aserve.layers.quantization.awq import AWQLinear
-
-        # AWQ: the weights in the layout every kernel reads, the AutoAWQ tensors freed (int4 weights held once)
-        if any([module.repack() for module in model.modules() if isinstance(module, AWQLinear)]):
-            torch.cuda.empty_cache()
-
         # Programmatic dependent launch of aserve's kernels (Hopper and newer; ASERVE_PDL=0: off, for A/B runs).
         pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and envs.ASERVE_PDL)
-        if envs.ASERVE_GEMV:  # 0: cuBLAS for batch-1 decode too (A/B runs)
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.use_gemv()
     return model
+
+
+def check_quantization_arg(quantization: str | None, quant_config: QuantizationConfig | None, model_dir: str) -> None:
+    """`--quantization awq` states what the checkpoint must be (as in vLLM); the method itself is always read from
+    the checkpoint. Raises a clear error when the two disagree."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATION_CONFIGS:
+        raise ValueError(f"quantization must be {' or '.join(QUANTIZATION_CONFIGS)} (or unset), got {quantization!r}")
+    if quant_config is None or quant_config.name != quantization:
+        raise ValueError(
+            f"--quantization {quantization}, but {model_dir!r} is not an {quantization.upper()} checkpoint (its "
+            "config.json has no quantization_config and there is no quant_config.json); quantise it with "
+            "`aserve quantize`"
+        )
 
 
 def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int, show_progress: bool) -> None:

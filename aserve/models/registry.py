@@ -10,3 +10,11 @@ ARCHITECTURES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
 }
+
+
+def get_model_class(hf_config) -> type:
+    """The class of the checkpoint's architecture (config.json's `architectures`; none given: Llama)."""
+    arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[arch]

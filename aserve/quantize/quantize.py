@@ -28,7 +28,8 @@ from importlib import resources
 import torch
 
 from aserve.config import resolve_device
-from aserve.layers.quantization.awq_format import AWQConfig, fake_quantize, pack_linear, pack_quantized
+from aserve.layers.quantization.awq import AWQConfig
+from aserve.layers.quantization.awq_format import fake_quantize, pack_linear, pack_quantized
 from aserve.quantize.awq_search import awq_layer
 from aserve.quantize.dense_layer import DenseDecoderLayer
 from aserve.quantize.gptq import gptq_layer

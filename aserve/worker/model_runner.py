@@ -155,6 +155,7 @@ class ModelRunner:
         seed: int,
         compile_model: bool = False,
         attention_backend: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -172,8 +173,9 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = model = build_model(
-            hf_config, model_dir, dtype, device, max_model_len, self.backend, load_format, seed, compile_model
-        )
+            hf_config, model_dir, dtype, device, max_model_len, self.backend, load_format, seed, compile_model,
+            quantization,
+        )  # fmt: skip
         self.compiled = model.ops.compiled
         self.attention_backend = attention_backend
         self.load_time = time.perf_counter() - t0

@@ -1,77 +1,148 @@
-"""AWQ int4 linear layers, and the transform that puts them into a model.
+"""AWQ int4 (AutoAWQ's "gemm" checkpoints): the config a checkpoint declares, and the linear method of its layers.
 
-Quantisation is applied to layers, not threaded through the model (gpt-fast style): the model is built with plain
-Linear layers (on the meta device, so nothing is allocated), then `quantize_linears` swaps in AWQLinear ones.
+Where a checkpoint says it is AWQ:
+    config.json        "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                               "zero_point": true, "version": "gemm", "modules_to_not_convert": ...}
+    quant_config.json  (older AutoAWQ) {"w_bit": 4, "q_group_size": 128, "zero_point": true, "version": "GEMM"}
 
-Fused layers (qkv_proj = q|k|v, gate_up_proj = gate|up) concatenate their parts along the output dimension, which in
-AWQ tensors is the last one, packed 8 to an int32 for qweight / qzeros:
+A layer holds y = x @ ((q - z) * s) + bias as AutoAWQ's tensors (layout: aserve/kernels/awq_reference.py). Fused
+layers (qkv_proj = q|k|v, gate_up_proj = gate|up) concatenate their parts along the output dimension, which in AWQ
+tensors is the last one, packed 8 to an int32 for qweight / qzeros:
 
     qkv_proj.qweight  int32 [in, (q + k + v) / 8]    q_proj.qweight -> columns [0, q/8), k_proj -> [q/8, (q+k)/8), ...
     qkv_proj.scales   fp16  [in/g, q + k + v]         q_proj.scales  -> columns [0, q), ...
+
+The kernel is chosen once the weights are in (process_weights_after_loading):
+
+    CUDA   the Triton kernels of aserve/kernels/awq.py (use_triton; aserve/layers/quantization/awq_triton.py), over
+           a copy repacked into the layout every M's kernel reads; repack() frees the AutoAWQ tensors where that
+           layout fits, so the int4 weights are held once
+    CPU    a dequantised copy in the model's dtype, run as an unquantised layer (use_dense_copy): aserve has no CPU
+           int4 kernel, and dequantising ~100M weights per step would cost more than the matmuls
+    before processing (tests, direct use): the pure-torch reference, dequantise then matmul (use_torch)
+
+See docs/quantization.md.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from aserve.kernels.awq_reference import awq_matmul, dequantize
-from aserve.layers.linear import Linear
-from aserve.layers.quantization.awq_format import PACK_FACTOR, AWQConfig
-
-# aserve's fused linears -> the HF linears they hold (for modules_to_not_convert, which names HF modules)
-_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+from aserve.layers.quantization.awq_format import PACK_FACTOR
+from aserve.layers.quantization.base import LinearMethodBase, QuantizationConfig
+from aserve.layers.quantization.unquantized import DenseWeights, UnquantizedLinearMethod
 
 
-class AWQLinear(nn.Module):
-    """y = x @ ((q - z) * s) + bias, from AutoAWQ gemm tensors.
+@dataclass(frozen=True)
+class AWQConfig(QuantizationConfig):
+    name = "awq"
 
-    CUDA: the Triton kernels of aserve/kernels/awq.py, with this layer's own counters for the M = 1 kernel's fused
-    split-K reduction (made on the first call, outside CUDA graph capture) and the weights repacked into the layout
-    every M's kernel reads (aserve.kernels.awq.awq_repack): the engine calls `repack()` once after loading, which frees
-    the AutoAWQ tensors, so the int4 weights are held once. Layers the layout does not fit (group size other than 128,
-    outputs not a multiple of 128) keep the AutoAWQ tensors and kernels; without `repack()` (tests, direct use) the
-    first call makes the copy and keeps both. CPU: the pure-torch
-    reference (dequantise, then matmul) on every call; after `prepack()` (which optimize_for_cpu calls) a
-    dequantised oneDNN-prepacked copy instead: aserve has no CPU int4 kernel, and dequantising ~100M weights per
-    step would cost more than the matmuls."""
+    group_size: int = 128
+    bits: int = 4
+    zero_point: bool = True
+    version: str = "gemm"
+    modules_to_not_convert: tuple[str, ...] = ()
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int) -> None:
-        super().__init__()
+    @classmethod
+    def from_config(cls, raw: dict) -> AWQConfig:
+        """A `quantization_config` dict, or the legacy quant_config.json's (w_bit, q_group_size)."""
+        bits = raw.get("bits", raw.get("w_bit", 4))
+        group_size = raw.get("group_size", raw.get("q_group_size", 128))
+        version = str(raw.get("version", "gemm")).lower()
+        zero_point = raw.get("zero_point", True)
+        if bits != 4:
+            raise ValueError(f"AWQ checkpoint with {bits}-bit weights: aserve runs 4-bit AWQ only")
+        if version != "gemm":
+            raise ValueError(f"AWQ version {version!r} is not supported (only 'gemm', AutoAWQ's default; re-export it)")
+        if not zero_point:
+            raise ValueError("AWQ checkpoints without zero points are not supported (zero_point must be true)")
+        if group_size <= 0 or group_size % 16:
+            raise ValueError(f"AWQ group_size {group_size} is not supported (a multiple of 16: 32, 64, 128)")
+        skip = tuple(raw.get("modules_to_not_convert") or ())
+        return cls(group_size=group_size, bits=bits, zero_point=True, version=version, modules_to_not_convert=skip)
+
+    @classmethod
+    def from_legacy_file(cls, model_dir: str) -> AWQConfig | None:
+        """Older AutoAWQ checkpoints: no quantization_config in config.json, a quant_config.json beside it."""
+        path = os.path.join(model_dir, "quant_config.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return cls.from_config(json.load(f))
+
+    def to_hf(self) -> dict:
+        return {
+            "quant_method": "awq",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "zero_point": self.zero_point,
+            "version": self.version,
+            "modules_to_not_convert": list(self.modules_to_not_convert) or None,
+        }
+
+    def converts(self, hf_module_name: str) -> bool:
+        """Whether the linear `hf_module_name` (e.g. model.layers.0.mlp.up_proj) is quantised."""
+        return not any(skip in hf_module_name for skip in self.modules_to_not_convert)
+
+    def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:
+        converted = [self.converts(name) for name in checkpoint_names]
+        if converted and not any(converted):
+            return UnquantizedLinearMethod()
+        if not all(converted):
+            raise ValueError(f"modules_to_not_convert splits a fused layer ({list(checkpoint_names)}): not supported")
+        return AWQLinearMethod(self)
+
+
+def _apply_reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return awq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.group_size, layer.bias)
+
+
+def _apply_dense_copy(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer.dense(x)
+
+
+class AWQLinearMethod(LinearMethodBase):
+    """State on the layer: qweight / qzeros / scales / bias (parameters), `group_size`, `params_dtype` (the model's
+    dtype), `kernel_kind` / `kernel` (torch | triton | dense, and the function apply runs), `dense` (the CPU copy),
+    `repacked` (awq_repack's copy; None: not made, False: the layout does not fit), `gemv_counters` (the M = 1
+    kernel's split-K counters), `autoawq_dropped` (repack freed the AutoAWQ tensors) and `silu_mul_out_max_rows` /
+    `silu_mul_out_dtypes` / `silu_mul_out_kernel` (the inputs apply_silu_mul_out takes, and its kernel). Copies and
+    counters are plain attributes, outside the module tree: caches, not parameters."""
+
+    def __init__(self, config: AWQConfig) -> None:
+        self.config = config
+
+    def create_weights(self, layer, in_features, out_features, bias, dtype):
+        group_size = self.config.group_size
         if in_features % group_size:
             raise ValueError(f"AWQ: input size {in_features} is not a multiple of group_size {group_size}")
         if out_features % PACK_FACTOR:
             raise ValueError(f"AWQ: output size {out_features} is not a multiple of 8")
-        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         groups, packed = in_features // group_size, out_features // PACK_FACTOR
 
         def frozen(*shape, dtype):
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
-        self.qweight = frozen(in_features, packed, dtype=torch.int32)
-        self.qzeros = frozen(groups, packed, dtype=torch.int32)
-        self.scales = frozen(groups, out_features, dtype=torch.float16)
-        self.bias = frozen(out_features, dtype=torch.get_default_dtype()) if bias else None
-        self.dtype = torch.get_default_dtype()  # the model's dtype (models are built under it)
-        self.backend = "auto"  # auto | torch | triton (tests run the Triton kernels on CPU through the interpreter)
-        # CPU: the dequantised, prepacked copy. Kept out of the module tree: it is a cache, not a model parameter.
-        self.__dict__["dense"] = None
-        # Triton: aserve.kernels.awq.gemv_counters on the weights' device (out of the module tree too: state, not
-        # weights)
-        self.__dict__["gemv_counters"] = None
-        # Triton: aserve.kernels.awq.awq_repack's copy (False: the layout does not apply to this layer)
-        self.__dict__["repacked"] = None
-        self.autoawq_dropped = False  # repack() freed qweight / qzeros / scales: the repacked copy is the weights
+        layer.qweight = frozen(in_features, packed, dtype=torch.int32)
+        layer.qzeros = frozen(groups, packed, dtype=torch.int32)
+        layer.scales = frozen(groups, out_features, dtype=torch.float16)
+        layer.bias = frozen(out_features, dtype=dtype) if bias else None
+        layer.group_size, layer.params_dtype = group_size, dtype
+        layer.dense, layer.gemv_counters, layer.repacked, layer.autoawq_dropped = None, None, None, False
+        self._select(layer, "torch")
 
-    def extra_repr(self) -> str:
-        held = ", repacked" if self.autoawq_dropped else ""
-        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}{held}"
-
-    def load_output_slice(self, param: nn.Parameter, start: int, size: int, tensor: torch.Tensor) -> None:
-        """Copies one part of a fused layer (output features [start, start + size)) into `param`."""
-        if self.autoawq_dropped:
-            raise RuntimeError("AWQLinear: weights are loaded before repack(), which freed the AutoAWQ tensors")
-        self.__dict__["repacked"] = None  # made again from the new weights on the next call
+    def load_output_slice(self, layer, param, start, size, tensor):
+        if layer.autoawq_dropped:
+            raise RuntimeError("AWQ layer: weights are loaded before repack(), which freed the AutoAWQ tensors")
+        layer.repacked = None  # made again from the new weights on the next call
+        self._select(layer, layer.kernel_kind)
         if param.dim() == 1:  # bias
             param.data[start : start + size].copy_(tensor)
             return
@@ -82,102 +153,79 @@ class AWQLinear(nn.Module):
             raise ValueError(f"AWQ tensor of shape {tuple(tensor.shape)} where {tuple(target.shape)} is expected")
         target.copy_(tensor)
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """-> W [out, in] in `dtype` (nn.Linear's layout)."""
-        if self.autoawq_dropped:
-            from aserve.kernels.awq import awq_dequantize_repacked
+    def process_weights_after_loading(self, layer):
+        if layer.qweight.is_cuda:
+            self.repack(layer)
+            self.use_triton(layer)
+        elif layer.qweight.is_cpu:
+            self.use_dense_copy(layer)
 
-            return awq_dequantize_repacked(self.repacked, dtype).t()
-        return dequantize(self.qweight, self.qzeros, self.scales, self.group_size).t().to(dtype)
+    # -- the kernel choices ---------------------------------------------------------------------------------------
 
-    def repack(self, drop_autoawq: bool = True) -> bool:
-        """Builds aserve.kernels.awq.awq_repack's copy of the loaded weights, which the Triton kernels read at every M,
-        and with `drop_autoawq` frees the AutoAWQ tensors (the engine does this once after loading on a GPU: the int4
-        weights are then held once). -> whether the layout fits this layer (if not, nothing changes)."""
-        from aserve.kernels.awq import awq_repack
+    def _select(self, layer: nn.Module, kind: str) -> None:
+        """kind: torch | triton | dense."""
+        layer.kernel_kind = kind
+        layer.silu_mul_out_max_rows, layer.silu_mul_out_dtypes = 0, ()
+        if kind == "dense":
+            layer.kernel = _apply_dense_copy
+        elif kind == "torch" and not layer.autoawq_dropped:
+            layer.kernel = _apply_reference
+        else:
+            from aserve.layers.quantization import awq_triton  # Triton: optional, imported once it is chosen
 
-        packed = awq_repack(self.qweight, self.qzeros, self.scales, self.group_size)
-        self.__dict__["repacked"] = packed if packed is not None else False
-        if packed is not None and drop_autoawq:
-            for param in (self.qweight, self.qzeros, self.scales):
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            self.autoawq_dropped = True
-        return packed is not None
+            layer.kernel = awq_triton.apply if kind == "triton" else awq_triton.apply_dequantized
+            if kind == "triton" and layer.repacked and layer.out_features % 256 == 0:
+                layer.silu_mul_out_max_rows, layer.silu_mul_out_dtypes = awq_triton.SILU_MUL_OUT_LIMITS
+                layer.silu_mul_out_kernel = awq_triton.apply_silu_mul_out
 
-    def prepack(self) -> bool:
-        if not self.qweight.is_cpu:
+    def use_torch(self, layer: nn.Module) -> None:
+        """The pure-torch reference: dequantise, then matmul, on every call."""
+        self._select(layer, "torch")
+
+    def use_triton(self, layer: nn.Module) -> None:
+        """The Triton kernels (a GPU, or Triton's interpreter on CPU tensors). Without repack() the first call makes
+        the repacked copy, keeping the AutoAWQ tensors too."""
+        self._select(layer, "triton")
+
+    def use_dense_copy(self, layer: nn.Module) -> bool:
+        """CPU: a dequantised copy of the weights in the model's dtype, run as an unquantised layer's."""
+        if not layer.qweight.is_cpu:
             return False
-        dense = Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=self.dtype)
-        dense.weight = nn.Parameter(self.dequantized_weight(self.dtype), requires_grad=False)
-        if self.bias is not None:
-            dense.bias = nn.Parameter(self.bias.data.to(self.dtype), requires_grad=False)
-        dense.prepack()
-        self.__dict__["dense"] = dense
+        dtype = layer.params_dtype
+        bias = None if layer.bias is None else layer.bias.data.to(dtype)
+        layer.dense = DenseWeights.processed(self.dequantized_weight(layer, dtype), bias)
+        self._select(layer, "dense")
         return True
 
-    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
-        """For a [gate | up] layer: does this input (up to aserve.kernels.awq.REPACKED_GEMV1_MAX_M rows, fp16 / bf16, on
-        the repacked copy's GPU) run the f16x2 GEMV over the repacked copy, which can then apply the MLP's SiLU·mul
-        itself (forward_silu_mul_out)? False before the copy exists (the first CUDA call makes it)."""
-        from aserve.kernels.awq import F16X2_DTYPES, REPACKED_GEMV1_MAX_M
+    def repack(self, layer: nn.Module, drop_autoawq: bool = True) -> bool:
+        """Builds aserve.kernels.awq.awq_repack's copy of the loaded weights, which the Triton kernels read at every
+        M, and with `drop_autoawq` frees the AutoAWQ tensors (the loader does this once on a GPU: the int4 weights
+        are then held once). -> whether the layout fits this layer (if not, nothing changes)."""
+        from aserve.layers.quantization import awq_triton  # Triton: optional, imported once it is chosen
 
-        packed = self.repacked
-        return (bool(packed) and self.backend != "torch" and self.out_features % 256 == 0 and x.dim() == 2
-                and x.shape[0] <= REPACKED_GEMV1_MAX_M and x.dtype in F16X2_DTYPES
-                and packed.wq.device == x.device)  # fmt: skip
+        fits = awq_triton.repack(layer, drop_autoawq)
+        self._select(layer, layer.kernel_kind)
+        return fits
 
-    def forward_silu_mul_out(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this layer's [gate | up] output, in one kernel (fuses_silu_mul must hold)."""
-        from aserve.kernels.awq import awq_gemv_repacked
+    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """-> W [out, in] in `dtype` (nn.Linear's layout)."""
+        if layer.autoawq_dropped:
+            from aserve.layers.quantization import awq_triton  # imported already: repack() made the copy
 
-        return awq_gemv_repacked(x, self.repacked, self.bias, self._counters(x.device), silu_mul_out=True)
+            return awq_triton.dequantized_weight(layer, dtype)
+        return dequantize(layer.qweight, layer.qzeros, layer.scales, layer.group_size).t().to(dtype)
 
-    def _counters(self, device: torch.device) -> torch.Tensor:
-        from aserve.kernels.awq import gemv_counters
+    # -- running --------------------------------------------------------------------------------------------------
 
-        counters = self.gemv_counters
-        if counters is None or counters.device != device:
-            counters = self.__dict__["gemv_counters"] = gemv_counters(self.out_features, device)
-        return counters
+    def apply(self, layer, x):
+        return layer.kernel(layer, x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and self.dense.weight.dtype == x.dtype:
-            return self.dense(x)
-        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
-            from aserve.kernels.awq import awq_linear
+    def fuses_silu_mul_out(self, layer, x):
+        """Up to aserve.kernels.awq.REPACKED_GEMV1_MAX_M rows of fp16 / bf16 on the Triton kernels, once the
+        repacked copy exists, for outputs a multiple of 256: the f16x2 GEMV over the copy applies the MLP's
+        SiLU·mul itself."""
+        return (x.shape[0] <= layer.silu_mul_out_max_rows and x.dtype in layer.silu_mul_out_dtypes
+                and x.device == layer.repacked.wq.device)  # fmt: skip
 
-            counters = self._counters(x.device)
-            packed = self.repacked
-            if packed is None or (packed is not False and packed.wq.device != x.device):
-                if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError("AWQLinear: run it once before CUDA graph capture (a warm-up)")
-                if self.autoawq_dropped:
-                    raise RuntimeError("AWQLinear: repacked weights are on another device than the input")
-                self.repack(drop_autoawq=False)
-                packed = self.repacked
-            return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, counters,
-                              packed or None)  # fmt: skip
-        if self.autoawq_dropped:  # the torch backend after repack(): dequantise the repacked copy
-            w = self.dequantized_weight(x.dtype)
-            return torch.nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-        return awq_matmul(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
-
-
-def quantize_linears(model: nn.Module, config: AWQConfig) -> list[str]:
-    """Replaces the decoder layers' Linear modules by AWQLinear ones (lm_head and embeddings stay unquantised, as in
-    AutoAWQ). Returns the names of the replaced modules."""
-    replaced = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, Linear) or not name.startswith("layers."):
-            continue
-        parent_name, attr = name.rsplit(".", 1)
-        hf_names = [f"model.{parent_name}.{part}" for part in _FUSED_PARTS.get(attr, (attr,))]
-        converted = [config.converts(n) for n in hf_names]
-        if not any(converted):
-            continue
-        if not all(converted):
-            raise ValueError(f"modules_to_not_convert splits the fused layer {name} ({hf_names}): not supported")
-        awq = AWQLinear(module.in_features, module.out_features, module.bias is not None, config.group_size)
-        setattr(model.get_submodule(parent_name), attr, awq)
-        replaced.append(name)
-    return replaced
+    def apply_silu_mul_out(self, layer, x):
+        return layer.silu_mul_out_kernel(layer, x)

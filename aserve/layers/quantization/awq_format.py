@@ -1,108 +1,17 @@
-"""The AutoAWQ "gemm" checkpoint format: its config (how a checkpoint says it is AWQ) and packing.
+"""The AutoAWQ "gemm" checkpoint format: packing weights into its int4 tensors (the offline quantiser writes them; its
+config entry is aserve/layers/quantization/awq.py's AWQConfig).
 
 Layout of the tensors (and the nibble order inside an int32): aserve/kernels/awq_reference.py. Checkpoints name them
 after the HF linear they replace: `model.layers.0.self_attn.q_proj.{qweight,qzeros,scales,bias}`.
-
-Where the config is:
-    config.json        "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
-                                               "zero_point": true, "version": "gemm", "modules_to_not_convert": ...}
-    quant_config.json  (older AutoAWQ) {"w_bit": 4, "q_group_size": 128, "zero_point": true, "version": "GEMM"}
 """
 
 from __future__ import annotations
-
-import json
-import os
-from dataclasses import dataclass
 
 import torch
 
 from aserve.kernels.awq_reference import AWQ_ORDER
 
 PACK_FACTOR = 8  # 4-bit values per int32
-
-
-@dataclass(frozen=True)
-class AWQConfig:
-    group_size: int = 128
-    bits: int = 4
-    zero_point: bool = True
-    version: str = "gemm"
-    modules_to_not_convert: tuple[str, ...] = ()
-
-    def to_hf(self) -> dict:
-        """The `quantization_config` entry of config.json (what transformers and vLLM read)."""
-        return {
-            "quant_method": "awq",
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "zero_point": self.zero_point,
-            "version": self.version,
-            "modules_to_not_convert": list(self.modules_to_not_convert) or None,
-        }
-
-    def converts(self, hf_module_name: str) -> bool:
-        """Whether the linear `hf_module_name` (e.g. model.layers.0.mlp.up_proj) is quantised."""
-        return not any(skip in hf_module_name for skip in self.modules_to_not_convert)
-
-
-def parse_awq_config(raw: dict) -> AWQConfig:
-    """A `quantization_config` dict, or the legacy quant_config.json's, -> AWQConfig (clear errors for the AWQ
-    variants aserve does not run)."""
-    bits = raw.get("bits", raw.get("w_bit", 4))
-    group_size = raw.get("group_size", raw.get("q_group_size", 128))
-    version = str(raw.get("version", "gemm")).lower()
-    zero_point = raw.get("zero_point", True)
-    if bits != 4:
-        raise ValueError(f"AWQ checkpoint with {bits}-bit weights: aserve runs 4-bit AWQ only")
-    if version != "gemm":
-        raise ValueError(f"AWQ version {version!r} is not supported (only 'gemm', AutoAWQ's default; re-export it)")
-    if not zero_point:
-        raise ValueError("AWQ checkpoints without zero points are not supported (zero_point must be true)")
-    if group_size <= 0 or group_size % 16:
-        raise ValueError(f"AWQ group_size {group_size} is not supported (a multiple of 16: 32, 64, 128)")
-    skip = tuple(raw.get("modules_to_not_convert") or ())
-    return AWQConfig(group_size=group_size, bits=bits, zero_point=True, version=version, modules_to_not_convert=skip)
-
-
-def awq_config_from(hf_config) -> AWQConfig | None:
-    """The AWQ config of a loaded transformers config, or None for an unquantised model. Looks at
-    `quantization_config` first, then for a legacy quant_config.json beside config.json."""
-    raw = getattr(hf_config, "quantization_config", None)
-    if raw is not None and not isinstance(raw, dict):
-        raw = raw.to_dict()
-    if raw is None:
-        legacy = os.path.join(getattr(hf_config, "name_or_path", "") or "", "quant_config.json")
-        if not os.path.isfile(legacy):
-            return None
-        with open(legacy) as f:
-            raw = {"quant_method": "awq", **json.load(f)}
-    method = str(raw.get("quant_method", "")).lower()
-    if method != "awq":
-        raise ValueError(f"quantization method {method!r} is not supported (aserve runs AWQ int4: 'awq')")
-    return parse_awq_config(raw)
-
-
-def check_quantization_arg(quantization: str | None, model: str | None) -> None:
-    """`--quantization awq` states what the checkpoint must be (as in vLLM); the method itself is always read from
-    the checkpoint. Raises a clear error when the two disagree."""
-    if quantization is None:
-        return
-    if quantization != "awq":
-        raise ValueError(f"quantization must be awq (or unset), got {quantization!r}")
-    from transformers import AutoConfig
-
-    from aserve.models.model_path import resolve_model
-
-    model_dir, _ = resolve_model(model)
-    if awq_config_from(AutoConfig.from_pretrained(model_dir)) is None:
-        raise ValueError(
-            f"--quantization awq, but {model_dir!r} is not an AWQ checkpoint (its config.json has no "
-            "quantization_config and there is no quant_config.json); quantise it with `aserve quantize`"
-        )
-
-
-# -- packing ------------------------------------------------------------------------------------------------------
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
