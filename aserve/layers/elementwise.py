@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from aserve.kernels import cpu_elementwise
+
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(norm(x + residual), x + residual) — or (norm(x), x) without a residual: the add-and-norm that opens each
@@ -36,76 +38,100 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _native_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """bf16: the C kernel (vectorised, 1.7-1.9x eager torch); float32 stays eager (the C loop does not vectorise
-    there and is no faster)."""
-    if gate_up.dtype == torch.bfloat16:
-        from aserve.kernels import cpu_elementwise
-
-        return cpu_elementwise.silu_mul(gate_up)
-    return silu_and_mul(gate_up)
-
-
 class ElementwiseOps:
-    """The element-wise work of a layer (add + RMSNorm, rotary, SiLU·mul), shared by all layers of a model.
+    """The element-wise work of a layer, shared by all layers of a model: eager torch, several passes over memory
+    (on a GPU, several kernel launches each). The subclasses below replace it; select_elementwise_ops picks one
+    once, when the model is built."""
 
-    Eager torch runs each as several passes over memory (and, on a GPU, several kernel launches). Faster
-    implementations replace it: `use_triton()` (GPU) swaps in the fused Triton kernels of aserve/kernels/fused.py;
-    `use_native()` (CPU) the C kernels of aserve/kernels/cpu_elementwise.py; where those cannot be compiled, `compile()`
-    (CPU) swaps in torch.compile'd versions for steps of at least `min_tokens` tokens — smaller steps stay eager,
-    since entering a compiled region costs more than fusion saves there."""
-
-    def __init__(self) -> None:
-        self._fast: dict | None = None
-        self.min_tokens = 0
-        self.kind = "eager"
-
-    def compile(self, min_tokens: int = 32) -> None:
-        self._fast = {
-            fn.__name__: torch.compile(fn, dynamic=True) for fn in (add_rms_norm, split_rotate_qkv, silu_and_mul)
-        }
-        self.min_tokens = min_tokens
-        self.kind = "compiled"
-
-    def use_native(self) -> None:
-        """CPU: the C kernels of aserve/kernels/cpu_elementwise.py for add + RMSNorm, rotary and (bf16) SiLU·mul, at
-        every step size (one call each, microseconds of overhead; a torch.compile'd region costs ~50-100 us to enter,
-        eager torch runs several ops)."""
-        from aserve.kernels import cpu_elementwise
-
-        self._fast = {
-            "add_rms_norm": cpu_elementwise.add_rms_norm,
-            "split_rotate_qkv": cpu_elementwise.rotary_split,
-            "silu_and_mul": _native_silu_and_mul,
-        }
-        self.min_tokens = 0
-        self.kind = "native"
-
-    def use_triton(self) -> None:
-        from aserve.kernels import fused
-
-        self._fast = {
-            "add_rms_norm": fused.add_rms_norm,
-            "split_rotate_qkv": fused.rotary_split,
-            "silu_and_mul": fused.silu_and_mul,
-        }
-        self.min_tokens = 0
-        self.kind = "triton"
+    kind = "eager"
+    min_tokens = 0  # steps of fewer tokens run eager torch (CompiledElementwiseOps); warm-up compiles at this size
 
     @property
     def compiled(self) -> bool:
         return self.kind == "compiled"
 
-    def _pick(self, fn, num_tokens: int):
-        if self._fast is not None and num_tokens >= self.min_tokens:
-            return self._fast[fn.__name__]
-        return fn
-
     def add_rms_norm(self, x, residual, weight, eps):
-        return self._pick(add_rms_norm, x.shape[0])(x, residual, weight, eps)
+        return add_rms_norm(x, residual, weight, eps)
 
     def split_rotate_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
-        return self._pick(split_rotate_qkv, qkv.shape[0])(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        return split_rotate_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
 
     def silu_and_mul(self, gate_up):
-        return self._pick(silu_and_mul, gate_up.shape[0])(gate_up)
+        return silu_and_mul(gate_up)
+
+
+class CompiledElementwiseOps(ElementwiseOps):
+    """CPU where the C kernels cannot be built: torch.compile'd versions for steps of at least `min_tokens` tokens;
+    smaller steps stay eager, since entering a compiled region costs more than fusion saves there."""
+
+    kind = "compiled"
+
+    def __init__(self, min_tokens: int = 32) -> None:
+        self.min_tokens = min_tokens
+        self._add_rms_norm, self._split_rotate_qkv, self._silu_and_mul = (
+            torch.compile(fn, dynamic=True) for fn in (add_rms_norm, split_rotate_qkv, silu_and_mul)
+        )
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        fn = self._add_rms_norm if x.shape[0] >= self.min_tokens else add_rms_norm
+        return fn(x, residual, weight, eps)
+
+    def split_rotate_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        fn = self._split_rotate_qkv if qkv.shape[0] >= self.min_tokens else split_rotate_qkv
+        return fn(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+    def silu_and_mul(self, gate_up):
+        return (self._silu_and_mul if gate_up.shape[0] >= self.min_tokens else silu_and_mul)(gate_up)
+
+
+class NativeCpuElementwiseOps(ElementwiseOps):
+    """CPU: the C kernels of aserve/kernels/cpu_elementwise.py, at every step size (one call each, microseconds of
+    overhead; a torch.compile'd region costs ~50-100 us to enter, eager torch runs several ops). SiLU·mul in C for
+    bf16 (1.7-1.9x eager torch); float32 stays eager (the C loop does not vectorise there and is no faster)."""
+
+    kind = "native"
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self._silu_and_mul = cpu_elementwise.silu_mul if dtype == torch.bfloat16 else silu_and_mul
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return cpu_elementwise.add_rms_norm(x, residual, weight, eps)
+
+    def split_rotate_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        return cpu_elementwise.rotary_split(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+    def silu_and_mul(self, gate_up):
+        return self._silu_and_mul(gate_up)
+
+
+class TritonElementwiseOps(ElementwiseOps):
+    """GPU: the fused Triton kernels of aserve/kernels/fused.py (one launch each)."""
+
+    kind = "triton"
+
+    def __init__(self) -> None:
+        from aserve.kernels import fused  # Triton: optional, imported once it is chosen
+
+        self._fused = fused
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._fused.add_rms_norm(x, residual, weight, eps)
+
+    def split_rotate_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        return self._fused.rotary_split(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+    def silu_and_mul(self, gate_up):
+        return self._fused.silu_and_mul(gate_up)
+
+
+def select_elementwise_ops(device: torch.device, dtype: torch.dtype, compile_model: bool) -> ElementwiseOps:
+    """GPU: Triton. CPU: the C kernels where they build for `dtype`, else torch.compile'd (if `compile_model`), else
+    eager."""
+    if device.type == "cuda":
+        return TritonElementwiseOps()
+    if device.type == "cpu":
+        if cpu_elementwise.supports(dtype):
+            return NativeCpuElementwiseOps(dtype)
+        if compile_model:
+            return CompiledElementwiseOps()
+    return ElementwiseOps()

@@ -8,8 +8,9 @@ forward runs (so the same roundings):
     add_rms_norm -> gemv qkv -> rotary_split (k / v written straight into their cache slot) -> paged attention
     -> gemv o -> add_rms_norm -> gemv gate_up -> silu_mul -> gemv down
 
-Built by LlamaForCausalLM.optimize_for_cpu where every piece applies (bf16, no biases, the C kernels compiled,
-AVX512-BF16 for the GEMV); used for steps of one decode token whose backend chose the decode kernel.
+Built by LlamaForCausalLM.process_weights_after_loading where every piece applies (bf16, no biases, the C kernels
+compiled, AVX512-BF16 for the GEMV, the CPU attention backend); used for every step of one token (which that backend
+runs on its decode kernel).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from aserve.kernels import cpu_attention, cpu_elementwise, cpu_gemv
+from aserve.layers.attention.cpu_backend import CPUAttentionBackend
+from aserve.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 class OneTokenForward:
@@ -47,14 +50,14 @@ class OneTokenForward:
 
     @staticmethod
     def applies(model) -> bool:
-        """Every layer bf16, without biases, with its linears on the C GEMV; the element-wise and attention kernels
-        compiled."""
-        if not (len(model.layers) and model.ops.kind == "native" and cpu_attention.available()):
+        """Every layer bf16, without biases, with its linears unquantised and on the C GEMV; the element-wise kernels
+        in C, and attention on the C decode kernel."""
+        if not (len(model.layers) and model.ops.kind == "native" and isinstance(model.backend, CPUAttentionBackend)):
             return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if not getattr(m, "cpu_gemv", False) or m.bias is not None:
+                if not (isinstance(m.quant_method, UnquantizedLinearMethod) and m.cpu_gemv) or m.bias is not None:
                     return False
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 if norm.weight.dtype != torch.bfloat16:

@@ -2,6 +2,9 @@
 
 The forward takes tensors and an explicit AttentionMetadata; it knows nothing of requests, padding or scheduling.
 q/k/v and gate/up projections are fused into one matmul each; `load_weights` maps HF checkpoint names onto them.
+Everything that depends on the device or the checkpoint's format is chosen before the forward runs: the attention
+backend and the element-wise ops when the model is built, each linear's quantisation method at construction and its
+kernel in process_weights_after_loading.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from aserve.layers.layernorm import RMSNorm
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.layers.rotary import RotaryEmbedding, rope_parameters
+from aserve.models.cpu_one_token import OneTokenForward
 
 # HF name fragment -> (fused parameter fragment, shard id)
 _STACKED = {
@@ -30,13 +34,17 @@ _STACKED = {
 }
 
 
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend, qkv_bias: bool, ops, quant_config: QuantizationConfig | None,
-                 prefix: str) -> None:  # fmt: skip
+    def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, qkv_bias: bool,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:  # fmt: skip
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
@@ -50,10 +58,12 @@ class Attention(nn.Module):
                              quant_config=quant_config, checkpoint_names=[f"{prefix}.o_proj"])  # fmt: skip
         self.backend = backend
         self.ops = ops
+        # Triton on both sides (GPU): rotary and the cache write in one kernel, then attention.
+        self.rotates_into_cache = backend.writes_rotated_kv and ops.kind == "triton"
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
-        if self.ops.kind == "triton" and self.backend.writes_rotated_kv:  # rotary + cache write in one kernel
+        if self.rotates_into_cache:
             q, k_new, v_new = self.backend.rotate_and_write(qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads,
                                                             self.head_dim)  # fmt: skip
             out = self.backend.attend(q, k_new, v_new, kv_cache, meta)
@@ -69,7 +79,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, ops, quant_config: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(self, cfg, ops: ElementwiseOps, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.ops = ops
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -82,8 +92,9 @@ class MLP(nn.Module):
                                 checkpoint_names=[f"{prefix}.down_proj"])  # fmt: skip
 
     def forward(self, x):
-        # SiLU·mul inside a linear's kernel where its method takes this input (base.py): the gate/up GEMV's epilogue
-        # (AWQ on a GPU, small decode batches) or the down projection's prologue (GPU, batch-1 decode).
+        # SiLU·mul inside a linear's kernel where its method takes this input (layers/quantization/base.py): the
+        # gate/up GEMV's epilogue (AWQ on a GPU, small decode batches) or the down projection's prologue (GPU,
+        # batch-1 decode).
         if self.gate_up_proj.fuses_silu_mul_out(x):
             return self.down_proj(self.gate_up_proj.forward_silu_mul_out(x))
         gate_up = self.gate_up_proj(x)
@@ -97,10 +108,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend, qkv_bias: bool, ops: ElementwiseOps, quant_config: QuantizationConfig | None,
-                 prefix: str) -> None:  # fmt: skip
+    def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, qkv_bias: bool,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(cfg, backend, qkv_bias, ops, quant_config, f"{prefix}.self_attn")
+        self.self_attn = Attention(cfg, backend, ops, qkv_bias, quant_config, f"{prefix}.self_attn")
         self.mlp = MLP(cfg, ops, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -117,31 +128,43 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM (which adds a q/k/v bias)."""
 
-    def __init__(self, cfg, backend: AttentionBackend, quant_config: QuantizationConfig | None,
+    def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, quant_config: QuantizationConfig | None,
                  max_position: int) -> None:  # fmt: skip
         super().__init__()
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         theta, scaling = rope_parameters(cfg)
-        self.ops = ElementwiseOps()
-        self.rotary = RotaryEmbedding(head_dim, max_position, theta, scaling)
+        self.backend = backend
+        self.ops = ops
+        self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, theta, scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, qkv_bias, self.ops, quant_config, f"model.layers.{i}")
+            DecoderLayer(cfg, backend, ops, qkv_bias, quant_config, f"model.layers.{i}")
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # unquantised, as AutoAWQ leaves it
         self.tie_weights()
-        self.cpu_one_token = None  # CPU: aserve/models/cpu_one_token.py (set by optimize_for_cpu where it applies)
+        # CPU: steps of one token through aserve/models/cpu_one_token.py (set by process_weights_after_loading)
+        self.cpu_one_token: OneTokenForward | None = None
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config says so (again after moving off the meta device,
         which unties parameters)."""
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def process_weights_after_loading(self) -> None:
+        """Once the weights are in, on their device (the loader calls it; call it again after changing weights):
+        every linear's method prepares its weights and picks its kernel (aserve/layers/quantization), then the CPU
+        one-token path is set up where it applies (ASERVE_CPU_ONE_TOKEN=0: never)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+        self.cpu_one_token = None
+        if envs.ASERVE_CPU_ONE_TOKEN and OneTokenForward.applies(self):
+            self.cpu_one_token = OneTokenForward(self)
 
     def forward(
         self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata, num_layers: int | None = None
@@ -150,34 +173,12 @@ class LlamaForCausalLM(nn.Module):
         (before the final norm). `num_layers` runs only the first layers (layer-skip self-speculation)."""
         x = self.embed_tokens(input_ids)
         rotary_cos_sin = self.rotary(positions, x.dtype)
-        if self.cpu_one_token is not None and x.shape[0] == 1 and meta.backend_data.get("decode_kernel"):
+        if self.cpu_one_token is not None and x.shape[0] == 1:
             return self.cpu_one_token(x, *rotary_cos_sin, kv_caches, meta, num_layers)
         residual = None
         for i, layer in enumerate(self.layers[:num_layers]):
             x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
         return x + residual
-
-    def process_weights_after_loading(self) -> None:
-        """Once the weights are in, on their device: every linear's method prepares its weights and picks its
-        kernel (aserve/layers/quantization)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.process_weights_after_loading()
-
-    def optimize_for_cpu(self, compile_elementwise: bool) -> None:
-        """CPU: the element-wise work in C kernels (aserve/kernels/cpu_elementwise.py, compiled once per machine),
-        or where they cannot be built, torch.compile'd if `compile_elementwise`; one-token steps through
-        aserve/models/cpu_one_token.py where it applies (ASERVE_CPU_ONE_TOKEN=0: off)."""
-        from aserve.kernels import cpu_elementwise
-
-        if cpu_elementwise.supports(self.embed_tokens.weight.dtype):
-            self.ops.use_native()
-        elif compile_elementwise:
-            self.ops.compile()
-        from aserve.models.cpu_one_token import OneTokenForward
-
-        if envs.ASERVE_CPU_ONE_TOKEN and OneTokenForward.applies(self):
-            self.cpu_one_token = OneTokenForward(self)
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in `dtype` (None: the model's)."""

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from aserve import envs
+from aserve.layers.elementwise import select_elementwise_ops
 from aserve.layers.quantization import QUANTIZATION_CONFIGS, get_quantization_config
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.models.model_path import ModelNotFoundError
@@ -46,19 +47,21 @@ def build_model(
     compile_model: bool = False,
     quantization: str | None = None,
 ) -> torch.nn.Module:
-    """Constructs the architecture on the meta device (every linear with its quantisation method), materialises it on
-    `device`, loads (or draws) weights, lets every layer prepare them for its kernels (process_weights_after_loading)
-    and picks the element-wise implementation for the device (Triton kernels on GPU; C kernels or torch.compile on
-    CPU). `quantization` (the engine argument): what the checkpoint must be."""
+    """Picks the element-wise implementation for the device (Triton kernels on GPU; C kernels, or torch.compile'd
+    where they do not build, on CPU), constructs the architecture on the meta device with it, `backend` and every
+    linear's quantisation method, materialises it on `device`, loads (or draws) weights and lets every layer prepare
+    them for its kernels (process_weights_after_loading). `quantization` (the engine argument): what the checkpoint
+    must be."""
     model_class = get_model_class(hf_config)
     quant_config = get_quantization_config(hf_config)
     check_quantization_arg(quantization, quant_config, model_dir)
+    ops = select_elementwise_ops(device, dtype, compile_model)
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = model_class(hf_config, backend, quant_config, max_position=max_model_len)
+            model = model_class(hf_config, backend, ops, quant_config, max_position=max_model_len)
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)
@@ -67,13 +70,10 @@ def build_model(
     load_weights(model, model_dir, load_format, seed, show_progress=True)
     model.eval()
     model.process_weights_after_loading()
-    if device.type == "cpu":
-        model.optimize_for_cpu(compile_elementwise=compile_model)
-    elif device.type == "cuda":
+    if device.type == "cuda":
         from aserve.kernels import pdl  # Triton: optional, imported where it runs
 
         torch.cuda.empty_cache()  # AWQ: the AutoAWQ tensors that repacking freed
-        model.ops.use_triton()
         # Programmatic dependent launch of aserve's kernels (Hopper and newer; ASERVE_PDL=0: off, for A/B runs).
         pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and envs.ASERVE_PDL)
     return model

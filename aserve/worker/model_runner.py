@@ -24,9 +24,8 @@ import torch
 
 from aserve.core.kv_cache_manager import cdiv
 from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from aserve.layers.attention.backend import AttentionBackend
 from aserve.layers.attention.metadata import AttentionMetadata
-from aserve.layers.attention.torch_backend import TorchAttentionBackend
+from aserve.layers.attention.selector import select_attention_backend
 from aserve.models.loader import build_model
 from aserve.worker.cuda_graphs import DecodeGraphs
 from aserve.worker.sampler import PendingSample, Sampler, SamplerOutput, list_to_device
@@ -164,7 +163,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.backend = self.make_backend(attention_backend, hf_config, max_num_seqs, device)
+        self.backend = select_attention_backend(attention_backend, hf_config, dtype, max_num_seqs, device)
         # GPU: every step runs on a dedicated stream (its host sync, reading the sampled tokens, happens in the
         # engine's worker thread, never on the event loop).
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -184,16 +183,6 @@ class ModelRunner:
         self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq, device)
         self.sampler = Sampler(device, seed)
         self.kv_caches: torch.Tensor | None = None
-
-    @staticmethod
-    def make_backend(name: str, hf_config, max_num_seqs: int, device: torch.device) -> AttentionBackend:
-        if name == "torch" or (name == "auto" and device.type != "cuda"):
-            return TorchAttentionBackend()
-        from aserve.layers.attention.triton_backend import TritonAttentionBackend
-
-        num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, max_num_seqs, device)
 
     def capture_cuda_graphs(self) -> None:
         self.graphs = DecodeGraphs(self, self.max_num_seqs)

@@ -1,4 +1,6 @@
-"""The interface every attention backend implements."""
+"""The interface every attention backend implements. One backend object is chosen at engine start (selector.py)
+and shared by all layers; what it works out once per step (which requests batch together, gather indices, masks,
+split-KV segments) is its own dataclass, which prepare() puts into AttentionMetadata.state."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ class AttentionBackend(ABC):
     """Writes the step's new K/V into the paged cache and computes causal attention for every query token."""
 
     # True: rotate_and_write(qkv, cos, sin, kv_cache, meta, num_heads, head_dim) -> (q, k_new, v_new) does rotary
-    # and the cache write in one pass, and attend(q, k_new, v_new, kv_cache, meta) then computes attention.
+    # and the cache write in one pass (a Triton kernel: the model uses it where its element-wise ops are Triton's
+    # too), and attend(q, k_new, v_new, kv_cache, meta) then computes attention.
     writes_rotated_kv = False
 
+    @abstractmethod
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Per-step work shared by all layers (called once before the forward); none by default."""
-        return
+        """Builds the step's state into meta.state (once per step, before the forward)."""
 
     @abstractmethod
     def forward(

@@ -14,7 +14,8 @@ token ("decodes") come first, so a backend can treat them as one batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_seq_len: int
     max_query_len: int
-    backend_data: dict = field(default_factory=dict)
+    # The attention backend's per-step state (its own dataclass), built once per step by its prepare() for all layers.
+    state: Any = None
 
     @property
     def num_reqs(self) -> int:
