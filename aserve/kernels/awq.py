@@ -1,5 +1,5 @@
 """Triton kernels for AWQ int4 linear layers (AutoAWQ "gemm" layout; see aserve/kernels/awq_reference.py for the layout
-and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M (AWQLinear
+and the pure-torch reference they are tested against). `awq_linear` picks one by the number of rows M (an AWQ layer
 on a GPU: the same kernels' twins over awq_repack's layout, *_repacked, which is all it keeps of the weights):
 
     M == 1       awq_gemv     batch-1 decode: memory-bound. fp16 / bf16 activations: packed f16x2 arithmetic in
@@ -42,14 +42,14 @@ each then increments its column block's int32 counter (atomic, acq_rel, after a 
 partials are released). The program that takes it to SPLIT_K - 1 sums the partials in a fixed order (so results do
 not depend on scheduling), adds the bias, writes the output and sets the counter back to 0: one launch instead of a
 GEMV and a reduce kernel, and the counters are zero again for the next launch or CUDA-graph replay. Counters are
-allocated once (gemv_counters: AWQLinear keeps one set per layer; plain awq_gemv calls share one per device and
+allocated once (gemv_counters: an AWQ layer keeps its own set; plain awq_gemv calls share one per device and
 output size), never during graph capture. Two launches that share counters must not overlap: kernels in one stream
 do not, also with programmatic dependent launch (aserve/kernels/pdl.py), which this kernel uses like the rest of
 kernels/: every program waits for the previous kernel (gdc_sync) before it touches x, the partials or the counters. Its
 first tile's weights, zeros and scales are loaded before that wait (nothing in a decode step writes them), so with PDL
 their DRAM latency overlaps the previous kernel's tail.
 
-M = 1 over a repacked copy (awq_repack, built once at load time; AWQLinear.repack then frees the AutoAWQ tensors,
+M = 1 over a repacked copy (awq_repack, built once at load time; AWQLinearMethod.repack then frees the AutoAWQ tensors,
 and the M <= 16 tl.dot GEMV and the dequantise kernel read the copy too): the same arithmetic and reduction over a
 layout where each warp load is 512 contiguous bytes, a program's tiles are one contiguous chunk, zero points
 (already in the asm's form) and scales sit beside the weights (16-byte loads) and inputs come as row pairs; 9-13 %
@@ -1050,7 +1050,7 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 def gemv_counters(n: int, device) -> torch.Tensor:
     """Zeroed int32 counters for the M = 1 kernel's fused split-K reduction of an [.., n] output: one per column
     block at any BLOCK_N (n / 8 of them). Each launch leaves them at zero again, so one set serves every launch
-    that cannot overlap with another user of it: AWQLinear keeps one per layer; awq_gemv without `counters` shares
+    that cannot overlap with another user of it: an AWQ layer keeps its own; awq_gemv without `counters` shares
     one per (device, n). Not during CUDA graph capture (the graph's memory pool would hold them)."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -1208,7 +1208,7 @@ def awq_gemv_repacked(x, packed: RepackedAWQ, bias=None, counters=None, tiles: i
 
 
 # -- M > 1 over the repacked copy: tl.dot GEMV (M <= 16) and the dequantise kernel (M > 16) ---------------------
-# With these, a layer that awq_repack fits needs no AutoAWQ tensors on the GPU: AWQLinear.repack drops them, so the
+# With these, a layer that awq_repack fits needs no AutoAWQ tensors on the GPU: repacking drops them, so the
 # int4 weights are held once. Both decode awq_repack's meta back to (z, s) per column and unpack nibbles with the
 # float32 mantissa trick of _diff (exact: (q - z) * 16**e, then times s * 16**-e), so the weights they produce are
 # bit-identical to the AutoAWQ kernels' (and the reference's). K row 16 i + r of a tile sits at layout position
@@ -1381,7 +1381,7 @@ def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=
                packed: RepackedAWQ | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's; `packed`
     (awq_repack's copy of the same weights): every M runs over it, so qweight / qzeros / scales are not read then
-    (after AWQLinear.repack they are empty)."""
+    (after AWQLinearMethod.repack they are empty)."""
     m = x.shape[0]
     if packed is not None:
         if m <= REPACKED_GEMV1_MAX_M and x.dtype in F16X2_DTYPES:

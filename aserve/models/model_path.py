@@ -13,6 +13,7 @@ import tempfile
 import time
 
 import torch
+from safetensors.torch import save_file
 
 from aserve import envs
 
@@ -75,7 +76,7 @@ def convert_gguf(gguf_path: str) -> str:
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
 
-    from safetensors.torch import save_file
+    # heavy, and needed only for the first start on a GGUF file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
