@@ -12,8 +12,9 @@ process_weights_after_loading picks the kernel for the weight's device and dtype
     otherwise       F.linear.
 
 What it sets on the layer: `kernel` (the function apply runs), `packed_weight` (the oneDNN copy or None),
-`cpu_gemv` (the C GEMV reads this weight), `triton_gemv` / `gemv_config` / `gemv_silu_config` (aserve/kernels/gemv.py's
-gemv and its launch configurations, or None) and `silu_mul_in_max_rows` (1 where apply_silu_mul_in applies, else 0).
+`cpu_gemv` (the C GEMV reads this weight), `row_gemv` (the CPU one-row GEMV: cpu_gemv.gemv or torch.mv),
+`triton_gemv` / `gemv_config` / `gemv_silu_config` (aserve/kernels/gemv.py's gemv and its launch configurations, or
+None) and `silu_mul_in_max_rows` (1 where apply_silu_mul_in applies, else 0).
 """
 
 from __future__ import annotations
@@ -37,18 +38,10 @@ def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
 
 
-def _onednn_rows_c_gemv(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """oneDNN; one row: aserve/kernels/cpu_gemv.py on the plain weight."""
+def _onednn_rows_gemv(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """oneDNN; one row: layer.row_gemv (aserve/kernels/cpu_gemv.py's gemv, or torch.mv) on the plain weight."""
     if x.shape[0] == 1:
-        y = cpu_gemv.gemv(layer.weight, x[0]).unsqueeze(0)
-        return y if layer.bias is None else y + layer.bias
-    return _onednn(layer, x)
-
-
-def _onednn_rows_mv(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """oneDNN; one row: torch.mv on the plain weight."""
-    if x.shape[0] == 1:
-        y = torch.mv(layer.weight, x[0]).unsqueeze(0)
+        y = layer.row_gemv(layer.weight, x[0]).unsqueeze(0)
         return y if layer.bias is None else y + layer.bias
     return _onednn(layer, x)
 
@@ -69,7 +62,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     @staticmethod
     def _reset(layer: nn.Module) -> None:
         layer.kernel = _f_linear
-        layer.packed_weight = None
+        layer.packed_weight = layer.row_gemv = None
         layer.cpu_gemv = False
         layer.triton_gemv = layer.gemv_config = layer.gemv_silu_config = None
         layer.silu_mul_in_max_rows = 0
@@ -95,10 +88,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         except (RuntimeError, AttributeError):
             return False
         layer.cpu_gemv = cpu_gemv.supports(layer.weight)
-        if not envs.ASERVE_CPU_MV:
-            layer.kernel = _onednn
-        else:
-            layer.kernel = _onednn_rows_c_gemv if layer.cpu_gemv else _onednn_rows_mv
+        layer.row_gemv = cpu_gemv.gemv if layer.cpu_gemv else torch.mv
+        layer.kernel = _onednn_rows_gemv if envs.ASERVE_CPU_MV else _onednn
         return True
 
     def use_triton_gemv(self, layer: nn.Module, config: dict | None = None, silu_config: dict | None = None) -> bool:
