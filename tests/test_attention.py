@@ -45,3 +45,15 @@ def test_torch_backend_matches_reference(case, heads, dtype, backend_name):
     ref = reference_paged_attention(q, ref_cache, meta, block_size)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_cuda_graphs_only_for_backends_that_need_no_host_work_per_step(tiny_model):
+    """A CUDA graph replays the state its capture's prepare() built: the torch backends build theirs on the host
+    from each step's requests, so the runner captures no graphs with them (the Triton backend's fits any replay)."""
+    from aserve import LLM
+    from aserve.layers.attention.triton_backend import TritonAttentionBackend
+
+    runner = LLM(tiny_model, dtype="float32", enforce_eager=True, attention_backend="torch").engine.runner
+    assert not runner.backend.supports_cuda_graphs and TritonAttentionBackend.supports_cuda_graphs
+    runner.capture_cuda_graphs()
+    assert runner.graphs is None

@@ -185,6 +185,9 @@ class ModelRunner:
         self.kv_caches: torch.Tensor | None = None
 
     def capture_cuda_graphs(self) -> None:
+        if not self.backend.supports_cuda_graphs:
+            logger.info("No CUDA graphs: the %s prepares every step on the host", type(self.backend).__name__)
+            return
         self.graphs = DecodeGraphs(self, self.max_num_seqs)
         self.graphs.capture()
 

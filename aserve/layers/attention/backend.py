@@ -18,6 +18,9 @@ class AttentionBackend(ABC):
     # and the cache write in one pass (a Triton kernel: the model uses it where its element-wise ops are Triton's
     # too), and attend(q, k_new, v_new, kv_cache, meta) then computes attention.
     writes_rotated_kv = False
+    # True: prepare() reads nothing per step on the host that a replay would need afresh, so decode steps can be
+    # captured in CUDA graphs (aserve/worker/cuda_graphs.py) and replayed with other inputs.
+    supports_cuda_graphs = False
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:

@@ -42,6 +42,7 @@ def _reads_new_kv(meta: AttentionMetadata) -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     writes_rotated_kv = True
+    supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, device) -> None:
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
