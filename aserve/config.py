@@ -33,7 +33,7 @@ class EngineArgs:
     kv_cache_memory_gb: float | None = None  # KV budget; default on CPU: 2 GiB (capped to what can be used)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests, experiments)
     load_format: str = "auto"  # auto | dummy
-    quantization: str | None = None  # awq: the checkpoint must be AWQ int4 (always detected from its config anyway)
+    quantization: str | None = None  # awq: the checkpoint must be AWQ int4 (checked when the model is built)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     speculative_config: str | dict | None = None  # JSON or dict, vLLM's shape (see aserve/spec/config.py)
@@ -67,10 +67,6 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.quantization is not None:
-            from aserve.quantization.awq_format import check_quantization_arg
-
-            check_quantization_arg(self.quantization, self.model)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -18,7 +18,7 @@ tune_graph   the M = 1 sweep of tune alone
 small_m      M = 1-16 in CUDA graphs with PDL: bf16 vs the f16x2 kernel (one program per row) vs tl.dot, both
              over the repacked copy; sets the row count up to which the f16x2 kernel is used
 tune_repacked  launch-config sweeps of the tl.dot GEMV (M = 4, 16) and the dequantise kernel over awq_repack's
-             layout (the layout AWQLinear keeps: the kernels section times the engine's path on it)
+             layout (the layout an AWQ layer keeps on a GPU: the kernels section times the engine's path on it)
 m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies with programmatic dependent launch (how
              decode runs: no launch gaps), over the repacked copy (the engine's path) and the AutoAWQ tensors
 silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV + silu_and_mul (graphs, M = 1, 2,
@@ -240,7 +240,7 @@ def kernels() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for k, n in SHAPES:
         qweight, qzeros, scales = random_awq(k, n)
-        packed = awq.awq_repack(qweight, qzeros, scales, GROUP)  # what AWQLinear runs on (and all it keeps)
+        packed = awq.awq_repack(qweight, qzeros, scales, GROUP)  # what an AWQ layer runs on (and all it keeps)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -335,7 +335,7 @@ def graph_us(fn, inputs: list) -> float:
 
 def m1_graph() -> None:
     """M = 1 inside CUDA graphs with programmatic dependent launch (as decode runs on Hopper): bf16 cuBLAS vs the
-    int4 f16x2 GEMV over the repacked copy (what AWQLinear runs) and over the AutoAWQ tensors."""
+    int4 f16x2 GEMV over the repacked copy (what an AWQ layer runs) and over the AutoAWQ tensors."""
     from aserve.kernels import awq, pdl
 
     print("\n| K x N | bf16 us | int4 repacked us | speed-up | int4 TB/s | AutoAWQ-tensor kernel us | SPLIT_K |")
@@ -368,11 +368,11 @@ def m1_graph() -> None:
 def silu(root: str) -> None:
     """SiLU·mul applied by the gate/up projection's M <= 6 kernel (silu_mul_out: the last program of each gate / up
     column-block pair) against that GEMV then aserve/kernels/fused.py's silu_and_mul, in CUDA graphs with PDL at
-    4096x28672, M = 1, 2, 4; then AWQ decode with it (the default) and without (AWQLinear.fuses_silu_mul patched
-    to False, so the MLP runs the GEMV, then silu_and_mul)."""
+    4096x28672, M = 1, 2, 4; then AWQ decode with it (the default) and without (AWQLinearMethod.fuses_silu_mul_out
+    patched to False, so the MLP runs the GEMV, then silu_and_mul)."""
     from aserve.kernels import awq, pdl
     from aserve.kernels.fused import silu_and_mul
-    from aserve.quantization.awq_linear import AWQLinear
+    from aserve.layers.quantization.awq import AWQLinearMethod
 
     k, n = 4096, 28672
     print("\n| M | GEMV + silu_and_mul us | fused us | change |")
@@ -392,12 +392,12 @@ def silu(root: str) -> None:
         record(f"silu_gate_up_m{m}", round(fused, 1), "us", f"unfused (GEMV + silu_and_mul) {unfused:.1f} us")
     awq_dir = awq_model_dir(root)
     fused = decode_ms_per_token(awq_dir)
-    fuses = AWQLinear.fuses_silu_mul
-    AWQLinear.fuses_silu_mul = lambda self, x: False
+    fuses = AWQLinearMethod.fuses_silu_mul_out
+    AWQLinearMethod.fuses_silu_mul_out = lambda self, layer, x: False
     try:
         unfused = decode_ms_per_token(awq_dir)
     finally:
-        AWQLinear.fuses_silu_mul = fuses
+        AWQLinearMethod.fuses_silu_mul_out = fuses
     record("silu_decode_awq", round(fused, 3), "ms/token", f"without the fusion {unfused:.3f} ms/token")
 
 

@@ -1,5 +1,5 @@
 """CPU decode attention per layer: aserve/kernels/cpu_attention.py (AVX512-BF16 path and generic C) vs the torch path it
-replaces (block gather with index_select + SDPA, TorchAttentionBackend with DECODE_KERNEL off), SmolLM2 shapes
+replaces (block gather with index_select + SDPA: TorchAttentionBackend), SmolLM2 shapes
 (9 query / 3 KV heads, head_dim 64, bf16), in one command:
 
     python bench/cpu_attention.py [--threads N] [--repeats 3] [--e2e] [--baseline REV] [--layers 30]
@@ -9,7 +9,8 @@ Cases: batch 64 x 300-token contexts (the throughput workload's decode steps) an
 one), timed in the same alternating rounds, and prints the largest difference between the two outputs.
 --layers N adds the engine's memory pattern: N layer caches of 64 requests x 320 tokens called in turn (30 x ~16 MB
 of K/V, more than the L3 holds; the cases above repeat one layer, whose cache stays in cache), ms per call.
---e2e adds the engine with the kernel on and off (TorchAttentionBackend.DECODE_KERNEL), alternating in one process
+--e2e adds the engine with the kernel on and off (CPUAttentionBackend's decodes, and the one-token path, which
+reads the cache with it, or gather + SDPA), alternating in one process
 (this VM drifts by +-20 % between runs): bench/offline_throughput.py's two workloads, the embedded SmolLM2 in bf16 —
 64 requests x 256 random prompt tokens / 128 output tokens (output tok/s), and batch 1 x 128 / 256 (decode ms per
 token, the time to a first token subtracted). The torch path's
@@ -31,7 +32,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from attention_cases import random_batch  # noqa: E402
 
 from aserve.kernels import cpu_attention  # noqa: E402
-from aserve.model.attention import TorchAttentionBackend  # noqa: E402
+from aserve.layers.attention.cpu_backend import CPUAttentionBackend  # noqa: E402
+from aserve.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+
+_TAKES_DECODE_KERNEL = CPUAttentionBackend.takes_decode_kernel
+
+
+def use_decode_kernel(llm, on: bool, one_token) -> None:
+    """The engine's decodes on the C kernel (and one-token steps on `one_token`, the model's one-token path), or
+    gathered for SDPA."""
+    CPUAttentionBackend.takes_decode_kernel = _TAKES_DECODE_KERNEL if on else (lambda self, short_max_q: False)
+    llm.engine.core.runner.model.cpu_one_token = one_token if on else None
 
 
 def e2e(repeats: int) -> None:
@@ -51,15 +62,16 @@ def e2e(repeats: int) -> None:
         return time.perf_counter() - t0
 
     run(4, 64, 8)  # warm-up (compilation)
+    one_token = llm.engine.core.runner.model.cpu_one_token
     results: dict[str, list[float]] = {}
     for _ in range(repeats):
         for on in (True, False):
-            TorchAttentionBackend.DECODE_KERNEL = on
+            use_decode_kernel(llm, on, one_token)
             name = "kernel" if on else "gather + SDPA"
             results.setdefault(f"{name}: 64 x 256/128 output tok/s", []).append(64 * 128 / run(64, 256, 128))
             e2e_s, ttft_s = run(1, 128, 256), run(1, 128, 1)
             results.setdefault(f"{name}: batch 1 decode ms/token", []).append((e2e_s - ttft_s) / 255 * 1e3)
-    TorchAttentionBackend.DECODE_KERNEL = True
+    use_decode_kernel(llm, True, one_token)
     print("\n| engine, workload | runs (alternating) | median |\n|---|---|---|")
     for key, values in results.items():
         print(f"| {key} | {', '.join(f'{v:.1f}' for v in values)} | {statistics.median(values):.1f} |")
@@ -171,7 +183,6 @@ def main() -> None:
             print(f"{batch} x {ctx}: max |kernel - kernel at {args.baseline}| = {diff:.3g}")
         calls = 30 if batch > 1 else 300
         best = dict.fromkeys(fns, float("inf"))
-        TorchAttentionBackend.DECODE_KERNEL = False
         for _ in range(args.repeats):  # alternating, so drift hits every variant alike
             for name, fn in fns.items():
                 fn()
@@ -179,7 +190,6 @@ def main() -> None:
                 for _ in range(calls):
                     fn()
                 best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e3)
-        TorchAttentionBackend.DECODE_KERNEL = True
         rows.append((f"{batch} x {ctx}", best))
     names = list(rows[0][1])
     if args.layers > 1:

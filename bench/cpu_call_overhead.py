@@ -5,7 +5,7 @@ add + RMSNorm of one [1, 576] bf16 row (SmolLM2's hidden size; batch-1 decode), 
 
 Ways: the extension's raw entry point (pybind11, integer pointers: what the one-token forward calls), the same C
 function through ctypes (raw pointers, argument types declared), the typed op torch.ops.aserve.add_rms_norm, the
-Python function aserve.kernels.cpu_elementwise.add_rms_norm over it, and eager torch (aserve.model.layers). Rounds
+Python function aserve.kernels.cpu_elementwise.add_rms_norm over it, and eager torch (aserve.layers.elementwise). Rounds
 alternate between the ways; prints a table of us per call (best round, and every round).
 """
 
@@ -19,7 +19,7 @@ import time
 import torch
 
 from aserve.kernels import cpu_build, cpu_elementwise
-from aserve.model import layers
+from aserve.layers import elementwise as layers
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
         "ctypes (pointers)": lambda: c_fn(*ptrs, 1, 576, 1e-5, 1, 1, nt),
         "typed op torch.ops.aserve.add_rms_norm": lambda: op(x, res, w, 1e-5),
         "cpu_elementwise.add_rms_norm": lambda: cpu_elementwise.add_rms_norm(x, res, w, 1e-5),
-        "eager torch (aserve.model.layers)": lambda: layers.add_rms_norm(x, res, w, 1e-5),
+        "eager torch (aserve.layers.elementwise)": lambda: layers.add_rms_norm(x, res, w, 1e-5),
     }
     expected = op(x, res, w, 1e-5)
     ways["raw entry point (pybind11, pointers)"]()

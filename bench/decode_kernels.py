@@ -269,7 +269,7 @@ def idle_between_kernels(llm) -> dict:
 
 def _old_silu_config(llm) -> None:
     """The down projection's SiLU·mul GEMV on the plain config (as before GEMV_CONFIG_SILU_MUL)."""
-    from aserve.model.layers import Linear
+    from aserve.layers.linear import Linear
 
     for m in llm.engine.core.runner.model.modules():
         if isinstance(m, Linear):

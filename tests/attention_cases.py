@@ -2,7 +2,7 @@
 
 import torch
 
-from aserve.model.attention import AttentionMetadata
+from aserve.layers.attention.metadata import AttentionMetadata
 
 
 def random_batch(

@@ -1,12 +1,17 @@
-"""The torch attention backend against the explicit-softmax reference on ragged paged batches."""
+"""The torch attention backends (the reference, and the CPU one with its C decode kernel) against the
+explicit-softmax reference on ragged paged batches."""
 
 import pytest
 import torch
 from attention_cases import random_batch
 
+from aserve.kernels import cpu_attention
 from aserve.kernels.reference import paged_attention as reference_paged_attention
 from aserve.kernels.reference import write_kv_cache
-from aserve.model.attention import TorchAttentionBackend
+from aserve.layers.attention.cpu_backend import CPUAttentionBackend
+from aserve.layers.attention.torch_backend import TorchAttentionBackend
+
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CPUAttentionBackend}
 
 CASES = {
     "decode-only": ([1, 1, 1, 1], [0, 5, 31, 47]),
@@ -21,12 +26,15 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_matches_reference(case, heads, dtype):
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_torch_backend_matches_reference(case, heads, dtype, backend_name):
+    if backend_name == "cpu" and not cpu_attention.available():
+        pytest.skip("no working C compiler")
     q_lens, ctx_lens = CASES[case]
     num_heads, num_kv_heads = heads
     block_size = 16
     q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, num_heads, num_kv_heads, 32, block_size, 40, dtype)
-    backend = TorchAttentionBackend()
+    backend = BACKENDS[backend_name]()
     backend.prepare(meta, block_size)
     cache = kv_cache.clone()
     out = backend.forward(q, k, v, cache, meta)
@@ -37,3 +45,15 @@ def test_torch_backend_matches_reference(case, heads, dtype):
     ref = reference_paged_attention(q, ref_cache, meta, block_size)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_cuda_graphs_only_for_backends_that_need_no_host_work_per_step(tiny_model):
+    """A CUDA graph replays the state its capture's prepare() built: the torch backends build theirs on the host
+    from each step's requests, so the runner captures no graphs with them (the Triton backend's fits any replay)."""
+    from aserve import LLM
+    from aserve.layers.attention.triton_backend import TritonAttentionBackend
+
+    runner = LLM(tiny_model, dtype="float32", enforce_eager=True, attention_backend="torch").engine.core.runner
+    assert not runner.backend.supports_cuda_graphs and TritonAttentionBackend.supports_cuda_graphs
+    runner.capture_cuda_graphs()
+    assert runner.graphs is None

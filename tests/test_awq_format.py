@@ -7,15 +7,9 @@ import pytest
 import torch
 
 from aserve.kernels.awq_reference import dequantize, unpack_int4
-from aserve.quantization.awq_format import (
-    AWQConfig,
-    awq_config_from,
-    fake_quantize,
-    pack_int4,
-    pack_linear,
-    parse_awq_config,
-    quantize_groups,
-)
+from aserve.layers.quantization import get_quantization_config
+from aserve.layers.quantization.awq import AWQConfig
+from aserve.layers.quantization.awq_format import fake_quantize, pack_int4, pack_linear, quantize_groups
 
 
 def autoawq_pack(intweight: torch.Tensor) -> torch.Tensor:
@@ -84,13 +78,13 @@ def test_config_from_quantization_config_and_legacy_file(tmp_path):
     from transformers import AutoConfig, LlamaConfig
 
     cfg = LlamaConfig()
-    assert awq_config_from(cfg) is None
+    assert get_quantization_config(cfg) is None
     cfg.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
                                "version": "gemm", "modules_to_not_convert": ["down_proj"]}  # fmt: skip
-    parsed = awq_config_from(cfg)
+    parsed = get_quantization_config(cfg)
     assert parsed == AWQConfig(group_size=64, modules_to_not_convert=("down_proj",))
     assert not parsed.converts("model.layers.0.mlp.down_proj") and parsed.converts("model.layers.0.mlp.up_proj")
-    assert parse_awq_config(parsed.to_hf()) == parsed
+    assert AWQConfig.from_config(parsed.to_hf()) == parsed
 
     cfg.save_pretrained(tmp_path)  # legacy AutoAWQ: quant_config.json beside a config without the entry
     config_json = json.loads((tmp_path / "config.json").read_text())
@@ -100,7 +94,7 @@ def test_config_from_quantization_config_and_legacy_file(tmp_path):
         json.dumps({"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"})
     )
     legacy = AutoConfig.from_pretrained(tmp_path)  # as the engine loads it (AutoConfig records the directory)
-    assert awq_config_from(legacy) == AWQConfig(group_size=128)
+    assert get_quantization_config(legacy) == AWQConfig(group_size=128)
 
 
 @pytest.mark.parametrize(
@@ -119,4 +113,4 @@ def test_unsupported_configs_name_the_problem(raw, message):
     cfg = LlamaConfig()
     cfg.quantization_config = raw
     with pytest.raises(ValueError, match=message):
-        awq_config_from(cfg)
+        get_quantization_config(cfg)

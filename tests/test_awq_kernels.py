@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aserve.kernels import awq
-from aserve.kernels.awq import dispatch, split_k, tuning
+from aserve.kernels.awq import dispatch, split_k
 from aserve.kernels.awq_reference import awq_matmul, dequantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,14 +121,15 @@ def test_gemv1_f16_overflow_bound(r):
 
 
 def test_awq_linear_module_m1_keeps_its_own_counters():
-    from aserve.quantization.awq_linear import AWQLinear
+    from aserve.layers.linear import Linear
+    from aserve.layers.quantization.awq import AWQConfig
 
     k, n, g = 256, 136, 64
     qweight, qzeros, scales, bias = random_awq(k, n, g, seed=3)
-    layer = AWQLinear(k, n, bias=True, group_size=g).to(DEVICE)
+    layer = Linear(k, n, bias=True, quant_config=AWQConfig(group_size=g)).to(DEVICE)
     for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
         getattr(layer, name).data.copy_(t)
-    layer.backend = "triton"
+    layer.quant_method.use_triton(layer)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float16)
     ref = awq_matmul(x.float(), qweight, qzeros, scales, g, bias.float())
     for _ in range(2):
@@ -155,19 +156,6 @@ def test_dequantize_kernel_is_exact(group_size):
     ref = dequantize(qweight, qzeros, scales, group_size)
     for dtype in (torch.float32, torch.float16):  # (q - z) * s is exact in fp32; one rounding to fp16 in both
         assert torch.equal(awq.awq_dequantize(qweight, qzeros, scales, group_size, dtype), ref.to(dtype))
-
-
-def test_tuning_knobs_are_read_from_one_module(monkeypatch):
-    """aserve.kernels.awq shows tuning.py's knobs as they are when read; assigning one there raises (the kernels read
-    tuning.py, so the assignment would change nothing)."""
-    monkeypatch.setattr(tuning, "GEMV_MAX_M", 8)
-    assert awq.GEMV_MAX_M == 8
-    from aserve.kernels.awq import GEMV_MAX_M
-
-    assert GEMV_MAX_M == 8
-    with pytest.raises(AttributeError, match="aserve.kernels.awq.tuning.GEMV_MAX_M"):
-        awq.GEMV_MAX_M = 4
-    assert tuning.GEMV_MAX_M == 8
 
 
 def test_linear_dispatch_by_rows(monkeypatch):

@@ -18,7 +18,8 @@ from tiny_models import hf_greedy
 from aserve import LLM, SamplingParams
 from aserve.cli import main as cli_main
 from aserve.kernels.awq_reference import awq_matmul, dequantize
-from aserve.quantization.awq_linear import AWQLinear
+from aserve.layers.linear import Linear
+from aserve.layers.quantization.awq import AWQConfig, AWQLinearMethod
 
 MAX_NEW = 16
 PROMPTS = [[5, 9, 33, 2, 71], [100 + 3 * i for i in range(21)], [7 * i % 380 + 2 for i in range(40)]]
@@ -84,9 +85,14 @@ def aserve_greedy(path: str, **engine_args) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def awq_layer_map(model) -> dict:
+    return {
+        n: m for n, m in model.named_modules() if isinstance(m, Linear) and isinstance(m.quant_method, AWQLinearMethod)
+    }
+
+
 def awq_layers(llm) -> list[str]:
-    model = llm.engine.core.runner.model
-    return [n for n, m in model.named_modules() if isinstance(m, AWQLinear)]
+    return list(awq_layer_map(llm.engine.core.runner.model))
 
 
 @pytest.mark.parametrize("variant, group_size", [("gqa", 32), ("qwen2", 64)])
@@ -192,7 +198,7 @@ def test_fused_awq_linear_equals_its_parts_on_every_backend():
                                               generator=gen),  # fmt: skip
                       "scales": (torch.rand(2, out_features, generator=gen) * 0.05).half(),
                       "bias": torch.randn(out_features, generator=gen)})  # fmt: skip
-    layer = AWQLinear(64, 80, bias=True, group_size=32)
+    layer = Linear(64, 80, bias=True, quant_config=AWQConfig(group_size=32))
     start = 0
     for p in parts:
         size = p["scales"].shape[1]
@@ -201,13 +207,12 @@ def test_fused_awq_linear_equals_its_parts_on_every_backend():
         start += size
     x = torch.randn(5, 64, generator=gen)
     expected = torch.cat([awq_matmul(x, p["qweight"], p["qzeros"], p["scales"], 32, p["bias"]) for p in parts], 1)
-    assert torch.equal(layer(x), expected)  # reference backend on CPU
-    layer.backend = "triton"  # on a GPU, on the GPU (Triton's launcher takes no CPU tensors there)
+    assert torch.equal(layer(x), expected)  # reference kernel (before process_weights_after_loading)
+    layer.quant_method.use_triton(layer)  # on a GPU, on the GPU (Triton's launcher takes no CPU tensors there)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.testing.assert_close(layer.to(device)(x.to(device)).cpu(), expected, atol=1e-5, rtol=1e-5)
     layer.to("cpu")
-    layer.backend = "auto"
-    assert layer.prepack() and layer.dense is not None
+    assert layer.quant_method.use_dense_copy(layer) and layer.dense is not None
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -220,7 +225,7 @@ def test_gpu_engine_holds_awq_weights_once_and_matches_transformers(tiny_model_f
     llm = LLM(awq_dir, dtype="float32", enforce_eager=True, max_model_len=256)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert [o.outputs[0].token_ids for o in outs] == expected
-    layers = {n: m for n, m in llm.engine.core.runner.model.named_modules() if isinstance(m, AWQLinear)}
+    layers = awq_layer_map(llm.engine.core.runner.model)
     dropped = {n.split(".")[-1] for n, m in layers.items() if m.autoawq_dropped}
     assert dropped == {"o_proj", "gate_up_proj", "down_proj"}
     assert all(m.qweight.numel() == 0 for m in layers.values() if m.autoawq_dropped)
@@ -228,18 +233,19 @@ def test_gpu_engine_holds_awq_weights_once_and_matches_transformers(tiny_model_f
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the f16x2 AWQ kernels run on GPUs only")
 def test_gpu_engine_applies_silu_mul_in_the_awq_gate_up_kernel(tiny_model_factory, tmp_path, monkeypatch):
-    """fp16 decode on a GPU: the MLP's SiLU·mul runs in the gate/up GEMV's last programs (fuses_silu_mul), and
+    """fp16 decode on a GPU: the MLP's SiLU·mul runs in the gate/up GEMV's last programs (fuses_silu_mul_out), and
     greedy tokens equal those of the unfused path (the GEMV, then silu_and_mul: the same rounding)."""
     awq_dir = autoawq_checkpoint(tiny_model_factory("wide"), str(tmp_path / "awq"), 128)
     calls = []
-    fused = AWQLinear.forward_silu_mul_out
-    monkeypatch.setattr(AWQLinear, "forward_silu_mul_out", lambda self, x: calls.append(x.shape[0]) or fused(self, x))
+    fused = AWQLinearMethod.apply_silu_mul_out
+    monkeypatch.setattr(AWQLinearMethod, "apply_silu_mul_out",
+                        lambda self, layer, x: calls.append(x.shape[0]) or fused(self, layer, x))  # fmt: skip
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     tokens = {}
     for on in (True, False):
         if not on:
-            monkeypatch.setattr(AWQLinear, "fuses_silu_mul", lambda self, x: False)
+            monkeypatch.setattr(AWQLinearMethod, "fuses_silu_mul_out", lambda self, layer, x: False)
         llm = LLM(awq_dir, dtype="float16", enforce_eager=True, max_model_len=256)
         tokens[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         del llm

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from aserve.kernels.awq_reference import dequantize as dequantize_packed
 from aserve.kernels.awq_reference import unpack_int4
-from aserve.quantization.awq_format import fake_quantize, pack_quantized, quantize_groups
+from aserve.layers.quantization.awq_format import fake_quantize, pack_quantized, quantize_groups
 from aserve.quantize.awq_search import apply_clip, awq_layer, search_clip, search_scales
 from aserve.quantize.dense_layer import DenseDecoderLayer
 from aserve.quantize.gptq import SEARCHES, dequantize, gptq_quantize, gram, output_error

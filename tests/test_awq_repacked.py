@@ -1,6 +1,6 @@
 """The M = 1 AWQ GEMV over awq_repack's layout (aserve/kernels/awq/) against the pure-torch reference: the layout
 itself in torch, the kernel through Triton's interpreter on CPU at small shapes (the asm helpers' tl twins), on a GPU
-the same with the asm; and AWQLinear's use of the repacked copy."""
+the same with the asm; and the AWQ linear method's use of the repacked copy."""
 
 import pytest
 import torch
@@ -10,6 +10,8 @@ from aserve.kernels import awq
 from aserve.kernels.awq import tuning
 from aserve.kernels.awq.gemv1_repacked import _repacked_tiles_m1
 from aserve.kernels.awq_reference import awq_matmul, dequantize, unpack_int4
+from aserve.layers.linear import Linear
+from aserve.layers.quantization.awq import AWQConfig
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -21,13 +23,17 @@ def f16_halves(words: torch.Tensor) -> torch.Tensor:
     return h.view(torch.float16).float()
 
 
-def loaded_layer(k: int, n: int, seed: int, bias: bool):
-    """An AWQLinear (group 128, Triton backend) with random_awq(k, n, 128, seed)'s weights loaded -> (layer,
-    qweight, qzeros, scales, bias or None)."""
-    from aserve.quantization.awq_linear import AWQLinear
+def awq_layer(k: int, n: int, bias: bool, group_size: int) -> Linear:
+    """An AWQ Linear on DEVICE running the Triton kernels (weights not loaded)."""
+    layer = Linear(k, n, bias=bias, quant_config=AWQConfig(group_size=group_size)).to(DEVICE)
+    layer.quant_method.use_triton(layer)
+    return layer
 
-    layer = AWQLinear(k, n, bias=bias, group_size=128).to(DEVICE)
-    layer.backend = "triton"
+
+def loaded_layer(k: int, n: int, seed: int, bias: bool):
+    """An AWQ Linear (group 128, Triton kernels) with random_awq(k, n, 128, seed)'s weights loaded -> (layer,
+    qweight, qzeros, scales, bias or None)."""
+    layer = awq_layer(k, n, bias, 128)
     qweight, qzeros, scales, b = random_awq(k, n, 128, seed=seed)
     tensors = (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)) + ((("bias", b),) if bias else ())
     for name, t in tensors:
@@ -100,11 +106,8 @@ def test_repacked_m1_tiles_fill_one_wave(monkeypatch):
 def test_awq_linear_keeps_a_repacked_copy():
     """M = 1 runs over the copy made on the first call; loading weights drops it (made again from the new ones);
     a layer the layout does not fit (group 64) keeps the AutoAWQ kernel."""
-    from aserve.quantization.awq_linear import AWQLinear
-
     for k, n, g in ((256, 128, 128), (256, 128, 64)):
-        layer = AWQLinear(k, n, bias=True, group_size=g).to(DEVICE)
-        layer.backend = "triton"
+        layer = awq_layer(k, n, True, g)
         for seed in (3, 4):
             qweight, qzeros, scales, bias = random_awq(k, n, g, seed=seed)
             for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
@@ -138,26 +141,24 @@ def test_repacked_gemv_with_silu_mul_out_is_bit_identical(dtype, k, tiles, m, ro
 
 
 def test_awq_linear_applies_silu_mul_for_an_mlp():
-    """AWQLinear.fuses_silu_mul / forward_silu_mul_out (what the Llama MLP calls for small decode batches): only
-    once the repacked copy exists, up to REPACKED_GEMV1_MAX_M rows of fp16 / bf16, outputs a multiple of 256."""
+    """fuses_silu_mul_out / forward_silu_mul_out (what the Llama MLP calls for small decode batches): only once the
+    repacked copy exists, up to REPACKED_GEMV1_MAX_M rows of fp16 / bf16, outputs a multiple of 256."""
     from aserve.kernels.fused import silu_and_mul
-    from aserve.quantization.awq_linear import AWQLinear
 
     k, n = 256, 256
     layer = loaded_layer(k, n, 6, bias=False)[0]
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
-    assert not layer.fuses_silu_mul(x)  # no copy yet: the MLP runs the layer (which makes it), then silu_and_mul
+    assert not layer.fuses_silu_mul_out(x)  # no copy yet: the MLP runs the layer (which makes it), then silu_and_mul
     expected = silu_and_mul(layer(x))
-    assert layer.fuses_silu_mul(x) and not layer.fuses_silu_mul(x.float())
-    assert not layer.fuses_silu_mul(torch.zeros(awq.REPACKED_GEMV1_MAX_M + 1, k, device=DEVICE, dtype=x.dtype))
+    assert layer.fuses_silu_mul_out(x) and not layer.fuses_silu_mul_out(x.float())
+    assert not layer.fuses_silu_mul_out(torch.zeros(tuning.REPACKED_GEMV1_MAX_M + 1, k, device=DEVICE, dtype=x.dtype))
     assert torch.equal(layer.forward_silu_mul_out(x), expected)
-    narrow = AWQLinear(k, 128, bias=False, group_size=128).to(DEVICE)
-    narrow.backend = "triton"
-    narrow.__dict__["repacked"] = awq.awq_repack(*random_awq(k, 128, 128, seed=7)[:3], 128)
-    assert not narrow.fuses_silu_mul(x)  # 64 + 64 outputs: no whole column block per half
+    narrow = loaded_layer(k, 128, 7, bias=False)[0]
+    assert narrow.quant_method.repack(narrow, drop_autoawq=False) and narrow.repacked
+    assert not narrow.fuses_silu_mul_out(x)  # 64 + 64 outputs: no whole column block per half
 
 
-# -- M > 1 (and float32) over the repacked copy, and AWQLinear holding only that copy ------------------------------
+# -- M > 1 (and float32) over the repacked copy, and an AWQ layer holding only that copy ---------------------------
 
 
 @pytest.mark.parametrize("k, n", [(256, 256), (384, 128)])
@@ -194,22 +195,24 @@ def test_awq_linear_repack_holds_the_weights_once():
     """repack() frees the AutoAWQ tensors; every M (1 and 4 in fp16: the f16x2 kernel; 1 in float32 and 7: tl.dot;
     20: dequantise) and both backends then run over the repacked copy alone; loading into it afterwards is refused.
     A layer the layout does not fit keeps its tensors."""
-    from aserve.quantization.awq_linear import AWQLinear
-
     k, n = 256, 256
     layer, qweight, qzeros, scales, bias = loaded_layer(k, n, 11, bias=True)
-    assert layer.repack() and layer.autoawq_dropped
+    method = layer.quant_method
+    assert method.repack(layer) and layer.autoawq_dropped
     assert layer.qweight.numel() == layer.qzeros.numel() == layer.scales.numel() == 0
-    assert torch.equal(layer.dequantized_weight(torch.float32), dequantize(qweight, qzeros, scales, 128).t())
+    assert torch.equal(method.dequantized_weight(layer, torch.float32), dequantize(qweight, qzeros, scales, 128).t())
     for backend, m, dtype in (("triton", 1, torch.float16), ("triton", 1, torch.float32), ("triton", 4, torch.float16),
                               ("triton", 7, torch.float16), ("triton", 20, torch.float32),
                               ("torch", 3, torch.float32)):  # fmt: skip
-        layer.backend = backend
+        if backend == "triton":
+            method.use_triton(layer)
+        else:
+            method.use_torch(layer)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
         ref = awq_matmul(x.float(), qweight, qzeros, scales, 128, bias.float())
         assert rel_err(layer(x), ref) < (1e-5 if dtype == torch.float32 else REL_TOL[dtype]), (backend, m, dtype)
     with pytest.raises(RuntimeError, match="repack"):
         layer.load_output_slice(layer.scales, 0, n, scales)
 
-    small = AWQLinear(k, 64 + 8, bias=False, group_size=128).to(DEVICE)  # 72 outputs: not a whole column block
-    assert not small.repack() and not small.autoawq_dropped and small.qweight.numel() == k * 9
+    small = awq_layer(k, 64 + 8, False, 128)  # 72 outputs: not a whole column block
+    assert not small.quant_method.repack(small) and not small.autoawq_dropped and small.qweight.numel() == k * 9

@@ -1,5 +1,5 @@
 """The CPU decode attention kernel (aserve/kernels/cpu_attention.py, C compiled on first use) against the pure-torch
-reference, and the torch backend using it."""
+reference, and the CPU attention backend using it."""
 
 import pytest
 import torch
@@ -38,21 +38,23 @@ def test_decode_kernel_matches_reference(dtype, generic, heads, head_dim, ctx_le
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
-def test_torch_backend_uses_kernel_for_decodes_and_matches_without(monkeypatch):
-    """A mixed batch through TorchAttentionBackend: the decode rows go through the kernel, the rest through SDPA;
-    same output as the backend without the kernel."""
-    from aserve.model.attention import TorchAttentionBackend
+def test_cpu_backend_uses_kernel_for_decodes_and_matches_torch_backend(monkeypatch):
+    """A mixed batch through CPUAttentionBackend: the decode rows go through the kernel, the rest through SDPA;
+    same output as the torch backend (SDPA for all)."""
+    from aserve.layers.attention.cpu_backend import CPUAttentionBackend
+    from aserve.layers.attention.torch_backend import TorchAttentionBackend
 
     q_lens, ctx_lens = [1, 1, 1, 9, 20], [17, 64, 3, 0, 40]
     q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, 6, 2, 32, 16, 40)
-    backend = TorchAttentionBackend()
+    backend = CPUAttentionBackend()
     backend.prepare(meta, 16)
     calls = []
     kernel = cpu_attention.paged_decode_attention
     monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     out = backend.forward(q, k, v, kv_cache.clone(), meta)
     assert calls == [1]
-    monkeypatch.setattr(TorchAttentionBackend, "DECODE_KERNEL", False)
+    backend = TorchAttentionBackend()
     backend.prepare(meta, 16)
     expected = backend.forward(q, k, v, kv_cache.clone(), meta)
+    assert calls == [1]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)

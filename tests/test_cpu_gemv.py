@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aserve.kernels import cpu_gemv
-from aserve.model.layers import Linear
+from aserve.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemv.supports(torch.empty(1, 32, dtype=torch.bfloat16)), reason="no compiler or no AVX512-BF16"
@@ -27,7 +27,9 @@ def test_linear_one_row_runs_the_kernel_and_matches_many_rows():
     lin = Linear(64, 48, bias=True).to(torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(48, 64, generator=gen))
-    assert lin.prepack() and lin.cpu_gemv
+        lin.bias.copy_(torch.randn(48, generator=gen))
+    lin.process_weights_after_loading()
+    assert lin.packed_weight is not None and lin.cpu_gemv
     x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
     with torch.inference_mode():
         one = lin(x[1:2])

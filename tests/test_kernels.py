@@ -95,7 +95,7 @@ def test_cache_write_matches_reference_and_skips_padding():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_elementwise_kernels_match_torch(dtype):
     from aserve.kernels import fused
-    from aserve.model import layers
+    from aserve.layers import elementwise
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
@@ -104,18 +104,18 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     for residual in (None, r):
         out, res = fused.add_rms_norm(x, residual, w, 1e-5)
-        ref_out, ref_res = layers.add_rms_norm(x, residual, w, 1e-5)
+        ref_out, ref_res = elementwise.add_rms_norm(x, residual, w, 1e-5)
         torch.testing.assert_close(out, ref_out, **tol)
         torch.testing.assert_close(res, ref_res, **tol)
 
     H, Hkv, D = 6, 2, 16
     qkv = torch.randn(7, (H + 2 * Hkv) * D, generator=gen).to(DEVICE, dtype)
-    from aserve.model.layers import RotaryEmbedding
+    from aserve.layers.rotary import RotaryEmbedding
 
     rot = RotaryEmbedding(D, 64, 10000.0, {"rope_type": "default"})
     rot.materialize(torch.device(DEVICE))
     cos, sin = rot(torch.tensor([0, 3, 5, 9, 17, 33, 63], device=DEVICE), dtype)
-    want_q, want_k, want_v = layers.split_rotate_qkv(qkv, cos, sin, H, Hkv, D)
+    want_q, want_k, want_v = elementwise.split_rotate_qkv(qkv, cos, sin, H, Hkv, D)
     for got, want in zip(fused.rotary_split(qkv, cos, sin, H, Hkv, D), (want_q, want_k, want_v)):
         assert got.is_contiguous()
         torch.testing.assert_close(got, want, **tol)
@@ -134,7 +134,7 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     torch.testing.assert_close(caches[0].view(-1, Hkv, D)[slots[slots >= 0]], want_k[slots >= 0], **tol)
 
     gu = torch.randn(4, 2 * 80, generator=gen).to(DEVICE, dtype)
-    torch.testing.assert_close(fused.silu_and_mul(gu), layers.silu_and_mul(gu), **tol)
+    torch.testing.assert_close(fused.silu_and_mul(gu), elementwise.silu_and_mul(gu), **tol)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -181,7 +181,7 @@ def test_rotary_with_cache_write_matches_separate_kernels():
     """rotary_split writing k / v straight into their cache slots = rotary_split, then write_kv (padding slots
     write nothing)."""
     from aserve.kernels import fused
-    from aserve.model.layers import RotaryEmbedding
+    from aserve.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
     H, Hkv, D, T, bs = 6, 2, 16, 5, 4

@@ -122,23 +122,24 @@ def test_triton_backend_parity(references, config):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_gpu_decode_kernels_parity(references):
+def test_gpu_decode_kernels_parity(references, monkeypatch):
     """The GPU's batch-1 decode path, forced onto the CPU (Triton's interpreter): element-wise Triton kernels,
     rotary fused with the cache write, one-row linears as Triton GEMVs (the down projection with SiLU·mul fused
     into its prologue). One request at a time, so every decode step takes that path: same greedy tokens."""
     import aserve.kernels.gemv as gemv_mod
-    from aserve.kernels.gemv import gemv_config
-    from aserve.model.layers import Linear
+    from aserve.layers.elementwise import TritonElementwiseOps
+    from aserve.layers.linear import Linear
+    from aserve.models import loader
 
     path, expected = references("gqa")
+    monkeypatch.setattr(loader, "select_elementwise_ops", lambda device, dtype, compile_model: TritonElementwiseOps())
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", max_num_seqs=1)
     model = llm.engine.core.runner.model
-    model.ops.use_triton()
+    assert model.ops.kind == "triton" and all(layer.self_attn.rotates_into_cache for layer in model.layers)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    for m in linears:
-        m.packed_weight = None  # CPU oneDNN copy: off, so the GEMV path is taken
-        m.gemv_config = gemv_config(*m.weight.shape, dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2))
-        m.gemv_silu_config = gemv_config(*m.weight.shape, dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=3))
+    for m in linears:  # the GPU's choice for 16-bit weights, with small tiles (the CPU's oneDNN copy: dropped)
+        m.quant_method.use_triton_gemv(m, dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
+                                       dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=3))  # fmt: skip
     assert all(m.gemv_config is not None for m in linears)
     kernel = gemv_mod._gemv_kernel
     calls = []

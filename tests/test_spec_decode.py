@@ -315,7 +315,7 @@ def test_default_model_greedy_unchanged(spec):
     """SmolLM2 in float32 (bf16 rounding could flip near-ties between batch shapes): same greedy text. draft_model:
     the embedded model drafts for itself (its converted directory as the draft), with its own KV cache."""
     if spec["method"] == "draft_model":
-        from aserve.model.loader import resolve_model
+        from aserve.models.model_path import resolve_model
 
         spec = {**spec, "model": resolve_model(None)[0]}
     questions = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", PASSAGE)]

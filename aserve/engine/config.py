@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
-from aserve.model.loader import resolve_model
+from aserve.models.model_path import resolve_model
 from aserve.spec.config import SpeculativeConfig
 
 

@@ -89,6 +89,7 @@ class EngineCore:
             seed=args.seed,
             compile_model=config.device.type == "cpu" and not args.enforce_eager,
             attention_backend=args.attention_backend,
+            quantization=args.quantization,
         )
         spec = config.spec_config
         if spec is not None and spec.needs_kv:

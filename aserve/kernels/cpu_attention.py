@@ -1,7 +1,7 @@
 """CPU decode attention that reads the paged KV cache in place: a C kernel (aserve/kernels/csrc/attention.cpp, built
 once per machine by aserve/kernels/cpu_build.py) called as the typed op torch.ops.aserve.paged_decode_attention.
 
-The torch path (aserve/model/attention.py TorchAttentionBackend) gathers every decoding request's blocks into a
+The torch path (aserve/layers/attention/torch_backend.py) gathers every decoding request's blocks into a
 padded copy with index_select and then runs SDPA: K/V bytes are read, written and read again, and SDPA's CPU kernel
 is slow at one query token. Here each (request, KV head) pair is one work item (OpenMP, torch's thread count, a
 request's KV heads handed out together so that one core reads all of its cache lines; the runtime is torch's own
@@ -42,7 +42,7 @@ import torch
 from aserve.kernels import cpu_build
 
 # The extension's raw entry points (None where it cannot be built), for callers that own their buffers and pass
-# data_ptr()s (aserve/model/cpu_decode.py).
+# data_ptr()s (aserve/models/cpu_one_token.py).
 library = cpu_build.load_all
 
 

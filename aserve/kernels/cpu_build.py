@@ -8,7 +8,7 @@ that no request waits for a compile.
     csrc/ops.cpp                        typed ops, torch.ops.aserve.*: tensors in and out, arguments checked; the
                                         Python functions of aserve/kernels/cpu_*.py call these
     csrc/raw.cpp                        the extension's module: the C entry points with integer pointers, for the
-                                        one-token forward (aserve/model/cpu_decode.py, ~270 calls per token), where
+                                        one-token forward (aserve/models/cpu_one_token.py, ~270 calls per token), where
                                         a typed op would cost ~2 us more per call (bench/cpu_call_overhead.py)
 
 Flags: -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math. -march=native makes a build specific to the
@@ -41,6 +41,8 @@ import types
 
 import torch
 
+from aserve import envs
+
 logger = logging.getLogger("aserve")
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -52,7 +54,7 @@ _loaded: dict[str, types.ModuleType | None] = {}  # "module": the outcome of thi
 
 
 def cache_dir() -> str:
-    root = os.environ.get("ASERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "aserve"))
+    root = envs.ASERVE_CACHE
     return os.path.join(root, "torch_extensions")
 
 
@@ -66,7 +68,7 @@ def target_macros(cxx: str) -> str:
 def build(csrc: str = CSRC) -> types.ModuleType:
     """The extension of `csrc`'s sources for this CPU: loaded from the cache, or compiled into it first. Raises where
     it cannot be built. Registers nothing (load_all registers the typed ops)."""
-    cxx = os.environ.get("CXX", "c++")
+    cxx = envs.CXX
     macros = target_macros(cxx)
     key = hashlib.sha256()
     for part in (macros, " ".join(CFLAGS + LDFLAGS), torch.__version__, sys.version):
@@ -118,7 +120,7 @@ def load_all() -> types.ModuleType | None:
     (ASERVE_CPU_KERNELS=0) or not buildable here (a warning says why; callers keep their torch paths)."""
     if "module" not in _loaded:
         _loaded["module"] = None
-        if os.environ.get("ASERVE_CPU_KERNELS", "1") != "0":
+        if envs.ASERVE_CPU_KERNELS:
             try:
                 module = build()
                 module.register_ops()

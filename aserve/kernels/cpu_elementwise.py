@@ -10,7 +10,7 @@ HF rounds it), float32 and bfloat16. Each call costs microseconds of Python, whe
 each) and a torch.compile'd region pays ~100 us to enter: on a 2-core CPU that overhead, at batch 1 and in every
 decode step, is a visible part of the step. Rows are spread over torch's threads (OpenMP) when there are many.
 bfloat16 SiLU·mul on AVX512-BF16 CPUs runs 16 lanes with a polynomial exp (libm's expf does not vectorise): 1.7-1.9x
-eager torch's two ops. References: aserve.model.layers (add_rms_norm, split_rotate_qkv, silu_and_mul).
+eager torch's two ops. References: aserve.layers.elementwise (add_rms_norm, split_rotate_qkv, silu_and_mul).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from aserve.kernels import cpu_build
 
 # The extension's raw entry points (None where it cannot be built), for callers that own their buffers and pass
-# data_ptr()s (aserve/model/cpu_decode.py).
+# data_ptr()s (aserve/models/cpu_one_token.py).
 library = cpu_build.load_all
 
 

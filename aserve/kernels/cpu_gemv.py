@@ -20,7 +20,7 @@ import torch
 from aserve.kernels import cpu_build
 
 # The extension's raw entry points (None where it cannot be built), for callers that own their buffers and pass
-# data_ptr()s (aserve/model/cpu_decode.py).
+# data_ptr()s (aserve/models/cpu_one_token.py).
 library = cpu_build.load_all
 
 

@@ -5,7 +5,7 @@
     silu_and_mul     [gate | up] -> silu(gate) * up
 
 Each rounds to the model dtype where HF's eager code does, so bf16 results match HF's op by op, not just closely.
-References: aserve.model.layers (add_rms_norm, split_rotate_qkv, silu_and_mul).
+References: aserve.layers.elementwise (add_rms_norm, split_rotate_qkv, silu_and_mul).
 """
 
 from __future__ import annotations

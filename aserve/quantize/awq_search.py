@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from aserve.quantization.awq_format import fake_quantize
+from aserve.layers.quantization.awq_format import fake_quantize
 from aserve.quantize.dense_layer import DenseDecoderLayer, LayerInputs, Weights
 
 _ATTN = "self_attn."

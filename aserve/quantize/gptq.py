@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from aserve.quantization.awq_format import fake_quantize, group_grid
+from aserve.layers.quantization.awq_format import fake_quantize, group_grid
 from aserve.quantize.awq_search import apply_clip, search_clip_gram
 from aserve.quantize.dense_layer import DenseDecoderLayer
 

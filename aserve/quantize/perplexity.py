@@ -14,7 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from aserve.model.attention import AttentionMetadata
+from aserve.entrypoints.llm import LLM
+from aserve.layers.attention.metadata import AttentionMetadata
 
 
 def window_ids(tokenizer, text: str, window: int, max_windows: int | None = None) -> list[list[int]]:
@@ -63,8 +64,6 @@ def model_nll(model, windows: list[list[int]], block_size: int = 16) -> tuple[fl
 def perplexity(model: str | None, text: str, window: int = 512, max_windows: int | None = None,
                dtype: str = "bfloat16") -> tuple[float, int]:  # fmt: skip
     """-> (perplexity, scored tokens) of the model directory (float or AWQ) on `text`, on CPU."""
-    from aserve import LLM
-
     llm = LLM(model, dtype=dtype, device="cpu", max_model_len=window, max_num_seqs=1, enforce_eager=True,
               kv_cache_memory_gb=0.05, enable_prefix_caching=False)  # fmt: skip
     windows = window_ids(llm.get_tokenizer(), text, window, max_windows)

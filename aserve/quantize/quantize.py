@@ -19,6 +19,7 @@ with error feedback (gptq.py), the weights are packed, and the float layer's out
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -26,13 +27,20 @@ import time
 from importlib import resources
 
 import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
 
 from aserve.config import resolve_device
-from aserve.quantization.awq_format import AWQConfig, fake_quantize, pack_linear, pack_quantized
+from aserve.entrypoints.llm import LLM
+from aserve.layers.quantization.awq import AWQConfig
+from aserve.layers.quantization.awq_format import fake_quantize, pack_linear, pack_quantized
+from aserve.models.loader import iterate_safetensors
+from aserve.models.model_path import resolve_model
 from aserve.quantize.awq_search import awq_layer
 from aserve.quantize.dense_layer import DenseDecoderLayer
 from aserve.quantize.gptq import gptq_layer
 from aserve.quantize.tune import tune_end_to_end
+from aserve.sampling_params import SamplingParams
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
@@ -64,10 +72,6 @@ def self_generated_windows(model_dir: str, calibration: torch.Tensor, count: int
     calibration text holds, from the distribution the quantised model should match (SmolLM2 g64, 500 tuning steps
     of 8 windows: with 1000 such windows +5.2 % held-out perplexity, with 2000 +4.4 %; docs/quantization.md).
     Runs on `device` (auto: a GPU if there is one). -> [count, seq_len] token ids."""
-    import gc
-
-    from aserve import LLM, SamplingParams
-
     seq_len = calibration.shape[1]
     prefix = min(prefix, seq_len - 1)
     on_gpu = resolve_device(device).type == "cuda"
@@ -116,9 +120,7 @@ def quantize_model(
     float model writes itself (self_generated_windows); `tune_batch` windows per step. `device` (auto: a GPU if
     there is one) runs all of it: calibration forwards, rounding, self-generation and tuning; the checkpoint's
     tensors come back to the CPU."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from aserve.model.loader import iterate_safetensors, resolve_model
+    from transformers import AutoConfig, AutoTokenizer  # heavy: imported when a quantisation runs
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -157,8 +159,6 @@ def quantize_model(
     report = {"layers": [], "linears": [], "method": method, "group_size": group_size}
     layers = range(num_layers)
     if progress:
-        from tqdm import tqdm
-
         layers = tqdm(layers, desc=f"{method.upper()} int4 g{group_size}", unit="layer")
     for i in layers:
         prefix = f"model.layers.{i}."
@@ -205,8 +205,6 @@ def quantize_model(
 
 
 def write_checkpoint(src_dir: str, out_dir: str, tensors: dict, config: AWQConfig, tokenizer) -> None:
-    from safetensors.torch import save_file
-
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(src_dir, "config.json")) as f:
         hf_config = json.load(f)

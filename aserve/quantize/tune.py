@@ -27,9 +27,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from aserve.kernels.awq_reference import unpack_int4
-from aserve.quantization.awq_format import pack_int4
+from aserve.layers.quantization.awq_format import pack_int4
 from aserve.quantize.dense_layer import DenseDecoderLayer
 
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -159,8 +160,6 @@ def tune_end_to_end(
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
         bar = range(steps)
         if progress:
-            from tqdm import tqdm
-
             bar = tqdm(bar, desc="end-to-end tuning", unit="step")
         for step in bar:
             batch = windows[torch.randint(0, len(windows), (batch_size,), generator=gen)]

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from aserve.model.attention import AttentionMetadata
+from aserve.layers.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("aserve")
 
@@ -47,11 +47,10 @@ class DecodeGraphs:
             block_tables=dev["block_tables"][:bucket],
             query_start_loc_cpu=list(range(bucket + 1)),
             seq_lens_cpu=[1] * bucket,
+            # The longest context a replay can see: the backend's per-step state (the Triton backend's split-KV
+            # segments) is built for it, once per bucket, and fits every step the graph replays.
             max_seq_len=r.max_model_len,
             max_query_len=1,
-            # Fixed split-KV for the bucket, sized for the longest context: segments past a sequence's end
-            # contribute nothing.
-            backend_data={"num_segments": r.backend.segments_for(bucket, r.max_model_len)},
         )
 
     @torch.inference_mode()

@@ -19,8 +19,12 @@ import dataclasses
 import numpy as np
 import torch
 
-from aserve.model.attention import AttentionMetadata
+from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.selector import select_attention_backend
+from aserve.models.loader import build_model
+from aserve.models.model_path import resolve_model
 from aserve.spec.config import SpeculativeConfig
+from aserve.worker.model_runner import allocate_kv_cache, kv_bytes_per_block
 from aserve.worker.sampler import SampleRow
 
 
@@ -40,10 +44,7 @@ class ModelDrafter:
             self.kv_bytes_per_block = 0
             self.cost_fraction = config.num_layers / len(target.layers)
         else:
-            from transformers import AutoConfig
-
-            from aserve.model.loader import build_model, resolve_model
-            from aserve.worker.model_runner import kv_bytes_per_block
+            from transformers import AutoConfig  # heavy: only for a separate draft model
 
             model_dir, _ = resolve_model(config.model)
             hf_config = AutoConfig.from_pretrained(model_dir)
@@ -52,7 +53,8 @@ class ModelDrafter:
                     f"the draft model's vocabulary ({hf_config.vocab_size}) differs from the target's "
                     f"({target.config.vocab_size}): it must use the same tokenizer"
                 )
-            self.backend = runner.make_backend(runner.attention_backend, hf_config, runner.max_num_seqs, runner.device)
+            self.backend = select_attention_backend(runner.attention_backend, hf_config, runner.dtype,
+                                                    runner.max_num_seqs, runner.device)  # fmt: skip
             self.model = build_model(
                 hf_config, model_dir, runner.dtype, runner.device, runner.max_model_len, self.backend, "auto", seed
             )
@@ -65,8 +67,6 @@ class ModelDrafter:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.needs_mirror:
-            from aserve.worker.model_runner import allocate_kv_cache
-
             r = self.runner
             self._own_kv = allocate_kv_cache(self.model, num_blocks, r.block_size, r.dtype, r.device)
 
@@ -75,7 +75,7 @@ class ModelDrafter:
         return self._own_kv if self.needs_mirror else self.runner.kv_caches
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        meta = dataclasses.replace(meta, backend_data={})
+        meta = dataclasses.replace(meta, state=None)  # the draft model's backend builds its own
         self.backend.prepare(meta, self.runner.block_size)
         self.model(input_ids, positions, self.kv_caches, meta)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from aserve import envs
 
 logger = logging.getLogger("aserve")
 
@@ -28,7 +29,7 @@ def retain_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if os.environ.get("ASERVE_CPU_MALLOC", "1") == "0":
+    if not envs.ASERVE_CPU_MALLOC:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

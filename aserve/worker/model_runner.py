@@ -25,8 +25,9 @@ import torch
 from aserve.core.kv_cache_manager import cdiv
 from aserve.core.outputs import RunnerOutput, SamplerOutput
 from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from aserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from aserve.model.loader import build_model
+from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.selector import select_attention_backend
+from aserve.models.loader import build_model
 from aserve.worker.cuda_graphs import DecodeGraphs
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device
 
@@ -143,6 +144,7 @@ class ModelRunner:
         seed: int,
         compile_model: bool = False,
         attention_backend: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -151,7 +153,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.backend = self.make_backend(attention_backend, hf_config, max_num_seqs, device)
+        self.backend = select_attention_backend(attention_backend, hf_config, dtype, max_num_seqs, device)
         # GPU: every step runs on a dedicated stream (its host sync, reading the sampled tokens, happens in the
         # engine's worker thread, never on the event loop).
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -160,8 +162,9 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = model = build_model(
-            hf_config, model_dir, dtype, device, max_model_len, self.backend, load_format, seed, compile_model
-        )
+            hf_config, model_dir, dtype, device, max_model_len, self.backend, load_format, seed, compile_model,
+            quantization,
+        )  # fmt: skip
         self.compiled = model.ops.compiled
         self.attention_backend = attention_backend
         self.load_time = time.perf_counter() - t0
@@ -171,17 +174,10 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.kv_caches: torch.Tensor | None = None
 
-    @staticmethod
-    def make_backend(name: str, hf_config, max_num_seqs: int, device: torch.device) -> AttentionBackend:
-        if name == "torch" or (name == "auto" and device.type != "cuda"):
-            return TorchAttentionBackend()
-        from aserve.model.triton_attention import TritonAttentionBackend
-
-        num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, max_num_seqs, device)
-
     def capture_cuda_graphs(self) -> None:
+        if not self.backend.supports_cuda_graphs:
+            logger.info("No CUDA graphs: the %s prepares every step on the host", type(self.backend).__name__)
+            return
         self.graphs = DecodeGraphs(self, self.max_num_seqs)
         self.graphs.capture()
 

@@ -14,14 +14,10 @@ has the layout and the pure-torch reference the tests compare against) or over a
 Why the kernels are shaped so (what bounds them, what was tried and measured on an H200): docs/quantization.md,
 "Kernels".
 
-The knobs of tuning.py (tuning.KNOBS) can be read here too, as they are in tuning.py at the time of reading; assigning
-one here raises (the kernels would not see it): set `aserve.kernels.awq.tuning.NAME` instead.
+The kernels read their knobs from tuning.py when they are called: set `aserve.kernels.awq.tuning.NAME` to change one.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 from aserve.kernels.awq import tuning
 from aserve.kernels.awq.autoawq import awq_dequantize, awq_gemv, gemv_config
@@ -52,21 +48,4 @@ __all__ = [
     "gemv_counters",
     "split_k_reduce",
     "tuning",
-    *tuning.KNOBS,
 ]
-
-
-def __getattr__(name: str):
-    if name in tuning.KNOBS:
-        return getattr(tuning, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        if name in tuning.KNOBS:
-            raise AttributeError(f"set aserve.kernels.awq.tuning.{name} instead: the kernels read it there")
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

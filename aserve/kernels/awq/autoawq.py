@@ -1,7 +1,7 @@
 """AWQ kernels over AutoAWQ's "gemm" tensors (aserve/kernels/awq_reference.py has the layout and the pure-torch
 reference): awq_gemv for M <= 16 rows (M = 1 in fp16 / bf16: gemv1.py's f16x2 kernel; otherwise a dequantised K
 tile (aserve/kernels/awq/unpack.py), then tl.dot, K split with split_k_reduce) and awq_dequantize (the whole weight,
-for cuBLAS at M > 16). AWQLinear on a GPU uses these only for layers awq_repack does not fit (group size other than
+for cuBLAS at M > 16). An AWQ layer on a GPU uses these only for layers awq_repack does not fit (group size other than
 128, outputs not a multiple of 128).
 """
 

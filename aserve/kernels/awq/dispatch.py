@@ -1,7 +1,7 @@
 """awq_linear: one AWQ int4 linear layer on a GPU, the kernel picked by the number of rows M (thresholds in
 aserve/kernels/awq/tuning.py).
 
-Over awq_repack's copy (repack.py; AWQLinear keeps only that copy where it applies: group 128, outputs a multiple
+Over awq_repack's copy (repack.py; an AWQ layer keeps only that copy where it applies: group 128, outputs a multiple
 of 128):
     M <= REPACKED_GEMV1_MAX_M (fp16 / bf16)   gemv1_repacked.py's f16x2 GEMV, fused split K
     M <= 16                                   repack.py's tl.dot GEMV
@@ -27,7 +27,7 @@ def awq_linear(x, qweight, qzeros, scales, group_size: int, bias=None, counters=
                packed: RepackedAWQ | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, in] -> [M, out]: the kernel for M (see the module docstring); `counters`: awq_gemv's; `packed`
     (awq_repack's copy of the same weights): every M runs over it, so qweight / qzeros / scales are not read then
-    (after AWQLinear.repack they are empty)."""
+    (after AWQLinearMethod.repack they are empty)."""
     m = x.shape[0]
     if packed is not None:
         if m <= tuning.REPACKED_GEMV1_MAX_M and x.dtype in tuning.F16X2_DTYPES:

@@ -1,6 +1,6 @@
 """awq_repack's copy of an AWQ layer's weights, built once at load time, and its tl.dot GEMV (M <= 16) and dequantise
 kernel (M > 16); gemv1_repacked.py has the f16x2 GEMV over it (small M). With these a layer that awq_repack fits
-needs no AutoAWQ tensors on the GPU (AWQLinear.repack drops them): the int4 weights are held once.
+needs no AutoAWQ tensors on the GPU (AWQLinearMethod.repack drops them): the int4 weights are held once.
 
     wq    int32 [N/128, K/128, 16, 8, 16]: column block b (128 columns), K tile t (128 rows = one group), slice r,
           row group i, column group j  <-  qweight[128 t + 16 i + r, 16 b + j]

@@ -4,8 +4,8 @@ Fused (aserve/kernels/awq/gemv1.py, gemv1_repacked.py). Programs split K (`tiles
 write float32 partials [SPLIT_K, N]; each then increments its column block's int32 counter (atomic, acq_rel, after a
 barrier so the whole program's partials are released). The program that takes it to SPLIT_K - 1 sums the partials
 in a fixed order (so results do not depend on scheduling), adds the bias, writes the output and sets the counter
-back to 0 for the next launch or CUDA-graph replay. Counters are allocated once (gemv_counters: one set per
-AWQLinear; plain calls share one per device and output size), never during graph capture. With silu_mul_out the
+back to 0 for the next launch or CUDA-graph replay. Counters are allocated once (gemv_counters: each AWQ layer has
+its own; plain calls share one per device and output size), never during graph capture. With silu_mul_out the
 last programs of a gate column block and its up partner apply the MLP's SiLU·mul instead of writing gate and up
 (_silu_mul_epilogue).
 
@@ -135,7 +135,7 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 def gemv_counters(n: int, device) -> torch.Tensor:
     """Zeroed int32 counters for the M = 1 kernel's fused split-K reduction of an [.., n] output: one per column
     block at any BLOCK_N (n / 8 of them). Each launch leaves them at zero again, so one set serves every launch
-    that cannot overlap with another user of it: AWQLinear keeps one per layer; awq_gemv without `counters` shares
+    that cannot overlap with another user of it: an AWQ layer keeps its own; awq_gemv without `counters` shares
     one per (device, n). Not during CUDA graph capture (the graph's memory pool would hold them)."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

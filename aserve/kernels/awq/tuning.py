@@ -34,20 +34,6 @@ REPACKED_GEMV1_PER_SM = 8  # one-row programs per SM in one wave (gemv1_repacked
 REPACKED_DOT_CONFIG = dict(BP=64, num_warps=4, num_stages=1, SWAP=True)
 REPACKED_DEQUANT_CONFIG = dict(BP=64, num_warps=4)
 
-# The knobs above, by name (the package's __init__ reads them from here and refuses assignments to its copies).
-KNOBS = (
-    "GEMV_MAX_M",
-    "F16X2_DTYPES",
-    "GEMV1_CONFIG",
-    "GEMV1_MIN_PROGRAMS",
-    "DEQUANT_CONFIG",
-    "REPACKED_GEMV1_MAX_M",
-    "REPACKED_GEMV1_ROWS",
-    "REPACKED_GEMV1_PER_SM",
-    "REPACKED_DOT_CONFIG",
-    "REPACKED_DEQUANT_CONFIG",
-)
-
 
 @functools.cache
 def _num_sms(device_index: int | None) -> int:

@@ -1,13 +1,18 @@
 """The GPU attention backend: Triton kernels for the cache write and for paged attention over the mixed batch.
-Nothing per step on the host, so a decode step can be captured in a CUDA graph."""
+Nothing per step on the host, so a decode step can be captured in a CUDA graph. (Triton is optional: the selector
+imports this module once it is chosen.)"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from aserve.kernels.cache_write import write_kv
+from aserve.kernels.fused import rotary_split
 from aserve.kernels.paged_attention import paged_attention
-from aserve.model.attention import AttentionBackend, AttentionMetadata
+from aserve.layers.attention.backend import AttentionBackend
+from aserve.layers.attention.metadata import AttentionMetadata
 
 _MAX_SEGMENTS = 16
 
@@ -24,6 +29,11 @@ def num_kv_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms:
     return segments
 
 
+@dataclass(slots=True)
+class TritonAttentionState:
+    num_segments: int  # split-KV segments of a decode-only step (1: no split)
+
+
 def _reads_new_kv(meta: AttentionMetadata) -> bool:
     """Steps with multi-token queries read their own K/V from the step's rows rather than the pages (decode-only
     steps, captured in CUDA graphs and possibly split-KV, read everything from the pages)."""
@@ -32,6 +42,7 @@ def _reads_new_kv(meta: AttentionMetadata) -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     writes_rotated_kv = True
+    supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, device) -> None:
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -48,17 +59,17 @@ class TritonAttentionBackend(AttentionBackend):
         return num_kv_segments(num_seqs, self.num_kv_heads, max_seq_len, self.num_sms)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        if "num_segments" not in meta.backend_data:
-            decode_only = meta.max_query_len == 1
-            meta.backend_data["num_segments"] = self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1
+        """Decode-only steps: split-KV segments for their number of requests and longest context. A CUDA graph's
+        metadata has the longest context a replay can see (max_model_len), so each graph keeps a count that fits
+        every step it replays (segments past a sequence's end contribute nothing)."""
+        decode_only = meta.max_query_len == 1
+        meta.state = TritonAttentionState(self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1)
 
     def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int):
         """Rotary on q and k, and k / v written into the cache, in one kernel (aserve/kernels/fused.py) -> (q [T, H, D],
         k_new, v_new) for attend(). Steps with multi-token queries also get the rotated k back in qkv, and
         k_new / v_new are views of qkv's columns (attention reads the step's own keys from there, faster than
         from the pages); decode steps get None (and keep to what a CUDA graph captures)."""
-        from aserve.kernels.fused import rotary_split
-
         cache = (kv_cache[0], kv_cache[1], meta.slot_mapping)
         if not _reads_new_kv(meta):
             return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache), None, None
@@ -73,7 +84,7 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, q, k_new, v_new, kv_cache, meta):
         """Attention over the paged cache, which already holds the step's K/V; k_new / v_new (or None): the
         step's own K/V, read from there instead."""
-        segments = meta.backend_data.get("num_segments", 1)
+        segments = meta.state.num_segments
         partials = None
         if segments > 1:
             n = q.shape[0] * self.num_heads * segments

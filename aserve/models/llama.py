@@ -2,22 +2,27 @@
 
 The forward takes tensors and an explicit AttentionMetadata; it knows nothing of requests, padding or scheduling.
 q/k/v and gate/up projections are fused into one matmul each; `load_weights` maps HF checkpoint names onto them.
+Everything that depends on the device or the checkpoint's format is chosen before the forward runs: the attention
+backend and the element-wise ops when the model is built, each linear's quantisation method at construction and its
+kernel in process_weights_after_loading.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from aserve.model.attention import AttentionBackend, AttentionMetadata
-from aserve.model.layers import ElementwiseOps, Linear, RMSNorm, RotaryEmbedding, rope_parameters
-from aserve.quantization.awq_format import awq_config_from
-from aserve.quantization.awq_linear import AWQLinear, quantize_linears
-
-CPU_ONE_TOKEN = os.environ.get("ASERVE_CPU_ONE_TOKEN", "1") != "0"
+from aserve import envs
+from aserve.layers.attention.backend import AttentionBackend
+from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.elementwise import ElementwiseOps
+from aserve.layers.layernorm import RMSNorm
+from aserve.layers.linear import Linear
+from aserve.layers.quantization.base import QuantizationConfig
+from aserve.layers.rotary import RotaryEmbedding, rope_parameters
+from aserve.models.cpu_one_token import OneTokenForward
 
 # HF name fragment -> (fused parameter fragment, shard id)
 _STACKED = {
@@ -29,22 +34,36 @@ _STACKED = {
 }
 
 
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend, qkv_bias: bool, ops) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, qkv_bias: bool,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:  # fmt: skip
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=qkv_bias,
+            quant_config=quant_config,
+            checkpoint_names=[f"{prefix}.{p}_proj" for p in "qkv"],
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False),
+                             quant_config=quant_config, checkpoint_names=[f"{prefix}.o_proj"])  # fmt: skip
         self.backend = backend
         self.ops = ops
+        # Triton on both sides (GPU): rotary and the cache write in one kernel, then attention.
+        self.rotates_into_cache = backend.writes_rotated_kv and ops.kind == "triton"
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
-        if self.ops.kind == "triton" and self.backend.writes_rotated_kv:  # rotary + cache write in one kernel
+        if self.rotates_into_cache:
             q, k_new, v_new = self.backend.rotate_and_write(qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads,
                                                             self.head_dim)  # fmt: skip
             out = self.backend.attend(q, k_new, v_new, kv_cache, meta)
@@ -60,23 +79,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, ops) -> None:
+    def __init__(self, cfg, ops: ElementwiseOps, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.ops = ops
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         bias = getattr(cfg, "mlp_bias", False)
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, quant_config=quant_config,
+                                   checkpoint_names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])  # fmt: skip
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, quant_config=quant_config,
+                                checkpoint_names=[f"{prefix}.down_proj"])  # fmt: skip
 
     def forward(self, x):
-        fuses_silu_mul = getattr(self.gate_up_proj, "fuses_silu_mul", None)  # AWQLinear
-        if fuses_silu_mul is not None and fuses_silu_mul(x):  # GPU, small decode batches: SiLU·mul in the GEMV
+        # SiLU·mul inside a linear's kernel where its method takes this input (layers/quantization/base.py): the
+        # gate/up GEMV's epilogue (AWQ on a GPU, small decode batches) or the down projection's prologue (GPU,
+        # batch-1 decode).
+        if self.gate_up_proj.fuses_silu_mul_out(x):
             return self.down_proj(self.gate_up_proj.forward_silu_mul_out(x))
         gate_up = self.gate_up_proj(x)
-        if isinstance(self.down_proj, Linear) and self.down_proj.takes_gemv(gate_up):  # GPU, batch-1 decode
-            return self.down_proj.forward_silu_mul(gate_up)
+        if self.down_proj.fuses_silu_mul_in(gate_up):
+            return self.down_proj.forward_silu_mul_in(gate_up)
         return self.down_proj(self.ops.silu_and_mul(gate_up))
 
     def load_shard(self, param: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
@@ -85,10 +108,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend, qkv_bias: bool, ops: ElementwiseOps) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, qkv_bias: bool,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(cfg, backend, qkv_bias, ops)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, backend, ops, qkv_bias, quant_config, f"{prefix}.self_attn")
+        self.mlp = MLP(cfg, ops, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -104,33 +128,43 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM (which adds a q/k/v bias)."""
 
-    def __init__(self, cfg, backend: AttentionBackend, max_position: int) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, quant_config: QuantizationConfig | None,
+                 max_position: int) -> None:  # fmt: skip
         super().__init__()
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         theta, scaling = rope_parameters(cfg)
-        self.ops = ElementwiseOps()
-        self.rotary = RotaryEmbedding(head_dim, max_position, theta, scaling)
+        self.backend = backend
+        self.ops = ops
+        self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, theta, scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, qkv_bias, self.ops) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, backend, ops, qkv_bias, quant_config, f"model.layers.{i}")
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # unquantised, as AutoAWQ leaves it
         self.tie_weights()
-        self.cpu_one_token = None  # CPU: aserve/model/cpu_decode.py (set by optimize_for_cpu where it applies)
-        # AWQ checkpoints: int4 layers in place of the decoder layers' linears (aserve/quantization)
-        self.quant_config = awq_config_from(cfg)
-        if self.quant_config is not None:
-            quantize_linears(self, self.quant_config)
+        # CPU: steps of one token through aserve/models/cpu_one_token.py (set by process_weights_after_loading)
+        self.cpu_one_token: OneTokenForward | None = None
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config says so (again after moving off the meta device,
         which unties parameters)."""
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def process_weights_after_loading(self) -> None:
+        """Once the weights are in, on their device (the loader calls it; call it again after changing weights):
+        every linear's method prepares its weights and picks its kernel (aserve/layers/quantization), then the CPU
+        one-token path is set up where it applies (ASERVE_CPU_ONE_TOKEN=0: never)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+        self.cpu_one_token = None
+        if envs.ASERVE_CPU_ONE_TOKEN and OneTokenForward.applies(self):
+            self.cpu_one_token = OneTokenForward(self)
 
     def forward(
         self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata, num_layers: int | None = None
@@ -139,31 +173,12 @@ class LlamaForCausalLM(nn.Module):
         (before the final norm). `num_layers` runs only the first layers (layer-skip self-speculation)."""
         x = self.embed_tokens(input_ids)
         rotary_cos_sin = self.rotary(positions, x.dtype)
-        if self.cpu_one_token is not None and x.shape[0] == 1 and meta.backend_data.get("decode_kernel"):
+        if self.cpu_one_token is not None and x.shape[0] == 1:
             return self.cpu_one_token(x, *rotary_cos_sin, kv_caches, meta, num_layers)
         residual = None
         for i, layer in enumerate(self.layers[:num_layers]):
             x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
         return x + residual
-
-    def optimize_for_cpu(self, compile_elementwise: bool) -> None:
-        """CPU: prepack bf16 linear weights for oneDNN; the element-wise work in C kernels
-        (aserve/kernels/cpu_elementwise.py, compiled once per machine), or where they cannot be built, torch.compile'd
-        if `compile_elementwise`; one-token steps through aserve/model/cpu_decode.py where it applies
-        (ASERVE_CPU_ONE_TOKEN=0: off)."""
-        from aserve.kernels import cpu_elementwise
-
-        for module in self.modules():
-            if isinstance(module, (Linear, AWQLinear)):
-                module.prepack()
-        if cpu_elementwise.supports(self.embed_tokens.weight.dtype):
-            self.ops.use_native()
-        elif compile_elementwise:
-            self.ops.compile()
-        from aserve.model.cpu_decode import OneTokenForward
-
-        if CPU_ONE_TOKEN and OneTokenForward.applies(self):
-            self.cpu_one_token = OneTokenForward(self)
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in `dtype` (None: the model's)."""
@@ -196,10 +211,3 @@ class LlamaForCausalLM(nn.Module):
                 param.data.copy_(tensor)
                 loaded.add(name)
         return loaded
-
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}

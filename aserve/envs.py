@@ -1,0 +1,73 @@
+"""Every environment variable aserve reads, in one place (vLLM's envs.py).
+
+Read one as an attribute, `envs.ASERVE_PDL`, at the point of use: each read parses os.environ afresh, so a test can
+monkeypatch the environment. The switches are for A/B runs and for machines where a fast path misbehaves; the
+defaults are what aserve runs. A switch "turned off" is set to 0.
+
+    ASERVE_CACHE          where aserve caches what it builds once per machine: GGUF files converted to HF
+                          directories (aserve/models/model_path.py) and the compiled CPU kernels
+                          (aserve/kernels/cpu_build.py). Default ~/.cache/aserve.
+    ASERVE_CPU_KERNELS    CPU: build (at engine start) and use aserve's C++ kernels (attention, element-wise, GEMV,
+                          sampling: aserve/kernels/cpu_build.py); 0 runs the torch paths everywhere. Default on.
+    CXX                   the C++ compiler those kernels are built with (torch.utils.cpp_extension's choice too).
+                          Default c++.
+    ASERVE_CPU_AMX        CPU: the decode attention kernel's AMX tile path where the CPU has AMX (read by
+                          aserve/kernels/csrc/attention.cpp with getenv, once per process; 0, or any value starting
+                          with 0, keeps it on AVX-512). Default on.
+    ASERVE_CPU_MV         CPU, bf16: one-row inputs of a linear layer (batch-1 decode) as a GEMV on the plain weight
+                          instead of oneDNN's prepacked copy (aserve/layers/quantization/unquantized.py). Default on.
+    ASERVE_CPU_ONE_TOKEN  CPU, bf16: steps of one token through the flat loop of C kernel calls
+                          (aserve/models/cpu_one_token.py) instead of the module forward. Default on.
+    ASERVE_CPU_MALLOC     CPU: keep freed memory in the process instead of returning it to the OS after every step
+                          (aserve/worker/host_memory.py). Default on.
+    ASERVE_GEMV           GPU, 16-bit: one-row inputs of a linear layer (batch-1 decode) through the Triton GEMV
+                          (aserve/kernels/gemv.py) instead of cuBLAS. Default on.
+    ASERVE_PDL            GPU (Hopper and newer): programmatic dependent launch of aserve's Triton kernels
+                          (aserve/kernels/pdl.py). Default on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    ASERVE_CACHE: str
+    ASERVE_CPU_KERNELS: bool
+    CXX: str
+    ASERVE_CPU_AMX: bool
+    ASERVE_CPU_MV: bool
+    ASERVE_CPU_ONE_TOKEN: bool
+    ASERVE_CPU_MALLOC: bool
+    ASERVE_GEMV: bool
+    ASERVE_PDL: bool
+
+
+def _switch(name: str) -> Callable[[], bool]:
+    """On unless the variable is 0."""
+    return lambda: os.environ.get(name, "1") != "0"
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    "ASERVE_CACHE": lambda: os.environ.get("ASERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "aserve")),
+    "ASERVE_CPU_KERNELS": _switch("ASERVE_CPU_KERNELS"),
+    "CXX": lambda: os.environ.get("CXX", "c++"),
+    # as the C source reads it: off when the value starts with 0
+    "ASERVE_CPU_AMX": lambda: not os.environ.get("ASERVE_CPU_AMX", "1").startswith("0"),
+    "ASERVE_CPU_MV": _switch("ASERVE_CPU_MV"),
+    "ASERVE_CPU_ONE_TOKEN": _switch("ASERVE_CPU_ONE_TOKEN"),
+    "ASERVE_CPU_MALLOC": _switch("ASERVE_CPU_MALLOC"),
+    "ASERVE_GEMV": _switch("ASERVE_GEMV"),
+    "ASERVE_PDL": _switch("ASERVE_PDL"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

