@@ -1,12 +1,13 @@
 """Which of aserve's source files one streaming chat request runs code in, from the HTTP handler down to the kernels'
 Python wrappers: the path a contributor follows to understand a request (docs/architecture.md lists it).
 
-    python bench/request_path.py [--model PATH] [--max-tokens 8]
+    python bench/request_path.py [--model PATH | --tiny] [--max-tokens 8]
 
-The server is built in-process (aiohttp's test server, the embedded default model on CPU unless --model says
-otherwise); one request warms it up, then a profiler hook on every thread records the file of each Python function
-called while a second streaming chat request runs (the step loop, the worker thread, the handler). Start-up code is
-not counted. Prints the files, grouped by package, and their number.
+The server is built in-process (aiohttp's test server) on the device the engine picks (the GPU where there is one),
+with the embedded default model unless --model says otherwise, or --tiny: a tiny random Llama with a real tokenizer,
+as the tests build it. One request warms it up, then a profiler hook on every thread records the file of each Python
+function called while a second streaming chat request runs (the step loop, the worker thread, the handler). Start-up
+code is not counted. Prints the files, grouped by package, and their number.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import os
 import sys
+import tempfile
 import threading
 from collections import defaultdict
 
@@ -67,10 +69,17 @@ async def run(model: str | None, max_tokens: int) -> set[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama (tests/tiny_models.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
-    files = asyncio.run(run(args.model, args.max_tokens))
+    model = args.model
+    if args.tiny:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from tiny_models import make_tiny_model
+
+        model = make_tiny_model(tempfile.mkdtemp(prefix="aserve-request-path-"), "gqa")
+    files = asyncio.run(run(model, args.max_tokens))
     by_dir = defaultdict(list)
     for f in sorted(files):
         by_dir[os.path.dirname(f)].append(os.path.basename(f))
