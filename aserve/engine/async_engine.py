@@ -22,8 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aserve.config import EngineArgs
 from aserve.engine.config import EngineConfig
-from aserve.engine.input_processor import PromptType
-from aserve.engine.llm_engine import LLMEngine, freeze_for_serving
+from aserve.engine.llm_engine import LLMEngine, PromptType, freeze_for_serving
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
 
@@ -227,7 +226,7 @@ class AsyncEngine:
             if isinstance(prompt, str):
                 prompt_token_ids = await self.tokenize(prompt)
             else:
-                prompt, prompt_token_ids = self.engine.input_processor.tokenize_prompt(prompt)
+                prompt, prompt_token_ids = self.engine.tokenize_prompt(prompt)
         if check_queue:
             self.check_queue((params or SamplingParams()).n)
         elif self._closed_reason is not None:

@@ -1,6 +1,6 @@
 """The engine as the offline API and the server's AsyncEngine use it: requests in, RequestOutputs out.
 
-    add_request:  InputProcessor (tokenise, validate, n sequences)  -> EngineCore.add_request, OutputProcessor
+    add_request:  tokenise, validate, n sequences                   -> EngineCore.add_request, OutputProcessor
     step:         EngineCore.step (schedule -> execute -> update)   -> OutputProcessor.process -> RequestOutputs
     abort:        EngineCore.finish_requests                        -> OutputProcessor.process
 
@@ -16,16 +16,19 @@ import logging
 import time
 
 from aserve.config import EngineArgs
+from aserve.core.block_pool import BlockHasher
 from aserve.core.kv_cache_manager import InvariantError
 from aserve.core.outputs import EngineCoreOutput
+from aserve.core.request import Request
 from aserve.engine.config import EngineConfig
 from aserve.engine.core import EngineCore
-from aserve.engine.input_processor import InputProcessor, PromptType
 from aserve.engine.output_processor import OutputProcessor
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("aserve")
+
+PromptType = str | dict  # text, or {"prompt_token_ids": [...]} / {"prompt": text}
 
 # A serving process gc.freeze()s what its engine loads (freeze_for_serving); unfreeze at exit so that interpreter
 # shutdown collects it (native extensions report anything left over as a leak).
@@ -46,7 +49,6 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config = EngineConfig.from_engine_args(args)
         self.core = EngineCore(config)
-        self.input_processor = InputProcessor(config)
         self.output_processor = OutputProcessor(config.tokenizer)
         self.startup_time = time.perf_counter() - t0
         runner = self.core.runner
@@ -90,15 +92,15 @@ class LLMEngine:
         max_tokens_must_fit: bool = False,
     ) -> None:
         """Validates and queues a request. Raises ValueError (bad input) without changing any state.
-        max_tokens_must_fit: see InputProcessor.process."""
+        max_tokens_must_fit: see _make_sequences."""
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
             raise ParamError("request_id", f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
-            prompt_text, prompt_token_ids = self.input_processor.tokenize_prompt(prompt)
+            prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         else:
             prompt_text = prompt if isinstance(prompt, str) else None
-        params, sequences = self.input_processor.process(
+        params, sequences = self._make_sequences(
             request_id, prompt_token_ids, params, arrival_time, max_tokens_must_fit
         )
         if any(s.request_id in self.core.scheduler.requests for s in sequences):
@@ -107,6 +109,85 @@ class LLMEngine:
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params, sequence_ids, delta)
         for sequence in sequences:
             self.core.add_request(sequence)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """-> (the prompt's text if it has one, its token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.config.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.config.tokenizer.encode(prompt["prompt"])
+        raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids' or 'prompt', got {type(prompt)}")
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        n, max_model_len, vocab_size = len(prompt_token_ids), self.config.max_model_len, self.config.vocab_size
+        if n == 0:
+            raise ParamError("prompt", "the prompt is empty")
+        if n > max_model_len:
+            raise ParamError(
+                "prompt",
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {n} tokens. "
+                "Please reduce the length of the prompt.",
+                code="context_length_exceeded",
+            )
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ParamError("prompt", f"prompt token id {bad!r} is out of range [0, {vocab_size})")
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check without the model: values the step would fail on (which would end every
+        request batched with this one)."""
+        vocab_size = self.config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ParamError("logprobs", f"logprobs must be <= the vocabulary size ({vocab_size})")
+        if params.seed is not None and not -(2**63) <= params.seed <= 2**63 - params.n:  # sibling i uses seed + i
+            raise ParamError("seed", "seed must be a 64-bit signed integer")
+        if params.logit_bias and max(params.logit_bias) >= vocab_size:
+            raise ParamError("logit_bias", f"logit_bias token ids must be < the vocabulary size ({vocab_size})")
+
+    def _make_sequences(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        max_tokens_must_fit: bool = False,
+    ) -> tuple[SamplingParams, list[Request]]:
+        """Validates a tokenised request (ParamError) and makes its sequences: one Request per sample, ids
+        `request_id` (n = 1) or `request_id#i` (siblings share the prompt's KV blocks through their block hashes).
+        max_tokens_must_fit (the OpenAI server's rule): prompt + max_tokens beyond max_model_len is an error rather
+        than a request that ends at the context length. -> (the parameters with max_tokens resolved, the
+        sequences)."""
+        self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
+        config, n = self.config, len(prompt_token_ids)
+        if max_tokens_must_fit and params.max_tokens is not None and n + params.max_tokens > config.max_model_len:
+            raise ParamError(
+                "max_tokens",
+                f"This model's maximum context length is {config.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                code="context_length_exceeded",
+            )
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=max(1, config.max_model_len - n))
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if config.args.enable_prefix_caching:
+            hasher = BlockHasher(config.block_size, params.cache_salt)
+        elif params.n > 1:  # siblings still share the prompt's blocks, with nobody else
+            hasher = BlockHasher(config.block_size, f"group:{id(params)}:{request_id}")
+        else:
+            hasher = None
+        eos = config.eos_token_id
+        if params.n == 1:
+            return params, [Request(request_id, prompt_token_ids, params, eos, hasher, arrival_time)]
+        children = []
+        for i in range(params.n):
+            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            children.append(Request(f"{request_id}#{i}", prompt_token_ids, child_params, eos, hasher, arrival_time))
+        return params, children
 
     def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort", with

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from aserve.config import EngineArgs
-from aserve.engine.input_processor import PromptType
-from aserve.engine.llm_engine import LLMEngine
+from aserve.engine.llm_engine import LLMEngine, PromptType
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 
@@ -42,10 +41,9 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         # Validate everything first, so a bad prompt leaves nothing half-queued.
-        inputs = self.engine.input_processor
-        tokenized = [inputs.tokenize_prompt(p) for p in prompts]
+        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for _, ids in tokenized:
-            inputs.validate_prompt(ids)
+            self.engine.validate_prompt(ids)
         request_ids = []
         for (text, ids), params in zip(tokenized, params_list):
             request_id = str(next(self._ids))
