@@ -11,7 +11,18 @@ import sys
 import time
 import typing
 
+from aiohttp import web
+
 from aserve.config import EngineArgs
+from aserve.core.stats import PeriodicLogger
+from aserve.engine.async_engine import AsyncEngine
+from aserve.entrypoints.openai.server import begin_drain, build_app, drain
+from aserve.quantize.quantize import add_quantize_parser, run_quantize
+
+try:
+    import uvloop
+except ImportError:  # e.g. Windows: the plain asyncio loop
+    uvloop = None
 
 logger = logging.getLogger("aserve")
 
@@ -61,15 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended (default: 30)",
     )  # fmt: skip
     add_engine_args(serve)
-    from aserve.quantize.quantize import add_quantize_parser
-
     add_quantize_parser(sub)
     return parser
 
 
 def serve(ns: argparse.Namespace) -> None:
-    from aserve.engine.async_engine import AsyncEngine
-
     args = engine_args_from(ns)
     if ns.model_tag is not None:
         args.model = ns.model_tag
@@ -83,23 +90,13 @@ def serve(ns: argparse.Namespace) -> None:
         f"KV cache capacity {engine.kv_capacity_tokens} tokens; max_model_len {config.max_model_len}",
         flush=True,
     )
-    try:
-        import uvloop
-
-        run = uvloop.run
-    except ImportError:  # e.g. Windows
-        run = asyncio.run
+    run = uvloop.run if uvloop is not None else asyncio.run
     run(_serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout))
 
 
 async def _serve(
     engine, served_model_name: str, host: str, port: int, api_key: str | None, shutdown_timeout: float = 30.0
 ) -> None:
-    from aiohttp import web
-
-    from aserve.core.stats import PeriodicLogger
-    from aserve.entrypoints.openai.server import begin_drain, build_app, drain
-
     app = build_app(engine, served_model_name, api_key)
     engine.stats.add_listener(PeriodicLogger(logger.info))
     # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
@@ -144,8 +141,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"aserve: error: {e}", file=sys.stderr)
             sys.exit(2)
     elif ns.command == "quantize":
-        from aserve.quantize.quantize import run_quantize
-
         try:
             run_quantize(ns)
         except ValueError as e:  # bad model, group size that does not divide the layers, ...
