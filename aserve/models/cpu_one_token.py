@@ -21,7 +21,7 @@ import torch
 
 from aserve.kernels import cpu_attention, cpu_elementwise, cpu_gemv
 from aserve.layers.attention.cpu_backend import CPUAttentionBackend
-from aserve.layers.quantization.unquantized import UnquantizedLinearMethod
+from aserve.layers.linear import UnquantizedLinearMethod
 
 
 class OneTokenForward:

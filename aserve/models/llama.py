@@ -92,7 +92,7 @@ class MLP(nn.Module):
                                 checkpoint_names=[f"{prefix}.down_proj"])  # fmt: skip
 
     def forward(self, x):
-        # SiLU·mul inside a linear's kernel where its method takes this input (layers/quantization/base.py): the
+        # SiLU·mul inside a linear's kernel where its method takes this input (layers/linear.py): the
         # gate/up GEMV's epilogue (AWQ on a GPU, small decode batches) or the down projection's prologue (GPU,
         # batch-1 decode).
         if self.gate_up_proj.fuses_silu_mul_out(x):
