@@ -17,11 +17,9 @@ from torch import nn
 from aserve import envs
 from aserve.layers.attention.backend import AttentionBackend
 from aserve.layers.attention.metadata import AttentionMetadata
-from aserve.layers.elementwise import ElementwiseOps
-from aserve.layers.layernorm import RMSNorm
+from aserve.layers.elementwise import ElementwiseOps, RMSNorm, RotaryEmbedding, rope_parameters
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
-from aserve.layers.rotary import RotaryEmbedding, rope_parameters
 from aserve.models.cpu_one_token import OneTokenForward
 
 # HF name fragment -> (fused parameter fragment, shard id)
