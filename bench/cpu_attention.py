@@ -32,8 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from attention_cases import random_batch  # noqa: E402
 
 from aserve.kernels import cpu_attention  # noqa: E402
-from aserve.layers.attention.cpu_backend import CPUAttentionBackend  # noqa: E402
-from aserve.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend  # noqa: E402
 
 _TAKES_DECODE_KERNEL = CPUAttentionBackend.takes_decode_kernel
 

@@ -8,8 +8,7 @@ from attention_cases import random_batch
 from aserve.kernels import cpu_attention
 from aserve.kernels.reference import paged_attention as reference_paged_attention
 from aserve.kernels.reference import write_kv_cache
-from aserve.layers.attention.cpu_backend import CPUAttentionBackend
-from aserve.layers.attention.torch_backend import TorchAttentionBackend
+from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 
 BACKENDS = {"torch": TorchAttentionBackend, "cpu": CPUAttentionBackend}
 

@@ -41,8 +41,7 @@ def test_decode_kernel_matches_reference(dtype, generic, heads, head_dim, ctx_le
 def test_cpu_backend_uses_kernel_for_decodes_and_matches_torch_backend(monkeypatch):
     """A mixed batch through CPUAttentionBackend: the decode rows go through the kernel, the rest through SDPA;
     same output as the torch backend (SDPA for all)."""
-    from aserve.layers.attention.cpu_backend import CPUAttentionBackend
-    from aserve.layers.attention.torch_backend import TorchAttentionBackend
+    from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 
     q_lens, ctx_lens = [1, 1, 1, 9, 20], [17, 64, 3, 0, 40]
     q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, 6, 2, 32, 16, 40)

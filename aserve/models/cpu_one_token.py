@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from aserve.kernels import cpu_attention, cpu_elementwise, cpu_gemv
-from aserve.layers.attention.cpu_backend import CPUAttentionBackend
+from aserve.layers.attention.torch_backend import CPUAttentionBackend
 from aserve.layers.linear import UnquantizedLinearMethod
 
 

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from aserve import envs
-from aserve.layers.attention.backend import AttentionBackend
-from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 from aserve.layers.elementwise import ElementwiseOps, RMSNorm, RotaryEmbedding, rope_parameters
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
