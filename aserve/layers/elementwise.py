@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aserve.kernels import cpu_elementwise
+from aserve.kernels import cpu
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -99,20 +99,20 @@ class CompiledElementwiseOps(ElementwiseOps):
 
 
 class NativeCpuElementwiseOps(ElementwiseOps):
-    """CPU: the C kernels of aserve/kernels/cpu_elementwise.py, at every step size (one call each, microseconds of
+    """CPU: the C kernels of aserve/kernels/cpu.py, at every step size (one call each, microseconds of
     overhead; a torch.compile'd region costs ~50-100 us to enter, eager torch runs several ops). SiLU·mul in C for
     bf16 (1.7-1.9x eager torch); float32 stays eager (the C loop does not vectorise there and is no faster)."""
 
     kind = "native"
 
     def __init__(self, dtype: torch.dtype) -> None:
-        self._silu_and_mul = cpu_elementwise.silu_mul if dtype == torch.bfloat16 else silu_and_mul
+        self._silu_and_mul = cpu.silu_mul if dtype == torch.bfloat16 else silu_and_mul
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return cpu_elementwise.add_rms_norm(x, residual, weight, eps)
+        return cpu.add_rms_norm(x, residual, weight, eps)
 
     def split_rotate_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
-        return cpu_elementwise.rotary_split(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        return cpu.rotary_split(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
 
     def silu_and_mul(self, gate_up):
         return self._silu_and_mul(gate_up)
@@ -144,7 +144,7 @@ def select_elementwise_ops(device: torch.device, dtype: torch.dtype, compile_mod
     if device.type == "cuda":
         return TritonElementwiseOps()
     if device.type == "cpu":
-        if cpu_elementwise.supports(dtype):
+        if cpu.elementwise_supports(dtype):
             return NativeCpuElementwiseOps(dtype)
         if compile_model:
             return CompiledElementwiseOps()

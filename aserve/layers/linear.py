@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve import envs
-from aserve.kernels import cpu_gemv
+from aserve.kernels import cpu
 
 if TYPE_CHECKING:
     from aserve.layers.quantization.base import QuantizationConfig
@@ -147,8 +147,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 64)
         except (RuntimeError, AttributeError):
             return False
-        layer.cpu_gemv = cpu_gemv.supports(layer.weight)
-        layer.row_gemv = cpu_gemv.gemv if layer.cpu_gemv else torch.mv
+        layer.cpu_gemv = cpu.gemv_supports(layer.weight)
+        layer.row_gemv = cpu.gemv if layer.cpu_gemv else torch.mv
         layer.kernel = _onednn_rows_gemv if envs.ASERVE_CPU_MV else _onednn
         return True
 

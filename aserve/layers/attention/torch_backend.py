@@ -7,7 +7,7 @@ context. K/V are gathered whole blocks at a time with index_select (several time
 CPU), and SDPA gets 4-D inputs (its fused CPU kernel).
 
 CPUAttentionBackend: the same, with a step's decodes (one query token each) read in place from their cache blocks by
-the C kernel of aserve/kernels/cpu_attention.py instead of gathered for SDPA. Chosen where that kernel compiles
+the C kernel of aserve/kernels/cpu.py instead of gathered for SDPA. Chosen where that kernel compiles
 (ASERVE_CPU_KERNELS=0: not) and takes the model's dtype and head size.
 """
 
@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from aserve.kernels import cpu_attention
+from aserve.kernels import cpu
 from aserve.kernels.reference import write_kv_cache
 from aserve.layers.attention.backend import AttentionBackend, AttentionMetadata
-
-MAX_CPU_DECODE_HEAD_DIM = 256  # the C decode kernel's largest head size
 
 
 @dataclass(slots=True)
@@ -145,15 +143,11 @@ class CPUAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int) -> bool:
-        return (
-            dtype in (torch.float32, torch.bfloat16)
-            and head_dim <= MAX_CPU_DECODE_HEAD_DIM
-            and cpu_attention.available()
-        )
+        return dtype in (torch.float32, torch.bfloat16) and head_dim <= cpu.MAX_ATTENTION_HEAD_DIM and cpu.available()
 
     def takes_decode_kernel(self, short_max_q: int) -> bool:
         return short_max_q == 1  # decodes only (speculative verification's short queries stay on SDPA)
 
     def _decode_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
         # q rows are contiguous: every split_rotate_qkv implementation returns a fresh [T, H, D]
-        cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out)
+        cpu.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out)
