@@ -15,7 +15,7 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
                           aserve/kernels/csrc/attention.cpp with getenv, once per process; 0, or any value starting
                           with 0, keeps it on AVX-512). Default on.
     ASERVE_CPU_MV         CPU, bf16: one-row inputs of a linear layer (batch-1 decode) as a GEMV on the plain weight
-                          instead of oneDNN's prepacked copy (aserve/layers/quantization/unquantized.py). Default on.
+                          instead of oneDNN's prepacked copy (aserve/layers/linear.py). Default on.
     ASERVE_CPU_ONE_TOKEN  CPU, bf16: steps of one token through the flat loop of C kernel calls
                           (aserve/models/cpu_one_token.py) instead of the module forward. Default on.
     ASERVE_CPU_MALLOC     CPU: keep freed memory in the process instead of returning it to the OS after every step

@@ -1,5 +1,5 @@
-"""CPU decode attention per layer: aserve/kernels/cpu_attention.py (AVX512-BF16 path and generic C) vs the torch path it
-replaces (block gather with index_select + SDPA: TorchAttentionBackend), SmolLM2 shapes
+"""CPU decode attention per layer: aserve/kernels/cpu.py's paged_decode_attention (AVX512-BF16 path and generic C)
+vs the torch path it replaces (block gather with index_select + SDPA: TorchAttentionBackend), SmolLM2 shapes
 (9 query / 3 KV heads, head_dim 64, bf16), in one command:
 
     python bench/cpu_attention.py [--threads N] [--repeats 3] [--e2e] [--baseline REV] [--layers 30]
@@ -31,9 +31,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from attention_cases import random_batch  # noqa: E402
 
-from aserve.kernels import cpu_attention  # noqa: E402
-from aserve.layers.attention.cpu_backend import CPUAttentionBackend  # noqa: E402
-from aserve.layers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from aserve.kernels import cpu  # noqa: E402
+from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend  # noqa: E402
 
 _TAKES_DECODE_KERNEL = CPUAttentionBackend.takes_decode_kernel
 
@@ -127,7 +126,7 @@ def layers_case(args) -> None:
     caches = [random_batch([1] * batch, [ctx] * batch, 9, 3, 64, 16, batch * 22 + 4, torch.bfloat16)
               for _ in range(args.layers)]  # fmt: skip
     out = torch.empty_like(caches[0][0])
-    fns = {"kernel now": lambda q, kv, meta: cpu_attention.paged_decode_attention(
+    fns = {"kernel now": lambda q, kv, meta: cpu.paged_decode_attention(
         q, kv[0], kv[1], meta.block_tables, meta.seq_lens, out)}  # fmt: skip
     if args.baseline:
         lib = baseline_kernel(args.baseline)
@@ -156,7 +155,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=1, help="> 1: also the N-layer-caches case")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    assert cpu_attention.available(), "no working C compiler"
+    assert cpu.available(), "no working C compiler"
     rows = []
     for batch, ctx in ((64, 300), (1, 256)):
         bs = 16
@@ -169,7 +168,7 @@ def main() -> None:
             backend.forward(q, k, v, kv, meta)
 
         def kernel(generic: bool):
-            return lambda: cpu_attention.paged_decode_attention(
+            return lambda: cpu.paged_decode_attention(
                 q, kv[0], kv[1], meta.block_tables, meta.seq_lens, out, generic=generic
             )
 

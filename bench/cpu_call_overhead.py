@@ -5,7 +5,7 @@ add + RMSNorm of one [1, 576] bf16 row (SmolLM2's hidden size; batch-1 decode), 
 
 Ways: the extension's raw entry point (pybind11, integer pointers: what the one-token forward calls), the same C
 function through ctypes (raw pointers, argument types declared), the typed op torch.ops.aserve.add_rms_norm, the
-Python function aserve.kernels.cpu_elementwise.add_rms_norm over it, and eager torch (aserve.layers.elementwise). Rounds
+Python function aserve.kernels.cpu.add_rms_norm over it, and eager torch (aserve.layers.elementwise). Rounds
 alternate between the ways; prints a table of us per call (best round, and every round).
 """
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from aserve.kernels import cpu_build, cpu_elementwise
+from aserve.kernels import cpu, cpu_build
 from aserve.layers import elementwise as layers
 
 
@@ -45,7 +45,7 @@ def main() -> None:
         "raw entry point (pybind11, pointers)": lambda: ext.add_rms_norm(*ptrs, 1, 576, 1e-5, 1, 1, nt),
         "ctypes (pointers)": lambda: c_fn(*ptrs, 1, 576, 1e-5, 1, 1, nt),
         "typed op torch.ops.aserve.add_rms_norm": lambda: op(x, res, w, 1e-5),
-        "cpu_elementwise.add_rms_norm": lambda: cpu_elementwise.add_rms_norm(x, res, w, 1e-5),
+        "cpu.add_rms_norm": lambda: cpu.add_rms_norm(x, res, w, 1e-5),
         "eager torch (aserve.layers.elementwise)": lambda: layers.add_rms_norm(x, res, w, 1e-5),
     }
     expected = op(x, res, w, 1e-5)

@@ -2,7 +2,7 @@
 
 import torch
 
-from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.backend import AttentionMetadata
 
 
 def random_batch(

@@ -5,11 +5,10 @@ import pytest
 import torch
 from attention_cases import random_batch
 
-from aserve.kernels import cpu_attention
+from aserve.kernels import cpu
 from aserve.kernels.reference import paged_attention as reference_paged_attention
 from aserve.kernels.reference import write_kv_cache
-from aserve.layers.attention.cpu_backend import CPUAttentionBackend
-from aserve.layers.attention.torch_backend import TorchAttentionBackend
+from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 
 BACKENDS = {"torch": TorchAttentionBackend, "cpu": CPUAttentionBackend}
 
@@ -28,7 +27,7 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
 def test_torch_backend_matches_reference(case, heads, dtype, backend_name):
-    if backend_name == "cpu" and not cpu_attention.available():
+    if backend_name == "cpu" and not cpu.available():
         pytest.skip("no working C compiler")
     q_lens, ctx_lens = CASES[case]
     num_heads, num_kv_heads = heads

@@ -1,13 +1,13 @@
-"""The CPU decode attention kernel (aserve/kernels/cpu_attention.py, C compiled on first use) against the pure-torch
+"""The CPU decode attention kernel (aserve/kernels/cpu.py, C compiled on first use) against the pure-torch
 reference, and the CPU attention backend using it."""
 
 import pytest
 import torch
 from attention_cases import random_batch
 
-from aserve.kernels import cpu_attention, reference
+from aserve.kernels import cpu, reference
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no working C compiler")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler")
 
 
 @pytest.mark.parametrize(
@@ -31,8 +31,8 @@ def test_decode_kernel_matches_reference(dtype, generic, heads, head_dim, ctx_le
     reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     ref = reference.paged_attention(q, kv_cache, meta, bs)
     out = torch.full_like(q, float("nan"))
-    assert cpu_attention.supports(q, kv_cache[0])
-    cpu_attention.paged_decode_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, out,
+    assert cpu.attention_supports(q, kv_cache[0])
+    cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, out,
                                          generic=generic)  # fmt: skip
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
@@ -41,16 +41,15 @@ def test_decode_kernel_matches_reference(dtype, generic, heads, head_dim, ctx_le
 def test_cpu_backend_uses_kernel_for_decodes_and_matches_torch_backend(monkeypatch):
     """A mixed batch through CPUAttentionBackend: the decode rows go through the kernel, the rest through SDPA;
     same output as the torch backend (SDPA for all)."""
-    from aserve.layers.attention.cpu_backend import CPUAttentionBackend
-    from aserve.layers.attention.torch_backend import TorchAttentionBackend
+    from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 
     q_lens, ctx_lens = [1, 1, 1, 9, 20], [17, 64, 3, 0, 40]
     q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, 6, 2, 32, 16, 40)
     backend = CPUAttentionBackend()
     backend.prepare(meta, 16)
     calls = []
-    kernel = cpu_attention.paged_decode_attention
-    monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = cpu.paged_decode_attention
+    monkeypatch.setattr(cpu, "paged_decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     out = backend.forward(q, k, v, kv_cache.clone(), meta)
     assert calls == [1]
     backend = TorchAttentionBackend()

@@ -1,6 +1,7 @@
 """aserve/kernels/cpu_build.py: load_all() compiles once and later loads come from the cache (in this process and in a
-fresh one: no compiler run but the -march=native probe); the cache is keyed on the CPU's target macros; without a
-working compiler, or with ASERVE_CPU_KERNELS=0, the kernels are off with a warning and the engine's torch paths give
+fresh one: no compiler run but the -march=native probe); the cache is keyed on the CPU's target macros; once loaded,
+aserve/kernels/cpu.py's checks read the extension it keeps without calling into the build code; without a working
+compiler, or with ASERVE_CPU_KERNELS=0, the kernels are off with a warning and the engine's torch paths give
 transformers' tokens."""
 
 import os
@@ -12,7 +13,7 @@ import torch
 from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import cpu_attention, cpu_build, cpu_elementwise, cpu_gemv, cpu_sample
+from aserve.kernels import cpu, cpu_build
 
 built = pytest.mark.skipif(cpu_build.load_all() is None, reason="no working C++ compiler")
 
@@ -35,18 +36,29 @@ def test_load_all_then_kernels_run_without_compiling(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=gen)
     gate_up = torch.randn(3, 128, generator=gen)
-    out, res = cpu_elementwise.add_rms_norm(x, None, torch.ones(64), 1e-6)
+    out, res = cpu.add_rms_norm(x, None, torch.ones(64), 1e-6)
     torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert res is x
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(cpu_elementwise.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
-    idx, bad = cpu_sample.greedy_pick(x)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    idx, bad = cpu.greedy_pick(x)
     assert torch.equal(idx, x.argmax(-1)) and not bad.any()
     # the build's directory is named after the key and keeps the target macros beside the library
     final = os.path.join(cpu_build.cache_dir(), module.__name__)
     assert os.path.exists(os.path.join(final, f"{module.__name__}.so"))
     with open(os.path.join(final, "target_macros.txt")) as f:
         assert f.read() == cpu_build.target_macros(os.environ.get("CXX", "c++"))
+
+
+@built
+def test_checks_read_the_loaded_extension(monkeypatch):
+    """Once loaded, the kernels' availability checks (some run every step: the sampler's) read the extension cpu.py
+    keeps and never call into the build code."""
+    module = cpu.load()
+    monkeypatch.setattr(cpu_build, "load_all", lambda: pytest.fail("called into the build code"))
+    logits = torch.randn(2, 8)
+    assert cpu.library() is module and cpu.available() and cpu.elementwise_supports(torch.bfloat16)
+    assert cpu.sample_supports(logits) and torch.equal(cpu.greedy_pick(logits)[0], logits.argmax(-1))
 
 
 @built
@@ -97,15 +109,17 @@ def test_no_working_compiler_turns_the_kernels_off(compiler, monkeypatch, tmp_pa
     monkeypatch.setenv("CXX", str(cxx))
     monkeypatch.setenv("ASERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu, "extension", cpu.NOT_LOADED)
     with caplog.at_level("WARNING", logger="aserve"):
         assert cpu_build.load_all() is None
     assert "unavailable" in caplog.text
     if compiler == "fails":  # the probe worked: the sources went to the compiler
         assert any(" -c " in line for line in log.read_text().splitlines())
     assert not any((tmp_path / "cache").rglob("*.so")) and not any((tmp_path / "cache").rglob("*.build-*"))
-    assert not cpu_elementwise.available() and not cpu_attention.available()
-    assert not cpu_gemv.supports(torch.empty(16, 32, dtype=torch.bfloat16))
-    assert not cpu_sample.supports(torch.empty(2, 8))
+    assert not cpu.available() and not cpu.elementwise_supports(torch.float32)
+    assert not cpu.attention_supports(torch.empty(2, 4, 16), torch.empty(8, 16, 2, 16))
+    assert not cpu.gemv_supports(torch.empty(16, 32, dtype=torch.bfloat16))
+    assert not cpu.sample_supports(torch.empty(2, 8))
 
 
 def test_without_the_kernels_the_engine_runs_the_torch_paths(tiny_model, monkeypatch, tmp_path):
@@ -114,6 +128,7 @@ def test_without_the_kernels_the_engine_runs_the_torch_paths(tiny_model, monkeyp
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv("ASERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu, "extension", cpu.NOT_LOADED)
     prompts = [[5, 17, 99, 3, 250], list(range(40, 73))]
     expected = hf_greedy(tiny_model, prompts, 12)
     llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
@@ -127,8 +142,9 @@ def test_switched_off(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ASERVE_CPU_KERNELS", "0")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu, "extension", cpu.NOT_LOADED)
     with caplog.at_level("WARNING", logger="aserve"):
-        assert cpu_build.load_all() is None and not cpu_elementwise.available()
+        assert cpu_build.load_all() is None and not cpu.available()
     assert not caplog.text  # off by request: no build tried, nothing to warn about
 
 
@@ -136,10 +152,12 @@ def test_switched_off(monkeypatch, tmp_path, caplog):
 def test_the_engine_builds_the_kernels_at_start(tiny_model, monkeypatch):
     """A CPU engine loads (or compiles) the kernels while it starts, so the first request never waits for a compile."""
     monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu, "extension", cpu.NOT_LOADED)
     calls = []
     real_build = cpu_build.build
     monkeypatch.setattr(cpu_build, "build", lambda *a, **kw: calls.append(1) or real_build(*a, **kw))
     llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
     assert calls == [1] and cpu_build._loaded["module"] is not None
+    assert cpu.extension is cpu_build._loaded["module"]  # what the kernels' checks read from then on
     llm.generate([{"prompt_token_ids": [5, 17, 99]}], SamplingParams(temperature=0, max_tokens=4))
     assert calls == [1]

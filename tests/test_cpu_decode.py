@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import cpu_gemv
+from aserve.kernels import cpu
 from aserve.layers.linear import Linear
 from aserve.models.cpu_one_token import OneTokenForward
 
 needs_c_gemv = pytest.mark.skipif(
-    not cpu_gemv.supports(torch.empty(1, 32, dtype=torch.bfloat16)), reason="no compiler or no AVX512-BF16"
+    not cpu.gemv_supports(torch.empty(1, 32, dtype=torch.bfloat16)), reason="no compiler or no AVX512-BF16"
 )
 PROMPT = [3, 50, 7, 99, 12] * 7
 

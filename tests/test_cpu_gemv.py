@@ -1,14 +1,14 @@
-"""The CPU bf16 GEMV (aserve/kernels/cpu_gemv.py) against a float32 matrix-vector product of the same bf16 values, and
+"""The CPU bf16 GEMV (aserve/kernels/cpu.py) against a float32 matrix-vector product of the same bf16 values, and
 through Linear (one-row inputs of a prepacked bf16 linear)."""
 
 import pytest
 import torch
 
-from aserve.kernels import cpu_gemv
+from aserve.kernels import cpu
 from aserve.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(
-    not cpu_gemv.supports(torch.empty(1, 32, dtype=torch.bfloat16)), reason="no compiler or no AVX512-BF16"
+    not cpu.gemv_supports(torch.empty(1, 32, dtype=torch.bfloat16)), reason="no compiler or no AVX512-BF16"
 )
 
 
@@ -17,7 +17,7 @@ def test_gemv_matches_reference(n, k):
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(k, generator=gen).to(torch.bfloat16)
-    got = cpu_gemv.gemv(w, x)
+    got = cpu.gemv(w, x)
     expected = (w.float() @ x.float()).to(torch.bfloat16)  # float32 sums, another order: within a bf16 step or so
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=2**-7)
 

@@ -1,25 +1,25 @@
-"""aserve/kernels/cpu_sample.py: the greedy pick against torch (first maximum, non-finite rows flagged), and the sampler
+"""aserve/kernels/cpu.py: the greedy pick against torch (first maximum, non-finite rows flagged), and the sampler
 using it for greedy batches with the same tokens as its float32 path."""
 
 import pytest
 import torch
 from test_greedy import check_pick, hard_logits
 
-from aserve.kernels import cpu_sample
+from aserve.kernels import cpu
 
-pytestmark = pytest.mark.skipif(cpu_sample.library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [1, 15, 16, 49152 + 7])
 def test_greedy_pick_matches_torch(dtype, vocab):
     logits = hard_logits(vocab, dtype)
-    check_pick(logits, *cpu_sample.greedy_pick(logits))
+    check_pick(logits, *cpu.greedy_pick(logits))
 
 
 def test_greedy_pick_strided_rows():
     logits = torch.randn(4, 100, dtype=torch.bfloat16)[:, :64]  # row stride 100
-    idx, bad = cpu_sample.greedy_pick(logits)
+    idx, bad = cpu.greedy_pick(logits)
     assert torch.equal(idx, logits.float().max(dim=-1).indices) and not bad.any()
 
 

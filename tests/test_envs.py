@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from aserve import LLM, envs
-from aserve.kernels import cpu_attention, cpu_build, cpu_gemv
+from aserve.kernels import cpu, cpu_build
 from aserve.layers.linear import Linear
 from aserve.models import model_path
 from aserve.worker import host_memory
 
 SWITCHES = ["ASERVE_CPU_KERNELS", "ASERVE_CPU_AMX", "ASERVE_CPU_MV", "ASERVE_CPU_ONE_TOKEN", "ASERVE_CPU_MALLOC",
             "ASERVE_GEMV", "ASERVE_PDL"]  # fmt: skip
-HAS_C_GEMV = cpu_gemv.supports(torch.empty(1, 32, dtype=torch.bfloat16))
+HAS_C_GEMV = cpu.gemv_supports(torch.empty(1, 32, dtype=torch.bfloat16))
 
 
 @pytest.fixture
@@ -69,8 +69,9 @@ def test_cache_holds_converted_gguf(clean_env, tmp_path):
 
 def test_cpu_kernels_off_means_no_library(clean_env):
     clean_env.setattr(cpu_build, "_loaded", {})
+    clean_env.setattr(cpu, "extension", cpu.NOT_LOADED)
     clean_env.setenv("ASERVE_CPU_KERNELS", "0")
-    assert not cpu_attention.available()
+    assert not cpu.available()
     # (CXX: tests/test_cpu_build.py builds with a compiler that fails and gets the torch fallback)
 
 
@@ -80,8 +81,8 @@ def test_cpu_mv_routes_one_row_inputs(clean_env, on):
     if not on:
         clean_env.setenv("ASERVE_CPU_MV", "0")
     calls = []
-    gemv = cpu_gemv.gemv
-    clean_env.setattr(cpu_gemv, "gemv", lambda w, x: calls.append(1) or gemv(w, x))
+    gemv = cpu.gemv
+    clean_env.setattr(cpu, "gemv", lambda w, x: calls.append(1) or gemv(w, x))
     lin = Linear(64, 48, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         lin.weight.normal_()
@@ -106,19 +107,19 @@ def test_cpu_malloc_off_leaves_glibc_defaults(clean_env):
     assert host_memory.retain_freed_memory() is False
 
 
-@pytest.mark.skipif(not (cpu_attention.available() and "amx_bf16" in open("/proc/cpuinfo").read()),
+@pytest.mark.skipif(not (cpu.available() and "amx_bf16" in open("/proc/cpuinfo").read()),
                     reason="no compiler or no AMX")  # fmt: skip
 def test_cpu_amx_off_keeps_the_decode_kernel_off_tiles():
     """The bf16 decode kernel asks Linux for the AMX tile state before its tile path runs; with ASERVE_CPU_AMX=0 it
     never does (each case in a fresh process that runs nothing else on AMX: the C source reads the switch once)."""
     script = (
         "import ctypes, torch\n"
-        "from aserve.kernels import cpu_attention, cpu_build\n"
-        "assert cpu_build.load_all() is not None\n"
+        "from aserve.kernels import cpu\n"
+        "assert cpu.load() is not None\n"
         "q = torch.randn(2, 8, 64).to(torch.bfloat16)\n"
         "cache = torch.randn(2, 4, 16, 2, 64).to(torch.bfloat16)\n"
         "tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([20, 31], dtype=torch.int32)\n"
-        "cpu_attention.paged_decode_attention(q, cache[0], cache[1], tables, lens, torch.empty_like(q))\n"
+        "cpu.paged_decode_attention(q, cache[0], cache[1], tables, lens, torch.empty_like(q))\n"
         "mask = ctypes.c_uint64(0)\n"
         "ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask))  # arch_prctl(ARCH_GET_XCOMP_PERM)\n"
         "print(mask.value >> 18 & 1)  # XFEATURE_XTILEDATA\n"

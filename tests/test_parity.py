@@ -82,9 +82,9 @@ def test_batch_of_one_equals_batch_of_many(tiny_model):
 def test_compiled_cpu_path_matches_transformers(references, monkeypatch):
     """Where the C element-wise kernels cannot be built, CPU runs torch.compile'd element-wise ops for steps of 32+
     tokens (here: the prefill step; decode steps of 5 tokens stay eager): same greedy tokens."""
-    from aserve.kernels import cpu_elementwise
+    from aserve.kernels import cpu
 
-    monkeypatch.setattr(cpu_elementwise, "supports", lambda dtype: False)
+    monkeypatch.setattr(cpu, "elementwise_supports", lambda dtype: False)
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32")
     assert llm.engine.core.runner.compiled
@@ -96,11 +96,11 @@ def test_compiled_cpu_path_matches_transformers(references, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's kernels")
 def test_native_cpu_elementwise_path_matches_transformers(references):
-    """The CPU's C element-wise kernels (aserve/kernels/cpu_elementwise.py), the default where a compiler works, for
+    """The CPU's C element-wise kernels (aserve/kernels/cpu.py), the default where a compiler works, for
     every step (prefill and decode): same greedy tokens."""
-    from aserve.kernels import cpu_elementwise
+    from aserve.kernels import cpu
 
-    if not cpu_elementwise.available():
+    if not cpu.available():
         pytest.skip("no working C compiler")
     path, expected = references("gqa")
     llm = LLM(path, dtype="float32", enforce_eager=True)

@@ -1,12 +1,12 @@
 """Builds aserve's CPU kernels (C++ in aserve/kernels/csrc) into one torch extension with torch.utils.cpp_extension,
 once per machine, and loads it. `load_all()` compiles and loads everything at once; the engine calls it at start, so
-that no request waits for a compile.
+that no request waits for a compile. The kernels' Python API, and what each kernel does, is aserve/kernels/cpu.py.
 
     csrc/cpu_common.h, cpu_kernels.h    bf16 <-> float32, AVX-512 sums and exp2; the kernels' C entry points
-    csrc/elementwise.cpp, gemv.cpp,     the kernels, raw pointers in (aserve/kernels/cpu_*.py describe them)
+    csrc/elementwise.cpp, gemv.cpp,     the kernels, raw pointers in (aserve/kernels/cpu.py describes them)
         attention.cpp, sample.cpp
     csrc/ops.cpp                        typed ops, torch.ops.aserve.*: tensors in and out, arguments checked; the
-                                        Python functions of aserve/kernels/cpu_*.py call these
+                                        Python functions of aserve/kernels/cpu.py call these
     csrc/raw.cpp                        the extension's module: the C entry points with integer pointers, for the
                                         one-token forward (aserve/models/cpu_one_token.py, ~270 calls per token), where
                                         a typed op would cost ~2 us more per call (bench/cpu_call_overhead.py)

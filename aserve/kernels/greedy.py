@@ -1,5 +1,5 @@
 """Greedy pick on a GPU (Triton): per logits row, the index of the first maximum and whether the row holds a NaN or
-an infinity, reading the logits in the model's dtype; the GPU twin of aserve/kernels/cpu_sample.py.
+an infinity, reading the logits in the model's dtype; the GPU twin of aserve/kernels/cpu.py's greedy_pick.
 
 torch's way to get the same for a batch-1 decode step (widen to float32, a sum for the finite check, then
 max(dim).indices) runs one single-row reduction per op: ~45 us of GPU time per step over a 128256-entry vocabulary

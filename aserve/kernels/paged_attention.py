@@ -1,7 +1,7 @@
 """Triton paged attention for a flat mixed batch: decodes (1 query token), prefill chunks and speculative
 verification (k+1 tokens) of many requests in one launch, each attending causally to its own paged KV cache.
 
-Layout (see aserve/layers/attention/metadata.py): q [T, H, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D];
+Layout (see aserve/layers/attention/backend.py): q [T, H, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D];
 block_tables [num_seqs, max_blocks]; seq_lens [num_seqs] (context + new tokens); query_start_loc [num_seqs + 1].
 
 One program computes a tile of BLOCK_M query rows against one KV head. GQA is packed into the rows: a tile holds

@@ -1,12 +1,26 @@
-"""The element-wise work of a decoder layer (add + RMSNorm, rotary, SiLU·mul): the eager torch references, which
-follow HF's code op by op, and the faster implementations a model runs instead."""
+"""The element-wise layers of a decoder (RMSNorm with the residual add folded in, the rotary position embedding) and
+the element-wise work of a layer (add + RMSNorm, rotary, SiLU·mul): the eager torch references, which follow HF's code
+op by op, and the faster implementations a model runs instead, one of which select_elementwise_ops picks once, when
+the model is built:
+
+    ElementwiseOps             eager torch, several passes over memory (the reference)
+    CompiledElementwiseOps     CPU without the C kernels: torch.compile'd, for steps of at least min_tokens tokens
+    NativeCpuElementwiseOps    CPU: the C kernels of aserve/kernels/cpu.py, at every step size
+    TritonElementwiseOps       GPU: the fused Triton kernels of aserve/kernels/fused.py
+
+Rotary is neox style (rotate halves): RotaryEmbedding precomputes cos / sin of every position (with the checkpoint's
+scaling variant) and a step looks its positions up once, for all layers; the ops apply them.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from aserve.kernels import cpu_elementwise
+from aserve.kernels import cpu
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -85,20 +99,20 @@ class CompiledElementwiseOps(ElementwiseOps):
 
 
 class NativeCpuElementwiseOps(ElementwiseOps):
-    """CPU: the C kernels of aserve/kernels/cpu_elementwise.py, at every step size (one call each, microseconds of
+    """CPU: the C kernels of aserve/kernels/cpu.py, at every step size (one call each, microseconds of
     overhead; a torch.compile'd region costs ~50-100 us to enter, eager torch runs several ops). SiLU·mul in C for
     bf16 (1.7-1.9x eager torch); float32 stays eager (the C loop does not vectorise there and is no faster)."""
 
     kind = "native"
 
     def __init__(self, dtype: torch.dtype) -> None:
-        self._silu_and_mul = cpu_elementwise.silu_mul if dtype == torch.bfloat16 else silu_and_mul
+        self._silu_and_mul = cpu.silu_mul if dtype == torch.bfloat16 else silu_and_mul
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return cpu_elementwise.add_rms_norm(x, residual, weight, eps)
+        return cpu.add_rms_norm(x, residual, weight, eps)
 
     def split_rotate_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
-        return cpu_elementwise.rotary_split(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        return cpu.rotary_split(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
 
     def silu_and_mul(self, gate_up):
         return self._silu_and_mul(gate_up)
@@ -130,8 +144,75 @@ def select_elementwise_ops(device: torch.device, dtype: torch.dtype, compile_mod
     if device.type == "cuda":
         return TritonElementwiseOps()
     if device.type == "cpu":
-        if cpu_elementwise.supports(dtype):
+        if cpu.elementwise_supports(dtype):
             return NativeCpuElementwiseOps(dtype)
         if compile_model:
             return CompiledElementwiseOps()
     return ElementwiseOps()
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with the residual add folded in, run by the model's element-wise ops."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: ElementwiseOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> (norm(x + residual), x + residual), or (norm(x), x) without a residual."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_parameters(hf_config) -> tuple[float, dict]:
+    """(theta, scaling dict) from a transformers config of either generation (v5 `rope_parameters`, or v4
+    `rope_theta` + `rope_scaling`)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    merged["rope_type"] = rope_type
+    return float(theta), merged
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = scaling["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position for neox-style rotary embedding, precomputed in float32 by `materialize` (models
+    are built on the meta device); a step looks its positions up once, for all layers."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict) -> None:
+        super().__init__()
+        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        self.cos_sin: torch.Tensor | None = None
+
+    def materialize(self, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos_sin = torch.cat([emb.cos(), emb.sin()], dim=-1).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> cos, sin [T, 1, head_dim] in `dtype` (as HF, which rotates in the model's dtype)."""
+        cos, sin = self.cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin

@@ -1,15 +1,200 @@
-"""The linear layer of every model: y = x W^T + b, where how W is stored, loaded and multiplied belongs to the
-layer's quantisation method (aserve/layers/quantization/base.py), chosen once at construction."""
+"""The linear layer of every model, y = x W^T + b, and the interface of the quantisation method that owns W (vLLM's
+LinearMethodBase), with the unquantised method.
+
+A `Linear` holds one `LinearMethodBase`, chosen once at construction: `UnquantizedLinearMethod`, or the one a
+checkpoint's QuantizationConfig (aserve/layers/quantization) hands it. The method owns everything that depends on
+how the weights are stored:
+
+    create_weights                  registers the layer's parameters (on the meta device while the model is built)
+    load_output_slice               copies one part of a fused layer (q | k | v, gate | up) into a parameter
+    process_weights_after_loading   called once by the loader, after the weights are in, on their final device:
+                                    repacks or prepacks them and picks the kernel `apply` runs from then on
+    apply                           y = x W^T + b
+
+State a method sets up (prepacked copies, kernel choices, counters) lives on the layer, so one method object could
+serve many layers. After changing a layer's weights, call process_weights_after_loading again.
+
+A Llama MLP may fuse its activation, silu(gate) * up, into a linear's kernel: into the gate/up projection's epilogue
+(`fuses_silu_mul_out`) or into the down projection's prologue (`fuses_silu_mul_in`). Whether it can is decided by
+process_weights_after_loading; at run time the two checks only look at the input (rows, dtype).
+
+Unquantised layers: a dense weight [out, in] (nn.Linear's layout) and an optional bias. process_weights_after_loading
+picks the kernel for the weight's device and dtype, once:
+
+    CPU, bf16       oneDNN on a copy of the weight prepacked for its blocked (AMX) layout: 1.3-2x F.linear, which
+                    reorders the weight on every call. One-row inputs (batch-1 decode) run a GEMV on the plain
+                    weight instead, which streams it faster: the C GEMV of aserve/kernels/cpu.py where it applies,
+                    else torch.mv (ASERVE_CPU_MV=0: oneDNN for them too).
+    CUDA, 16-bit    one-row inputs through the Triton GEMV (aserve/kernels/gemv.py), faster than cuBLAS at M = 1,
+                    which also takes a Llama MLP's SiLU·mul in its prologue (apply_silu_mul_in); ASERVE_GEMV=0:
+                    cuBLAS for them too.
+    otherwise       F.linear.
+
+What it sets on the layer: `kernel` (the function apply runs), `packed_weight` (the oneDNN copy or None),
+`cpu_gemv` (the C GEMV reads this weight), `row_gemv` (the CPU one-row GEMV: cpu.gemv or torch.mv),
+`triton_gemv` / `gemv_config` / `gemv_silu_config` (aserve/kernels/gemv.py's gemv and its launch configurations, or
+None) and `silu_mul_in_max_rows` (1 where apply_silu_mul_in applies, else 0).
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from aserve.layers.quantization.base import QuantizationConfig
-from aserve.layers.quantization.unquantized import UnquantizedLinearMethod
+from aserve import envs
+from aserve.kernels import cpu
+
+if TYPE_CHECKING:
+    from aserve.layers.quantization.base import QuantizationConfig
+
+
+class LinearMethodBase(ABC):
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool,
+                       dtype: torch.dtype) -> None:  # fmt: skip
+        """Registers the parameters of an [in_features -> out_features] layer (activations in `dtype`)."""
+
+    @abstractmethod
+    def load_output_slice(self, layer: nn.Module, param: nn.Parameter, start: int, size: int,
+                          tensor: torch.Tensor) -> None:  # fmt: skip
+        """Copies one part of a fused layer (output features [start, start + size)) into `param`."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Prepares the loaded weights for `apply` on their device (once, after loading); nothing by default."""
+        return
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> x W^T + b [T, out]."""
+
+    def fuses_silu_mul_out(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """For a [gate | up] layer: does apply_silu_mul_out take this input?"""
+        return False
+
+    def apply_silu_mul_out(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's [gate | up] output [T, out / 2], in its own kernel."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse SiLU·mul into its output")
+
+    def fuses_silu_mul_in(self, layer: nn.Module, gate_up: torch.Tensor) -> bool:
+        """Does apply_silu_mul_in take this [T, 2 * in] input?"""
+        return False
+
+    def apply_silu_mul_in(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """This layer applied to silu(gate) * up of gate_up = [gate | up], the activation in its own kernel."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse SiLU·mul into its input")
+
+
+def _f_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+
+
+def _onednn_rows_gemv(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """oneDNN; one row: layer.row_gemv (the C GEMV, or torch.mv) on the plain weight."""
+    if x.shape[0] == 1:
+        y = layer.row_gemv(layer.weight, x[0]).unsqueeze(0)
+        return y if layer.bias is None else y + layer.bias
+    return _onednn(layer, x)
+
+
+def _cublas_rows_triton_gemv(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """F.linear; one row: the Triton GEMV."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        return layer.triton_gemv(x, layer.weight, layer.bias, config=layer.gemv_config)
+    return F.linear(x, layer.weight, layer.bias)
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def create_weights(self, layer, in_features, out_features, bias, dtype):
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self._reset(layer)
+
+    @staticmethod
+    def _reset(layer: nn.Module) -> None:
+        layer.kernel = _f_linear
+        layer.packed_weight = layer.row_gemv = None
+        layer.cpu_gemv = False
+        layer.triton_gemv = layer.gemv_config = layer.gemv_silu_config = None
+        layer.silu_mul_in_max_rows = 0
+
+    def load_output_slice(self, layer, param, start, size, tensor):
+        param.data[start : start + size].copy_(tensor)
+
+    def process_weights_after_loading(self, layer):
+        self._reset(layer)
+        w = layer.weight
+        if w.is_cpu and w.dtype == torch.bfloat16:
+            self.use_onednn(layer)
+        elif w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and envs.ASERVE_GEMV:
+            self.use_triton_gemv(layer)
+
+    def use_onednn(self, layer: nn.Module) -> bool:
+        """CPU: the oneDNN copy (one-row inputs: a GEMV, unless ASERVE_CPU_MV=0). False where this torch build
+        cannot prepack (then F.linear stays)."""
+        if not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 64)
+        except (RuntimeError, AttributeError):
+            return False
+        layer.cpu_gemv = cpu.gemv_supports(layer.weight)
+        layer.row_gemv = cpu.gemv if layer.cpu_gemv else torch.mv
+        layer.kernel = _onednn_rows_gemv if envs.ASERVE_CPU_MV else _onednn
+        return True
+
+    def use_triton_gemv(self, layer: nn.Module, config: dict | None = None, silu_config: dict | None = None) -> bool:
+        """One-row inputs through the Triton GEMV (launch configurations: aserve/kernels/gemv.py's defaults, or
+        `config` / `silu_config` for the SiLU·mul variant, which defaults to `config`). False where the kernel does
+        not take the weight's shape."""
+        from aserve.kernels import gemv  # Triton: optional (CPU installs may lack it), imported once it is chosen
+
+        n, k = layer.weight.shape
+        layer.gemv_config = gemv.gemv_config(n, k, config)
+        layer.gemv_silu_config = gemv.gemv_config(n, k, config if silu_config is None else silu_config, silu_mul=True)
+        if layer.gemv_config is None:
+            return False
+        layer.triton_gemv = gemv.gemv
+        layer.kernel = _cublas_rows_triton_gemv
+        layer.silu_mul_in_max_rows = 1
+        return True
+
+    def apply(self, layer, x):
+        return layer.kernel(layer, x)
+
+    def fuses_silu_mul_in(self, layer, gate_up):
+        return gate_up.shape[0] <= layer.silu_mul_in_max_rows
+
+    def apply_silu_mul_in(self, layer, gate_up):
+        config = layer.gemv_silu_config or layer.gemv_config
+        return layer.triton_gemv(gate_up, layer.weight, layer.bias, config=config, silu_mul=True)
+
+
+@dataclass(eq=False)
+class DenseWeights:
+    """A dense weight [out, in] and bias outside any module (another method's copy of its weights), run by
+    UnquantizedLinearMethod."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def processed(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseWeights:
+        dense = cls(weight, bias)
+        UnquantizedLinearMethod().process_weights_after_loading(dense)
+        return dense
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(self, x)
 
 
 class Linear(nn.Module):
@@ -49,7 +234,7 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
 
-    # A Llama MLP's SiLU·mul inside this layer's kernel (see aserve/layers/quantization/base.py).
+    # A Llama MLP's SiLU·mul inside this layer's kernel (see the module docstring).
 
     def fuses_silu_mul_out(self, x: torch.Tensor) -> bool:
         return self.quant_method.fuses_silu_mul_out(self, x)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from aserve.kernels import cpu_attention, cpu_elementwise, cpu_gemv
-from aserve.layers.attention.cpu_backend import CPUAttentionBackend
-from aserve.layers.quantization.unquantized import UnquantizedLinearMethod
+from aserve.kernels import cpu
+from aserve.layers.attention.torch_backend import CPUAttentionBackend
+from aserve.layers.linear import UnquantizedLinearMethod
 
 
 class OneTokenForward:
@@ -53,7 +53,7 @@ class OneTokenForward:
                "attn": self.H * self.D, "gu": 2 * self.inter, "sm": self.inter}  # fmt: skip
         self.buf = {k: torch.zeros(n, dtype=torch.bfloat16) for k, n in buf.items()}
         self.ptr = {k: v.data_ptr() for k, v in self.buf.items()}
-        self.ew, self.gemv, self.attn = cpu_elementwise.library(), cpu_gemv.library(), cpu_attention.library()
+        self.lib = cpu.library()  # the extension's raw entry points
 
     @staticmethod
     def applies(model) -> bool:
@@ -69,12 +69,12 @@ class OneTokenForward:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 if norm.weight.dtype != torch.bfloat16:
                     return False
-        return attn.head_dim <= 256
+        return attn.head_dim <= cpu.MAX_ATTENTION_HEAD_DIM
 
     def __call__(self, x, cos, sin, kv_caches: torch.Tensor, meta, num_layers: int | None) -> torch.Tensor:
         """x [1, hidden] (the token's embedding), cos / sin [1, 1, D], kv_caches [layers, 2, blocks, block_size,
         Hkv, D] -> x + residual after the layers [1, hidden] (as LlamaForCausalLM.forward)."""
-        ew, gemv, attn, p = self.ew, self.gemv, self.attn, self.ptr
+        lib, p = self.lib, self.ptr
         H, Hkv, D, hidden, inter = self.H, self.Hkv, self.D, self.hidden, self.inter
         qkv_rows = (H + 2 * Hkv) * D
         nt = torch.get_num_threads()
@@ -92,19 +92,19 @@ class OneTokenForward:
             ln1, w_qkv, w_o, ln2, w_gu, w_down = [table["weight"].data_ptr() for table in tables]
             eps1, eps2 = self.eps[i]
             if i == 0:  # no residual yet: h = norm(x), residual = x
-                ew.add_rms_norm(p["res"], p["res"], ln1, p["h"], p["res"], 1, hidden, eps1, 0, 1, nt)
+                lib.add_rms_norm(p["res"], p["res"], ln1, p["h"], p["res"], 1, hidden, eps1, 0, 1, nt)
             else:
-                ew.add_rms_norm(p["x"], p["res"], ln1, p["h"], p["res"], 1, hidden, eps1, 1, 1, nt)
-            gemv.gemv_bf16(w_qkv, p["h"], p["qkv"], qkv_rows, hidden, nt)
+                lib.add_rms_norm(p["x"], p["res"], ln1, p["h"], p["res"], 1, hidden, eps1, 1, 1, nt)
+            lib.gemv_bf16(w_qkv, p["h"], p["qkv"], qkv_rows, hidden, nt)
             k_cache = cache0 + i * layer_stride
             v_cache = k_cache + kv_stride
-            ew.rotary_split(p["qkv"], cos_p, sin_p, p["q"], k_cache + slot_off, v_cache + slot_off, 1, H, Hkv, D,
+            lib.rotary_split(p["qkv"], cos_p, sin_p, p["q"], k_cache + slot_off, v_cache + slot_off, 1, H, Hkv, D,
                             qkv_rows, cs_stride, 1, nt)  # fmt: skip
-            attn.paged_decode_attention(p["q"], k_cache, v_cache, bt_ptr, sl_ptr, p["attn"], 1, H, Hkv, D, block_size,
+            lib.paged_decode_attention(p["q"], k_cache, v_cache, bt_ptr, sl_ptr, p["attn"], 1, H, Hkv, D, block_size,
                                         bt_stride, H * D, H * D, scale, 1, nt, 0)  # fmt: skip
-            gemv.gemv_bf16(w_o, p["attn"], p["x"], hidden, H * D, nt)
-            ew.add_rms_norm(p["x"], p["res"], ln2, p["h"], p["res"], 1, hidden, eps2, 1, 1, nt)
-            gemv.gemv_bf16(w_gu, p["h"], p["gu"], 2 * inter, hidden, nt)
-            ew.silu_mul(p["gu"], p["sm"], 1, inter, 1, nt)
-            gemv.gemv_bf16(w_down, p["sm"], p["x"], hidden, inter, nt)
+            lib.gemv_bf16(w_o, p["attn"], p["x"], hidden, H * D, nt)
+            lib.add_rms_norm(p["x"], p["res"], ln2, p["h"], p["res"], 1, hidden, eps2, 1, 1, nt)
+            lib.gemv_bf16(w_gu, p["h"], p["gu"], 2 * inter, hidden, nt)
+            lib.silu_mul(p["gu"], p["sm"], 1, inter, 1, nt)
+            lib.gemv_bf16(w_down, p["sm"], p["x"], hidden, inter, nt)
         return (self.buf["x"] + self.buf["res"]).unsqueeze(0)

@@ -15,13 +15,10 @@ import torch
 from torch import nn
 
 from aserve import envs
-from aserve.layers.attention.backend import AttentionBackend
-from aserve.layers.attention.metadata import AttentionMetadata
-from aserve.layers.elementwise import ElementwiseOps
-from aserve.layers.layernorm import RMSNorm
+from aserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from aserve.layers.elementwise import ElementwiseOps, RMSNorm, RotaryEmbedding, rope_parameters
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
-from aserve.layers.rotary import RotaryEmbedding, rope_parameters
 from aserve.models.cpu_one_token import OneTokenForward
 
 # HF name fragment -> (fused parameter fragment, shard id)
@@ -92,7 +89,7 @@ class MLP(nn.Module):
                                 checkpoint_names=[f"{prefix}.down_proj"])  # fmt: skip
 
     def forward(self, x):
-        # SiLU·mul inside a linear's kernel where its method takes this input (layers/quantization/base.py): the
+        # SiLU·mul inside a linear's kernel where its method takes this input (layers/linear.py): the
         # gate/up GEMV's epilogue (AWQ on a GPU, small decode batches) or the down projection's prologue (GPU,
         # batch-1 decode).
         if self.gate_up_proj.fuses_silu_mul_out(x):

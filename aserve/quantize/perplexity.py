@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.entrypoints.llm import LLM
-from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.backend import AttentionMetadata
 
 
 def window_ids(tokenizer, text: str, window: int, max_windows: int | None = None) -> list[list[int]]:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.backend import AttentionMetadata
 
 logger = logging.getLogger("aserve")
 

@@ -19,8 +19,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from aserve.layers.attention.metadata import AttentionMetadata
-from aserve.layers.attention.selector import select_attention_backend
+from aserve.layers.attention import select_attention_backend
+from aserve.layers.attention.backend import AttentionMetadata
 from aserve.models.loader import build_model
 from aserve.models.model_path import resolve_model
 from aserve.spec.config import SpeculativeConfig

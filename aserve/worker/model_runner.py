@@ -25,8 +25,8 @@ import torch
 from aserve.core.kv_cache_manager import cdiv
 from aserve.core.outputs import RunnerOutput, SamplerOutput
 from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from aserve.layers.attention.metadata import AttentionMetadata
-from aserve.layers.attention.selector import select_attention_backend
+from aserve.layers.attention import select_attention_backend
+from aserve.layers.attention.backend import AttentionMetadata
 from aserve.models.loader import build_model
 from aserve.worker.cuda_graphs import DecodeGraphs
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device

@@ -25,6 +25,7 @@ import torch
 
 from aserve.core.outputs import SampledLogprobs, SamplerOutput
 from aserve.core.request import Request
+from aserve.kernels import cpu
 
 
 def list_to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -276,7 +277,7 @@ class Sampler:
     def _greedy_pick(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every row greedy with nothing that changes its logits (penalties, logit_bias, min_tokens still to reach):
         (first-maximum index, non-finite flag) per row from one kernel over the logits in the model's dtype (CPU: C,
-        aserve/kernels/cpu_sample.py; CUDA: Triton, aserve/kernels/greedy.py); None otherwise."""
+        aserve/kernels/cpu.py; CUDA: Triton, aserve/kernels/greedy.py); None otherwise."""
         if logits.device.type not in ("cpu", "cuda"):
             return None
         for row in rows:
@@ -287,9 +288,7 @@ class Sampler:
             from aserve.kernels import greedy
 
             return greedy.greedy_pick(logits) if greedy.supports(logits) else None
-        from aserve.kernels import cpu_sample
-
-        return cpu_sample.greedy_pick(logits) if cpu_sample.supports(logits) else None
+        return cpu.greedy_pick(logits) if cpu.sample_supports(logits) else None
 
     def _candidates(self, logits, rows, drafts, draft_probs, argmax: torch.Tensor | None = None):
         """-> (candidate token per row, whether each row's draft is accepted (None without drafts)). `argmax`: the

@@ -1,4 +1,4 @@
-// Decode attention over the paged KV cache: aserve/kernels/cpu_attention.py describes it.
+// Decode attention over the paged KV cache: aserve/kernels/cpu.py describes it.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 

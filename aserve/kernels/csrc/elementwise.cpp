@@ -1,4 +1,4 @@
-// Add + RMSNorm, rotary with the q/k/v split, SiLU·mul: aserve/kernels/cpu_elementwise.py describes them.
+// Add + RMSNorm, rotary with the q/k/v split, SiLU·mul: aserve/kernels/cpu.py describes them.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 

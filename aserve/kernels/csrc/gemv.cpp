@@ -1,4 +1,4 @@
-// The bf16 GEMV of one-row inputs: aserve/kernels/cpu_gemv.py describes it.
+// The bf16 GEMV of one-row inputs: aserve/kernels/cpu.py describes it.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 

@@ -1,5 +1,5 @@
 // The CPU kernels as typed torch ops, torch.ops.aserve.*: tensors in, tensors out (or written in place where the
-// schema says so), arguments checked before any pointer is taken. The Python functions of aserve/kernels/cpu_*.py
+// schema says so), arguments checked before any pointer is taken. The Python functions of aserve/kernels/cpu.py
 // call these.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,4 @@
-// The greedy pick (first maximum, non-finite flag per row): aserve/kernels/cpu_sample.py describes it.
+// The greedy pick (first maximum, non-finite flag per row): aserve/kernels/cpu.py describes it.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 

@@ -1,14 +1,49 @@
-"""The interface every attention backend implements. One backend object is chosen at engine start (selector.py)
-and shared by all layers; what it works out once per step (which requests batch together, gather indices, masks,
-split-KV segments) is its own dataclass, which prepare() puts into AttentionMetadata.state."""
+"""Attention over a flat batch with a paged KV cache: the step's metadata and the interface every backend implements.
+
+Layout of one layer's cache (vLLM's flash layout), shared by every backend:
+
+    kv_cache[layer]  [2, num_blocks, block_size, num_kv_heads, head_dim]     (0 = K, 1 = V)
+    slot s           = block_id * block_size + offset   (one token's K/V)
+
+A step's batch is flat: the query tokens of all requests are concatenated (no padding). Requests with a single query
+token ("decodes") come first, so a backend can treat them as one batch.
+
+    tokens     | r0 | r1 | r2 r2 r2 r2 | r3 r3 |        query_start_loc = [0, 1, 2, 6, 8], num_decodes = 2
+    seq_lens   | 37 | 12 |     4      |  130  |        (tokens in the cache after this step, incl. new ones)
+
+One backend object is chosen at engine start (select_attention_backend, this package's __init__) and shared by all
+layers; what it works out once per step (which requests batch together, gather indices, masks, split-KV segments) is
+its own dataclass, which prepare() puts into AttentionMetadata.state.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from aserve.layers.attention.metadata import AttentionMetadata
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    num_decodes: int  # the first `num_decodes` requests have exactly one query token
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    # Host copies, so backends that loop over requests need no device sync.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_seq_len: int
+    max_query_len: int
+    # The attention backend's per-step state (its own dataclass), built once per step by its prepare() for all layers.
+    state: Any = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
 
 
 class AttentionBackend(ABC):

@@ -1,9 +1,14 @@
-"""The reference attention backend in plain torch (CPU, or any device).
+"""The attention backends in torch: the reference (CPU, or any device) and the CPU backend, which is the reference
+with a C decode kernel.
 
-Requests with short queries (decodes, speculative verification: up to SHORT_QUERY tokens) come first in the batch
-and go through one padded SDPA call; every other request gets its own SDPA call over its gathered context. K/V are
-gathered whole blocks at a time with index_select (several times faster than per-slot indexing on CPU), and SDPA
-gets 4-D inputs (its fused CPU kernel).
+TorchAttentionBackend: requests with short queries (decodes, speculative verification: up to SHORT_QUERY tokens) come
+first in the batch and go through one padded SDPA call; every other request gets its own SDPA call over its gathered
+context. K/V are gathered whole blocks at a time with index_select (several times faster than per-slot indexing on
+CPU), and SDPA gets 4-D inputs (its fused CPU kernel).
+
+CPUAttentionBackend: the same, with a step's decodes (one query token each) read in place from their cache blocks by
+the C kernel of aserve/kernels/cpu.py instead of gathered for SDPA. Chosen where that kernel compiles
+(ASERVE_CPU_KERNELS=0: not) and takes the model's dtype and head size.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from aserve.kernels import cpu
 from aserve.kernels.reference import write_kv_cache
-from aserve.layers.attention.backend import AttentionBackend
-from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass(slots=True)
@@ -131,3 +136,18 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+
+class CPUAttentionBackend(TorchAttentionBackend):
+    """The torch backend with the decodes on the C kernel (see the module docstring)."""
+
+    @staticmethod
+    def supports(dtype: torch.dtype, head_dim: int) -> bool:
+        return dtype in (torch.float32, torch.bfloat16) and head_dim <= cpu.MAX_ATTENTION_HEAD_DIM and cpu.available()
+
+    def takes_decode_kernel(self, short_max_q: int) -> bool:
+        return short_max_q == 1  # decodes only (speculative verification's short queries stay on SDPA)
+
+    def _decode_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
+        # q rows are contiguous: every split_rotate_qkv implementation returns a fresh [T, H, D]
+        cpu.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out)

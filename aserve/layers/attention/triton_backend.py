@@ -1,6 +1,6 @@
 """The GPU attention backend: Triton kernels for the cache write and for paged attention over the mixed batch.
-Nothing per step on the host, so a decode step can be captured in a CUDA graph. (Triton is optional: the selector
-imports this module once it is chosen.)"""
+Nothing per step on the host, so a decode step can be captured in a CUDA graph. (Triton is optional:
+select_attention_backend imports this module once it is chosen.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import rotary_split
 from aserve.kernels.paged_attention import paged_attention
-from aserve.layers.attention.backend import AttentionBackend
-from aserve.layers.attention.metadata import AttentionMetadata
+from aserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 
 _MAX_SEGMENTS = 16
 

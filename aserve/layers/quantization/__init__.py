@@ -1,5 +1,6 @@
-"""Quantisation at run time: the checkpoint formats and the linear layers' methods (base.py: the interfaces). The
-offline quantiser that writes such checkpoints is aserve/quantize. See docs/quantization.md.
+"""Quantisation at run time: the checkpoint formats and the linear layers' methods (base.py: QuantizationConfig;
+the method interface, LinearMethodBase, lives with the layer in aserve/layers/linear.py). The offline quantiser that
+writes such checkpoints is aserve/quantize. See docs/quantization.md.
 
 A new method adds its file here (a QuantizationConfig and a LinearMethodBase) and one line to QUANTIZATION_CONFIGS.
 """

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from aserve.kernels.awq_reference import awq_matmul, dequantize
+from aserve.layers.linear import DenseWeights, LinearMethodBase, UnquantizedLinearMethod
 from aserve.layers.quantization.awq_format import PACK_FACTOR
-from aserve.layers.quantization.base import LinearMethodBase, QuantizationConfig
-from aserve.layers.quantization.unquantized import DenseWeights, UnquantizedLinearMethod
+from aserve.layers.quantization.base import QuantizationConfig
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,182 @@
+"""The CPU kernels' Python API: small C kernels (C++ in aserve/kernels/csrc) built once per machine into one torch
+extension by aserve/kernels/cpu_build.py, called here as typed ops, torch.ops.aserve.* (tensors in and out, arguments
+checked). `load()` builds or loads the extension (the engine does it at start) and keeps it in this module, so that
+the availability checks below read a module variable and never call into the build code; where it cannot be built
+(no compiler, ASERVE_CPU_KERNELS=0) they say False and callers keep their torch paths. `library()` gives the
+extension's raw entry points (integer pointers) to callers that own their buffers (aserve/models/cpu_one_token.py).
+
+Element-wise (csrc/elementwise.cpp), float32 and bfloat16, same contract and rounding as aserve/kernels/fused.py
+(HF's eager order; references: aserve.layers.elementwise's add_rms_norm, split_rotate_qkv, silu_and_mul):
+
+    add_rms_norm     x + residual -> (RMSNorm(x + residual) * weight, x + residual)
+    rotary_split     fused qkv rows -> rotated q, rotated k, v (each contiguous)
+    silu_mul         gate_up rows -> silu(gate) * up
+
+  Each call costs microseconds of Python, where eager torch runs 3-10 ops (~10 us each) and a torch.compile'd region
+  pays ~100 us to enter: at batch 1 on a 2-core CPU that overhead is a visible part of every decode step. Rows are
+  spread over torch's threads (OpenMP) when there are many; bf16 SiLU·mul on AVX512-BF16 runs 16 lanes with a
+  polynomial exp (libm's expf does not vectorise): 1.7-1.9x eager torch.
+
+GEMV (csrc/gemv.cpp), one bf16 input row (batch-1 decode): y[n] = sum_k W[n, k] x[k], W [N, K] row-major, float32
+accumulation, y rounded to bf16; reference torch.mv (same products, summed in another order).
+
+  At batch 1 every linear streams its whole weight, so the step is bound by memory: torch.mv reaches ~9-12 GB/s on the
+  2-core development VM over a model's cold weights, this kernel ~15-18 GB/s (rows in blocks of 16 over torch's
+  threads, vdpbf16ps pair dot products against x held in registers, one transpose-and-add tree per 16 row sums, rows
+  4 blocks ahead prefetched). Needs AVX512-BF16 (Sapphire Rapids and newer) and K % 32 == 0 (`gemv_supports`).
+
+Decode attention (csrc/attention.cpp): one query token per request, reading the paged KV cache in place, where the
+torch backend gathers every request's blocks into a padded copy for SDPA (K/V read, written and read again; SDPA's
+CPU kernel is slow at one query token). Reference: aserve/kernels/reference.py paged_attention.
+
+  One work item per (request, KV head) over torch's OpenMP threads (a request's KV heads handed out together, so one
+  core reads all of its cache lines): scores = q . K[t] * scale for the G query heads sharing the KV head, block by
+  block through the block table; p = exp(scores - max) with a vectorisable exp2 polynomial; out = sum_t p[t] V[t] / l.
+  float32 and bfloat16 (round to nearest even on the way out). With AVX512-BF16, bf16 takes a vectorised path (q . k
+  as vdpbf16ps over 16 tokens at a time, P @ V with two tokens' V rows interleaved, P rounded to bf16 once as flash
+  attention rounds it); head_dim 64 / 128 with 1, 2, 3, 4 or 8 query heads per KV head get loops with G and D fixed at
+  compile time. With AMX (ASERVE_CPU_AMX=0: off), both products run on tiles where head_dim <= 128 (P @ V: <= 64),
+  summed in another order than vdpbf16ps (float32 rounding differences). The coming blocks' K/V rows are prefetched
+  32-64 tokens ahead; prefetch_rows must be always inlined (out of line, GCC dropped the prefetches: ~40 % slower with
+  the cache in DRAM, the engine's case). On the 2-core development VM, 30 layer caches of 64 requests x 320 tokens
+  (SmolLM2 heads): 1.07-1.18 ms per call with AMX, 1.35 without (docs/benchmarks.md).
+
+Greedy pick (csrc/sample.cpp): per logits row in the model's dtype, the index of the first maximum and whether the row
+holds a NaN or an infinity; what the sampler needs of a greedy batch, where torch's way (widen bf16 to float32, a sum
+for the finite check, max(dim).indices) took ~4-5 ms per decode step of [64, 49152] rows on the development VM. Same
+result as `logits.float().max(dim=-1).indices` (first maximum; -0.0 == 0.0) and `~isfinite(logits.float().sum(-1))`
+(the index of a flagged row means nothing). Its GPU twin is aserve/kernels/greedy.py.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from aserve.kernels import cpu_build
+
+NOT_LOADED = object()
+# The extension's module, set by load(): None where it cannot be built, NOT_LOADED before the first load.
+extension: types.ModuleType | None | object = NOT_LOADED
+
+MAX_ATTENTION_HEAD_DIM = 256
+MAX_GEMV_K = 8192
+
+
+def load() -> types.ModuleType | None:
+    """Builds (the first time on this machine) or loads the extension, once per process (cpu_build.load_all()), and
+    keeps it here -> the extension's module, or None."""
+    global extension
+    extension = cpu_build.load_all()
+    return extension
+
+
+def library() -> types.ModuleType | None:
+    """The extension's raw entry points (None where it cannot be built); loads it on first use."""
+    return load() if extension is NOT_LOADED else extension
+
+
+def available() -> bool:
+    return library() is not None
+
+
+# -- element-wise ---------------------------------------------------------------------------------------------------
+
+
+def elementwise_supports(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.bfloat16) and available()
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """x [T, n] -> (norm(x + residual) * weight, x + residual); without a residual, (norm(x) * weight, x)."""
+    return torch.ops.aserve.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2n] -> silu(gate) * up [T, n]."""
+    return torch.ops.aserve.silu_mul(gate_up)
+
+
+def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):
+    """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D]."""
+    return torch.ops.aserve.rotary_split(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+# -- GEMV -----------------------------------------------------------------------------------------------------------
+
+
+def gemv_supports(weight: torch.Tensor) -> bool:
+    """Whether gemv takes this weight (CPU, bf16, contiguous [N, K] with K % 32 == 0, on a CPU with AVX512-BF16)."""
+    lib = library()
+    return (
+        lib is not None
+        and bool(lib.gemv_bf16_available())
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.shape[1] % 32 == 0
+        and weight.shape[1] <= MAX_GEMV_K
+    )
+
+
+def gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (`gemv_supports` holds), x [K] bf16 -> weight @ x [N] bf16."""
+    return torch.ops.aserve.gemv(weight, x)
+
+
+# -- decode attention -----------------------------------------------------------------------------------------------
+
+
+def attention_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention takes these tensors (CPU, float32 / bfloat16, contiguous rows)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == q.dtype
+        and k_cache.is_contiguous()
+        and q.stride(-1) == 1
+        and q.stride(-2) == q.shape[-1]
+        and q.shape[-1] <= MAX_ATTENTION_HEAD_DIM
+        and available()
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float | None = None,
+    generic: bool = False,
+) -> torch.Tensor:
+    """One query token per request: q [n, H, D], caches [num_blocks, block_size, Hkv, D], block_tables [>= n, max]
+    int32, seq_lens [>= n] int32 (tokens in the cache, the new one included) -> out[:n] = attention (out [>= n, H,
+    D], rows contiguous; scale: D**-0.5 if None). `attention_supports` must hold; ValueError for head shapes the
+    kernel does not take. `generic`: the portable C loops even where the AVX512-BF16 path applies (tests,
+    benchmarks)."""
+    torch.ops.aserve.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, generic)
+    return out
+
+
+# -- greedy pick ----------------------------------------------------------------------------------------------------
+
+
+def sample_supports(logits: torch.Tensor) -> bool:
+    return (
+        logits.device.type == "cpu"
+        and logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1
+        and logits.shape[1] > 0
+        and library() is not None
+    )
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] -> (index of each row's first maximum int64 [rows], row holds NaN/inf bool [rows]).
+    `sample_supports` must hold."""
+    return torch.ops.aserve.greedy_pick(logits)
