@@ -23,15 +23,12 @@ class EngineConfig:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    block_size: int
     max_num_batched_tokens: int
     eos_token_id: int | None
     vocab_size: int
     spec_config: SpeculativeConfig | None
     async_scheduling: bool  # launch step N+1 before step N is processed (see aserve/engine/core.py)
-
-    @property
-    def block_size(self) -> int:
-        return self.args.block_size
 
     @property
     def architecture(self) -> str:
@@ -55,6 +52,7 @@ class EngineConfig:
             device=device,
             dtype=resolve_dtype(args.dtype, hf_config, device),
             max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
+            block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048),
             eos_token_id=_eos_token_id(hf_config, tokenizer),
             vocab_size=hf_config.vocab_size,

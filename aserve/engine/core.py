@@ -35,7 +35,7 @@ from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.core.stats import EngineStats
 from aserve.engine.config import EngineConfig
-from aserve.kernels import cpu_build
+from aserve.kernels import cpu
 from aserve.spec.policy import SpecPolicy, StepCostModel
 from aserve.worker.drafter import ModelDrafter
 from aserve.worker.host_memory import retain_freed_memory
@@ -75,7 +75,7 @@ class EngineCore:
         args = config.args
         if config.device.type == "cpu":
             retain_freed_memory()
-            cpu_build.load_all()  # compiled (first start on this machine) or loaded now, never inside a request
+            cpu.load()  # compiled (first start on this machine) or loaded now, never inside a request
         self.runner = ModelRunner(
             config.hf_config,
             config.model_dir,
