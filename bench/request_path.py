@@ -23,13 +23,13 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-async def run(model: str | None, max_tokens: int) -> set[str]:
+async def run(model: str | None, max_tokens: int, max_model_len: int | None) -> set[str]:
     from aiohttp.test_utils import TestClient, TestServer
 
     from aserve import AsyncEngine, EngineArgs
     from aserve.entrypoints.openai.server import build_app
 
-    engine = AsyncEngine.from_engine_args(EngineArgs(model=model, max_model_len=2048, max_num_seqs=8))
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=model, max_model_len=max_model_len, max_num_seqs=8))
     client = TestClient(TestServer(build_app(engine, "model"), handler_cancellation=True))
     await client.start_server()
     body = {
@@ -79,7 +79,7 @@ def main() -> None:
         from tiny_models import make_tiny_model
 
         model = make_tiny_model(tempfile.mkdtemp(prefix="aserve-request-path-"), "gqa")
-    files = asyncio.run(run(model, args.max_tokens))
+    files = asyncio.run(run(model, args.max_tokens, None if args.tiny else 2048))
     by_dir = defaultdict(list)
     for f in sorted(files):
         by_dir[os.path.dirname(f)].append(os.path.basename(f))
