@@ -131,7 +131,7 @@ def test_without_the_kernels_the_engine_runs_the_torch_paths(tiny_model, monkeyp
     monkeypatch.setattr(cpu, "extension", cpu.NOT_LOADED)
     prompts = [[5, 17, 99, 3, 250], list(range(40, 73))]
     expected = hf_greedy(tiny_model, prompts, 12)
-    llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, device="cpu")
     model = llm.engine.core.runner.model
     assert cpu_build.load_all() is None and model.ops.kind != "native" and model.cpu_one_token is None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12))
@@ -156,7 +156,7 @@ def test_the_engine_builds_the_kernels_at_start(tiny_model, monkeypatch):
     calls = []
     real_build = cpu_build.build
     monkeypatch.setattr(cpu_build, "build", lambda *a, **kw: calls.append(1) or real_build(*a, **kw))
-    llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, device="cpu")
     assert calls == [1] and cpu_build._loaded["module"] is not None
     assert cpu.extension is cpu_build._loaded["module"]  # what the kernels' checks read from then on
     llm.generate([{"prompt_token_ids": [5, 17, 99]}], SamplingParams(temperature=0, max_tokens=4))

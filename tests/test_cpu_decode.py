@@ -44,7 +44,7 @@ def compare_every_step(model) -> list[float]:
 
 @needs_c_gemv
 def test_one_token_forward_matches_module_forward(tiny_model):
-    llm = LLM(tiny_model, dtype="bfloat16", enforce_eager=True)
+    llm = LLM(tiny_model, dtype="bfloat16", enforce_eager=True, device="cpu")
     model = llm.engine.core.runner.model
     assert isinstance(model.cpu_one_token, OneTokenForward)
     diffs = compare_every_step(model)
@@ -58,7 +58,7 @@ def test_one_token_forward_follows_weights_replaced_after_build(tiny_model):
     """New weight tensors (new addresses) in a layer's norm and linears after the engine is built: the one-token
     forward, built before, reads them as the module forward does. The old tensors stay alive, so a path that kept
     their addresses would read the old weights (not garbage) and differ by far more than the tolerance."""
-    llm = LLM(tiny_model, dtype="bfloat16", enforce_eager=True)
+    llm = LLM(tiny_model, dtype="bfloat16", enforce_eager=True, device="cpu")
     model = llm.engine.core.runner.model
     fast = model.cpu_one_token
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -80,4 +80,5 @@ def test_one_token_forward_follows_weights_replaced_after_build(tiny_model):
 
 
 def test_not_built_for_float32(tiny_model):
-    assert LLM(tiny_model, dtype="float32", enforce_eager=True).engine.core.runner.model.cpu_one_token is None
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, device="cpu")
+    assert llm.engine.core.runner.model.cpu_one_token is None

@@ -97,7 +97,7 @@ def test_cpu_mv_routes_one_row_inputs(clean_env, on):
 def test_cpu_one_token_path(clean_env, tiny_model, on):
     if not on:
         clean_env.setenv("ASERVE_CPU_ONE_TOKEN", "0")
-    model = LLM(tiny_model, dtype="bfloat16", enforce_eager=True).engine.core.runner.model
+    model = LLM(tiny_model, dtype="bfloat16", enforce_eager=True, device="cpu").engine.core.runner.model
     assert (model.cpu_one_token is not None) == on
 
 
