@@ -188,8 +188,10 @@ class EngineCore:
         step in flight)."""
         if self._retry is not None:
             sched, self._retry = self._retry, None
-            live = [s for s in sched.scheduled if not s.request.is_finished]  # aborted since: not re-run
-            self.scheduler.rollback_failed_step(SchedulerOutput([s for s in sched.scheduled if s not in live]))
+            live, aborted = [], []  # aborted since the failure: not re-run
+            for s in sched.scheduled:
+                (aborted if s.request.is_finished else live).append(s)
+            self.scheduler.rollback_failed_step(SchedulerOutput(aborted))
             return StepWork(SchedulerOutput(live), retry=True) if live else None
         if not self.async_scheduling:
             sched = self.scheduler.schedule()
@@ -249,10 +251,7 @@ class EngineCore:
         if work.retry:
             outputs = []
             for one, result in done.each:
-                if isinstance(result, Exception):
-                    outputs += self._fail_step(one, result)
-                else:
-                    outputs += self.scheduler.update_from_output(one, result)
+                outputs += self._fail_step(one, result) if isinstance(result, Exception) else self._update(one, result)
         elif not self.async_scheduling:
             outputs = self._triage(work.sched, done.error) if done.error else self._update(work.sched, done.result)
         else:
@@ -260,8 +259,6 @@ class EngineCore:
         self.stats.on_step(work.sched.num_tokens if work.sched is not None else 0, self.scheduler, self.kv_manager)
         if self._sync_requests:
             self._sync_requests.intersection_update(self.scheduler.requests)
-        if self.config.args.debug_invariants:
-            self.scheduler.check_invariants()
         return outputs
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:

@@ -193,9 +193,7 @@ class LLMEngine:
         """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort", with
         `error` as its reason when the server, not the client, ended it), or None for an unknown or finished one."""
         sequence_ids = self.output_processor.live_sequence_ids(request_id, error)
-        outputs = self._process(self.core.finish_requests(sequence_ids))
-        if self.config.args.debug_invariants:
-            self.check_invariants()
+        outputs = self.process(self.core.finish_requests(sequence_ids))
         return next((out for out in outputs if out.request_id == request_id), None)
 
     def has_unfinished_requests(self) -> bool:
