@@ -16,7 +16,9 @@ from aiohttp import web
 from aserve.config import EngineArgs
 from aserve.core.stats import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
-from aserve.entrypoints.openai.server import begin_drain, build_app, drain
+from aserve.engine.tokenizer_pool import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
+from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits
+from aserve.entrypoints.openai.server import STATE_KEY, begin_drain, build_app, drain
 from aserve.quantize.quantize import add_quantize_parser, run_quantize
 
 try:
@@ -71,6 +73,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended (default: 30)",
     )  # fmt: skip
+    serve.add_argument(
+        "--timeout-headers",
+        type=float,
+        default=30.0,
+        help="seconds a request's headers may take to arrive (then 408 and close; default: 30)",
+    )
+    serve.add_argument(
+        "--timeout-body",
+        type=float,
+        default=60.0,
+        help="seconds a request body may go without new data (then 408 and close; default: 60)",
+    )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open (default: 5)",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="most open client connections; more get 503 (default: the open-files limit, raised to "
+        "its hard maximum, less 256)",
+    )
+    serve.add_argument(
+        "--tokenizer-pool-size",
+        type=int,
+        default=DEFAULT_POOL_SIZE,
+        help=f"threads that tokenise long prompts and render chats (default: {DEFAULT_POOL_SIZE})",
+    )
+    serve.add_argument("--max-pending-prompt-chars", type=int, default=DEFAULT_MAX_PENDING_CHARS,
+                       help="characters of prompt text that may be tokenising at once; more get 429 "
+                            f"(default: {DEFAULT_MAX_PENDING_CHARS})")  # fmt: skip
     add_engine_args(serve)
     add_quantize_parser(sub)
     return parser
@@ -80,9 +116,15 @@ def serve(ns: argparse.Namespace) -> None:
     args = engine_args_from(ns)
     if ns.model_tag is not None:
         args.model = ns.model_tag
+    limits = ConnectionLimits(ns.timeout_headers, ns.timeout_body, ns.timeout_keep_alive, ns.limit_concurrency)
+    limits.validate()
+    if ns.tokenizer_pool_size < 1 or ns.max_pending_prompt_chars < 1:
+        raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
     t0 = time.perf_counter()
     print(f"aserve: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
-    engine = AsyncEngine.from_engine_args(args)
+    engine = AsyncEngine.from_engine_args(
+        args, tokenizer_pool_size=ns.tokenizer_pool_size, max_pending_prompt_chars=ns.max_pending_prompt_chars
+    )
     config = engine.config
     print(
         f"aserve: loaded {config.served_model_name} ({engine.num_params / 1e6:.1f}M params, "
@@ -91,11 +133,17 @@ def serve(ns: argparse.Namespace) -> None:
         flush=True,
     )
     run = uvloop.run if uvloop is not None else asyncio.run
-    run(_serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout))
+    run(_serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits))
 
 
 async def _serve(
-    engine, served_model_name: str, host: str, port: int, api_key: str | None, shutdown_timeout: float = 30.0
+    engine,
+    served_model_name: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    shutdown_timeout: float = 30.0,
+    limits: ConnectionLimits | None = None,
 ) -> None:
     app = build_app(engine, served_model_name, api_key)
     engine.stats.add_listener(PeriodicLogger(logger.info))
@@ -103,8 +151,12 @@ async def _serve(
     # client that stopped reading.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    # Every connection goes through the guard (read timeouts, connection limit) in front of aiohttp's protocol.
+    guard = ConnectionGuard(runner.server, limits or ConnectionLimits())
+    app[STATE_KEY].attach_connections(guard)
+    listener = await asyncio.get_running_loop().create_server(guard.protocol_factory, host, port, reuse_address=True)
+    logger.info("connections: at most %d open; timeouts: headers %g s, body %g s, keep-alive %g s", guard.limit,
+                guard.limits.timeout_headers, guard.limits.timeout_body, guard.limits.timeout_keep_alive)  # fmt: skip
     print(f"aserve: serving {served_model_name} at http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -124,6 +176,7 @@ async def _serve(
     await stop.wait()
     print(f"aserve: shutting down (in-flight requests get up to {shutdown_timeout:g} s)", flush=True)
     await drain(app, shutdown_timeout, force)
+    listener.close()
     await runner.cleanup()
     print("aserve: stopped", flush=True)
 

@@ -101,8 +101,20 @@ class PrometheusMetrics:
             ["model_name", "reason"],
             registry=r,
         )
-        for reason in ("queue_full", "shutting_down"):
+        for reason in ("queue_full", "tokenizer_busy", "shutting_down"):
             self._rejected.labels(model_name, reason)
+        self.http_connections = gauge(
+            "http_connections", "Open client connections (those refused for --limit-concurrency aside)."
+        )
+        self._connections_closed = Counter(
+            "aserve:http_connections_closed",
+            "Client connections the server closed before their request was read: a header or body read timeout "
+            "(HTTP 408), or over --limit-concurrency (HTTP 503).",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        for reason in ("header_timeout", "body_timeout", "connection_limit"):
+            self._connections_closed.labels(model_name, reason)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
@@ -152,6 +164,9 @@ class PrometheusMetrics:
 
     def on_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
+
+    def on_connection_closed(self, reason: str) -> None:
+        self._connections_closed.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

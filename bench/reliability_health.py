@@ -39,11 +39,11 @@ def percentiles(values: list[float]) -> dict:
             "max_ms": round(ordered[-1] * 1e3, 2), "mean_ms": round(statistics.fmean(values) * 1e3, 2)}  # fmt: skip
 
 
-async def poll_health(url: str, until: float, interval: float = 0.05) -> tuple[list[float], dict[int, int]]:
-    """GET /health every `interval` seconds until `until` (monotonic): (latencies, count by status)."""
+async def poll_health(url: str, stopped, interval: float = 0.05) -> tuple[list[float], dict[int, int]]:
+    """GET /health every `interval` seconds until `stopped()`: (latencies, count by status; 0 = no answer)."""
     latencies, statuses = [], {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
-        while time.monotonic() < until:
+        while not stopped():
             t0 = time.perf_counter()
             try:
                 async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=30)) as resp:
@@ -58,11 +58,15 @@ async def poll_health(url: str, until: float, interval: float = 0.05) -> tuple[l
     return latencies, statuses
 
 
+def _until(deadline: float):
+    return lambda: time.monotonic() >= deadline
+
+
 async def measure(url: str, loadgen_cmd: list[str], idle_s: float, duration: float) -> dict:
-    idle, idle_statuses = await poll_health(url, time.monotonic() + idle_s)
+    idle, idle_statuses = await poll_health(url, _until(time.monotonic() + idle_s))
     load = subprocess.Popen(loadgen_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     await asyncio.sleep(2.0)  # let the queue fill before measuring
-    busy, busy_statuses = await poll_health(url, time.monotonic() + duration)
+    busy, busy_statuses = await poll_health(url, _until(time.monotonic() + duration))
     _, err = await asyncio.to_thread(load.communicate)
     if load.returncode != 0:
         raise RuntimeError(f"loadgen failed ({load.returncode}):\n{err[-2000:]}")

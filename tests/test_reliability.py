@@ -24,6 +24,7 @@ from aserve import EngineArgs, LLMEngine
 from aserve.cli import build_parser, engine_args_from
 from aserve.engine.async_engine import AsyncEngine
 from aserve.engine.output_processor import IncrementalDetokenizer
+from aserve.engine.tokenizer_pool import INLINE_CHARS
 from aserve.entrypoints.openai import server as server_module
 from aserve.entrypoints.openai.server import MAX_BODY_BYTES, build_app
 
@@ -287,21 +288,25 @@ async def test_too_large_body_gets_413_json(client, llm_engine):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
-async def test_huge_prompts_are_tokenised_off_the_event_loop(client, llm_engine, monkeypatch, path):
-    """The tokeniser is made to block on a huge prompt until the test lets it go: if it ran on the event loop, the
-    test itself (on the same loop) could not ask /health anything, let alone release it."""
+async def test_long_prompts_are_tokenised_off_the_event_loop(tiny_model, monkeypatch, path):
+    """The tokeniser is made to block on a long prompt (longer than is tokenised inline, short enough to be worth
+    tokenising: max_model_len 512 admits texts up to 512 x the longest token) until the test lets it go: if it ran on
+    the event loop, the test itself (on the same loop) could not ask /health anything, let alone release it."""
+    llm_engine = make_llm_engine(tiny_model, max_model_len=512)
+    client = await make_client(llm_engine)
     real_encode = llm_engine.tokenizer.encode
     entered, release = threading.Event(), threading.Event()
     released_by_test = []
 
     def encode(text, *args, **kwargs):
-        if len(text) > 20_000:
+        if len(text) > INLINE_CHARS:
             entered.set()
             released_by_test.append(release.wait(timeout=10))
         return real_encode(text, *args, **kwargs)
 
     monkeypatch.setattr(llm_engine.tokenizer, "encode", encode)
-    huge = "the quick brown fox " * 2_000
+    huge = "the quick brown fox " * 210
+    assert INLINE_CHARS < len(huge) <= llm_engine.config.max_prompt_chars
     body = {"prompt": huge} if path != "/v1/chat/completions" else {"messages": [{"role": "user", "content": huge}]}
     task = asyncio.create_task(client.post(path, json=body))
     while not entered.is_set():
@@ -316,6 +321,7 @@ async def test_huge_prompts_are_tokenised_off_the_event_loop(client, llm_engine,
         assert resp.status == 400
         assert assert_openai_error(await resp.json())["code"] == "context_length_exceeded"
     assert_idle(llm_engine)
+    await client.close()
 
 
 # -- 4. fault isolation ------------------------------------------------------------------------------------------

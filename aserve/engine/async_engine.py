@@ -22,30 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aserve.config import EngineArgs
 from aserve.engine.config import EngineConfig
+from aserve.engine.errors import EngineClosedError, EngineDeadError, EngineOverloadedError
 from aserve.engine.llm_engine import LLMEngine, PromptType, freeze_for_serving
+from aserve.engine.tokenizer_pool import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE, TokenizerPool
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("aserve")
-
-_INLINE_CHARS = 20_000  # longer texts (and token lists) are tokenised / decoded in a thread, off the event loop
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class EngineOverloadedError(RuntimeError):
-    """More sequences would wait for a slot than `max_queue_len` allows (HTTP 429). Shedding load at the door keeps
-    the latency of admitted requests bounded instead of letting the queue (and every client's wait) grow."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineClosedError(EngineDeadError):
-    """The server is shutting down and takes no more requests (HTTP 503)."""
 
 
 class RequestStream:
@@ -82,9 +65,56 @@ class RequestStream:
             self.engine._release(self.request_id)
 
 
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves the outputs of several generate() streams; closing it closes (aborts) them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:  # surfaced to the consumer
+            await queue.put((i, e))
+        finally:
+            await stream.aclose()
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        tokenizer_pool_size: int = DEFAULT_POOL_SIZE,
+        max_pending_prompt_chars: int = DEFAULT_MAX_PENDING_CHARS,
+    ) -> None:
         self.engine = engine
+        self.tokenizer_pool = TokenizerPool(
+            engine.tokenizer, tokenizer_pool_size, max_pending_prompt_chars, engine.config.max_prompt_chars
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-step")
         self._queues: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
@@ -92,10 +122,11 @@ class AsyncEngine:
         self._closed_reason: str | None = None  # set by abort_all(): no new requests after a forced shutdown
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
+    def from_engine_args(cls, args: EngineArgs, **serving) -> AsyncEngine:
+        """serving: tokenizer_pool_size, max_pending_prompt_chars (see TokenizerPool)."""
         engine = LLMEngine(args)
         freeze_for_serving()
-        return cls(engine)
+        return cls(engine, **serving)
 
     @property
     def config(self) -> EngineConfig:
@@ -118,32 +149,29 @@ class AsyncEngine:
     # -- text -------------------------------------------------------------------------------------------------
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Long texts are tokenised in a thread: a multi-megabyte prompt takes seconds, and /health (and every
-        stream) must keep answering meanwhile."""
-        encode = self.engine.tokenizer.encode
-        if len(text) > _INLINE_CHARS:
-            return await asyncio.to_thread(encode, text, add_special_tokens=add_special_tokens)
-        return encode(text, add_special_tokens=add_special_tokens)
+        """A text that cannot fit the context is refused (ParamError) before any of it is tokenised; long ones are
+        tokenised in the tokenizer pool, off the event loop."""
+        self.engine.check_prompt_chars(len(text))
+        return await self.tokenizer_pool.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt", at_least: bool = False) -> None:
+        """ParamError (context_length_exceeded) if a text of `num_chars` characters cannot fit the context."""
+        self.engine.check_prompt_chars(num_chars, param, at_least)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         vocab = self.engine.config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ParamError("tokens", f"token ids must be in [0, {vocab})")
-        decode = self.engine.tokenizer.decode
-        return await asyncio.to_thread(decode, token_ids) if len(token_ids) > _INLINE_CHARS else decode(token_ids)
+        return await self.tokenizer_pool.decode(token_ids)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs=None):
-        """A conversation through the tokenizer's chat template -> its prompt token ids."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer.chat_template is None:
-            raise ParamError("messages", "this model's tokenizer has no chat template; use /v1/completions")
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
-            )
-        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-            raise ParamError("messages", f"the chat template rejected the messages: {e}") from e
-        return await self.tokenize(text, add_special_tokens=False)
+        """A conversation through the tokenizer's chat template -> its prompt token ids. Messages whose text alone
+        cannot fit the context are refused before rendering; rendering and tokenising run in the tokenizer pool."""
+        check = self.engine.check_prompt_chars
+        check(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
+        return await self.tokenizer_pool.render_chat(
+            messages, add_generation_prompt, template_kwargs, lambda n: check(n, "messages")
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -176,6 +204,7 @@ class AsyncEngine:
             self._task = None
         for request_id in list(self._queues):
             self.abort(request_id)
+        self.tokenizer_pool.shutdown()
         self._executor.shutdown(wait=True)
 
     @property

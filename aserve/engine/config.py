@@ -29,10 +29,17 @@ class EngineConfig:
     vocab_size: int
     spec_config: SpeculativeConfig | None
     async_scheduling: bool  # launch step N+1 before step N is processed (see aserve/engine/core.py)
+    max_chars_per_token: int  # the most characters one token of the tokenizer stands for (see max_prompt_chars)
 
     @property
     def architecture(self) -> str:
         return (getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this fits in max_model_len tokens, however it is tokenised: a prompt beyond it is
+        refused before any tokenising (which costs ~100 bytes of memory per token while it runs)."""
+        return self.max_model_len * self.max_chars_per_token
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineConfig:
@@ -58,7 +65,18 @@ class EngineConfig:
             vocab_size=hf_config.vocab_size,
             spec_config=spec_config,
             async_scheduling=async_scheduling and spec_config is None,
+            max_chars_per_token=max_chars_per_token(tokenizer),
         )
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The longest vocabulary entry, added tokens included. An entry is spelled with at least one character per
+    character of the text it stands for: byte-level BPE spells each UTF-8 byte as one character, SentencePiece spells
+    a space as "\u2581" and unknown bytes as "<0x..>". So a text of C characters needs at least C / this many
+    tokens, as long as the normaliser keeps at least one byte per character (Unicode composition does). A normaliser
+    that drops characters (stripping runs of spaces) could fit a longer, degenerate text: it is refused all the same.
+    """
+    return max(1, max((len(piece) for piece in tokenizer.get_vocab()), default=1))
 
 
 def _eos_token_id(hf_config, tokenizer) -> int | None:

@@ -112,14 +112,28 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """-> (the prompt's text if it has one, its token ids)."""
-        if isinstance(prompt, str):
-            return prompt, self.config.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.config.tokenizer.encode(prompt["prompt"])
+            prompt = prompt.get("prompt", prompt)
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
+            return prompt, self.config.tokenizer.encode(prompt)
         raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids' or 'prompt', got {type(prompt)}")
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt", at_least: bool = False) -> None:
+        """Refuses, before any tokenising, a text that no tokenisation fits in max_model_len tokens
+        (EngineConfig.max_prompt_chars). at_least: `num_chars` is a lower bound (the text was not decoded)."""
+        config = self.config
+        if num_chars > config.max_prompt_chars:
+            raise ParamError(
+                param,
+                f"This model's maximum context length is {config.max_model_len} tokens. However, your prompt has "
+                f"{'at least ' if at_least else ''}{num_chars} characters, more than any {config.max_model_len} "
+                "tokens of this tokenizer spell (at "
+                f"most {config.max_chars_per_token} characters each). Please reduce the length of the prompt.",
+                code="context_length_exceeded",
+            )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         n, max_model_len, vocab_size = len(prompt_token_ids), self.config.max_model_len, self.config.vocab_size

@@ -254,6 +254,62 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+class _MessageText(msgspec.Struct):
+    content: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _PromptText(msgspec.Struct):
+    """A request body's prompt fields as undecoded JSON: reading them is a scan of the body, with no string made."""
+
+    prompt: msgspec.Raw = msgspec.Raw(b"null")
+    messages: list[_MessageText] | None = None
+
+
+_JSON_BYTES_PER_CHAR = 12  # the most a JSON string spends on one character: an escaped surrogate pair
+
+
+def min_prompt_chars(body: bytes | bytearray) -> tuple[str, int] | None:
+    """A lower bound on the characters of a request body's prompt text, read without decoding any string: -> ("prompt",
+    the longest prompt's) for completions, ("messages", all string contents' together) for chat; None when the body
+    has neither or does not parse (decoding it reports why). Lets a server refuse a prompt of tens of megabytes
+    before making it into a string."""
+    try:
+        sniffed = msgspec.json.decode(body, type=_PromptText)
+        if sniffed.messages:
+            texts = [m.content for m in sniffed.messages if _lead(m.content) == b'"']
+            return "messages", sum(_chars_at_least(t) for t in texts)
+        prompt = sniffed.prompt
+        if _lead(prompt) == b'"':
+            return "prompt", _chars_at_least(prompt)
+        if _lead(prompt) == b"[" and _lead(prompt, 1) == b'"':  # a list of strings (a list of token ids is skipped)
+            items = msgspec.json.decode(prompt, type=list[msgspec.Raw])
+            return "prompt", max((_chars_at_least(t) for t in items if _lead(t) == b'"'), default=0)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        pass
+    return None
+
+
+def _lead(raw: msgspec.Raw, skip: int = 0) -> bytes:
+    """The first byte of `raw` after `skip` bytes and any whitespace."""
+    view = memoryview(raw)
+    for i in range(skip, min(len(view), skip + 64)):
+        if view[i] not in b" \t\r\n":
+            return bytes(view[i : i + 1])
+    return b""
+
+
+def _chars_at_least(string: msgspec.Raw) -> int:
+    return max(0, len(string) - 2) // _JSON_BYTES_PER_CHAR
+
+
+class APIError(Exception):
+    """An error the server answers with an OpenAI error body and `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
 # -- responses ----------------------------------------------------------------------------------------------------
 
 

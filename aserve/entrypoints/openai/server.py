@@ -9,15 +9,17 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import msgspec
 from aiohttp import web
 
-from aserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from aserve.engine.async_engine import AsyncEngine, merge_streams
+from aserve.engine.errors import EngineDeadError, EngineOverloadedError
+from aserve.entrypoints.openai.connections import ConnectionGuard
 from aserve.entrypoints.openai.openapi import openapi_spec
 from aserve.entrypoints.openai.protocol import (
     MAX_SEQUENCES,
+    APIError,
     ChatCompletionRequest,
     ChoiceState,
     CompletionRequest,
@@ -29,6 +31,7 @@ from aserve.entrypoints.openai.protocol import (
     error_body,
     usage,
 )
+from aserve.entrypoints.openai.request_body import MAX_BODY_BYTES, BodyReader
 from aserve.metrics import PrometheusMetrics
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError
@@ -40,15 +43,8 @@ STATE_KEY = web.AppKey("server_state", object)
 
 _encode = msgspec.json.encode
 
-MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 before any of them is parsed
 _SHUTDOWN_FLUSH_S = 5.0  # after a forced shutdown ends the last requests, how long their handlers get to say so
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
 def error_response(status: int, message: str, type_="invalid_request_error", param=None, code=None) -> web.Response:
@@ -72,6 +68,14 @@ class ServerState:
         self.inflight = 0  # requests being handled, /health and /metrics aside
         self.idle = asyncio.Event()
         self.idle.set()
+        self.bodies = BodyReader(engine.check_prompt_chars)
+        self.connections: ConnectionGuard | None = None  # `aserve serve`'s read timeouts and connection limit
+
+    def attach_connections(self, guard: ConnectionGuard) -> None:
+        """`aserve serve`'s connections go through `guard`: handlers mark their phases on it."""
+        self.connections = self.bodies.connections = guard
+        self.bodies.timeout_body = guard.limits.timeout_body
+        guard.on_closed = self.metrics.on_connection_closed
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -82,18 +86,6 @@ class ServerState:
         and checks that prompt + max_tokens fits)."""
         requested = req.requested_max_tokens()
         return req.to_sampling_params(requested if requested is not None else default_max_tokens)
-
-
-async def parse_body(request: web.Request, struct_type):
-    body = await request.read()
-    try:
-        return msgspec.json.decode(body, type=struct_type)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        param = msg.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in msg else None
-        raise APIError(400, f"invalid request: {msg}", param=param) from e
-    except msgspec.DecodeError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from e
 
 
 def sse(obj) -> bytes:
@@ -116,6 +108,8 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     state.metrics.num_requests_open.set(state.engine.num_live_requests)
+    if state.connections is not None:
+        state.metrics.http_connections.set(len(state.connections.connections))
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
@@ -134,7 +128,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
-    req = await parse_body(request, TokenizeRequest)
+    req = await state.bodies.parse(request, TokenizeRequest, has_prompt=True)
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -148,14 +142,14 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
-    req = await parse_body(request, DetokenizeRequest)
+    req = await state.bodies.parse(request, DetokenizeRequest)
     state.check_model(req.model)
     return json_response({"prompt": await state.engine.detokenize(req.tokens)})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
-    req = await parse_body(request, CompletionRequest)
+    req = await state.bodies.parse(request, CompletionRequest, has_prompt=True)
     state.check_model(req.model)
     req.check_limits()
     raw_prompts = req.prompts()
@@ -173,7 +167,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
-    req = await parse_body(request, ChatCompletionRequest)
+    req = await state.bodies.parse(request, ChatCompletionRequest, has_prompt=True)
     state.check_model(req.model)
     req.check_limits()
     state.engine.check_queue(req.n)
@@ -205,7 +199,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     num_top = req.num_logprobs()
     choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
-    merged = _merge(streams)
+    merged = merge_streams(streams)
     try:
         if req.stream:
             return await _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat)
@@ -234,45 +228,6 @@ def _absorb(choices: list[ChoiceState], prompt_index: int, n: int, out: RequestO
         choice.add(comp, out.error)
         touched.append(choice)
     return touched
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleaves the outputs of several generate() streams; closing it closes (aborts) them all."""
-    if len(streams) == 1:
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i, stream):
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        except Exception as e:  # surfaced to the consumer
-            await queue.put((i, e))
-        finally:
-            await stream.aclose()
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat):
@@ -341,6 +296,17 @@ _UNTRACKED = ("/health", "/metrics")  # cheap, engine-free routes: always served
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
     state: ServerState = request.app[STATE_KEY]
+    guard = state.connections
+    if guard is None:
+        return await _admit(request, handler, state)
+    guard.request_started(request.protocol)  # no read deadline while the request runs
+    try:
+        return await _admit(request, handler, state)
+    finally:
+        guard.request_finished(request.protocol)  # a kept-alive connection may now idle (--timeout-keep-alive)
+
+
+async def _admit(request: web.Request, handler, state: ServerState):
     if state.api_key is not None and request.path.startswith("/v1"):
         if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
             return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
@@ -365,12 +331,15 @@ async def _handle(request: web.Request, handler, state: ServerState):
     try:
         return await handler(request)
     except APIError as e:
-        return error_response(e.status, e.message, e.type, e.param, e.code)
+        resp = error_response(e.status, e.message, e.type, e.param, e.code)
+        if e.status == 408:  # the rest of the body may still come: the connection cannot be reused
+            resp.force_close()
+        return resp
     except ParamError as e:
         return error_response(400, str(e), param=e.param, code=e.code)
     except EngineOverloadedError as e:
-        state.metrics.on_rejected("queue_full")
-        resp = error_response(429, str(e), type_="rate_limit_error", code="queue_full")
+        state.metrics.on_rejected(e.code)
+        resp = error_response(429, str(e), type_="rate_limit_error", code=e.code)
         resp.headers["Retry-After"] = str(e.retry_after)
         return resp
     except EngineDeadError as e:
