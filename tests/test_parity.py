@@ -44,7 +44,7 @@ def references(tiny_model_factory):
     return get
 
 
-@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", "llama3_rope", "qwen2"])
+@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", "llama3_rope", "qwen2", "qwen3"])
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
 def test_greedy_parity_with_transformers(references, variant, config):
     path, expected = references(variant)
@@ -122,7 +122,8 @@ def test_triton_backend_parity(references, config):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_gpu_decode_kernels_parity(references, monkeypatch):
+@pytest.mark.parametrize("variant", ["gqa", "qwen3"])
+def test_gpu_decode_kernels_parity(references, monkeypatch, variant):
     """The GPU's batch-1 decode path, forced onto the CPU (Triton's interpreter): element-wise Triton kernels,
     rotary fused with the cache write, one-row linears as Triton GEMVs (the down projection with SiLU·mul fused
     into its prologue). One request at a time, so every decode step takes that path: same greedy tokens."""
@@ -131,7 +132,7 @@ def test_gpu_decode_kernels_parity(references, monkeypatch):
     from aserve.layers.linear import Linear
     from aserve.models import loader
 
-    path, expected = references("gqa")
+    path, expected = references(variant)
     monkeypatch.setattr(loader, "select_elementwise_ops", lambda device, dtype, compile_model: TritonElementwiseOps())
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", max_num_seqs=1)
     model = llm.engine.core.runner.model

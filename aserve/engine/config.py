@@ -29,17 +29,14 @@ class EngineConfig:
     vocab_size: int
     spec_config: SpeculativeConfig | None
     async_scheduling: bool  # launch step N+1 before step N is processed (see aserve/engine/core.py)
-    max_chars_per_token: int  # the most characters one token of the tokenizer stands for (see max_prompt_chars)
+    max_chars_per_token: int  # the most characters one token stands for (the function of that name)
+    # No text longer than max_model_len x max_chars_per_token characters fits in max_model_len tokens, however it is
+    # tokenised: a prompt beyond it is refused before any tokenising (which holds ~350 bytes per token while it runs).
+    max_prompt_chars: int
 
     @property
     def architecture(self) -> str:
         return (getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
-
-    @property
-    def max_prompt_chars(self) -> int:
-        """No text longer than this fits in max_model_len tokens, however it is tokenised: a prompt beyond it is
-        refused before any tokenising (which costs ~100 bytes of memory per token while it runs)."""
-        return self.max_model_len * self.max_chars_per_token
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineConfig:
@@ -50,6 +47,8 @@ class EngineConfig:
         device = resolve_device(args.device)
         spec_config = SpeculativeConfig.parse(args.speculative_config)
         async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.type == "cuda"
+        max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
+        chars_per_token = max_chars_per_token(tokenizer)
         return cls(
             args=args,
             model_dir=model_dir,
@@ -58,14 +57,15 @@ class EngineConfig:
             tokenizer=tokenizer,
             device=device,
             dtype=resolve_dtype(args.dtype, hf_config, device),
-            max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
+            max_model_len=max_model_len,
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048),
             eos_token_id=_eos_token_id(hf_config, tokenizer),
             vocab_size=hf_config.vocab_size,
             spec_config=spec_config,
             async_scheduling=async_scheduling and spec_config is None,
-            max_chars_per_token=max_chars_per_token(tokenizer),
+            max_chars_per_token=chars_per_token,
+            max_prompt_chars=max_model_len * chars_per_token,
         )
 
 

@@ -3,7 +3,7 @@
 Short texts are tokenised inline (a thread hop would cost more than the work). Longer ones, and every chat
 rendering, run in a fixed pool of threads (the tokenizer releases the GIL while it encodes, and a Jinja template
 yields it every switch interval), so /health and every stream keep answering meanwhile. At most `max_pending_chars`
-characters of text may be queued or in work in the pool at once: tokenising holds ~100 bytes per token until it
+characters of text may be queued or in work in the pool at once: tokenising holds ~350 bytes per token until it
 ends, and without a cap a burst of long prompts (each of which fits the context on its own) adds up to gigabytes.
 Beyond the cap a request gets EngineOverloadedError (HTTP 429, Retry-After) before any of its text is touched.
 """

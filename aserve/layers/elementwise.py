@@ -165,6 +165,21 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the last dimension (one head) of [T, heads, D], computed in float32 as transformers does
+    (Qwen3's q/k norms)."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
 def rope_parameters(hf_config) -> tuple[float, dict]:
     """(theta, scaling dict) from a transformers config of either generation (v5 `rope_parameters`, or v4
     `rope_theta` + `rope_scaling`)."""

@@ -59,7 +59,10 @@ class Attention(nn.Module):
         self.rotates_into_cache = backend.writes_rotated_kv and ops.kind == "triton"
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
+        return self.attend(rotary_cos_sin, self.qkv_proj(x), kv_cache, meta)
+
+    def attend(self, rotary_cos_sin, qkv, kv_cache, meta: AttentionMetadata):
+        """The fused q/k/v projection's output [T, (H + 2 Hkv) D] -> rotary, cache write, attention, o_proj."""
         if self.rotates_into_cache:
             q, k_new, v_new = self.backend.rotate_and_write(qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads,
                                                             self.head_dim)  # fmt: skip
@@ -105,10 +108,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_cls = Attention  # a model family with another attention names its own (models/qwen3.py)
+
     def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, qkv_bias: bool,
                  quant_config: QuantizationConfig | None, prefix: str) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(cfg, backend, ops, qkv_bias, quant_config, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(cfg, backend, ops, qkv_bias, quant_config, f"{prefix}.self_attn")
         self.mlp = MLP(cfg, ops, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -125,6 +130,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM (which adds a q/k/v bias)."""
 
+    layer_cls = DecoderLayer
+    one_token_path = True  # the CPU one-token forward (cpu_one_token.py) knows this family's layers
+
     def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, quant_config: QuantizationConfig | None,
                  max_position: int) -> None:  # fmt: skip
         super().__init__()
@@ -136,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, theta, scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, ops, qkv_bias, quant_config, f"model.layers.{i}")
+            self.layer_cls(cfg, backend, ops, qkv_bias, quant_config, f"model.layers.{i}")
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -160,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
         self.cpu_one_token = None
-        if envs.ASERVE_CPU_ONE_TOKEN and OneTokenForward.applies(self):
+        if envs.ASERVE_CPU_ONE_TOKEN and self.one_token_path and OneTokenForward.applies(self):
             self.cpu_one_token = OneTokenForward(self)
 
     def forward(

@@ -4,11 +4,13 @@ family adds its file to aserve/models and one line here."""
 from __future__ import annotations
 
 from aserve.models.llama import LlamaForCausalLM
+from aserve.models.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
