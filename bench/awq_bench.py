@@ -47,7 +47,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_bench import (  # noqa: E402
-    LLAMA3_8B,
     RESULTS,
     batch1_decode_ms,
     bench_ms,
@@ -543,7 +542,7 @@ def decode_ms_per_token(model_dir: str, profile: bool = False) -> float:
 
 def awq_model_dir(root: str) -> str:
     """A Llama-3-8B-shaped AWQ g128 model directory (load_format=dummy gives it random packed weights)."""
-    awq_dir = dummy_model_dir(os.path.join(root, "awq"), LLAMA3_8B)
+    awq_dir = dummy_model_dir(os.path.join(root, "awq"))
     with open(os.path.join(awq_dir, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
@@ -554,7 +553,7 @@ def awq_model_dir(root: str) -> str:
 
 
 def decode(root: str) -> None:
-    bf16_dir = dummy_model_dir(os.path.join(root, "bf16"), LLAMA3_8B)
+    bf16_dir = dummy_model_dir(os.path.join(root, "bf16"))
     awq_dir = awq_model_dir(root)
     bf16 = decode_ms_per_token(bf16_dir, profile=True)
     record("decode_b1_bf16", round(bf16, 3), "ms/token")

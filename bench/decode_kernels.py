@@ -287,7 +287,7 @@ E2E_VARIANTS = {  # name: (environment of the engine (loader switches), change a
 def section_e2e(repeats: int) -> None:
     from aserve import LLM
 
-    model_dir = gb.dummy_model_dir(tempfile.mkdtemp(), gb.LLAMA3_8B)
+    model_dir = gb.dummy_model_dir(tempfile.mkdtemp())
     engines, pdl_of = {}, {}
     for name, (env, post) in E2E_VARIANTS.items():
         os.environ.update(env)
@@ -367,7 +367,7 @@ def section_sample(repeats: int) -> None:
         TABLE.append((f"greedy pick, bf16 [{rows}, 128256]: torch path / aserve/kernels/greedy.py us",
                       f"{us['torch']:.1f} / {us['greedy_pick']:.1f}"))  # fmt: skip
         print(TABLE[-1], flush=True)
-    model_dir = gb.dummy_model_dir(tempfile.mkdtemp(), gb.LLAMA3_8B)
+    model_dir = gb.dummy_model_dir(tempfile.mkdtemp())
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
               kv_cache_memory_gb=8)  # fmt: skip
     pick = Sampler.__dict__["_greedy_pick"]  # the staticmethod itself

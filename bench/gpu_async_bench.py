@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--hf", action="store_true")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model_dir = gb.dummy_model_dir(tempfile.mkdtemp(), gb.LLAMA3_8B)
+    model_dir = gb.dummy_model_dir(tempfile.mkdtemp())
     engines = {}
     for name, flag in (("async", True), ("sync", False)):
         t0 = time.perf_counter()

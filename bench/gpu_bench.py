@@ -1,6 +1,6 @@
 """GPU benchmarks for a Llama-3-8B-shaped model with random weights (bf16), in one command:
 
-    python bench/gpu_bench.py --out DIR [--sections ceilings,kernels,parity,decode,throughput,hf]
+    python bench/gpu_bench.py --out DIR [--sections ceilings,kernels,parity,decode,throughput,hf] [--arch qwen3-8b]
 
 ceilings    device-to-device copy bandwidth and bf16 matmul rate (the two roofs everything is judged against)
 kernels     decode attention (batch 64, 4096-token contexts) vs copy bandwidth; prefill attention (4096 causal)
@@ -35,6 +35,15 @@ LLAMA3_8B = dict(
     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )  # fmt: skip
+
+QWEN3_8B = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, bos_token_id=151643,
+    eos_token_id=151645, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    use_sliding_window=False,
+)  # fmt: skip
+
+ARCHS = {"llama3-8b": ("LlamaConfig", LLAMA3_8B), "qwen3-8b": ("Qwen3Config", QWEN3_8B)}
 
 RESULTS: dict = {}
 
@@ -76,13 +85,14 @@ def bench_ms(fn, warmup_ms=50, rep_ms=300) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def dummy_model_dir(root: str, config: dict) -> str:
-    """config.json of the given shape plus a small real tokenizer: enough for load_format=dummy."""
+def dummy_model_dir(root: str, arch: str = "llama3-8b") -> str:
+    """config.json of the architecture's shape plus a small real tokenizer: enough for load_format=dummy."""
+    import transformers
     from tiny_models import build_tokenizer
-    from transformers import LlamaConfig
 
-    path = os.path.join(root, "llama3-8b-shape")
-    LlamaConfig(**config).save_pretrained(path)
+    config_class, config = ARCHS[arch]
+    path = os.path.join(root, f"{arch}-shape")
+    getattr(transformers, config_class)(**config).save_pretrained(path)
     build_tokenizer(path)
     return path
 
@@ -447,11 +457,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default="ceilings,kernels,parity,decode,throughput,hf")
     p.add_argument("--out", default=".")
+    p.add_argument("--arch", default="llama3-8b", choices=list(ARCHS), help="the model shape (random weights)")
     args = p.parse_args()
     sections = args.sections.split(",")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()
-    model_dir = dummy_model_dir(root, LLAMA3_8B)
+    model_dir = dummy_model_dir(root, args.arch)
     state = {"llm": None}
 
     def decode_section():

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.models.model_path import resolve_model
+from aserve.models.registry import architecture_of
 from aserve.spec.config import SpeculativeConfig
 
 
@@ -36,7 +37,7 @@ class EngineConfig:
 
     @property
     def architecture(self) -> str:
-        return (getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        return architecture_of(self.hf_config)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineConfig:

@@ -14,9 +14,19 @@ ARCHITECTURES = {
 }
 
 
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+
+
+def architecture_of(hf_config) -> str:
+    """config.json's `architectures`; none given: the one of its model_type, else Llama."""
+    archs = getattr(hf_config, "architectures", None)
+    return archs[0] if archs else _BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None), "LlamaForCausalLM")
+
+
 def get_model_class(hf_config) -> type:
-    """The class of the checkpoint's architecture (config.json's `architectures`; none given: Llama)."""
-    arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    """The class of the checkpoint's architecture (architecture_of)."""
+    arch = architecture_of(hf_config)
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
     return ARCHITECTURES[arch]
