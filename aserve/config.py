@@ -97,11 +97,14 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
     use_window = getattr(hf_config, "use_sliding_window", True)
     if window and use_window:
         limit = min(limit, window)  # no sliding-window attention: stay inside the window
+    rope = {**(getattr(hf_config, "rope_scaling", None) or {}), **(getattr(hf_config, "rope_parameters", None) or {})}
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # only LongRoPE's short factors
+        limit = min(limit, rope.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
             f"max_model_len {requested} exceeds what the model supports ({limit}, from max_position_embeddings / "
-            "sliding_window); lower --max-model-len"
+            "sliding_window / LongRoPE's original_max_position_embeddings); lower --max-model-len"
         )
     return requested

@@ -44,7 +44,7 @@ def references(tiny_model_factory):
     return get
 
 
-@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", "llama3_rope", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", "llama3_rope", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
 def test_greedy_parity_with_transformers(references, variant, config):
     path, expected = references(variant)
@@ -122,7 +122,7 @@ def test_triton_backend_parity(references, config):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("variant", ["gqa", "qwen3"])
+@pytest.mark.parametrize("variant", ["gqa", "qwen3", "phi3"])
 def test_gpu_decode_kernels_parity(references, monkeypatch, variant):
     """The GPU's batch-1 decode path, forced onto the CPU (Triton's interpreter): element-wise Triton kernels,
     rotary fused with the cache write, one-row linears as Triton GEMVs (the down projection with SiLU·mul fused

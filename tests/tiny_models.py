@@ -42,7 +42,7 @@ def build_tokenizer(path: str):
 
 
 def make_config(variant: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -86,6 +86,13 @@ def make_config(variant: str):
     if variant == "qwen3":  # head_dim apart from hidden / heads, as in the released models
         return Qwen3Config(**{**common, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                               "use_sliding_window": False})  # fmt: skip
+    if variant == "phi3":  # LongRoPE: short factors per frequency, cos/sin scaled by the attention factor
+        half = 8  # head_dim 16
+        return Phi3Config(**{**common, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                             "original_max_position_embeddings": 256, "sliding_window": None, "rope_parameters": {
+                                 "rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0,
+                                 "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                 "long_factor": [1.5 + 0.5 * i for i in range(half)]}})  # fmt: skip
     raise ValueError(variant)
 
 

@@ -209,23 +209,39 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    if rope_type in ("longrope", "su"):  # the short factors: callers refuse sequences long enough for the long ones
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**exponents)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3, longrope)")
+
+
+def rope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
+    """The factor cos and sin are multiplied by: LongRoPE's (from the context extension factor), else 1."""
+    if scaling["rope_type"] not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor"):
+        return scaling["attention_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position for neox-style rotary embedding, precomputed in float32 by `materialize` (models
     are built on the meta device); a step looks its positions up once, for all layers."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict, scale: float = 1.0) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        self.scale = scale  # cos and sin are multiplied by it (rope_attention_factor)
         self.cos_sin: torch.Tensor | None = None
 
     def materialize(self, device: torch.device) -> None:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos_sin = torch.cat([emb.cos(), emb.sin()], dim=-1).to(device)
+        cos_sin = torch.cat([emb.cos(), emb.sin()], dim=-1)
+        self.cos_sin = (cos_sin * self.scale if self.scale != 1.0 else cos_sin).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """-> cos, sin [T, 1, head_dim] in `dtype` (as HF, which rotates in the model's dtype)."""

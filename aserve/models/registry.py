@@ -4,6 +4,7 @@ family adds its file to aserve/models and one line here."""
 from __future__ import annotations
 
 from aserve.models.llama import LlamaForCausalLM
+from aserve.models.phi3 import Phi3ForCausalLM
 from aserve.models.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES = {
@@ -11,11 +12,12 @@ ARCHITECTURES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}  # fmt: skip
 
 
 def architecture_of(hf_config) -> str:
