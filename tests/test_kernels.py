@@ -135,6 +135,12 @@ def test_fused_elementwise_kernels_match_torch(dtype):
 
     gu = torch.randn(4, 2 * 80, generator=gen).to(DEVICE, dtype)
     torch.testing.assert_close(fused.silu_and_mul(gu), elementwise.silu_and_mul(gu), **tol)
+    qk = torch.randn(3, (4 + 2 * 2) * 16, generator=gen).to(DEVICE, dtype) * 3
+    qw, kw = (torch.rand(16, generator=gen).to(DEVICE, dtype) + 0.5 for _ in range(2))
+    want = elementwise.qk_norm(qk, qw, kw, 1e-6, 4, 2, 16)
+    got = fused.qk_norm_(qk.clone(), qw, kw, 1e-6, 4, 2, 16)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[:, 6 * 16 :], qk[:, 6 * 16 :])  # v untouched
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -3,9 +3,10 @@
     add_rms_norm     x + residual -> (RMSNorm(x + residual) * weight, x + residual)
     rotary_split     fused qkv row -> rotated q, rotated k, v (each contiguous)
     silu_and_mul     [gate | up] -> silu(gate) * up
+    qk_norm_         fused qkv row: RMSNorm over each head of q and of k, in place (Qwen3)
 
 Each rounds to the model dtype where HF's eager code does, so bf16 results match HF's op by op, not just closely.
-References: aserve.layers.elementwise (add_rms_norm, split_rotate_qkv, silu_and_mul).
+References: aserve.layers.elementwise (add_rms_norm, split_rotate_qkv, silu_and_mul, qk_norm).
 """
 
 from __future__ import annotations
@@ -170,3 +171,35 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs()
     )
     return out
+
+
+@triton.jit
+def _qk_norm_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, eps, stride_t, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.gdc_sync(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads, then k heads
+    d = tl.arange(0, BLOCK_D)
+    ok = d < HEAD_DIM
+    ptr = qkv_ptr + row * stride_t + head * HEAD_DIM + d
+    x = tl.load(ptr, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    y = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)).to(x.dtype).to(tl.float32)
+    if head < NUM_HEADS:
+        w = tl.load(qw_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    else:
+        w = tl.load(kw_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptr, (y * w).to(x.dtype), mask=ok)
+
+
+def qk_norm_(qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """qkv [T, (H + 2 Hkv) D]: each head of q (weight q_weight [D]) and of k (k_weight) RMS-normalised in place,
+    v untouched -> qkv. One program per (token, head)."""
+    assert qkv.stride(-1) == 1
+    _qk_norm_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
+        qkv, q_weight, k_weight, eps, qkv.stride(0), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
+    )  # fmt: skip
+    return qkv

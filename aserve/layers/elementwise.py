@@ -47,6 +47,21 @@ def split_rotate_qkv(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim:
     return q, k, v.view(-1, num_kv_heads, head_dim)
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in float32 and rounded to x's dtype before the weight, as
+    transformers' Qwen3RMSNorm."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def qk_norm(qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Fused qkv rows [T, (H + 2 Hkv) D] -> the same with each head of q and of k RMS-normalised (Qwen3)."""
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = head_rms_norm(q.reshape(-1, num_heads, head_dim), q_weight, eps).reshape(q.shape)
+    k = head_rms_norm(k.reshape(-1, num_kv_heads, head_dim), k_weight, eps).reshape(k.shape)
+    return torch.cat([q, k, v], dim=-1)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -72,6 +87,9 @@ class ElementwiseOps:
 
     def silu_and_mul(self, gate_up):
         return silu_and_mul(gate_up)
+
+    def qk_norm(self, qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim):
+        return qk_norm(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
 
 
 class CompiledElementwiseOps(ElementwiseOps):
@@ -137,6 +155,9 @@ class TritonElementwiseOps(ElementwiseOps):
     def silu_and_mul(self, gate_up):
         return self._fused.silu_and_mul(gate_up)
 
+    def qk_norm(self, qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim):
+        return self._fused.qk_norm_(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
+
 
 def select_elementwise_ops(device: torch.device, dtype: torch.dtype, compile_model: bool) -> ElementwiseOps:
     """GPU: Triton. CPU: the C kernels where they build for `dtype`, else torch.compile'd (if `compile_model`), else
@@ -175,9 +196,7 @@ class HeadRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return head_rms_norm(x, self.weight, self.eps)
 
 
 def rope_parameters(hf_config) -> tuple[float, dict]:

@@ -5,8 +5,6 @@ the Llama family's.
 
 from __future__ import annotations
 
-import torch
-
 from aserve.layers.attention.backend import AttentionMetadata
 from aserve.layers.elementwise import HeadRMSNorm
 from aserve.models.llama import Attention, DecoderLayer, LlamaForCausalLM
@@ -19,11 +17,9 @@ class Qwen3Attention(Attention):
         self.k_norm = HeadRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
-        return self.attend(rotary_cos_sin, torch.cat([q, k, v], dim=-1), kv_cache, meta)
+        qkv = self.ops.qk_norm(self.qkv_proj(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                               self.num_heads, self.num_kv_heads, self.head_dim)  # fmt: skip
+        return self.attend(rotary_cos_sin, qkv, kv_cache, meta)
 
 
 class Qwen3DecoderLayer(DecoderLayer):
