@@ -36,7 +36,7 @@ def test_sampler_greedy_batch_uses_bf16_logits_same_tokens():
     sampler = Sampler(torch.device("cpu"), seed=0)
     fast = sampler(logits, reqs)
     slow = sampler(logits.float(), reqs)
-    assert Sampler._greedy_pick(logits, []) is not None
+    assert sampler._greedy_pick(logits, []) is not None
     assert fast.token_ids[:2] == slow.token_ids[:2] == [[int(logits[i].float().argmax())] for i in range(2)]
     assert fast.nonfinite == slow.nonfinite == [False, False, True]
     # drafts: row 0's draft is its argmax (accepted), row 1's is not

@@ -66,7 +66,7 @@ def test_sampler_greedy_batch_on_gpu_same_tokens():
     logits = torch.randn(3, 128256, device="cuda").to(torch.bfloat16)
     logits[2, 5] = float("nan")
     sampler = Sampler(torch.device("cuda"), seed=0)
-    assert Sampler._greedy_pick(logits, [SampleRow(r, []) for r in reqs]) is not None
+    assert sampler._greedy_pick(logits, [SampleRow(r, []) for r in reqs]) is not None
     fast = sampler(logits, reqs)
     slow = sampler(logits.float(), reqs)  # float32 logits take the pick too: compare with torch's own argmax
     want = [[int(logits[i].float().argmax())] for i in range(2)]
@@ -78,4 +78,4 @@ def test_sampler_greedy_batch_on_gpu_same_tokens():
     assert out.token_ids == [[top[0], top[0]], [top[1]]]
     assert sampler.launch(logits[:2], reqs[:2]).result().token_ids == want
     reqs[0].sampling_params.min_tokens = 4
-    assert Sampler._greedy_pick(logits, [SampleRow(reqs[0], [])]) is None
+    assert sampler._greedy_pick(logits, [SampleRow(reqs[0], [])]) is None

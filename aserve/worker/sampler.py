@@ -91,6 +91,15 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # The greedy first-maximum kernel of the device, chosen once: (supports(logits), greedy_pick(logits)).
+        if device.type == "cuda":
+            from aserve.kernels import greedy  # Triton: imported only where a GPU needs it
+
+            self._greedy_kernel = (greedy.supports, greedy.greedy_pick)
+        elif device.type == "cpu":
+            self._greedy_kernel = (cpu.sample_supports, cpu.greedy_pick)
+        else:
+            self._greedy_kernel = None
 
     def __call__(
         self,
@@ -273,22 +282,18 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         return self._apply_logit_bias(self._mask_min_tokens(logits, rows), rows), nonfinite, raw_logprobs
 
-    @staticmethod
-    def _greedy_pick(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _greedy_pick(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every row greedy with nothing that changes its logits (penalties, logit_bias, min_tokens still to reach):
         (first-maximum index, non-finite flag) per row from one kernel over the logits in the model's dtype (CPU: C,
         aserve/kernels/cpu.py; CUDA: Triton, aserve/kernels/greedy.py); None otherwise."""
-        if logits.device.type not in ("cpu", "cuda"):
+        if self._greedy_kernel is None or logits.device.type != self.device.type:
             return None
         for row in rows:
             p = row.params
             if not p.greedy or p.needs_penalties or p.needs_logit_bias or row.num_output_tokens < p.min_tokens:
                 return None
-        if logits.device.type == "cuda":
-            from aserve.kernels import greedy
-
-            return greedy.greedy_pick(logits) if greedy.supports(logits) else None
-        return cpu.greedy_pick(logits) if cpu.sample_supports(logits) else None
+        supports, pick = self._greedy_kernel
+        return pick(logits) if supports(logits) else None
 
     def _candidates(self, logits, rows, drafts, draft_probs, argmax: torch.Tensor | None = None):
         """-> (candidate token per row, whether each row's draft is accepted (None without drafts)). `argmax`: the
