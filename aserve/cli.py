@@ -38,7 +38,8 @@ _HELP = {
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
     "max_queue_len": "serving: answer 429 (with Retry-After) when more sequences than this would wait for a slot",
     "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on for CUDA without speculation)",
-    "quantization": "awq: require an AWQ int4 checkpoint (AWQ is detected from the checkpoint either way)",
+    "quantization": "awq: require an AWQ int4 checkpoint (detected from the checkpoint either way); fp8: quantise a "
+    "16-bit checkpoint's linear weights to FP8 e4m3 at load",
 }
 
 

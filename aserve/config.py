@@ -33,7 +33,7 @@ class EngineArgs:
     kv_cache_memory_gb: float | None = None  # KV budget; default on CPU: 2 GiB (capped to what can be used)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests, experiments)
     load_format: str = "auto"  # auto | dummy
-    quantization: str | None = None  # awq: the checkpoint must be AWQ int4 (checked when the model is built)
+    quantization: str | None = None  # awq: the checkpoint must be AWQ int4; fp8: quantise weights at load
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     speculative_config: str | dict | None = None  # JSON or dict, vLLM's shape (see aserve/spec/config.py)

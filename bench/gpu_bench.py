@@ -1,6 +1,7 @@
 """GPU benchmarks for a Llama-3-8B-shaped model with random weights (bf16), in one command:
 
     python bench/gpu_bench.py --out DIR [--sections ceilings,kernels,parity,decode,throughput,hf] [--arch qwen3-8b]
+        [--quantization fp8]
 
 ceilings    device-to-device copy bandwidth and bf16 matmul rate (the two roofs everything is judged against)
 kernels     decode attention (batch 64, 4096-token contexts) vs copy bandwidth; prefill attention (4096 causal)
@@ -46,6 +47,7 @@ QWEN3_8B = dict(
 ARCHS = {"llama3-8b": ("LlamaConfig", LLAMA3_8B), "qwen3-8b": ("Qwen3Config", QWEN3_8B)}
 
 RESULTS: dict = {}
+ENGINE_KW: dict = {}  # extra LLM arguments of the decode and throughput sections (--quantization)
 
 
 def record(key: str, value, unit: str = "", note: str = "") -> None:
@@ -302,7 +304,7 @@ def batch1_decode_ms(llm) -> float:
 def decode(model_dir: str) -> None:
     from aserve import LLM
 
-    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256, **ENGINE_KW)
     engine = llm.engine
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.core.runner.model.parameters())
     bw = RESULTS.get("copy_bandwidth", {}).get("value", 4.3)
@@ -335,7 +337,7 @@ def throughput(model_dir: str, llm=None) -> None:
     from aserve import LLM, SamplingParams
 
     if llm is None:
-        llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
+        llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256, **ENGINE_KW)
     gen = torch.Generator().manual_seed(2)
     prompts = [{"prompt_token_ids": torch.randint(100, 100000, (512,), generator=gen).tolist()} for _ in range(256)]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
@@ -458,7 +460,10 @@ def main() -> None:
     p.add_argument("--sections", default="ceilings,kernels,parity,decode,throughput,hf")
     p.add_argument("--out", default=".")
     p.add_argument("--arch", default="llama3-8b", choices=list(ARCHS), help="the model shape (random weights)")
+    p.add_argument("--quantization", default=None, help="decode / throughput with this method (e.g. fp8)")
     args = p.parse_args()
+    if args.quantization:
+        ENGINE_KW["quantization"] = args.quantization
     sections = args.sections.split(",")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from aserve import envs
 from aserve.layers.elementwise import select_elementwise_ops
-from aserve.layers.quantization import QUANTIZATION_CONFIGS, get_quantization_config
+from aserve.layers.quantization import ONLINE_QUANTIZATION, QUANTIZATION_CONFIGS, get_quantization_config
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.models.model_path import ModelNotFoundError
 from aserve.models.registry import get_model_class
@@ -53,8 +53,7 @@ def build_model(
     them for its kernels (process_weights_after_loading). `quantization` (the engine argument): what the checkpoint
     must be."""
     model_class = get_model_class(hf_config)
-    quant_config = get_quantization_config(hf_config)
-    check_quantization_arg(quantization, quant_config, model_dir)
+    quant_config = resolve_quantization(quantization, get_quantization_config(hf_config), model_dir)
     ops = select_elementwise_ops(device, dtype, compile_model)
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
@@ -79,19 +78,26 @@ def build_model(
     return model
 
 
-def check_quantization_arg(quantization: str | None, quant_config: QuantizationConfig | None, model_dir: str) -> None:
-    """`--quantization awq` states what the checkpoint must be (as in vLLM); the method itself is always read from
-    the checkpoint. Raises a clear error when the two disagree."""
+def resolve_quantization(
+    quantization: str | None, quant_config: QuantizationConfig | None, model_dir: str
+) -> QuantizationConfig | None:
+    """The quantisation the model runs with. `--quantization awq` states what the checkpoint must be (as in vLLM;
+    the method itself is read from the checkpoint); `--quantization fp8` quantises a 16-bit checkpoint as it loads.
+    Raises a clear error when the argument and the checkpoint disagree."""
     if quantization is None:
-        return
-    if quantization not in QUANTIZATION_CONFIGS:
-        raise ValueError(f"quantization must be {' or '.join(QUANTIZATION_CONFIGS)} (or unset), got {quantization!r}")
+        return quant_config
+    names = sorted({*QUANTIZATION_CONFIGS, *ONLINE_QUANTIZATION})
+    if quantization not in names:
+        raise ValueError(f"quantization must be one of {', '.join(names)} (or unset), got {quantization!r}")
+    if quantization in ONLINE_QUANTIZATION and quant_config is None:
+        return ONLINE_QUANTIZATION[quantization]()
     if quant_config is None or quant_config.name != quantization:
+        found = "a 16-bit checkpoint" if quant_config is None else f"an {quant_config.name.upper()} checkpoint"
         raise ValueError(
-            f"--quantization {quantization}, but {model_dir!r} is not an {quantization.upper()} checkpoint (its "
-            "config.json has no quantization_config and there is no quant_config.json); quantise it with "
-            "`aserve quantize`"
+            f"--quantization {quantization}, but {model_dir!r} is {found}"
+            + ("; quantise it with `aserve quantize`" if quantization == "awq" else "")
         )
+    return quant_config
 
 
 def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int, show_progress: bool) -> None:

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from aserve.layers.quantization.awq import AWQConfig
 from aserve.layers.quantization.base import QuantizationConfig
+from aserve.layers.quantization.fp8 import Fp8Config
 
 # a checkpoint's `quant_method` -> its config class
 QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
     "awq": AWQConfig,
+    "fp8": Fp8Config,
+}
+
+# methods that quantise a 16-bit checkpoint when it loads (`--quantization NAME`)
+ONLINE_QUANTIZATION: dict[str, type[QuantizationConfig]] = {
+    "fp8": Fp8Config,
 }
 
 
