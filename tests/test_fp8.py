@@ -12,7 +12,13 @@ from safetensors.torch import load_file, save_file
 from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
-from aserve.layers.quantization.fp8 import FP8, dequantize, has_fp8_tensor_cores, quantize_per_channel
+from aserve.layers.quantization.fp8 import (
+    FP8,
+    dequantize,
+    has_fp8_tensor_cores,
+    quantize_per_channel,
+    quantize_per_token,
+)
 
 PROMPTS = [[5, 17, 99, 3], [200, 201, 202, 10, 11, 12, 13], [42] * 20]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,6 +75,20 @@ def test_fp8_gemm_on_gpu_keeps_fp8_weights_and_agrees_with_the_rounded_model(tin
     # Activations are quantised too (per token, ~6 % relative error on this tiny random model): the first tokens
     # agree, later ones may drift at near-ties.
     assert [g[:2] for g in got] == [w[:2] for w in want]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter does not round e4m3 as a GPU does")
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 14336), (33, 96)])
+def test_per_token_quantisation_kernel_matches_torch(shape):
+    from aserve.kernels.fp8 import quantize_per_token as kernel
+
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 5).to("cuda", torch.bfloat16)
+    x[0, :7] = 0.0
+    q, scale = kernel(x)
+    q_ref, scale_ref = quantize_per_token(x)
+    assert scale.shape == scale_ref.shape == (shape[0], 1)
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+    assert torch.equal(q.float(), q_ref.float())
 
 
 def test_unsupported_fp8_uses_are_refused(tiny_model_factory, tmp_path):

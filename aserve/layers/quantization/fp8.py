@@ -41,10 +41,15 @@ def has_fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _scaled_mm(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] in 16 bits -> per-token e4m3 activations and scales -> x W^T (+ b) in x's dtype."""
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]); the reference of aserve/kernels/fp8.py."""
     x_scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    x_fp8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), x_scale
+
+
+def _scaled_mm(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] in 16 bits -> per-token e4m3 activations and scales (layer.quantize_input) -> x W^T (+ b)."""
+    x_fp8, x_scale = layer.quantize_input(x)
     return torch._scaled_mm(x_fp8, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale,
                             bias=layer.bias, out_dtype=x.dtype)  # fmt: skip
 
@@ -56,17 +61,23 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer):
         w = layer.weight
-        if w.dtype == FP8:  # prepared already (this runs again whenever the weights change)
-            self._reset(layer)
-            layer.kernel = _scaled_mm
-            return
-        weight_fp8, scale = quantize_per_channel(w.detach())
-        if has_fp8_tensor_cores(w.device) and w.dtype in (torch.bfloat16, torch.float16):
-            self._reset(layer)
+        if w.dtype != FP8:
+            weight_fp8, scale = quantize_per_channel(w.detach())
+            if not (has_fp8_tensor_cores(w.device) and w.dtype in (torch.bfloat16, torch.float16)):
+                self._emulate(layer, weight_fp8, scale)
+                return
             layer.weight = nn.Parameter(weight_fp8, requires_grad=False)
             layer.weight_scale = scale.view(1, -1)
-            layer.kernel = _scaled_mm
-            return
+        # (an FP8 weight: prepared already, and this runs again whenever the weights change)
+        from aserve.kernels import fp8  # Triton: imported where a GPU runs it
+
+        self._reset(layer)
+        layer.quantize_input = fp8.quantize_per_token
+        layer.kernel = _scaled_mm
+
+    def _emulate(self, layer, weight_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+        """No FP8 tensor cores: the FP8-rounded weights in the model's dtype, through the unquantised kernels."""
+        w = layer.weight
         if not Fp8LinearMethod._logged_emulation:
             Fp8LinearMethod._logged_emulation = True
             logger.info("fp8: no FP8 tensor cores on %s: weights rounded to FP8, computed in %s (weight-only)",
