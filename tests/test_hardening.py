@@ -323,7 +323,7 @@ async def test_tokenizer_pool_caps_the_text_in_flight():
     assert tokenizer.threads.count("MainThread") == 1  # the short text
     assert all(name.startswith("aserve-tokenize") for name in tokenizer.threads if name != "MainThread")
     with pytest.raises(ParamError) as e:  # the rendered text is checked before it is tokenised
-        await pool.render_chat([{"role": "user", "content": long_text}], True, None, lambda n: _refuse(n))
+        await pool.render_chat([{"role": "user", "content": long_text}], True, None, len(long_text), _refuse)
     assert e.value.param == "messages"
     pool.shutdown()
 

@@ -168,9 +168,10 @@ class AsyncEngine:
         """A conversation through the tokenizer's chat template -> its prompt token ids. Messages whose text alone
         cannot fit the context are refused before rendering; rendering and tokenising run in the tokenizer pool."""
         check = self.engine.check_prompt_chars
-        check(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
+        text_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        check(text_chars, "messages")
         return await self.tokenizer_pool.render_chat(
-            messages, add_generation_prompt, template_kwargs, lambda n: check(n, "messages")
+            messages, add_generation_prompt, template_kwargs, text_chars, lambda n: check(n, "messages")
         )
 
     # -- lifecycle --------------------------------------------------------------------------------------------

@@ -57,11 +57,12 @@ class TokenizerPool:
         messages: list[dict],
         add_generation_prompt: bool,
         template_kwargs: dict | None,
+        text_chars: int,
         check_chars: Callable[[int], None],
     ) -> list[int]:
         """A conversation through the tokenizer's chat template -> its token ids, both in the pool. The messages'
-        text counts against the cap; `check_chars(len(rendered))` may refuse the rendered text before it is
-        tokenised."""
+        text (`text_chars` characters) counts against the cap; `check_chars(len(rendered))` may refuse the rendered
+        text before it is tokenised."""
         tokenizer = self.tokenizer
         if tokenizer.chat_template is None:
             raise ParamError("messages", "this model's tokenizer has no chat template; use /v1/completions")
@@ -76,7 +77,7 @@ class TokenizerPool:
             check_chars(len(text))
             return tokenizer.encode(text, add_special_tokens=False)
 
-        return await self._run(sum(_text_chars(m) for m in messages), render)
+        return await self._run(text_chars, render)
 
     async def _run(self, num_chars: int, fn):
         if self.pending_chars and self.pending_chars + num_chars > self.max_pending_chars:
@@ -105,8 +106,3 @@ class TokenizerPool:
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     with contextlib.suppress(RuntimeError):  # the loop has closed: nobody counts any more
         loop.call_soon_threadsafe(fn, *args)
-
-
-def _text_chars(message: dict) -> int:
-    content = message.get("content")
-    return len(content) if isinstance(content, str) else 0

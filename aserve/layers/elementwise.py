@@ -187,16 +187,13 @@ class RMSNorm(nn.Module):
 
 
 class HeadRMSNorm(nn.Module):
-    """RMSNorm over the last dimension (one head) of [T, heads, D], computed in float32 as transformers does
-    (Qwen3's q/k norms)."""
+    """The weight and epsilon of an RMSNorm over each head (Qwen3's q/k norms, checkpoint names q_norm / k_norm).
+    The model's element-wise ops apply it, to q and k at once (ElementwiseOps.qk_norm)."""
 
     def __init__(self, head_dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return head_rms_norm(x, self.weight, self.eps)
 
 
 def rope_parameters(hf_config) -> tuple[float, dict]:
