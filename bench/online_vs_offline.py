@@ -37,6 +37,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from reliability_health import pct  # noqa: E402  (bench/ is on the path of its scripts)
 
 RESULT_MARK = "OFFLINE_RESULT "
 
@@ -44,13 +45,6 @@ RESULT_MARK = "OFFLINE_RESULT "
 def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab_size - 100) for _ in range(input_len)] for _ in range(num)]
-
-
-def pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 def ms_stats(values: list[float]) -> dict:

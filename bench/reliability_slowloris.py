@@ -29,15 +29,9 @@ import time
 import aiohttp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from reliability_health import pct  # noqa: E402  (bench/ is on the path of its scripts)
 
 SLOW_START = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: "
-
-
-def pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 def open_fds(pid: int) -> int | None:
