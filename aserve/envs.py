@@ -24,6 +24,9 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
                           (aserve/kernels/gemv.py) instead of cuBLAS. Default on.
     ASERVE_PDL            GPU (Hopper and newer): programmatic dependent launch of aserve's Triton kernels
                           (aserve/kernels/pdl.py). Default on.
+    ASERVE_STREAM_BUFFER  the server: how many bytes of events may wait for a streaming client that stopped reading
+                          (its TCP window full) before its requests are ended and its connection closed
+                          (aserve/entrypoints/openai/streaming.py). Default 4 MiB.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
     ASERVE_CPU_MALLOC: bool
     ASERVE_GEMV: bool
     ASERVE_PDL: bool
+    ASERVE_STREAM_BUFFER: int
 
 
 def _switch(name: str) -> Callable[[], bool]:
@@ -60,6 +64,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "ASERVE_CPU_MALLOC": _switch("ASERVE_CPU_MALLOC"),
     "ASERVE_GEMV": _switch("ASERVE_GEMV"),
     "ASERVE_PDL": _switch("ASERVE_PDL"),
+    "ASERVE_STREAM_BUFFER": lambda: int(os.environ.get("ASERVE_STREAM_BUFFER", str(4 << 20))),
 }
 
 

@@ -108,12 +108,13 @@ class PrometheusMetrics:
         )
         self._connections_closed = Counter(
             "aserve:http_connections_closed",
-            "Client connections the server closed before their request was read: a header or body read timeout "
-            "(HTTP 408), or over --limit-concurrency (HTTP 503).",
+            "Client connections the server closed: before their request was read, a header or body read timeout "
+            "(HTTP 408) or over --limit-concurrency (HTTP 503); mid-stream, a client that stopped reading "
+            "(slow_client).",
             ["model_name", "reason"],
             registry=r,
         )
-        for reason in ("header_timeout", "body_timeout", "connection_limit"):
+        for reason in ("header_timeout", "body_timeout", "connection_limit", "slow_client"):
             self._connections_closed.labels(model_name, reason)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)

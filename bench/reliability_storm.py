@@ -5,6 +5,8 @@ the same greedy answers as before the storm.
     python bench/reliability_storm.py [--requests 2000] [--disconnect 0.3] [--concurrency 64] [--seed 0]
     python bench/reliability_storm.py --url http://127.0.0.1:8000   # a server you started (no log check)
 
+The server it starts itself also has its RSS reported after the first 1,000 requests ended and after the drain.
+
 Without --url it starts `aserve serve` on the tiny random model of tests/tiny_models.py with a small KV cache (so
 that requests are also preempted and aborted while waiting) and `--debug-invariants` (every step and abort checks
 the block ref counts and queues; a violation is logged as an error, which fails the run). Prints a JSON summary
@@ -130,9 +132,16 @@ async def wait_drained(session, url: str, timeout: float = 60.0) -> dict[str, fl
         await asyncio.sleep(0.05)
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident set size (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, concurrency: int = 64,
-                seed: int = 0) -> dict:  # fmt: skip
-    """Runs the storm against a live server; returns a summary with a "problems" list (empty: all good)."""
+                seed: int = 0, server_pid: int | None = None, rss_mark: int = 1000) -> dict:  # fmt: skip
+    """Runs the storm against a live server; returns a summary with a "problems" list (empty: all good). With
+    `server_pid`: the server's RSS once `rss_mark` requests have ended and after the drain."""
     rng = random.Random(seed)
     kinds = ["complete"] * num_requests
     for i in rng.sample(range(num_requests), round(disconnect * num_requests)):
@@ -143,6 +152,7 @@ async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, con
         expected = await reference(session, url)
         before = await metrics(session, url)
         gate = asyncio.Semaphore(concurrency)
+        ended, rss = [0], {}
 
         async def client(i):
             async with gate:
@@ -150,6 +160,10 @@ async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, con
                     return await one(session, url, i, kinds[i], random.Random(seed * 100_003 + i), expected)
                 except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
                     return kinds[i], f"{type(e).__name__}: {e}"
+                finally:
+                    ended[0] += 1
+                    if server_pid is not None and ended[0] == min(rss_mark, num_requests):
+                        rss["after_mark"] = rss_bytes(server_pid)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(client(i) for i in range(num_requests)))
@@ -158,6 +172,8 @@ async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, con
         after = await wait_drained(session, url)
         drain_s = time.perf_counter() - t1
         again = await reference(session, url)
+        if server_pid is not None:
+            rss["after_all"] = rss_bytes(server_pid)
 
     problems = [f"request {i} ({kind}): {p}" for i, (kind, p) in enumerate(results) if p]
     for name in IDLE_GAUGES:  # kv_cache_usage_perc > 0: KV blocks still held by requests
@@ -182,8 +198,14 @@ async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, con
         },  # fmt: skip
         "preemptions": delta("aserve:num_preemptions_total"),
         "after_drain": {name: metric(after, name) for name in IDLE_GAUGES},
+        **({"rss_mib": rss_summary(rss, min(rss_mark, num_requests), num_requests)} if rss else {}),
         "problems": problems,
     }
+
+
+def rss_summary(rss: dict[str, int], mark: int, total: int) -> dict:
+    mib = {f"after {mark}": round(rss["after_mark"] / 2**20, 1), f"after {total}": round(rss["after_all"] / 2**20, 1)}
+    return {**mib, "growth": round(rss["after_all"] / rss["after_mark"] - 1, 4)}
 
 
 def log_problems(log_text: str) -> list[str]:
@@ -212,7 +234,7 @@ def main() -> None:
             log_path = ns.log or os.path.join(tmp, "server.log")
             proc, url = start_server("--model", model, *SERVER_FLAGS, timeout=300, log_path=log_path)
             try:
-                result = asyncio.run(storm(url, ns.requests, ns.disconnect, ns.concurrency, ns.seed))
+                result = asyncio.run(storm(url, ns.requests, ns.disconnect, ns.concurrency, ns.seed, proc.pid))
             finally:
                 stop_server(proc)
             with open(log_path) as f:

@@ -1,8 +1,15 @@
-"""Incremental detokenization: multi-byte characters, stop strings, and what may be streamed."""
+"""Incremental detokenization (both ways: the token-bytes table and tokenizers' DecodeStream): multi-byte characters,
+stop strings, and what may be streamed; the table agrees with the tokenizer's own decode, and is not used where it
+cannot."""
+
+import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
-from aserve.engine.output_processor import IncrementalDetokenizer
+from aserve.engine import detokenizer
+from aserve.engine.detokenizer import TokenBytes
 
 
 @pytest.fixture(scope="module")
@@ -10,6 +17,22 @@ def tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model)
+
+
+CHOSEN: dict = {}
+
+
+@pytest.fixture(params=["table", "decode_stream"], autouse=True)
+def way(request, tokenizer):
+    """Every test runs with the token-bytes table and with DecodeStream."""
+    table = TokenBytes.build(tokenizer) if request.param == "table" else None
+    assert request.param != "table" or table is not None
+    CHOSEN["token_bytes"] = table
+    return request.param
+
+
+def IncrementalDetokenizer(*args, **kwargs):  # noqa: N802  (the class under test, built the way `way` chose)
+    return detokenizer.IncrementalDetokenizer(*args, **kwargs, token_bytes=CHOSEN["token_bytes"])
 
 
 def stream(tokenizer, text, stops=(), include=False, prompt="The prompt."):
@@ -61,3 +84,48 @@ def test_undecodable_id_does_not_raise(tokenizer):
     for token_id in tokenizer.encode(" ok"):
         detok.add_token(token_id)
     assert detok.text.endswith("ok")
+
+
+CORPUS = "The cache stores keys and values in blocks. Grüße aus Köln, 日本語 and emoji 🙂 done. " * 4
+
+
+def assert_table_matches_decode(tokenizer, valid_texts, random_ids):
+    """Valid text: the table streams what DecodeStream streams. Any ids: the table's text is the tokenizer's own
+    decode of the whole sequence (DecodeStream differs where invalid bytes end a stream: it holds back a U+FFFD)."""
+    table = TokenBytes.build(tokenizer)
+    assert table is not None
+    prime = tokenizer.encode("The", add_special_tokens=False)[:1]
+    for ids in valid_texts + random_ids:
+        for skip in (True, False):
+            fast = detokenizer.IncrementalDetokenizer(tokenizer, prime, [], False, skip, token_bytes=table)
+            slow = detokenizer.IncrementalDetokenizer(tokenizer, prime, [], False, skip)
+            for token_id in ids:
+                fast.add_token(token_id)
+                slow.add_token(token_id)
+            if ids in valid_texts:
+                assert fast.text == slow.text, (ids, skip)
+            whole = tokenizer.decode(prime + ids, skip_special_tokens=skip)
+            streamed = tokenizer.decode(prime, skip_special_tokens=skip) + fast.text
+            # a character still incomplete at the end is held back, where a whole decode shows U+FFFD
+            assert prime and whole in (streamed, streamed + "\ufffd"), (ids, skip)
+
+
+def test_byte_level_table_matches_decode_stream(tokenizer, way):
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    valid = [tokenizer.encode(CORPUS), [tokenizer.eos_token_id, *tokenizer.encode("after the end")]]
+    assert_table_matches_decode(tokenizer, valid, [[rng.randrange(vocab) for _ in range(40)] for _ in range(50)])
+
+
+def test_other_decoders_use_decode_stream(way):
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    assert TokenBytes.build(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")) is None
+
+
+def test_wordpiece_uses_decode_stream(way):
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    assert TokenBytes.build(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")) is None

@@ -23,9 +23,9 @@ from test_server import assert_idle, make_client, metric
 from aserve import EngineArgs, LLMEngine
 from aserve.cli import build_parser, engine_args_from
 from aserve.engine.async_engine import AsyncEngine
-from aserve.engine.output_processor import IncrementalDetokenizer
+from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.tokenizer_pool import INLINE_CHARS
-from aserve.entrypoints.openai import server as server_module
+from aserve.entrypoints.openai import streaming as streaming_module
 from aserve.entrypoints.openai.server import MAX_BODY_BYTES, build_app
 
 MODEL = "tiny"
@@ -436,7 +436,7 @@ async def test_fault_in_one_request_ends_only_that_request(client, llm_engine, m
 
 
 async def test_fault_while_writing_a_stream_ends_it_with_an_error_event(client, llm_engine, monkeypatch):
-    real_chunk = server_module.completion_chunk
+    real_chunk = streaming_module.completion_chunk
     calls = []
 
     def chunk(*args, **kwargs):
@@ -445,7 +445,7 @@ async def test_fault_while_writing_a_stream_ends_it_with_an_error_event(client, 
             raise KeyError("injected")
         return real_chunk(*args, **kwargs)
 
-    monkeypatch.setattr(server_module, "completion_chunk", chunk)
+    monkeypatch.setattr(streaming_module, "completion_chunk", chunk)
     resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8, "ignore_eos": True,
                                                       "stream": True})  # fmt: skip
     events = parse_sse(await resp.text())

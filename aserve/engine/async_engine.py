@@ -31,32 +31,73 @@ from aserve.sampling_params import ParamError, SamplingParams
 logger = logging.getLogger("aserve")
 
 
+class OutputSink:
+    """Where the step coroutine leaves outputs for one consumer: a list and at most one waiter, so a step hands each
+    consumer everything it produced at once, and a consumer that falls behind takes several steps' outputs in one
+    go. Several requests may share a sink (a completion with several prompts); items are (tag, output or error).
+    A consumer may override put() to act on each item at once (the server's streams write their events there)."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get_all(self) -> list:
+        """Every item waiting (at least one; waits for it)."""
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self.items = self.items, []
+        return items
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator. aclose() before the end aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, sink: OutputSink | None = None, tag: int = 0) -> None:
         self.engine = engine
         self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
+        self.sink = sink if sink is not None else OutputSink()
+        self.tag = tag
+        self.finished = False  # the engine is done with it (its final output is in the sink, or it was closed)
+        self._ready: list = []
+
+    def deliver(self, item) -> None:
+        if isinstance(item, BaseException) or item.finished:
+            self.finished = True
+        self.sink.put((self.tag, item))
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            out = await self.queue.get()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            await self.aclose()
-            raise
+        if not self._ready:
+            if self.finished and not self.sink.items:
+                raise StopAsyncIteration
+            try:
+                self._ready = [item for _, item in await self.sink.get_all()]
+            except BaseException:  # cancelled while waiting: the consumer is gone
+                await self.aclose()
+                raise
+            self._ready.reverse()
+        out = self._ready.pop()
         if isinstance(out, BaseException):
+            self._ready.clear()
+            self.sink.items.clear()
             await self.aclose()
             raise out
         if out.finished:
-            self.finished = True
-            self.engine._release(self.request_id)
+            self._ready.clear()
+            self.sink.items.clear()
         return out
 
     async def aclose(self) -> None:
@@ -65,43 +106,29 @@ class RequestStream:
             self.engine._release(self.request_id)
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleaves the outputs of several generate() streams; closing it closes (aborts) them all."""
-    if len(streams) == 1:
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+class StreamGroup:
+    """The requests of one client request (a completion may carry several prompts), read through one shared sink:
+    `batches()` yields every (tag, output) that arrived since the last batch; an error delivered to any of them is
+    raised. aclose() aborts the requests not finished."""
 
-    async def pump(i, stream):
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        except Exception as e:  # surfaced to the consumer
-            await queue.put((i, e))
-        finally:
+    def __init__(self, streams: list[RequestStream]) -> None:
+        assert all(s.sink is streams[0].sink for s in streams), "the streams of a group share one sink"
+        self.streams = streams
+        self.sink = streams[0].sink if streams else OutputSink()
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        sink = self.sink
+        while not all(s.finished for s in self.streams) or sink.items:
+            batch = await sink.get_all()
+            for _, item in batch:
+                if isinstance(item, BaseException):
+                    await self.aclose()
+                    raise item
+            yield batch
+
+    async def aclose(self) -> None:
+        for stream in self.streams:
             await stream.aclose()
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class AsyncEngine:
@@ -116,7 +143,7 @@ class AsyncEngine:
             engine.tokenizer, tokenizer_pool_size, max_pending_prompt_chars, engine.config.max_prompt_chars
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-step")
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closed_reason: str | None = None  # set by abort_all(): no new requests after a forced shutdown
@@ -188,8 +215,9 @@ class AsyncEngine:
         error = task.exception()
         if error is not None:
             logger.error("the engine step loop died", exc_info=error)
-            for queue in self._queues.values():
-                queue.put_nowait(EngineDeadError(f"the engine stopped: {type(error).__name__}"))
+            for stream in list(self._streams.values()):
+                stream.deliver(EngineDeadError(f"the engine stopped: {type(error).__name__}"))
+            self._streams.clear()
 
     @property
     def has_started(self) -> bool:
@@ -203,7 +231,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for request_id in list(self._queues):
+        for request_id in list(self._streams):
             self.abort(request_id)
         self.tokenizer_pool.shutdown()
         self._executor.shutdown(wait=True)
@@ -244,11 +272,14 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None = None,
         check_queue: bool = True,
         max_tokens_must_fit: bool = False,
+        sink: OutputSink | None = None,
+        tag: int = 0,
     ) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineOverloadedError when the waiting queue is
         full; both before anything is queued). The caller must iterate the returned stream to its end or aclose()
         it: closing early aborts the request. check_queue=False: the caller already called check_queue() for a
-        group of requests it adds together."""
+        group of requests it adds together. sink/tag: deliver the outputs, tagged, to a sink the caller shares
+        between several requests (see OutputSink) instead of a sink of the stream's own."""
         self.start()
         if not self.is_running:
             raise EngineDeadError("the engine's step loop is not running")
@@ -265,8 +296,8 @@ class AsyncEngine:
             request_id, prompt, params, delta=True, prompt_token_ids=prompt_token_ids,
             max_tokens_must_fit=max_tokens_must_fit,
         )  # fmt: skip
-        stream = RequestStream(self, request_id)
-        self._queues[request_id] = stream.queue
+        stream = RequestStream(self, request_id, sink, tag)
+        self._streams[request_id] = stream
         self._wakeup.set()
         return stream
 
@@ -288,45 +319,65 @@ class AsyncEngine:
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Ends a request now; its stream gets a final output with finish_reason "abort" (and `error`, if given)."""
         out = self.engine.abort_request(request_id, error)
-        queue = self._queues.get(request_id)
-        if out is not None and queue is not None:
-            queue.put_nowait(out)
+        if out is not None:
+            self._deliver([out])
 
     def abort_all(self, error: str) -> int:
         """Ends every live request with `error` and refuses new ones (the last step of a graceful shutdown).
         Returns how many were ended."""
         self._closed_reason = error
-        request_ids = list(self._queues)
+        request_ids = list(self._streams)
         for request_id in request_ids:
             self.abort(request_id, error)
         return len(request_ids)
 
     @property
     def num_live_requests(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     def _release(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)  # no-op if it already finished
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's outputs to their streams (one put each; a stream's consumer wakes once per step)."""
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                if out.finished:
+                    del streams[out.request_id]
+                stream.deliver(out)
 
     # -- the step loop ----------------------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
-        """EngineCore's step with its model work in the worker thread (see aserve/engine/core.py)."""
+        """EngineCore's step with its model work in the worker thread (see aserve/engine/core.py).
+
+        A step's outputs reach their streams while the worker runs the next step, not before it is launched: with
+        async scheduling the launch of step N+1 comes first (the device must not wait for the host), then step N's
+        outputs are handed out and the handlers write them while the worker waits for step N+1."""
         loop = asyncio.get_running_loop()
-        engine, core = self.engine, self.engine.core
+        engine, core, executor = self.engine, self.engine.core, self._executor
+        held: list[RequestOutput] = []  # processed outputs not yet handed to their streams
         while True:
             if not engine.has_unfinished_requests():
+                self._deliver(held)
+                held = []
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             work = core.schedule()
             if work is None:
+                self._deliver(held)
+                held = []
                 await asyncio.sleep(0.001)
                 continue
-            done = await loop.run_in_executor(self._executor, core.execute, work)
-            for out in engine.process(core.update(work, done)):
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            await asyncio.sleep(0)  # let handlers send what just arrived
+            if core.splits(work):
+                done = await loop.run_in_executor(executor, core.launch, work)
+                self._deliver(held)
+                done = await loop.run_in_executor(executor, core.wait_inflight, done)
+            else:
+                self._deliver(held)
+                done = await loop.run_in_executor(executor, core.execute, work)
+            held = engine.process(core.update(work, done))

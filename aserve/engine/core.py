@@ -224,13 +224,27 @@ class EngineCore:
                 return StepResult(result=self._execute_one_step(work.sched))
             except Exception as e:
                 return StepResult(error=e)
+        return self.wait_inflight(self.launch(work))
+
+    def splits(self, work: StepWork) -> bool:
+        """Does `execute(work)` both launch a step and wait for the one in flight? A front end may then run
+        `launch` and `wait_inflight` as two calls, and use the time between them (the host is free once the
+        launch is queued on the device)."""
+        return self.async_scheduling and not work.retry and work.sched is not None and self.inflight is not None
+
+    def launch(self, work: StepWork) -> StepResult:
+        """Async scheduling, the first half of `execute`: launches `work.sched` behind the step in flight."""
         done = StepResult()
-        if work.sched is not None:  # launched behind the step in flight, then that one is waited for
+        if work.sched is not None:
             prev = self.inflight[1] if self.inflight is not None else None
             try:
                 done.pending = self.runner.launch(work.sched, prev, overlap=work.overlap)
             except Exception as e:
                 done.error = e
+        return done
+
+    def wait_inflight(self, done: StepResult) -> StepResult:
+        """Async scheduling, the second half of `execute`: waits for the step in flight (if any)."""
         if self.inflight is not None:
             try:
                 done.prev = self.inflight[1].wait()

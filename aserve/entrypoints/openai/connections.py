@@ -85,7 +85,8 @@ class ConnectionGuard:
         self.limit = limits.limit_concurrency or default_limit_concurrency()
         self.loop = asyncio.get_running_loop()
         self.connections: dict[object, GuardedConnection] = {}  # aiohttp's handler -> its guard
-        self.closed = {"header_timeout": 0, "body_timeout": 0, "connection_limit": 0}  # connections it ended
+        # the connections it ended, and those the server cut off mid-stream (slow_client)
+        self.closed = {"header_timeout": 0, "body_timeout": 0, "connection_limit": 0, "slow_client": 0}
         self.on_closed = None  # called with the reason whenever it ends one (the server's metrics)
 
     def count_closed(self, reason: str) -> None:

@@ -333,18 +333,24 @@ class ChoiceState:
         self.error_status = 500  # 500: an internal fault; 503: the server ended the request (shutting down)
 
     def add(self, comp: CompletionOutput, error: str | None) -> None:
-        self.delta_text, self.delta_token_ids = comp.text, comp.token_ids
-        self.delta_logprobs = comp.logprobs or []
+        """Adds an output's delta; deltas gather until `clear_delta` (a stream sent them)."""
+        self.delta_text += comp.text
+        self.delta_token_ids += comp.token_ids
+        if comp.logprobs:
+            self.delta_logprobs += comp.logprobs
         self.text += comp.text
         self.token_ids += comp.token_ids
         self.num_tokens += len(comp.token_ids)
-        self.logprobs += self.delta_logprobs
+        self.logprobs += comp.logprobs or []
         if comp.finish_reason is not None:
             self.finish_reason, self.stop_reason = comp.finish_reason, comp.stop_reason
             if comp.finish_reason == "error":
                 self.error = error or "the request failed"
             elif comp.finish_reason == "abort":  # clients never see their own aborts: the server ended it
                 self.error, self.error_status = error or "the request was aborted", 503
+
+    def clear_delta(self) -> None:
+        self.delta_text, self.delta_token_ids, self.delta_logprobs = "", [], []
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:

@@ -5,7 +5,6 @@ same event loop (model execution itself runs in the engine's worker thread)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -13,7 +12,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from aserve.engine.async_engine import AsyncEngine, merge_streams
+from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
 from aserve.entrypoints.openai.connections import ConnectionGuard
 from aserve.entrypoints.openai.openapi import openapi_spec
@@ -32,8 +31,8 @@ from aserve.entrypoints.openai.protocol import (
     usage,
 )
 from aserve.entrypoints.openai.request_body import MAX_BODY_BYTES, BodyReader
+from aserve.entrypoints.openai.streaming import EventStream, absorb, stream_response
 from aserve.metrics import PrometheusMetrics
-from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError
 
 logger = logging.getLogger("aserve")
@@ -77,6 +76,13 @@ class ServerState:
         self.bodies.timeout_body = guard.limits.timeout_body
         guard.on_closed = self.metrics.on_connection_closed
 
+    def on_slow_client(self) -> None:
+        """A streaming client stopped reading and was cut off (aserve:http_connections_closed_total{reason})."""
+        if self.connections is not None:
+            self.connections.count_closed("slow_client")
+        else:
+            self.metrics.on_connection_closed("slow_client")
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
@@ -86,10 +92,6 @@ class ServerState:
         and checks that prompt + max_tokens fits)."""
         requested = req.requested_max_tokens()
         return req.to_sampling_params(requested if requested is not None else default_max_tokens)
-
-
-def sse(obj) -> bytes:
-    return b"data: " + _encode(obj) + b"\n\n"
 
 
 # -- handlers ---------------------------------------------------------------------------------------------------
@@ -181,13 +183,21 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     """Runs every (text, ids, params) prompt; choice index = prompt index * n + sample index."""
     n = req.n
     created = int(time.time())
+    num_top = req.num_logprobs()
+    choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
+    prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
+    # one sink for all the prompts: the handler (or, streaming, the sink itself) takes each step's outputs at once
+    sink = OutputSink()
+    if req.stream:
+        sink = EventStream(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
+                           state.on_slow_client)  # fmt: skip
     streams = []
     # Checked again now that tokenising is done; nothing below awaits before the requests are queued.
     state.engine.check_queue(len(prompts) * n)
     try:
         for i, (text, ids, params) in enumerate(prompts):
             stream = await state.engine.add_request(
-                text, params, f"{request_id}-{i}", ids, check_queue=False, max_tokens_must_fit=True
+                text, params, f"{request_id}-{i}", ids, check_queue=False, max_tokens_must_fit=True, sink=sink, tag=i
             )
             streams.append(stream)
     except BaseException as e:
@@ -196,21 +206,17 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
         if chat and isinstance(e, ParamError) and e.param == "prompt":  # a chat prompt is its rendered messages
             e.param = "messages"
         raise
-    num_top = req.num_logprobs()
-    choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
-    prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
-    merged = merge_streams(streams)
+    group = StreamGroup(streams)
     try:
         if req.stream:
-            return await _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat)
-        async for i, out in merged:
-            _absorb(choices, i, n, out)
+            return await stream_response(request, sink, group)
+        async for batch in group.batches():
+            for i, out in batch:
+                absorb(choices, i, n, out)
     finally:
         # However the handler ends (a client gone before its headers could be written, a cancellation), its
-        # requests are released: closing `merged` is not enough, as a generator never started runs no `finally`.
-        await merged.aclose()
-        for stream in streams:
-            await stream.aclose()  # no-op for a stream that ended
+        # requests are released.
+        await group.aclose()
     failed = next((c for c in choices if c.error), None)
     if failed is not None:
         type_ = "server_error" if failed.error_status == 500 else "service_unavailable"
@@ -219,72 +225,6 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     body = builder(request_id, created, state.model_name, choices, final=True)
     body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices))
     return json_response(body)
-
-
-def _absorb(choices: list[ChoiceState], prompt_index: int, n: int, out: RequestOutput) -> list[ChoiceState]:
-    touched = []
-    for comp in out.outputs:
-        choice = choices[prompt_index * n + comp.index]
-        choice.add(comp, out.error)
-        touched.append(choice)
-    return touched
-
-
-async def _stream(request, state, req, request_id, created, merged, choices, prompt_tokens, chat):
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    builder = chat_chunk if chat else completion_chunk
-    include_usage = req.include_usage
-    try:
-        await response.prepare(request)  # raises ConnectionError if the client has already hung up
-        if chat:  # OpenAI opens each choice with the assistant role
-            for choice in choices:
-                chunk = builder(request_id, created, state.model_name, [choice], role_only=True)
-                if include_usage:
-                    chunk["usage"] = None
-                await response.write(sse(chunk))
-        async for i, out in merged:
-            touched = _absorb(choices, i, req.n, out)
-            failed = next((c for c in touched if c.error), None)
-            if failed is not None:  # the error is the last event before [DONE] (no usage chunk)
-                await response.write(sse(_stream_error(failed.error, failed.error_status)))
-                include_usage = False
-                break
-            chunk = builder(request_id, created, state.model_name, touched, final=False)
-            if include_usage:
-                chunk["usage"] = None
-            await response.write(sse(chunk))
-        if include_usage:
-            await response.write(
-                sse(
-                    {
-                        "id": request_id,
-                        "object": "chat.completion.chunk" if chat else "text_completion",
-                        "created": created,
-                        "model": state.model_name,
-                        "choices": [],
-                        "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices)),
-                    }
-                )
-            )
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-    except asyncio.CancelledError:
-        raise  # the client went away (aiohttp cancels the handler): nobody to tell
-    except ConnectionError:  # the client went away while we wrote to it: nobody to tell, nothing to log
-        pass
-    except Exception:  # headers are sent: the error can only go in the stream
-        logger.exception("stream %s failed", request_id)
-        with contextlib.suppress(Exception):  # the client may be gone as well
-            await response.write(sse(_stream_error("internal server error", 500)) + b"data: [DONE]\n\n")
-            await response.write_eof()
-    finally:
-        await merged.aclose()  # a client that went away aborts its requests here
-    return response
-
-
-def _stream_error(message: str, status: int) -> dict:
-    """The last event of a stream that cannot finish (vLLM's shape: the HTTP status as the code)."""
-    return error_body(message, "server_error" if status == 500 else "service_unavailable", code=status)
 
 
 # -- app --------------------------------------------------------------------------------------------------------
