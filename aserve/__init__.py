@@ -5,7 +5,7 @@ from aserve.engine.async_engine import AsyncEngine
 from aserve.engine.llm_engine import LLMEngine
 from aserve.entrypoints.llm import LLM
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "AsyncEngine",
@@ -16,5 +16,6 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ import typing
 
 from aiohttp import web
 
+from aserve import __version__
 from aserve.config import EngineArgs
 from aserve.core.stats import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
@@ -38,8 +39,8 @@ _HELP = {
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
     "max_queue_len": "serving: answer 429 (with Retry-After) when more sequences than this would wait for a slot",
     "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on for CUDA without speculation)",
-    "quantization": "awq: require an AWQ int4 checkpoint (detected from the checkpoint either way); fp8: quantise a "
-    "16-bit checkpoint's linear weights to FP8 e4m3 at load",
+    "quantization": "awq / gptq: require an AWQ / GPTQ int4 checkpoint (detected from the checkpoint either way); "
+    "fp8 / int8: quantise a 16-bit checkpoint's linear weights at load to FP8 e4m3 / int8 (weight-only, per channel)",
 }
 
 
@@ -63,6 +64,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aserve", description="aserve: an OpenAI-compatible LLM server")
+    parser.add_argument("--version", action="version", version=f"aserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")

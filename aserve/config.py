@@ -33,7 +33,7 @@ class EngineArgs:
     kv_cache_memory_gb: float | None = None  # KV budget; default on CPU: 2 GiB (capped to what can be used)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests, experiments)
     load_format: str = "auto"  # auto | dummy
-    quantization: str | None = None  # awq: the checkpoint must be AWQ int4; fp8: quantise weights at load
+    quantization: str | None = None  # awq / gptq: the checkpoint must be so; fp8 / int8: quantise weights at load
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     speculative_config: str | dict | None = None  # JSON or dict, vLLM's shape (see aserve/spec/config.py)
@@ -93,10 +93,6 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    use_window = getattr(hf_config, "use_sliding_window", True)
-    if window and use_window:
-        limit = min(limit, window)  # no sliding-window attention: stay inside the window
     rope = {**(getattr(hf_config, "rope_scaling", None) or {}), **(getattr(hf_config, "rope_parameters", None) or {})}
     if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # only LongRoPE's short factors
         limit = min(limit, rope.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
@@ -105,6 +101,6 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
     if requested > limit:
         raise ValueError(
             f"max_model_len {requested} exceeds what the model supports ({limit}, from max_position_embeddings / "
-            "sliding_window / LongRoPE's original_max_position_embeddings); lower --max-model-len"
+            "LongRoPE's original_max_position_embeddings); lower --max-model-len"
         )
     return requested

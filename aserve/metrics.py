@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from aserve.core.stats import EngineStats, StepStats
 
@@ -62,6 +62,7 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 
 class PrometheusMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # no `*_created` series beside every counter and histogram (as vLLM does)
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 

@@ -39,3 +39,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request ended because of an internal error
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob} for each other
+    # (the prompt token and the top alternatives)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

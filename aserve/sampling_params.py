@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class ParamError(ValueError):
@@ -14,6 +15,47 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code  # OpenAI's error code where it has one (e.g. "context_length_exceeded")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrains a request's output to a grammar (vLLM's shape; compiled by xgrammar): exactly one of `json` (a JSON
+    schema, as a dict or its JSON text), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF, with
+    a `root` rule) or `json_object` (any JSON object). disable_any_whitespace: JSON without whitespace between its
+    tokens (otherwise any amount is allowed, as in JSON)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ParamError(
+                "structured_outputs",
+                "structured_outputs takes exactly one of json, regex, choice, grammar or json_object, got "
+                + (", ".join(kinds) if kinds else "none"),
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ParamError("structured_outputs", "structured_outputs.json must be a JSON schema (an object)")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ParamError("structured_outputs", f"structured_outputs.{name} must be a string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ParamError("structured_outputs", "structured_outputs.choice must be a non-empty list of strings")
+        for name in ("json_object", "disable_any_whitespace"):
+            if getattr(self, name) not in (None, True, False):
+                raise ParamError("structured_outputs", f"structured_outputs.{name} must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass(slots=True)
@@ -34,11 +76,15 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (the sampled one is always included)
+    # number of top logprobs per prompt token (the prompt token's own is always included; the first token has none)
+    prompt_logprobs: int | None = None
     # token id -> added to its logit before sampling (OpenAI's logit_bias; -100 / 100 ban / force the token)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     # Per-request salt isolating prefix-cache sharing (e.g. between tenants).
     cache_salt: str | None = None
+    # The output follows a JSON schema, regex, choice or grammar (see StructuredOutputsParams).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -79,6 +125,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -91,6 +139,8 @@ class SamplingParams:
                     raise ParamError("logit_bias", f"logit_bias keys must be non-negative token ids, got {token!r}")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                     raise ParamError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,7 @@
 """GPU benchmarks for a Llama-3-8B-shaped model with random weights (bf16), in one command:
 
-    python bench/gpu_bench.py --out DIR [--sections ceilings,kernels,parity,decode,throughput,hf] [--arch qwen3-8b]
-        [--quantization fp8]
+    python bench/gpu_bench.py --out DIR [--sections ceilings,kernels,parity,decode,throughput,hf]
+        [--arch qwen3-8b|qwen3-30b-a3b|gemma3-12b] [--quantization fp8|int8]
 
 ceilings    device-to-device copy bandwidth and bf16 matmul rate (the two roofs everything is judged against)
 kernels     decode attention (batch 64, 4096-token contexts) vs copy bandwidth; prefill attention (4096 causal)
@@ -44,7 +44,20 @@ QWEN3_8B = dict(
     use_sliding_window=False,
 )  # fmt: skip
 
-ARCHS = {"llama3-8b": ("LlamaConfig", LLAMA3_8B), "qwen3-8b": ("Qwen3Config", QWEN3_8B)}
+# Gemma-3-12B: five sliding-window layers (1024 keys) to one global one (linear-scaled rotary); bench/sliding_window.py
+GEMMA3_12B = dict(
+    vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2,
+    eos_token_id=[1, 106], query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+)  # fmt: skip
+
+ARCHS = {"llama3-8b": ("LlamaConfig", LLAMA3_8B), "qwen3-8b": ("Qwen3Config", QWEN3_8B),
+         "gemma3-12b": ("Gemma3TextConfig", GEMMA3_12B),
+         "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(QWEN3_8B, hidden_size=2048, intermediate_size=6144,
+                           num_hidden_layers=48, num_key_value_heads=4, moe_intermediate_size=768, num_experts=128,
+                           num_experts_per_tok=8, norm_topk_prob=True))}  # fmt: skip
 
 RESULTS: dict = {}
 ENGINE_KW: dict = {}  # extra LLM arguments of the decode and throughput sections (--quantization)
@@ -167,12 +180,8 @@ def kernels() -> None:
                 print("   config failed", cfg, type(e).__name__)
     for segments in (1, 2, 4):
         ms = bench_ms(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1, num_segments=segments))
-        record(
-            f"decode_attn_b64_ctx4096_seg{segments}",
-            round(kv_bytes / ms / 1e9, 2),
-            "TB/s",
-            f"({ms * 1e3:.0f} us, {100 * kv_bytes / ms / 1e9 / bw:.0f}% of copy bandwidth)",
-        )
+        record(f"decode_attn_b64_ctx4096_seg{segments}", round(kv_bytes / ms / 1e9, 2), "TB/s",
+               f"({ms * 1e3:.0f} us, {100 * kv_bytes / ms / 1e9 / bw:.0f}% of copy bandwidth)")  # fmt: skip
     # Correctness at full shape against SDPA on the same (gathered) data.
     kg = k_cache[tables.long()].view(B, ctx, Hkv, D).transpose(1, 2)
     vg = v_cache[tables.long()].view(B, ctx, Hkv, D).transpose(1, 2)
@@ -190,18 +199,10 @@ def kernels() -> None:
     ms_sdpa = bench_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
     ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     out = paged_attention(q, k_cache, v_cache, table, seq, qsl, T, k_new=k_new, v_new=v_new)
-    record(
-        "prefill_attn_4096_triton",
-        round(flops / ms_tri / 1e9, 1),
-        "TFLOP/s",
-        f"({ms_tri * 1e3:.0f} us; the prompt's K/V from the qkv rows, as in the engine)",
-    )
-    record(
-        "prefill_attn_4096_triton_pages",
-        round(flops / ms_paged / 1e9, 1),
-        "TFLOP/s",
-        f"({ms_paged * 1e3:.0f} us; every key gathered from the pages)",
-    )
+    record("prefill_attn_4096_triton", round(flops / ms_tri / 1e9, 1), "TFLOP/s",
+           f"({ms_tri * 1e3:.0f} us; the prompt's K/V from the qkv rows, as in the engine)")  # fmt: skip
+    record("prefill_attn_4096_triton_pages", round(flops / ms_paged / 1e9, 1), "TFLOP/s",
+           f"({ms_paged * 1e3:.0f} us; every key gathered from the pages)")  # fmt: skip
     tuning = []
     for block_m, reverse in ((64, False), (128, False), (64, True), (128, True)):
         for tile_n in (32, 64, 128):
@@ -307,6 +308,8 @@ def decode(model_dir: str) -> None:
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256, **ENGINE_KW)
     engine = llm.engine
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.core.runner.model.parameters())
+    experts = [m for m in engine.core.runner.model.modules() if hasattr(m, "w13")]  # MoE: a token reads top_k of E
+    weight_bytes -= sum((m.w13.nbytes + m.w2.nbytes) * (1 - m.top_k / m.num_experts) for m in experts)
     bw = RESULTS.get("copy_bandwidth", {}).get("value", 4.3)
     floor_ms = weight_bytes / (bw * 1e12) * 1e3
     ms = batch1_decode_ms(llm)
@@ -320,7 +323,6 @@ def decode(model_dir: str) -> None:
             "ms",
             f"(GPU time of the captured forward; {100 * floor_ms / fwd:.0f}% of floor)",
         )
-    if graphs is not None:
         top_kernels(lambda: graphs.graphs[1][0].replay(), "decode_b1_kernels")
     record(
         "decode_b1_ms_per_token",
@@ -460,7 +462,7 @@ def main() -> None:
     p.add_argument("--sections", default="ceilings,kernels,parity,decode,throughput,hf")
     p.add_argument("--out", default=".")
     p.add_argument("--arch", default="llama3-8b", choices=list(ARCHS), help="the model shape (random weights)")
-    p.add_argument("--quantization", default=None, help="decode / throughput with this method (e.g. fp8)")
+    p.add_argument("--quantization", default=None, help="decode / throughput with this method (fp8, int8)")
     args = p.parse_args()
     if args.quantization:
         ENGINE_KW["quantization"] = args.quantization

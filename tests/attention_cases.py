@@ -56,3 +56,14 @@ def random_batch(
         max_query_len=max(q_lens),
     )
     return q.to(device), k.to(device), v.to(device), kv_cache.to(device), meta
+
+
+def poison_outside_window(kv_cache, meta, block_size, window):
+    """A copy of kv_cache with NaN in every block that lies wholly before the window of each request's first query
+    token: a kernel that reads such a block (even masked, NaN * 0 is NaN) gives NaN."""
+    poisoned = kv_cache.clone()
+    for i in range(meta.num_reqs):
+        first_pos = meta.seq_lens_cpu[i] - (meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i])
+        for b in range(max(first_pos - window + 1, 0) // block_size):
+            poisoned[:, int(meta.block_tables[i, b])] = float("nan")
+    return poisoned

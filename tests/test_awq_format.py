@@ -100,7 +100,7 @@ def test_config_from_quantization_config_and_legacy_file(tmp_path):
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not supported"),
         ({"quant_method": "awq", "bits": 8, "group_size": 128}, "8-bit"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv' is not supported"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),

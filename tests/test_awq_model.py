@@ -173,8 +173,8 @@ def test_quantize_cli_rejects_impossible_counts(tiny_model_factory, tmp_path, ca
 def test_quantization_arg_checks_the_checkpoint(tiny_model_factory):
     with pytest.raises(ValueError, match="is a 16-bit checkpoint; quantise it with `aserve quantize`"):
         LLM(tiny_model_factory("gqa"), quantization="awq", enforce_eager=True)
-    with pytest.raises(ValueError, match="quantization must be one of awq, fp8"):
-        LLM(tiny_model_factory("gqa"), quantization="gptq", enforce_eager=True)
+    with pytest.raises(ValueError, match="quantization must be one of awq, fp8, gptq, int8"):
+        LLM(tiny_model_factory("gqa"), quantization="int4", enforce_eager=True)
 
 
 def test_dummy_weights_for_an_awq_config(tiny_model_factory, tmp_path):

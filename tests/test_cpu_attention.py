@@ -3,7 +3,7 @@ reference, and the CPU attention backend using it."""
 
 import pytest
 import torch
-from attention_cases import random_batch
+from attention_cases import poison_outside_window, random_batch
 
 from aserve.kernels import cpu, reference
 
@@ -34,6 +34,32 @@ def test_decode_kernel_matches_reference(dtype, generic, heads, head_dim, ctx_le
     assert cpu.attention_supports(q, kv_cache[0])
     cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, out,
                                          generic=generic)  # fmt: skip
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "generic"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["f32", "bf16-generic", "bf16-simd"],
+)
+@pytest.mark.parametrize(("heads", "head_dim", "block_size"), [((8, 2), 64, 16), ((4, 4), 32, 32), ((6, 3), 256, 16)])
+@pytest.mark.parametrize("layer", [dict(sliding_window=1), dict(sliding_window=5), dict(sliding_window=20),
+                                   dict(sliding_window=40, softcap=3.0, scale=0.2), dict(softcap=2.0)])  # fmt: skip
+def test_decode_kernel_sliding_window_and_softcap(dtype, generic, heads, head_dim, block_size, layer):
+    """Gemma-like layers (windows shorter than a block, longer than a block, than some contexts; a softcap): the
+    kernel equals the reference, and blocks wholly before each window (NaN here) are never read."""
+    ctx_lens = [0, 4, 19, 33, 70, 130]
+    num_blocks = sum(-(-(c + 1) // block_size) for c in ctx_lens) + 3
+    q, k, v, kv_cache, meta = random_batch([1] * len(ctx_lens), ctx_lens, *heads, head_dim, block_size, num_blocks,
+                                           dtype)  # fmt: skip
+    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    ref = reference.paged_attention(q, kv_cache, meta, block_size, **layer)
+    if layer.get("sliding_window"):
+        kv_cache = poison_outside_window(kv_cache, meta, block_size, layer["sliding_window"])
+    out = torch.full_like(q, float("nan"))
+    cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, out, generic=generic,
+                               **layer)  # fmt: skip
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 

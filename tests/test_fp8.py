@@ -24,14 +24,19 @@ PROMPTS = [[5, 17, 99, 3], [200, 201, 202, 10, 11, 12, 13], [42] * 20]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def rounded_copy(src: str, dst: str) -> str:
-    """The checkpoint with every decoder linear's weight replaced by its FP8 rounding (lm_head and embeddings kept)."""
+def fp8_rounding(t: torch.Tensor) -> torch.Tensor:
+    return dequantize(*quantize_per_channel(t), t.dtype)
+
+
+def rounded_copy(src: str, dst: str, rounding=fp8_rounding) -> str:
+    """The checkpoint with every decoder linear's weight replaced by `rounding(weight)` (default: its FP8 rounding;
+    lm_head and embeddings kept)."""
     shutil.copytree(src, dst)
     path = os.path.join(dst, "model.safetensors")
     tensors = load_file(path)
     for name, t in tensors.items():
         if any(f".{p}.weight" in name for p in LINEARS):
-            tensors[name] = dequantize(*quantize_per_channel(t), t.dtype).contiguous()
+            tensors[name] = rounding(t).contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
     return dst
 

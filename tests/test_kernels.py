@@ -3,7 +3,7 @@ the same tests run on a GPU at the same shapes)."""
 
 import pytest
 import torch
-from attention_cases import random_batch
+from attention_cases import poison_outside_window, random_batch
 
 from aserve.kernels import reference
 from aserve.kernels.cache_write import write_kv
@@ -21,14 +21,15 @@ CASES = {
 }
 
 
-def run_case(case, heads, head_dim, dtype, num_segments=1, block_size=16):
+def run_case(case, heads, head_dim, dtype, num_segments=1, block_size=16, config=None, **layer):
+    """`layer`: scale / sliding_window / softcap, given to the kernel and the reference alike."""
     q_lens, ctx_lens = CASES[case]
     num_heads, num_kv_heads = heads
     q, k, v, kv_cache, meta = random_batch(
         q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, 64, dtype, device=DEVICE
     )
     reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    ref = reference.paged_attention(q, kv_cache, meta, block_size)
+    ref = reference.paged_attention(q, kv_cache, meta, block_size, **layer)
     out = paged_attention(
         q,
         kv_cache[0],
@@ -38,6 +39,8 @@ def run_case(case, heads, head_dim, dtype, num_segments=1, block_size=16):
         meta.query_start_loc,
         max(q_lens),
         num_segments=num_segments,
+        config=config,
+        **layer,
     )
     return out.float(), ref.float()
 
@@ -49,22 +52,66 @@ def test_paged_attention_matches_reference(case, heads):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config", [None, dict(BLOCK_M=16, TILE_N=16, num_warps=4, num_stages=2)])
+# Gemma-like layers: windows shorter than a tile, than a block, than most contexts; scale and soft-capping.
+LAYERS = {
+    "window-5": dict(sliding_window=5),
+    "window-16": dict(sliding_window=16),
+    "window-40-softcap": dict(sliding_window=40, softcap=2.0, scale=0.3),
+    "softcap": dict(softcap=1.5),
+}
+SMALL_TILES = dict(BLOCK_M=16, TILE_N=16, num_warps=4, num_stages=2)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c != "decode-only"])
-@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
-def test_paged_attention_new_kv_from_qkv_rows(case, heads, config):
+@pytest.mark.parametrize(("heads", "config", "layer"), [
+    ((4, 4), None, None), ((4, 4), SMALL_TILES, None), ((9, 3), None, None), ((9, 3), SMALL_TILES, None),
+    ((9, 3), SMALL_TILES, "window-5"), ((9, 3), None, "window-40-softcap"), ((4, 4), SMALL_TILES, "window-40-softcap"),
+])  # fmt: skip
+def test_paged_attention_new_kv_from_qkv_rows(case, heads, config, layer):
     """The step's own K/V read from slices of the fused qkv rows (k_new / v_new), the context's from the pages;
-    the small tiles give unmasked tiles of new keys, context tiles and a partial one."""
+    the small tiles give unmasked tiles of new keys, context tiles and a partial one (and, with a window, tiles
+    masked at the window's edge and tiles skipped)."""
+    layer = LAYERS.get(layer, {})
     q_lens, ctx_lens = CASES[case]
     num_heads, num_kv_heads = heads
     q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, num_heads, num_kv_heads, 32, 16, 64, torch.float32,
                                            device=DEVICE)  # fmt: skip
     reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    ref = reference.paged_attention(q, kv_cache, meta, 16)
+    ref = reference.paged_attention(q, kv_cache, meta, 16, **layer)
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
     k_new, v_new = qkv_kv_views(qkv, num_heads, num_kv_heads, 32)
     out = paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                          max(q_lens), config=config, k_new=k_new, v_new=v_new)  # fmt: skip
+                          max(q_lens), config=config, k_new=k_new, v_new=v_new, **layer)  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["decode-only", "mixed-with-context", "long-context-chunks"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("config", [None, SMALL_TILES])
+def test_paged_attention_sliding_window_and_softcap(case, layer, config):
+    out, ref = run_case(case, (8, 2), 32, torch.float32, config=config, **LAYERS[layer])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["decode-only", "mixed-with-context", "long-context-chunks"])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_paged_attention_reads_no_block_outside_the_window(case, new_kv):
+    """Blocks wholly before a request's window hold NaN: the KV loops start at the window's first block, so the
+    output is the reference's (the default tiles span 4 blocks of 16: the loop starts mid-tile)."""
+    q_lens, ctx_lens = CASES[case]
+    q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, 8, 2, 32, 16, 64, torch.float32, device=DEVICE)
+    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    ref = reference.paged_attention(q, kv_cache, meta, 16, sliding_window=20)
+    kv_cache = poison_outside_window(kv_cache, meta, 16, 20)
+    k_new, v_new = (k, v) if new_kv and max(q_lens) > 1 else (None, None)
+    out = paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                          max(q_lens), sliding_window=20, k_new=k_new, v_new=v_new)  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layer", ["window-5", "window-40-softcap"])
+def test_paged_attention_sliding_window_split_kv(layer):
+    out, ref = run_case("long-context-chunks", (8, 2), 32, torch.float32, num_segments=4, **LAYERS[layer])
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -44,7 +44,11 @@ def references(tiny_model_factory):
     return get
 
 
-@pytest.mark.parametrize("variant", ["mha", "gqa", "tied", "llama3_rope", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize(
+    "variant",
+    ["mha", "gqa", "tied", "llama3_rope", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "mistral_sliding", "gemma2",
+     "gemma3"],
+)  # fmt: skip
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
 def test_greedy_parity_with_transformers(references, variant, config):
     path, expected = references(variant)
@@ -111,10 +115,17 @@ def test_native_cpu_elementwise_path_matches_transformers(references):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("config", ["chunked-7", "preemption"])
-def test_triton_backend_parity(references, config):
-    """The Triton attention backend inside the engine (Triton's interpreter on CPU): same greedy tokens."""
-    path, expected = references("gqa")
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("variant", "config"), [
+    ("gqa", "chunked-7"), ("gqa", "preemption"),
+    pytest.param("gemma2", "chunked-16", marks=SLOW), pytest.param("gemma3", "preemption", marks=SLOW),
+])  # fmt: skip
+def test_triton_backend_parity(references, variant, config):
+    """The Triton attention backend inside the engine (Triton's interpreter on CPU): same greedy tokens (Gemma:
+    sliding windows, soft-capped scores)."""
+    path, expected = references(variant)
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", **ENGINE_CONFIGS[config])
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -122,7 +133,9 @@ def test_triton_backend_parity(references, config):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("variant", ["gqa", "qwen3", "phi3"])
+@pytest.mark.parametrize(
+    "variant", ["gqa", "qwen3", "phi3", pytest.param("gemma2", marks=SLOW), pytest.param("gemma3", marks=SLOW)]
+)
 def test_gpu_decode_kernels_parity(references, monkeypatch, variant):
     """The GPU's batch-1 decode path, forced onto the CPU (Triton's interpreter): element-wise Triton kernels,
     rotary fused with the cache write, one-row linears as Triton GEMVs (the down projection with SiLU·mul fused

@@ -267,6 +267,7 @@ class _FakeRequest:
         self.output_token_ids = []
         self.prompt_token_ids = [0]
         self.eos_token_id = None
+        self.grammar = None
 
 
 def test_sampler_frequencies_follow_the_distribution():
@@ -294,3 +295,12 @@ def test_sampler_frequencies_follow_the_distribution():
     keep = (full.cumsum(0) - full) < 0.8
     nucleus = torch.where(keep, full, torch.zeros_like(full))
     freqs(SamplingParams(temperature=1.0, top_p=0.8), nucleus / nucleus.sum())
+
+
+def test_generate_shows_progress_unless_asked_not_to(llm, capsys):
+    params = SamplingParams(max_tokens=2)
+    llm.generate(["one", "two", "three"], params)
+    err = capsys.readouterr().err
+    assert "Generating" in err and "3/3" in err
+    llm.generate(["one"], params, use_tqdm=False)
+    assert "Generating" not in capsys.readouterr().err

@@ -160,13 +160,19 @@ async def test_stop_and_logprobs(client, llm_engine):
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
-        ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
-        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a("}, 400, "guided_regex"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "structured_outputs": {"json": {"type": "strin"}}},
+            400,
+            "structured_outputs",
+        ),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
             400,
             "response_format",
         ),
@@ -295,5 +301,15 @@ async def test_metrics_names(client):
     ]:
         assert f"aserve:{name}{{" in text, name
     assert 'model_name="tiny"' in text
+    assert "_created" not in text  # no creation-time series beside counters and histograms (vLLM turns them off)
     assert metric(text, "aserve:generation_tokens_total") >= 3
     assert metric(text, "aserve:time_to_first_token_seconds_count") >= 1
+
+
+def test_version_flag(capsys):
+    from aserve import __version__
+    from aserve.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"aserve {__version__}"

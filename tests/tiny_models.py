@@ -42,7 +42,17 @@ def build_tokenizer(path: str):
 
 
 def make_config(variant: str):
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -93,6 +103,25 @@ def make_config(variant: str):
                                  "rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0,
                                  "short_factor": [1.0 + 0.1 * i for i in range(half)],
                                  "long_factor": [1.5 + 0.5 * i for i in range(half)]}})  # fmt: skip
+    if variant == "mixtral":  # 4 experts of 64, top-2 renormalised, in every layer
+        return MixtralConfig(**{**common, "num_hidden_layers": 3, "num_key_value_heads": 2, "intermediate_size": 64,
+                                "num_local_experts": 4, "num_experts_per_tok": 2})  # fmt: skip
+    if variant == "qwen3_moe":  # 8 experts of 48, top-2 not renormalised; layer 1 keeps a dense MLP
+        return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 32,
+                                 "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+                                 "norm_topk_prob": False, "mlp_only_layers": [1],
+                                 "use_sliding_window": False})  # fmt: skip
+    # Sliding windows shorter than most prompts (tests/test_parity.py: 3..64 tokens, 24 generated; blocks of 16).
+    if variant == "mistral_sliding":  # every layer slides
+        return MistralConfig(**{**common, "num_key_value_heads": 2, "sliding_window": 12})
+    gemma = {**common, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True,
+             "query_pre_attn_scalar": 24}  # fmt: skip
+    if variant == "gemma2":  # sliding / full alternating; soft-capped attention scores and logits
+        return Gemma2Config(**gemma, sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)
+    if variant == "gemma3":  # two sliding layers to one full (the pattern of older configs), two rotary bases
+        return Gemma3TextConfig(**gemma, sliding_window=20, sliding_window_pattern=3, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})  # fmt: skip
     raise ValueError(variant)
 
 
@@ -105,6 +134,11 @@ def make_tiny_model(path: str, variant: str, seed: int = 0) -> str:
     os.makedirs(path, exist_ok=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(variant), dtype=torch.float32)
+    if variant.startswith("gemma"):  # transformers starts Gemma's (1 + w) norms at w = 0: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     build_tokenizer(path)
     return path

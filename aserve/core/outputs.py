@@ -46,6 +46,9 @@ class RunnerOutput:
     sampler_output: SamplerOutput
     next_drafts: list[list[int]] | None = None
     next_draft_probs: list | None = None
+    # Requests asking for prompt logprobs whose chunk scored prompt tokens: (request, index of the first prompt
+    # token scored, one entry per token scored), in any order; sampling or not.
+    prompt_logprobs: list[tuple[ScheduledRequest, int, list[SampledLogprobs]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -59,6 +62,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id that ended it (stop strings: the output processor's)
     error: str | None = None  # why the engine ended it, for finish_reason "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With the first new token of a request asking for prompt logprobs: one entry per prompt token after the first.
+    prompt_logprobs: list[SampledLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

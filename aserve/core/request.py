@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from aserve.core.block_pool import BlockHasher
 from aserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from aserve.core.structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -85,6 +89,14 @@ class Request:
 
         # The request's own random stream when it has a seed (created by the sampler on its device).
         self.generator: torch.Generator | None = None
+
+        # Prompt logprobs, when asked for: one entry per prompt token after the first, gathered chunk by chunk;
+        # reported with the first generated token.
+        self.prompt_logprobs: list | None = [] if sampling_params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
+
+        # Structured output: the sequence's grammar (compiled, then matched), set by the engine; None: unconstrained.
+        self.grammar: GrammarState | None = None
 
         # Timestamps (monotonic) for metrics.
         self.scheduled_time: float | None = None

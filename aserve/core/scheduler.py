@@ -5,6 +5,8 @@ Each step: running requests first (in arrival order), then waiting ones FCFS, ea
 running will sample: see `Request.num_inflight`). A prompt longer than what is left is chunked; the
 rest comes in later steps, mixed with other requests' decodes. When the pool runs out of blocks, the newest running
 request is preempted: its blocks are freed and it is recomputed later (prefix caching usually makes that cheap).
+A waiting request with structured output is skipped until its grammar is compiled (vLLM's WAITING_FOR_FSM); one
+whose grammar failed to compile ends with an error (its output waits in `take_outputs()`).
 
 The scheduler owns every change to a request's state: `schedule()` hands out tokens, `update_from_output()` applies
 a step's result (tokens appended, drafts accepted, in-flight counts, EOS / stop-token / length finishes, faulty
@@ -43,6 +45,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    scores_prompt: bool = False  # does a scheduled chunk score prompt tokens (a request asking for prompt logprobs)?
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +78,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._outputs: list[EngineCoreOutput] = []  # endings found outside a step's update (a grammar that failed)
 
     # -- queue management -------------------------------------------------------------------------------------
 
@@ -95,6 +99,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        if request.grammar is not None:
+            request.grammar.free()
         self.stats.on_request_finished(request, time.monotonic())
         return request
 
@@ -141,13 +147,21 @@ class Scheduler:
             i += 1
 
         now = time.monotonic()
+        compiling: list[Request] = []  # waiting for their grammar: skipped, keeping their place in the queue
         # Admitting new work right after a preemption would just preempt again.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_inflight:
                 break  # preempted while its last step ran: re-admitted once that step's token is in
+            if request.grammar is not None and not request.grammar.start():
+                if request.grammar.error is not None:
+                    self._outputs.append(self._fail(request, request.grammar.error))
+                else:
+                    compiling.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = [], 0
-            if request.num_computed_tokens == 0:
+            # Prompt logprobs need the logits of every prompt position: no prefix-cache hits for those requests.
+            if request.num_computed_tokens == 0 and request.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - request.num_computed_tokens - num_hit, budget)
             k_next, lookahead = self._drafts_next(request, num_hit + num_new)
@@ -163,7 +177,16 @@ class Scheduler:
             self.running.append(request)
             self._schedule(out, request, num_new, k_next)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return out
+
+    def take_outputs(self) -> list[EngineCoreOutput]:
+        """Endings found by schedule() rather than by a step (a request whose grammar did not compile)."""
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def waiting_for_grammars(self) -> list[Request]:
+        return [r for r in self.waiting if r.grammar is not None and not r.grammar.future.done()]
 
     def _length_reached(self, request: Request, extra: int = 0) -> bool:
         """Has the request (with `extra` more tokens: those in flight) reached max_tokens or max_model_len?"""
@@ -197,6 +220,8 @@ class Scheduler:
                 samples,
             )
         )
+        if request.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens - 1:
+            out.scores_prompt = True
         request.num_computed_tokens = end
         if samples:
             request.num_inflight += 1  # until the engine appends the token (process) or the step is rolled back
@@ -224,6 +249,8 @@ class Scheduler:
         drafts = result.next_drafts or [None] * n
         draft_probs = result.next_draft_probs or [None] * n
         nonfinite = sampler.nonfinite or [False] * n
+        for s, first, entries in result.prompt_logprobs:
+            self._add_prompt_logprobs(s.request, first, entries)
         outputs = []
         for s, token_ids, lps, next_drafts, probs, bad in zip(
             result.sampled, sampler.token_ids, sampler.logprobs, drafts, draft_probs, nonfinite
@@ -244,7 +271,17 @@ class Scheduler:
             if not request.is_finished and s.num_draft_next > 0:
                 self._set_drafts(request, s.num_draft_next, next_drafts, probs)
             outputs.append(self._output(request, appended, lps[: len(appended)] if lps is not None else None))
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                outputs[-1].prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, first: int, entries: list) -> None:
+        """Entries for prompt tokens first, first + 1, ...; those already held (a chunk recomputed after a preemption)
+        are skipped."""
+        have = len(request.prompt_logprobs) + 1  # index of the next prompt token to score (token 0 has none)
+        if first <= have:
+            request.prompt_logprobs.extend(entries[have - first :])
 
     def _append_tokens(self, request: Request, token_ids: list[int], now: float) -> tuple[list[int], str | None]:
         """Appends a step's tokens until one finishes the request. -> (the tokens appended, an error for a token id
@@ -254,6 +291,8 @@ class Scheduler:
         for token_id in token_ids:
             if self.vocab_size is not None and not 0 <= token_id < self.vocab_size:
                 return appended, f"internal error: the model produced token id {token_id}, outside the vocabulary"
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                return appended, f"internal error: token id {token_id} was sampled against the request's grammar"
             self.stats.on_token(request, now)
             appended.append(token_id)
             if self._append_token(request, token_id):
@@ -271,6 +310,8 @@ class Scheduler:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in params.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+        if status is None and request.grammar is not None and request.grammar.terminated:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete and took its stop token
         if status is None and self._length_reached(request):
             status = RequestStatus.FINISHED_LENGTH
         if status is None:

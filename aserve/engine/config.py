@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.models.model_path import resolve_model
@@ -34,6 +34,9 @@ class EngineConfig:
     # No text longer than max_model_len x max_chars_per_token characters fits in max_model_len tokens, however it is
     # tokenised: a prompt beyond it is refused before any tokenising (which holds ~350 bytes per token while it runs).
     max_prompt_chars: int
+    # generation_config.json's other end-of-sequence ids (Gemma 3's <end_of_turn>, Llama 3's <|eot_id|>): sequences
+    # stop at them too unless ignore_eos, as with transformers' generate (and vLLM)
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     @property
     def architecture(self) -> str:
@@ -50,6 +53,7 @@ class EngineConfig:
         async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.type == "cuda"
         max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
         chars_per_token = max_chars_per_token(tokenizer)
+        eos_token_id = _eos_token_id(hf_config, tokenizer)
         return cls(
             args=args,
             model_dir=model_dir,
@@ -61,12 +65,13 @@ class EngineConfig:
             max_model_len=max_model_len,
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens or (8192 if device.type == "cuda" else 2048),
-            eos_token_id=_eos_token_id(hf_config, tokenizer),
+            eos_token_id=eos_token_id,
             vocab_size=hf_config.vocab_size,
             spec_config=spec_config,
             async_scheduling=async_scheduling and spec_config is None,
             max_chars_per_token=chars_per_token,
             max_prompt_chars=max_model_len * chars_per_token,
+            extra_eos_token_ids=_extra_eos_token_ids(model_dir, hf_config, eos_token_id),
         )
 
 
@@ -78,6 +83,17 @@ def max_chars_per_token(tokenizer) -> int:
     that drops characters (stripping runs of spaces) could fit a longer, degenerate text: it is refused all the same.
     """
     return max(1, max((len(piece) for piece in tokenizer.get_vocab()), default=1))
+
+
+def _extra_eos_token_ids(model_dir: str, hf_config, eos_token_id: int | None) -> tuple[int, ...]:
+    """The end-of-sequence ids transformers' generate stops at (generation_config.json's, else config.json's) other
+    than `eos_token_id`."""
+    try:
+        ids = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json: transformers takes the model config's
+        ids = getattr(hf_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return tuple(i for i in dict.fromkeys(ids) if i != eos_token_id)
 
 
 def _eos_token_id(hf_config, tokenizer) -> int | None:

@@ -14,9 +14,9 @@ scheduling and preparing step N+1) overlaps the GPU's work instead of alternatin
     launch N+1 (its decodes' inputs = N's samples, read on the device) -> wait for N -> update from N -> schedule N+2
 
 A request that step N finishes (EOS, a stop string) has been scheduled in N+1 already: that one extra token is
-computed and dropped. Requests with repetition/presence/frequency penalties (which need every earlier token id on
-the host before sampling the next) turn the overlap off while they are live (`can_overlap`); speculative decoding
-turns it off for the engine.
+computed and dropped. Requests with repetition/presence/frequency penalties or structured output (which need every
+earlier token id on the host before sampling the next: a grammar's mask is its matcher's state after all of them) turn
+the overlap off while they are live (`can_overlap`); speculative decoding turns it off for the engine.
 
 Fault isolation: a step that raises ends its request if it carried one; with more, the next step re-runs them one at
 a time (same inputs, same KV slots) so that only the request at fault ends. Non-finite logits end only their request
@@ -25,6 +25,7 @@ a time (same inputs, same KV slots) so that only the request at fault ends. Non-
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from aserve.core.outputs import EngineCoreOutput, RunnerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.core.stats import EngineStats
+from aserve.core.structured_output import StructuredOutputManager
 from aserve.engine.config import EngineConfig
 from aserve.kernels import cpu
 from aserve.spec.policy import SpecPolicy, StepCostModel
@@ -108,6 +110,7 @@ class EngineCore:
             self.runner.capture_cuda_graphs()
         self.spec_policy = self._spec_policy()
         self.stats = EngineStats()
+        self.structured_output = StructuredOutputManager(config.tokenizer, config.vocab_size, config.eos_token_id)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -154,7 +157,8 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.sampling_params.needs_penalties:
+        params = request.sampling_params
+        if params.needs_penalties or request.grammar is not None or params.prompt_logprobs is not None:
             self._sync_requests.add(request.request_id)
         self.scheduler.add_request(request)
 
@@ -181,7 +185,13 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         work = self.schedule()
-        return [] if work is None else self.update(work, self.execute(work))
+        if work is None:
+            # Nothing to run but grammars compiling: wait for one rather than spin (the offline API's loop).
+            futures = [r.grammar.future for r in self.scheduler.waiting_for_grammars()]
+            if futures:
+                concurrent.futures.wait(futures, timeout=0.1, return_when=concurrent.futures.FIRST_COMPLETED)
+            return self.scheduler.take_outputs()
+        return self.update(work, self.execute(work))
 
     def schedule(self) -> StepWork | None:
         """The next work for `execute`, or None: nothing to run (with async scheduling: nothing to launch and no
@@ -270,6 +280,7 @@ class EngineCore:
             outputs = self._triage(work.sched, done.error) if done.error else self._update(work.sched, done.result)
         else:
             outputs = self._update_overlapped(work, done)
+        outputs += self.scheduler.take_outputs()
         self.stats.on_step(work.sched.num_tokens if work.sched is not None else 0, self.scheduler, self.kv_manager)
         if self._sync_requests:
             self._sync_requests.intersection_update(self.scheduler.requests)

@@ -14,12 +14,14 @@ import atexit
 import gc
 import logging
 import time
+from concurrent.futures import Future
 
 from aserve.config import EngineArgs
 from aserve.core.block_pool import BlockHasher
 from aserve.core.kv_cache_manager import InvariantError
 from aserve.core.outputs import EngineCoreOutput
 from aserve.core.request import Request
+from aserve.core.structured_output import compile_error
 from aserve.engine.config import EngineConfig
 from aserve.engine.core import EngineCore
 from aserve.engine.output_processor import OutputProcessor
@@ -96,6 +98,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
             raise ParamError("request_id", f"request id {request_id!r} is already in use")
+        grammar = self.grammar_future(params)
+        if grammar is not None and grammar.done() and (error := compile_error(grammar)) is not None:
+            raise error  # a ParamError naming the problem
         if prompt_token_ids is None:
             prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         else:
@@ -105,10 +110,20 @@ class LLMEngine:
         )
         if any(s.request_id in self.core.scheduler.requests for s in sequences):
             raise ParamError("request_id", f"request id {request_id!r} is already in use")
+        if grammar is not None:  # one matcher per sequence; they wait for the compile in the scheduler's queue
+            for sequence in sequences:
+                sequence.grammar = self.core.structured_output.sequence_state(grammar)
         sequence_ids = [s.request_id for s in sequences]
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params, sequence_ids, delta)
         for sequence in sequences:
             self.core.add_request(sequence)
+
+    def grammar_future(self, params: SamplingParams | None) -> Future | None:
+        """The compile of the request's structured-output grammar (cached; compiling in the grammar pool), or None
+        without one. Its exception is a ParamError naming what does not compile."""
+        if params is None or params.structured_outputs is None:
+            return None
+        return self.core.structured_output.compile(params.structured_outputs)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """-> (the prompt's text if it has one, its token ids)."""
@@ -177,6 +192,9 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
         config, n = self.config, len(prompt_token_ids)
+        extra_eos = [i for i in config.extra_eos_token_ids if i not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            params = params.clone(stop_token_ids=[*params.stop_token_ids, *extra_eos])
         if max_tokens_must_fit and params.max_tokens is not None and n + params.max_tokens > config.max_model_len:
             raise ParamError(
                 "max_tokens",

@@ -46,6 +46,9 @@ class RequestState:
     finish_sent: list[bool] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    # vLLM's shape: None for the first prompt token, then {token_id: Logprob} per prompt token (once the core sent them)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -130,6 +133,8 @@ class OutputProcessor:
     def _absorb(self, state: RequestState, index: int, out: EngineCoreOutput, finishes: Finishes) -> None:
         if index == 0:
             state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:  # every sequence scores the prompt
+            state.prompt_logprobs = [None] + [self._logprob_dict(lp) for lp in out.prompt_logprobs]
         detok = state.detokenizers[index]
         for i, token_id in enumerate(out.new_token_ids):
             stop = detok.add_token(token_id)
@@ -193,6 +198,10 @@ class OutputProcessor:
             completions.append(CompletionOutput(i, text, token_ids, reason, state.stop_reasons[i], logprobs))
         if not completions:
             return None
+        prompt_logprobs = state.prompt_logprobs
+        if state.delta:  # a stream reports them once, with the first output that has them
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = prompt_logprobs is not None
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -201,4 +210,5 @@ class OutputProcessor:
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from aserve.config import EngineArgs
+from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine, PromptType
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)):
@@ -44,6 +45,10 @@ class LLM:
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for _, ids in tokenized:
             self.engine.validate_prompt(ids)
+        # Structured-output grammars compile in parallel in the engine's pool; one that does not raises here.
+        for grammar in [self.engine.grammar_future(params) for params in params_list]:
+            if grammar is not None and (error := compile_error(grammar)) is not None:  # (waits for it)
+                raise error
         request_ids = []
         for (text, ids), params in zip(tokenized, params_list):
             request_id = str(next(self._ids))
@@ -55,7 +60,7 @@ class LLM:
         self,
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Renders each conversation with the tokenizer's chat template, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)

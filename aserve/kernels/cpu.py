@@ -25,6 +25,16 @@ accumulation, y rounded to bf16; reference torch.mv (same products, summed in an
   threads, vdpbf16ps pair dot products against x held in registers, one transpose-and-add tree per 16 row sums, rows
   4 blocks ahead prefetched). Needs AVX512-BF16 (Sapphire Rapids and newer) and K % 32 == 0 (`gemv_supports`).
 
+INT8 weight-only products (csrc/gemm_int8.cpp), the CPU side of `--quantization int8`: y [M, N] = (x [M, K] W^T) *
+scale, W int8 [N, K] row-major with one float32 scale per output channel, x and y bf16 or float32, float32 sums;
+reference aserve/kernels/int8_reference.py int8_linear (same products, summed in another order). The weight is
+streamed once per call, half the bytes of bf16 (batch-1 decode is bound by them): 16 output rows per work item over
+torch's threads, each block's rows prefetched 4 blocks ahead; with AVX-512, 16 weights at a time widened to float32
+(vpmovsxbd, vcvtdq2ps) and multiplied into x (held as float32 on the thread's stack, 16384 / K rows per pass, so
+a block's weights come from memory once per pass), four weight rows against up to four x rows at a time (each weight
+vector widened once for the four x rows, each x vector loaded once for the four weight rows); elsewhere portable loops
+the compiler vectorises. K <= 16384 (`gemm_int8_supports`).
+
 Decode attention (csrc/attention.cpp): one query token per request, reading the paged KV cache in place, where the
 torch backend gathers every request's blocks into a padded copy for SDPA (K/V read, written and read again; SDPA's
 CPU kernel is slow at one query token). Reference: aserve/kernels/reference.py paged_attention.
@@ -62,6 +72,7 @@ extension: types.ModuleType | None | object = NOT_LOADED
 
 MAX_ATTENTION_HEAD_DIM = 256
 MAX_GEMV_K = 8192
+MAX_GEMM_INT8_K = 16384
 
 
 def load() -> types.ModuleType | None:
@@ -126,6 +137,27 @@ def gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aserve.gemv(weight, x)
 
 
+# -- INT8 weight-only products --------------------------------------------------------------------------------------
+
+
+def gemm_int8_supports(weight: torch.Tensor) -> bool:
+    """Whether gemm_int8 takes this weight (CPU, int8, contiguous [N, K] with K <= 16384; the kernels built)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.int8
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and 0 < weight.shape[1] <= MAX_GEMM_INT8_K
+        and available()
+    )
+
+
+def gemm_int8(weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, generic: bool = False) -> torch.Tensor:
+    """weight int8 [N, K] (`gemm_int8_supports` holds), scale float32 [N], x [M, K] bf16 / float32 -> (x @
+    weight^T) * scale [M, N] in x's dtype. `generic`: the portable loops even where the AVX-512 path applies."""
+    return torch.ops.aserve.gemm_int8(weight, scale, x, generic)
+
+
 # -- decode attention -----------------------------------------------------------------------------------------------
 
 
@@ -152,13 +184,17 @@ def paged_decode_attention(
     out: torch.Tensor,
     scale: float | None = None,
     generic: bool = False,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per request: q [n, H, D], caches [num_blocks, block_size, Hkv, D], block_tables [>= n, max]
     int32, seq_lens [>= n] int32 (tokens in the cache, the new one included) -> out[:n] = attention (out [>= n, H,
-    D], rows contiguous; scale: D**-0.5 if None). `attention_supports` must hold; ValueError for head shapes the
-    kernel does not take. `generic`: the portable C loops even where the AVX512-BF16 path applies (tests,
-    benchmarks)."""
-    torch.ops.aserve.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, generic)
+    D], rows contiguous; scale: D**-0.5 if None). `sliding_window`: the query sees only that many most recent keys,
+    and blocks wholly before them are not read; `softcap`: scaled scores s -> softcap * tanh(s / softcap).
+    `attention_supports` must hold; ValueError for head shapes the kernel does not take. `generic`: the portable C
+    loops even where the AVX512-BF16 path applies (tests, benchmarks)."""
+    torch.ops.aserve.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, generic,
+                                            sliding_window or 0, softcap or 0.0)  # fmt: skip
     return out
 
 

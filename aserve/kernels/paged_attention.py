@@ -16,6 +16,11 @@ With k_new / v_new (NEW_KV), only the cached context comes through the pages and
 [T, Hkv, D] rows (the fused qkv rows in the engine): no per-key page lookups for a prompt's own keys, 0.82x instead
 of 0.71x SDPA on a 4096-token prompt (docs/benchmarks.md, "GPU offline throughput and attention kernels").
 
+Sliding windows and soft-capping (Gemma 2/3, Mistral): a query at position p sees only keys p - window < k <= p,
+and a program's KV loop starts at the first tile any of its rows can see, so tiles wholly outside the window are not
+read; tiles that some rows see in part are masked. Soft-capping replaces each scaled score s by
+softcap * tanh(s / softcap) (SOFTCAP, compiled in only where a layer asks for it).
+
 Split-KV (flash-decoding): with NUM_SEGMENTS > 1 the keys of a tile row are divided among NUM_SEGMENTS programs
 that write partial (acc, max, sum) results; a second kernel combines them. This fills the GPU when a few long
 sequences decode.
@@ -47,12 +52,21 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp2 (exp(-2|x|)): saturates to +-1 without overflow."""
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attend_tile(
     acc,
     m_i,
     l_i,
     q,
     q_pos,
+    key0,
     t,
     num_keys,
     bt_row,
@@ -61,6 +75,8 @@ def _attend_tile(
     v_cache_ptr,
     kv_head,
     scale_log2,
+    window,
+    softcap_log2,
     stride_c_blk,
     stride_c_tok,
     stride_c_head,
@@ -74,11 +90,12 @@ def _attend_tile(
     MASKED: tl.constexpr,
     ACC_DOT: tl.constexpr,
     CONTIG: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One TILE_N-key tile of the online softmax: keys read straight from their pages (or, CONTIG, from the
     step's new K/V rows). Unmasked tiles (all keys valid and visible to every row) load without masks. A key is
-    visible to a row when its index <= the row's q_pos and < num_keys."""
-    k_idx = t * TILE_N + offs_n
+    visible to a row when its index is <= the row's q_pos, > q_pos - window, and < num_keys."""
+    k_idx = key0 + t * TILE_N + offs_n
     if MASKED:
         k_ok = k_idx < num_keys
     if CONTIG:  # the step's new keys: rows row0 + k_idx of a [T, Hkv, D] array (strides stride_c_tok / _head)
@@ -101,9 +118,12 @@ def _attend_tile(
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
+    if SOFTCAP:  # scores in log2 units, capped there (softcap_log2 = softcap * log2(e)): the scale is spent
+        s = softcap_log2 * _tanh(s * (scale_log2 / softcap_log2))
+        scale_log2 = 1.0
     if MASKED:
-        visible = (k_idx[None, :] <= q_pos[:, None]) & (k_idx < num_keys)[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        visible = (k_idx[None, :] <= q_pos[:, None]) & (k_idx[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible & (k_idx < num_keys)[None, :], s, float("-inf"))
     # Maxima in log2 units; the scale is applied inside the exponent's argument (one FMA per score).
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     if MASKED:
@@ -139,7 +159,9 @@ def _attend_tiles(
     l_i,
     q,
     q_pos,
+    key0,
     lo,
+    wlo,
     mid,
     hi,
     num_keys,
@@ -149,6 +171,8 @@ def _attend_tiles(
     v_cache_ptr,
     kv_head,
     scale_log2,
+    window,
+    softcap_log2,
     stride_c_blk,
     stride_c_tok,
     stride_c_head,
@@ -161,21 +185,42 @@ def _attend_tiles(
     EVEN_D: tl.constexpr,
     ACC_DOT: tl.constexpr,
     CONTIG: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """_attend_tile over tiles lo .. mid - 1 without masks, then mid .. hi - 1 with them."""
-    for t in range(lo, mid):
+    """_attend_tile over the tiles of keys from key0 on: lo .. wlo - 1 with masks (the window's edge), wlo .. mid - 1
+    without, then mid .. hi - 1 with them (the causal edge and the end)."""
+    for t in range(lo, wlo):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
-            stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D,
-            False, ACC_DOT, CONTIG,
+            acc, m_i, l_i, q, q_pos, key0, t, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            window, softcap_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE,
+            TILE_N, IEEE, EVEN_D, True, ACC_DOT, CONTIG, SOFTCAP,
+        )  # fmt: skip
+    for t in range(wlo, mid):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, key0, t, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            window, softcap_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE,
+            TILE_N, IEEE, EVEN_D, False, ACC_DOT, CONTIG, SOFTCAP,
         )  # fmt: skip
     for t in range(mid, hi):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, t, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
-            stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D,
-            True, ACC_DOT, CONTIG,
+            acc, m_i, l_i, q, q_pos, key0, t, num_keys, bt_row, row0, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            window, softcap_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE,
+            TILE_N, IEEE, EVEN_D, True, ACC_DOT, CONTIG, SOFTCAP,
         )  # fmt: skip
     return acc, m_i, l_i
+
+
+@triton.jit
+def _tile_bounds(p0, p1, num_keys, window, TILE_N: tl.constexpr, ALIGN: tl.constexpr):
+    """Which of keys 0 .. num_keys - 1 rows at positions p0 .. p1 (in the keys' numbering) see -> (key0, wlo, mid,
+    hi): tiles of TILE_N keys from key0 (the first row's first visible key, rounded down to ALIGN: a page's first
+    key), so that pages wholly outside every row's window are never read; tiles wlo .. mid - 1 are seen whole by
+    every row; hi: past the last tile any row sees."""
+    key0 = tl.maximum(p0 - window + 1, 0) // ALIGN * ALIGN
+    hi = tl.cdiv(tl.maximum(tl.minimum(num_keys, p1 + 1) - key0, 0), TILE_N)
+    wlo = tl.minimum(tl.cdiv(tl.maximum(p1 - window + 1 - key0, 0), TILE_N), hi)
+    mid = tl.minimum(tl.maximum(tl.maximum(tl.minimum(p0 + 1, num_keys) - key0, 0) // TILE_N, wlo), hi)
+    return key0, wlo, mid, hi
 
 
 @triton.jit
@@ -192,6 +237,8 @@ def _paged_attention_kernel(
     k_new_ptr,
     v_new_ptr,
     scale_log2,
+    window,
+    softcap_log2,
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -216,6 +263,7 @@ def _paged_attention_kernel(
     REVERSE: tl.constexpr,
     ACC_DOT: tl.constexpr,
     NEW_KV: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl.gdc_sync(USE_PDL)
@@ -250,39 +298,42 @@ def _paged_attention_kernel(
     )
     q_pos = context_len + tok  # absolute position of each row's token
 
-    # Keys this tile can see: up to its last token's position (causal).
+    # Keys this tile can see: up to its last token's position (causal), from its first token's window on.
     last_tok = tl.minimum((q_block_local + 1) * BLOCK_Q, q_len) - 1
-    num_keys = context_len + last_tok + 1
-    num_tiles = tl.cdiv(num_keys, TILE_N)
-    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_lo = segment * tiles_per_segment
-    tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
-
+    first_tok = q_block_local * BLOCK_Q
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
     if NEW_KV:  # (NUM_SEGMENTS == 1) the context's keys from the pages, the step's own from k_new / v_new
+        key0, wlo, mid, hi = _tile_bounds(context_len + first_tok, context_len + last_tok, context_len, window, TILE_N,
+                                          BLOCK_SIZE)  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, q_pos, 0, context_len // TILE_N, tl.cdiv(context_len, TILE_N), context_len, bt_row, 0,
-            k_cache_ptr, v_cache_ptr, kv_head, scale_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d,
-            d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D, ACC_DOT, False,
+            acc, m_i, l_i, q, q_pos, key0, 0, wlo, mid, hi, context_len, bt_row, 0, k_cache_ptr, v_cache_ptr, kv_head,
+            scale_log2, window, softcap_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok,
+            BLOCK_SIZE, TILE_N, IEEE, EVEN_D, ACC_DOT, False, SOFTCAP,
         )  # fmt: skip
-        # New keys j = 0 .. last_tok, visible to the rows whose token index (within the step) is >= j.
+        # New keys j = 0 .. last_tok, numbered within the step as the rows' tokens are.
+        key0, wlo, mid, hi = _tile_bounds(first_tok, last_tok, q_len, window, TILE_N, 1)
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, tok, 0, (q_block_local * BLOCK_Q + 1) // TILE_N, tl.cdiv(last_tok + 1, TILE_N), q_len,
-            bt_row, q_start, k_new_ptr, v_new_ptr, kv_head, scale_log2, 0, stride_n_tok, stride_n_head, offs_n,
-            offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D, ACC_DOT, True,
+            acc, m_i, l_i, q, tok, key0, 0, wlo, mid, hi, q_len, bt_row, q_start, k_new_ptr, v_new_ptr, kv_head,
+            scale_log2, window, softcap_log2, 0, stride_n_tok, stride_n_head, offs_n, offs_d, d_ok, BLOCK_SIZE,
+            TILE_N, IEEE, EVEN_D, ACC_DOT, True, SOFTCAP,
         )  # fmt: skip
     else:
-        # Tiles entirely at or before the block's first query position need no causal mask.
-        first_pos = context_len + q_block_local * BLOCK_Q
-        unmasked_hi = tl.maximum(tile_lo, tl.minimum(tile_hi, (first_pos + 1) // TILE_N))
+        last_pos = context_len + last_tok
+        key0, wlo, mid, hi = _tile_bounds(context_len + first_tok, last_pos, last_pos + 1, window, TILE_N, BLOCK_SIZE)
+        # Split-KV: this segment's share of the tiles 0 .. hi - 1.
+        tiles_per_segment = tl.cdiv(hi, NUM_SEGMENTS)
+        seg_lo = segment * tiles_per_segment
+        seg_hi = tl.minimum(seg_lo + tiles_per_segment, hi)
+        seg_wlo = tl.minimum(tl.maximum(wlo, seg_lo), seg_hi)
+        seg_mid = tl.minimum(tl.maximum(mid, seg_wlo), seg_hi)
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, q_pos, tile_lo, unmasked_hi, tile_hi, num_keys, bt_row, 0, k_cache_ptr, v_cache_ptr,
-            kv_head, scale_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n, offs_d, d_ok, BLOCK_SIZE, TILE_N,
-            IEEE, EVEN_D, ACC_DOT, False,
+            acc, m_i, l_i, q, q_pos, key0, seg_lo, seg_wlo, seg_mid, seg_hi, last_pos + 1, bt_row, 0, k_cache_ptr,
+            v_cache_ptr, kv_head, scale_log2, window, softcap_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n,
+            offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D, ACC_DOT, False, SOFTCAP,
         )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -338,6 +389,9 @@ def _combine_segments_kernel(
     )
 
 
+_NO_WINDOW = 1 << 30  # the window of full attention: longer than any sequence
+
+
 def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int) -> dict:
     """Launch configuration: decode-only batches get the smallest tile that holds the G heads of one token;
     batches with longer queries get bigger tiles."""
@@ -364,6 +418,8 @@ def paged_attention(
     config: dict | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token to its request's paged K/V (which must already hold the step's new
     tokens). `max_query_len` only picks the tile shape (any upper bound works). With num_segments > 1 (split-KV),
@@ -373,7 +429,8 @@ def paged_attention(
     `k_new` / `v_new` ([T, Hkv, D] views with equal strides, last one 1; e.g. slices of the fused qkv rows): the
     step's own keys and values, read from there instead of the pages (the context's keys still come from the
     pages). Their contiguous rows load faster than a page gather (H200, 4096-token prompt: 441 vs 356 TFLOP/s).
-    Only without split-KV."""
+    Only without split-KV. `sliding_window`: a query at position p sees keys p - sliding_window < k <= p only (None:
+    every k <= p); `softcap`: each scaled score s becomes softcap * tanh(s / softcap) (None: no capping)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
@@ -405,14 +462,14 @@ def paged_attention(
         k_new = v_new = k_cache  # unused
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_acc, part_stats, k_new, v_new,
-        scale * 1.4426950408889634, num_seqs,
+        scale * 1.4426950408889634, sliding_window or _NO_WINDOW, (softcap or 1.0) * 1.4426950408889634, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_new.stride(0),
         k_new.stride(1),
         NUM_HEADS=num_heads, G=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg["TILE_N"], NUM_SEGMENTS=num_segments,
-        IEEE=q.dtype == torch.float32, REVERSE=cfg.get("REVERSE", False),
-        ACC_DOT=cfg.get("ACC_DOT", False), NEW_KV=new_kv, USE_PDL=pdl.ENABLED, num_warps=cfg["num_warps"],
+        IEEE=q.dtype == torch.float32, REVERSE=cfg.get("REVERSE", False), ACC_DOT=cfg.get("ACC_DOT", False),
+        NEW_KV=new_kv, SOFTCAP=softcap is not None, USE_PDL=pdl.ENABLED, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl.launch_kwargs(),
     )  # fmt: skip
     if num_segments > 1:

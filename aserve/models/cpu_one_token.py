@@ -13,6 +13,9 @@ weight, ~20 us a step for 30 layers), so weights replaced after it was built are
 forward would. Built by LlamaForCausalLM.process_weights_after_loading where every piece applies (bf16, no biases,
 the C kernels compiled, AVX512-BF16 for the GEMV, the CPU attention backend), which decides that again whenever it
 runs; used for every step of one token (which that backend runs on its decode kernel).
+
+The linears' GEMV is the bf16 one, or with `--quantization int8` (every decoder linear int8, aserve/layers/
+quantization/int8.py) gemm_int8 over the int8 weights and their scales: chosen once, when this is built.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class OneTokenForward:
         self.hidden = model.config.hidden_size
         self.inter = model.layers[0].mlp.intermediate_size
         self.eps = [(layer.input_layernorm.eps, layer.post_attention_layernorm.eps) for layer in model.layers]
+        self.windows = [layer.self_attn.attn_params.sliding_window or 0 for layer in model.layers]  # 0: none
         # Per layer, the parameter tables of the modules whose weights a step reads, in call order. A module's table
         # holds its current parameters (assigning module.weight replaces the entry), and reading it directly costs
         # ~0.1 us where nn.Module's attribute lookup costs ~0.5 us.
@@ -54,27 +58,37 @@ class OneTokenForward:
         self.buf = {k: torch.zeros(n, dtype=torch.bfloat16) for k, n in buf.items()}
         self.ptr = {k: v.data_ptr() for k, v in self.buf.items()}
         self.lib = cpu.library()  # the extension's raw entry points
+        int8 = model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+        self.gemv = self._gemv_int8 if int8 else self._gemv_bf16
 
     @staticmethod
     def applies(model) -> bool:
-        """Every layer bf16, without biases, with its linears unquantised and on the C GEMV; the element-wise kernels
-        in C, and attention on the C decode kernel."""
+        """Every layer bf16, without biases, with its linears unquantised (or all int8) and on a C GEMV; the
+        element-wise kernels in C, and attention on the C decode kernel."""
         if not (len(model.layers) and model.ops.kind == "native" and isinstance(model.backend, CPUAttentionBackend)):
             return False
+        weight_dtypes = set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if not (isinstance(m.quant_method, UnquantizedLinearMethod) and m.cpu_gemv) or m.bias is not None:
                     return False
+                weight_dtypes.add(m.weight.dtype)
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 if norm.weight.dtype != torch.bfloat16:
                     return False
-        return attn.head_dim <= cpu.MAX_ATTENTION_HEAD_DIM
+        return attn.head_dim <= cpu.MAX_ATTENTION_HEAD_DIM and len(weight_dtypes) == 1
+
+    def _gemv_bf16(self, table: dict, x: int, y: int, n: int, k: int, nt: int) -> None:
+        self.lib.gemv_bf16(table["weight"].data_ptr(), x, y, n, k, nt)
+
+    def _gemv_int8(self, table: dict, x: int, y: int, n: int, k: int, nt: int) -> None:
+        self.lib.gemm_int8(table["weight"].data_ptr(), table["weight_scale"].data_ptr(), x, y, 1, n, k, k, n, 1, nt, 0)
 
     def __call__(self, x, cos, sin, kv_caches: torch.Tensor, meta, num_layers: int | None) -> torch.Tensor:
         """x [1, hidden] (the token's embedding), cos / sin [1, 1, D], kv_caches [layers, 2, blocks, block_size,
         Hkv, D] -> x + residual after the layers [1, hidden] (as LlamaForCausalLM.forward)."""
-        lib, p = self.lib, self.ptr
+        lib, p, gemv = self.lib, self.ptr, self.gemv
         H, Hkv, D, hidden, inter = self.H, self.Hkv, self.D, self.hidden, self.inter
         qkv_rows = (H + 2 * Hkv) * D
         nt = torch.get_num_threads()
@@ -88,23 +102,23 @@ class OneTokenForward:
         cos_p, sin_p, cs_stride = cos.data_ptr(), sin.data_ptr(), cos.stride(0)
         scale = D**-0.5
         self.buf["res"].copy_(x[0])
-        for i, tables in enumerate(self.params[:num_layers]):
-            ln1, w_qkv, w_o, ln2, w_gu, w_down = [table["weight"].data_ptr() for table in tables]
+        for i, (t_ln1, t_qkv, t_o, t_ln2, t_gu, t_down) in enumerate(self.params[:num_layers]):
+            ln1, ln2 = t_ln1["weight"].data_ptr(), t_ln2["weight"].data_ptr()
             eps1, eps2 = self.eps[i]
             if i == 0:  # no residual yet: h = norm(x), residual = x
                 lib.add_rms_norm(p["res"], p["res"], ln1, p["h"], p["res"], 1, hidden, eps1, 0, 1, nt)
             else:
                 lib.add_rms_norm(p["x"], p["res"], ln1, p["h"], p["res"], 1, hidden, eps1, 1, 1, nt)
-            lib.gemv_bf16(w_qkv, p["h"], p["qkv"], qkv_rows, hidden, nt)
+            gemv(t_qkv, p["h"], p["qkv"], qkv_rows, hidden, nt)
             k_cache = cache0 + i * layer_stride
             v_cache = k_cache + kv_stride
             lib.rotary_split(p["qkv"], cos_p, sin_p, p["q"], k_cache + slot_off, v_cache + slot_off, 1, H, Hkv, D,
                             qkv_rows, cs_stride, 1, nt)  # fmt: skip
             lib.paged_decode_attention(p["q"], k_cache, v_cache, bt_ptr, sl_ptr, p["attn"], 1, H, Hkv, D, block_size,
-                                        bt_stride, H * D, H * D, scale, 1, nt, 0)  # fmt: skip
-            lib.gemv_bf16(w_o, p["attn"], p["x"], hidden, H * D, nt)
+                                        bt_stride, H * D, H * D, scale, 1, nt, 0, self.windows[i], 0.0)  # fmt: skip
+            gemv(t_o, p["attn"], p["x"], hidden, H * D, nt)
             lib.add_rms_norm(p["x"], p["res"], ln2, p["h"], p["res"], 1, hidden, eps2, 1, 1, nt)
-            lib.gemv_bf16(w_gu, p["h"], p["gu"], 2 * inter, hidden, nt)
+            gemv(t_gu, p["h"], p["gu"], 2 * inter, hidden, nt)
             lib.silu_mul(p["gu"], p["sm"], 1, inter, 1, nt)
-            lib.gemv_bf16(w_down, p["sm"], p["x"], hidden, inter, nt)
+            gemv(t_down, p["sm"], p["x"], hidden, inter, nt)
         return (self.buf["x"] + self.buf["res"]).unsqueeze(0)

@@ -10,12 +10,13 @@ kernel in process_weights_after_loading.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from aserve import envs
-from aserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata
 from aserve.layers.elementwise import ElementwiseOps, RMSNorm, RotaryEmbedding, rope_parameters
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
@@ -33,6 +34,17 @@ _STACKED = {
 
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def sliding_windows(cfg) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it (None: full attention): config.sliding_window on the
+    layers config.layer_types marks "sliding_attention" (Gemma 2/3, Qwen2/3 with use_sliding_window), on every layer
+    of a config without layer_types (Mistral, Mixtral, Phi-3); never for Llama, whose attention has no window."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or not getattr(cfg, "use_sliding_window", True) or cfg.model_type == "llama":
+        return [None] * cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 class Attention(nn.Module):
@@ -55,6 +67,8 @@ class Attention(nn.Module):
                              quant_config=quant_config, checkpoint_names=[f"{prefix}.o_proj"])  # fmt: skip
         self.backend = backend
         self.ops = ops
+        # Scale, sliding window, soft-capping: the model sets the window per layer (sliding_windows)
+        self.attn_params = FULL_ATTENTION
         # Triton on both sides (GPU): rotary and the cache write in one kernel, then attention.
         self.rotates_into_cache = backend.writes_rotated_kv and ops.kind == "triton"
 
@@ -66,10 +80,10 @@ class Attention(nn.Module):
         if self.rotates_into_cache:
             q, k_new, v_new = self.backend.rotate_and_write(qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads,
                                                             self.head_dim)  # fmt: skip
-            out = self.backend.attend(q, k_new, v_new, kv_cache, meta)
+            out = self.backend.attend(q, k_new, v_new, kv_cache, meta, self.attn_params)
         else:
             q, k, v = self.ops.split_rotate_qkv(qkv, *rotary_cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
-            out = self.backend.forward(q, k, v, kv_cache, meta)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.attn_params)
         return self.o_proj(out.view(-1, self.q_size))
 
     def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
@@ -79,11 +93,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    hidden_act = "silu"  # the activation of the gate half this class applies (models/gemma2.py: gelu_pytorch_tanh)
+
     def __init__(self, cfg, ops: ElementwiseOps, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.ops = ops
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        if act != self.hidden_act:
+            raise ValueError(f"hidden_act {act!r} is not supported here (only {self.hidden_act})")
         bias = getattr(cfg, "mlp_bias", False)
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, quant_config=quant_config,
@@ -114,9 +131,13 @@ class DecoderLayer(nn.Module):
                  quant_config: QuantizationConfig | None, prefix: str) -> None:  # fmt: skip
         super().__init__()
         self.self_attn = self.attention_cls(cfg, backend, ops, qkv_bias, quant_config, f"{prefix}.self_attn")
-        self.mlp = MLP(cfg, ops, quant_config, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(cfg, ops, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def make_mlp(self, cfg, ops: ElementwiseOps, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """The feed-forward block; a mixture-of-experts family builds its own (models/mixtral.py)."""
+        return MLP(cfg, ops, quant_config, prefix)
 
     def forward(self, rotary_cos_sin, x, residual, kv_cache, meta):
         # (Fusing the add + RMSNorm into the next GEMV's prologue measured slower on the H200: every program of the
@@ -128,7 +149,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves MistralForCausalLM and Qwen2ForCausalLM (which adds a q/k/v bias)."""
+    """Also serves MistralForCausalLM and Qwen2ForCausalLM (which adds a q/k/v bias), with their sliding windows."""
 
     layer_cls = DecoderLayer
     one_token_path = True  # the CPU one-token forward (cpu_one_token.py) knows this family's layers
@@ -147,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
             self.layer_cls(cfg, backend, ops, qkv_bias, quant_config, f"model.layers.{i}")
             for i in range(cfg.num_hidden_layers)
         )
+        for layer, window in zip(self.layers, sliding_windows(cfg)):
+            layer.self_attn.attn_params = replace(layer.self_attn.attn_params, sliding_window=window)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # unquantised, as AutoAWQ leaves it

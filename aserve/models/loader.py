@@ -78,12 +78,19 @@ def build_model(
     return model
 
 
+# the checkpoint formats aserve writes itself, and how
+_WRITTEN_BY = {
+    "awq": "; quantise it with `aserve quantize`",
+    "gptq": "; quantise it with `aserve quantize --format gptq`",
+}
+
+
 def resolve_quantization(
     quantization: str | None, quant_config: QuantizationConfig | None, model_dir: str
 ) -> QuantizationConfig | None:
-    """The quantisation the model runs with. `--quantization awq` states what the checkpoint must be (as in vLLM;
-    the method itself is read from the checkpoint); `--quantization fp8` quantises a 16-bit checkpoint as it loads.
-    Raises a clear error when the argument and the checkpoint disagree."""
+    """The quantisation the model runs with. `--quantization awq` (or gptq) states what the checkpoint must be (as in
+    vLLM; the method itself is read from the checkpoint); `--quantization fp8` (or int8) quantises a 16-bit
+    checkpoint as it loads. Raises a clear error when the argument and the checkpoint disagree."""
     if quantization is None:
         return quant_config
     names = sorted({*QUANTIZATION_CONFIGS, *ONLINE_QUANTIZATION})
@@ -92,11 +99,9 @@ def resolve_quantization(
     if quantization in ONLINE_QUANTIZATION and quant_config is None:
         return ONLINE_QUANTIZATION[quantization]()
     if quant_config is None or quant_config.name != quantization:
-        found = "a 16-bit checkpoint" if quant_config is None else f"an {quant_config.name.upper()} checkpoint"
-        raise ValueError(
-            f"--quantization {quantization}, but {model_dir!r} is {found}"
-            + ("; quantise it with `aserve quantize`" if quantization == "awq" else "")
-        )
+        found = "a 16-bit checkpoint" if quant_config is None else f"a checkpoint quantised with {quant_config.name}"
+        hint = _WRITTEN_BY.get(quantization, "")
+        raise ValueError(f"--quantization {quantization}, but {model_dir!r} is {found}{hint}")
     return quant_config
 
 
@@ -114,15 +119,22 @@ def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed:
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights at real shapes for benchmarks: N(0, 0.02) matrices, unit norms, zero biases (AWQ layers: random
-    packed weights and zero points, scales that give weights of about the same size)."""
+    """Random weights at real shapes for benchmarks: N(0, 0.02) matrices, unit norms, zero biases (AWQ / GPTQ layers:
+    random packed weights and zero points, scales that give weights of about the same size; GPTQ: groups in input
+    order)."""
     gen = None
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, param in params.items():
         if gen is None or gen.device != param.device:
             gen = torch.Generator(device=param.device)
             gen.manual_seed(seed)
-        if not param.is_floating_point():  # packed int4 (AWQ qweight / qzeros): random nibbles
+        if name.endswith(".g_idx"):  # GPTQ: contiguous groups, as many as the layer's scales have rows
+            k, groups = param.numel(), params[name.removesuffix("g_idx") + "scales"].shape[0]
+            param.copy_(torch.arange(k, device=param.device) // (k // groups))
+        elif not param.is_floating_point():  # packed int4 (AWQ / GPTQ qweight, qzeros): random nibbles
             param.random_(-(2**31), 2**31, generator=gen)
+            if name.endswith(".qzeros") and name.removesuffix("qzeros") + "g_idx" in params:
+                param.bitwise_and_(0x77777777)  # GPTQ: stored zero points 0-7 (a v1 15 would read as 16)
         elif param.dim() == 1:
             param.fill_(1.0 if "norm" in name else 0.0)
         elif name.endswith(".scales"):  # AWQ: q - z has a std of ~6.5, so weights come out at ~N(0, 0.02)

@@ -29,8 +29,3 @@ class Qwen3DecoderLayer(DecoderLayer):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3DecoderLayer
     one_token_path = False  # the CPU one-token forward has no q/k norm
-
-    def __init__(self, cfg, *args, **kwargs) -> None:
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("Qwen3 with use_sliding_window is not supported (sliding-window attention)")
-        super().__init__(cfg, *args, **kwargs)

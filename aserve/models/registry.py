@@ -3,9 +3,13 @@ family adds its file to aserve/models and one line here."""
 
 from __future__ import annotations
 
+from aserve.models.gemma2 import Gemma2ForCausalLM
+from aserve.models.gemma3 import Gemma3ForCausalLM
 from aserve.models.llama import LlamaForCausalLM
+from aserve.models.mixtral import MixtralForCausalLM
 from aserve.models.phi3 import Phi3ForCausalLM
 from aserve.models.qwen3 import Qwen3ForCausalLM
+from aserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -13,11 +17,17 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}  # fmt: skip
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
 
 
 def architecture_of(hf_config) -> str:

@@ -1,9 +1,13 @@
-"""`aserve quantize`: a model directory (or .gguf, or the default model) -> an AutoAWQ-format int4 checkpoint.
+"""`aserve quantize`: a model directory (or .gguf, or the default model) -> an int4 checkpoint in the AutoAWQ format
+(or, `--format gptq`, the GPTQ one).
 
     aserve quantize --model M --out DIR [--group-size 64] [--method gptq|awq-gptq|awq|rtn] [--calib FILE]
+        [--format awq|gptq]
 
 The output is a plain HF directory (config.json with `quantization_config`, model.safetensors, tokenizer) that
-aserve loads, and so does any engine that reads AutoAWQ "gemm" checkpoints. Layer by layer: the calibration
+aserve loads, and so does any engine that reads AutoAWQ "gemm" (or GPTQ) checkpoints. The format is only the
+packing: both hold the same grids (a GPTQ checkpoint from here has its groups in input order, desc_act false, and
+is in format v1 unless a zero point is 0, which only v2 stores). Layer by layer: the calibration
 activations go through the float layer, AWQ scales and clips its weights (awq_search.py) and/or GPTQ rounds them
 with error feedback (gptq.py), the weights are packed, and the float layer's output becomes the next layer's input
 (as AutoAWQ does; `sequential` takes the quantised layer's instead, as GPTQ does).
@@ -32,8 +36,12 @@ from tqdm import tqdm
 
 from aserve.config import resolve_device
 from aserve.entrypoints.llm import LLM
+from aserve.kernels.awq_reference import unpack_int4
 from aserve.layers.quantization.awq import AWQConfig
 from aserve.layers.quantization.awq_format import fake_quantize, pack_linear, pack_quantized
+from aserve.layers.quantization.base import QuantizationConfig
+from aserve.layers.quantization.gptq import GPTQConfig
+from aserve.layers.quantization.gptq_format import from_awq
 from aserve.models.loader import iterate_safetensors
 from aserve.models.model_path import resolve_model
 from aserve.quantize.awq_search import awq_layer
@@ -46,6 +54,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 _SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 METHODS = ("gptq", "awq-gptq", "awq", "rtn")
+FORMATS = ("awq", "gptq")
 
 
 def data_path(name: str) -> str:
@@ -108,6 +117,7 @@ def quantize_model(
     tune_generated: int = 0,
     tune_batch: int = 2,
     device: str = "auto",
+    fmt: str = "awq",
 ) -> dict:
     """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "linears":
     [{linear: {"rtn", "gptq"}}], "seconds"} (per layer: AWQ's block errors, GPTQ's linear output errors).
@@ -119,11 +129,13 @@ def quantize_model(
     model on all the calibration text's windows (tune.py; report["tune"]), plus `tune_generated` windows the
     float model writes itself (self_generated_windows); `tune_batch` windows per step. `device` (auto: a GPU if
     there is one) runs all of it: calibration forwards, rounding, self-generation and tuning; the checkpoint's
-    tensors come back to the CPU."""
+    tensors come back to the CPU. `fmt`: the checkpoint format, awq or gptq (FORMATS)."""
     from transformers import AutoConfig, AutoTokenizer  # heavy: imported when a quantisation runs
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     for name, value, least in (("tune_steps", tune_steps, 0), ("tune_generated", tune_generated, 0),
                                ("tune_batch", tune_batch, 1), ("num_samples", num_samples, 1)):  # fmt: skip
         if value < least:
@@ -199,12 +211,28 @@ def quantize_model(
                                          batch_size=tune_batch, progress=progress, codes_lr=tune_codes_lr,
                                          device=dev)  # fmt: skip
         report["tune"].update(windows=len(windows), generated=tune_generated, batch=tune_batch)
-    write_checkpoint(model_dir, out_dir, out, AWQConfig(group_size=group_size), tokenizer)
+    config = AWQConfig(group_size=group_size)
+    if fmt == "gptq":
+        out, config = gptq_tensors(out, group_size)
+    write_checkpoint(model_dir, out_dir, out, config, tokenizer)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 
 
-def write_checkpoint(src_dir: str, out_dir: str, tensors: dict, config: AWQConfig, tokenizer) -> None:
+def gptq_tensors(tensors: dict, group_size: int) -> tuple[dict, GPTQConfig]:
+    """Every linear's AutoAWQ tensors -> its GPTQ tensors (gptq_format.from_awq), and the config: format v1 unless
+    a zero point is 0 somewhere (then v2, which stores it)."""
+    linears = [name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight")]
+    version = 1 if all(bool((unpack_int4(tensors[f"{m}.qzeros"]) > 0).all()) for m in linears) else 2
+    out = {k: v for k, v in tensors.items() if not k.endswith((".qweight", ".qzeros", ".scales"))}
+    for m in linears:
+        packed = from_awq(tensors[f"{m}.qweight"], tensors[f"{m}.qzeros"], tensors[f"{m}.scales"], version)
+        out.update({f"{m}.{key}": t for key, t in packed.items()})
+    fmt = "gptq" if version == 1 else "gptq_v2"
+    return out, GPTQConfig(group_size=group_size, desc_act=False, sym=False, checkpoint_format=fmt)
+
+
+def write_checkpoint(src_dir: str, out_dir: str, tensors: dict, config: QuantizationConfig, tokenizer) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(src_dir, "config.json")) as f:
         hf_config = json.load(f)
@@ -223,7 +251,7 @@ def write_checkpoint(src_dir: str, out_dir: str, tensors: dict, config: AWQConfi
 
 
 def add_quantize_parser(sub) -> None:
-    p = sub.add_parser("quantize", help="quantise a model to AWQ int4 (AutoAWQ gemm format)")
+    p = sub.add_parser("quantize", help="quantise a model to int4 (AutoAWQ gemm format, or GPTQ's)")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory (an HF model directory)")
     p.add_argument("--group-size", type=int, default=64, help="inputs per scale / zero point: 32, 64 or 128")
@@ -233,6 +261,13 @@ def add_quantize_parser(sub) -> None:
         default="gptq",
         help="gptq (error feedback, by decreasing activation energy), awq-gptq (AWQ scales, then GPTQ), "
         "awq (scales + clipping), or rtn (round-to-nearest)",
+    )
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="awq",
+        help="checkpoint format: awq (AutoAWQ gemm) or gptq "
+        "(AutoGPTQ / GPTQModel: groups in input order, desc_act false)",
     )
     p.add_argument("--calib", default=None, help="calibration text file (default: the text shipped with aserve)")
     p.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
@@ -289,8 +324,12 @@ def run_quantize(ns: argparse.Namespace) -> None:
     report = quantize_model(ns.model, ns.out, ns.group_size, ns.method, ns.calib, ns.num_samples, ns.seq_len,
                             clip=not ns.no_clip, sequential=ns.sequential, act_order=not ns.no_act_order,
                             tune_steps=ns.tune_steps, tune_lr=ns.tune_lr, tune_codes_lr=ns.tune_codes_lr,
-                            tune_generated=ns.tune_generated, tune_batch=ns.tune_batch, device=ns.device)  # fmt: skip
-    print(f"aserve: wrote {ns.method.upper()} int4 (group {ns.group_size}) to {ns.out} in {report['seconds']} s")
+                            tune_generated=ns.tune_generated, tune_batch=ns.tune_batch, device=ns.device,
+                            fmt=ns.format)  # fmt: skip
+    print(
+        f"aserve: wrote {ns.method.upper()} int4 (group {ns.group_size}, {ns.format.upper()} format) to {ns.out} "
+        f"in {report['seconds']} s"
+    )
     if report["layers"]:
         rtn = sum(sum(g["rtn"] for g in layer.values()) for layer in report["layers"])
         awq = sum(sum(g["awq"] for g in layer.values()) for layer in report["layers"])

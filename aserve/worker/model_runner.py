@@ -29,6 +29,7 @@ from aserve.layers.attention import select_attention_backend
 from aserve.layers.attention.backend import AttentionMetadata
 from aserve.models.loader import build_model
 from aserve.worker.cuda_graphs import DecodeGraphs
+from aserve.worker.prompt_logprobs import compute_prompt_logprobs
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device
 
 logger = logging.getLogger("aserve")
@@ -325,9 +326,13 @@ class ModelRunner:
                     meta = self._device_meta(layout)
                 n = layout.num_tokens
                 self.drafter.mirror(self.buffers.device["input_ids"][:n], self.buffers.device["positions"][:n], meta)
+            # Requests asking for prompt logprobs run without overlap (the engine makes sure): scored here, eagerly.
+            scores = []
+            if sched.scores_prompt:
+                scores = compute_prompt_logprobs(self.model, hidden, order, layout.query_start)
             sampled = [s for s in sched.scheduled if s.samples]
             if not sampled:
-                return PendingStep([], result=RunnerOutput([], SamplerOutput.empty()))
+                return PendingStep([], result=RunnerOutput([], SamplerOutput.empty(), prompt_logprobs=scores))
             # Logits rows, in scheduler order: each sampling request's last known token, then its drafts.
             where = {id(s): i for i, s in enumerate(order)}
             rows = []
@@ -348,7 +353,7 @@ class ModelRunner:
                     for s in sampled
                 ]
             out = self.sampler(logits, requests, drafts if any(drafts) else None, draft_probs)
-            result = RunnerOutput(sampled, out)
+            result = RunnerOutput(sampled, out, prompt_logprobs=scores)
             if self.drafter is not None:
                 result.next_drafts, result.next_draft_probs = self.drafter.propose(sampled, out.token_ids)
         return PendingStep(sampled, result=result)

@@ -17,6 +17,11 @@ valid, garbage token.
 
 Draws use inverse-CDF sampling with one uniform per draw; a seeded request draws from its own generator, so its
 samples do not depend on what else is in the batch.
+
+Structured output: the rows of constrained requests are masked to what their grammar allows before anything else
+(aserve/worker/grammar_bitmask.py), drafts included; their finite check is taken before the mask, their logprobs
+after it (as vLLM's: of the distribution sampled from). A greedy batch on the CPU keeps each row's argmax where the
+grammar accepts it and masks only the others (the same tokens, without writing most of the logits).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from aserve.core.outputs import SampledLogprobs, SamplerOutput
 from aserve.core.request import Request
 from aserve.kernels import cpu
+from aserve.worker.grammar_bitmask import GrammarBitmask
 
 
 def list_to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -91,6 +97,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.grammar_bitmask = GrammarBitmask(device)
         # The greedy first-maximum kernel of the device, chosen once: (supports(logits), greedy_pick(logits)).
         if device.type == "cuda":
             from aserve.kernels import greedy  # Triton: imported only where a GPU needs it
@@ -114,14 +121,25 @@ class Sampler:
         rows = [SampleRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = None
+        grammar, grammar_nonfinite = self.grammar_bitmask, None
+        constrained = grammar.constrained(requests)
+        check_greedy = constrained and logits.device.type == "cpu"  # greedy: check the argmax, mask only if refused
+        if constrained and not check_greedy:
+            grammar_nonfinite = grammar.apply(logits, requests, drafts)
         if not want_logprobs and (picked := self._greedy_pick(logits, rows)) is not None:
             argmax, nonfinite = picked
+            if check_greedy:
+                grammar.correct_greedy(logits, requests, drafts, argmax, self._first_max)
             candidates, accepted = self._candidates(logits, rows, drafts, draft_probs, argmax)
         else:
+            if check_greedy:
+                grammar_nonfinite = grammar.apply(logits, requests, drafts)
             logits, nonfinite, raw_logprobs = self._widen(logits, rows, want_logprobs)
             if any(row.params.needs_penalties for row in rows):
                 logits = self._apply_penalties(logits, rows)
             candidates, accepted = self._candidates(logits, rows, drafts, draft_probs)
+        if grammar_nonfinite is not None:
+            nonfinite = grammar_nonfinite  # the masked rows' -inf are no fault
 
         # One sync: per row, the token to emit if the run stops there, whether its logits were finite, and whether
         # its draft is accepted.
@@ -148,8 +166,8 @@ class Sampler:
 
     def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """One token per request without waiting for the device (async scheduling): min_tokens (counting the
-        tokens still in flight), temperature/top-k/top-p/min-p, seeds and logprobs as in __call__; no drafts and no
-        penalties (those need every earlier token id on the host)."""
+        tokens still in flight), temperature/top-k/top-p/min-p, seeds and logprobs as in __call__; no drafts, no
+        penalties and no grammars (those need every earlier token id on the host)."""
         # A request's own token in this step is in flight already (the scheduler counted it), and so is the
         # previous step's when that one is still running.
         rows = [SampleRow(r, [], max(r.num_inflight - 1, 0)) for r in requests]
@@ -294,6 +312,12 @@ class Sampler:
                 return None
         supports, pick = self._greedy_kernel
         return pick(logits) if supports(logits) else None
+
+    def _first_max(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximum (the greedy kernel where it applies)."""
+        if self._greedy_kernel is not None and self._greedy_kernel[0](logits):
+            return self._greedy_kernel[1](logits)[0]
+        return logits.max(dim=-1).indices
 
     def _candidates(self, logits, rows, drafts, draft_probs, argmax: torch.Tensor | None = None):
         """-> (candidate token per row, whether each row's draft is accepted (None without drafts)). `argmax`: the

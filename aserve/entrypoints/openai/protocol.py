@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import msgspec
 
+from aserve.entrypoints.openai.prompt_scoring import Echo
+from aserve.entrypoints.openai.structured_request import (
+    ResponseFormat,
+    structured_outputs_params,
+)
 from aserve.outputs import CompletionOutput, Logprob
 from aserve.sampling_params import ParamError, SamplingParams
 
@@ -40,9 +45,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None  # structured output (structured_outputs_params)
     # Parsed only to be refused where they would change the output (check_unsupported): msgspec drops unknown
-    # fields, so without them a client asking for JSON or tools would silently get neither
-    response_format: dict | None = None
+    # fields, so without them a client asking for tools would silently get none
     best_of: int | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -55,11 +60,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: dict | None = None  # vLLM's StructuredOutputsParams fields
+    # vLLM's older spelling of structured_outputs' json / regex / choice / grammar (removed in vLLM 0.12)
     guided_json: dict | str | None = None
     guided_regex: str | None = None
-    guided_choice: list | None = None
+    guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -71,22 +77,20 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     def num_logprobs(self) -> int | None:
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def check_unsupported(self) -> None:
-        """400 for what aserve does not do (rather than ignoring it): structured output, prompt logprobs, best_of."""
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ParamError("response_format", f"response_format {self.response_format.get('type')!r} is not "
-                             "supported (aserve has no structured output); only 'text'")  # fmt: skip
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                raise ParamError(name, f"{name} is not supported (aserve has no structured output)")
-        if self.prompt_logprobs is not None:
-            raise ParamError("prompt_logprobs", "prompt_logprobs is not supported")
+        """400 for what aserve does not do (rather than ignoring it): best_of."""
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ParamError("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise ParamError("best_of", "best_of is not supported (only best_of = n)")
 
     def check_limits(self) -> None:
         """The caps above, plus integers that must fit in 64 bits (JSON integers are unbounded)."""
         self.check_unsupported()
+        structured_outputs_params(self)
         if isinstance(self.n, int) and self.n > MAX_N:
             raise ParamError("n", f"n must be <= {MAX_N}, got {self.n}")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -138,9 +142,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
             logit_bias=self.token_logit_bias(),
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
+            structured_outputs=structured_outputs_params(self),
         )
 
 
@@ -152,13 +158,27 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise ParamError("echo", "echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens must be >= 1 (0 only with echo: scoring the prompt)")
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def score_only(self) -> bool:
+        """echo with max_tokens 0: the prompt's logprobs, nothing generated (one token is, and dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.score_only else self.max_tokens
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too (as many alternatives as either field asks for)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list of strings / token-id lists."""
@@ -331,9 +351,14 @@ class ChoiceState:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.error_status = 500  # 500: an internal fault; 503: the server ended the request (shutting down)
+        self.echo: Echo | None = None  # completions' echo: the prompt goes first (prompt_scoring.Echo)
+        self.prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, once known (reported once)
+        self.prompt_logprobs_sent = False
 
     def add(self, comp: CompletionOutput, error: str | None) -> None:
         """Adds an output's delta; deltas gather until `clear_delta` (a stream sent them)."""
+        if self.echo is not None:
+            comp = self.echo.apply(self, comp)
         self.delta_text += comp.text
         self.delta_token_ids += comp.token_ids
         if comp.logprobs:
@@ -372,10 +397,18 @@ def _top_entries(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Log
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, offset: int) -> dict:
-    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset. An echoed prompt's first
+    token has no logprob: its entry is a placeholder (prompt_scoring.first_token_entry), reported as nulls."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         sampled = entry[token_id]
+        if sampled.rank == 0:
+            tokens.append(sampled.decoded_token or "")
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            text_offset.append(offset)
+            offset += len(tokens[-1])
+            continue
         text = sampled.decoded_token or ""
         tokens.append(text)
         token_logprobs.append(sampled.logprob)

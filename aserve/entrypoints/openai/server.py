@@ -16,6 +16,7 @@ from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
 from aserve.entrypoints.openai.connections import ConnectionGuard
 from aserve.entrypoints.openai.openapi import openapi_spec
+from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs, make_echoes
 from aserve.entrypoints.openai.protocol import (
     MAX_SEQUENCES,
     APIError,
@@ -32,6 +33,7 @@ from aserve.entrypoints.openai.protocol import (
 )
 from aserve.entrypoints.openai.request_body import MAX_BODY_BYTES, BodyReader
 from aserve.entrypoints.openai.streaming import EventStream, absorb, stream_response
+from aserve.entrypoints.openai.structured_request import structured_outputs_field
 from aserve.metrics import PrometheusMetrics
 from aserve.sampling_params import ParamError
 
@@ -92,6 +94,15 @@ class ServerState:
         and checks that prompt + max_tokens fits)."""
         requested = req.requested_max_tokens()
         return req.to_sampling_params(requested if requested is not None else default_max_tokens)
+
+    async def compile_grammar(self, req: _GenerationRequest, params) -> None:
+        """A structured-output grammar compiles (off the loop) before the request is queued; one that does not is a
+        400 naming the request field it came in."""
+        try:
+            await self.engine.compile_grammar(params)
+        except ParamError as e:
+            e.param = structured_outputs_field(req)
+            raise
 
 
 # -- handlers ---------------------------------------------------------------------------------------------------
@@ -159,6 +170,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise APIError(400, f"prompts x n must be <= {MAX_SEQUENCES}, got {len(raw_prompts) * req.n}", param="n")
     state.engine.check_queue(len(raw_prompts) * req.n)  # overloaded: refuse before spending time on tokenising
     params = state.sampling_params(req, default_max_tokens=16)
+    await state.compile_grammar(req, params)
     prompts = []
     for p in raw_prompts:
         ids = await state.engine.tokenize(p) if isinstance(p, str) else p
@@ -174,6 +186,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req.check_limits()
     state.engine.check_queue(req.n)
     params = state.sampling_params(req, default_max_tokens=None)
+    await state.compile_grammar(req, params)
     ids = await state.engine.render_chat(req.conversation(), req.add_generation_prompt, req.chat_template_kwargs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True)
@@ -185,6 +198,8 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     created = int(time.time())
     num_top = req.num_logprobs()
     choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
+    if not chat and req.echo:
+        await make_echoes(state.engine, choices, n, prompts, req.score_only)
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
     # one sink for all the prompts: the handler (or, streaming, the sink itself) takes each step's outputs at once
     sink = OutputSink()
@@ -223,6 +238,8 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
         raise APIError(failed.error_status, failed.error, type_=type_)
     builder = chat_chunk if chat else completion_chunk
     body = builder(request_id, created, state.model_name, choices, final=True)
+    if req.prompt_logprobs is not None:
+        add_prompt_logprobs(body, choices, chat)
     body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices))
     return json_response(body)
 

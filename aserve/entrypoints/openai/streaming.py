@@ -20,6 +20,7 @@ from aiohttp import web
 
 from aserve import envs
 from aserve.engine.async_engine import OutputSink, StreamGroup
+from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs
 from aserve.entrypoints.openai.protocol import ChoiceState, chat_chunk, completion_chunk, error_body, usage
 from aserve.outputs import RequestOutput
 
@@ -37,6 +38,9 @@ def sse(obj) -> bytes:
 def absorb(choices: list[ChoiceState], prompt_index: int, n: int, out: RequestOutput) -> list[ChoiceState]:
     """Adds a request's output to its choices (choice index = prompt index * n + sample index) -> those touched."""
     touched = []
+    if out.prompt_logprobs is not None:  # reported once per prompt, for all its choices
+        for j in range(n):
+            choices[prompt_index * n + j].prompt_logprobs = out.prompt_logprobs
     for comp in out.outputs:
         choice = choices[prompt_index * n + comp.index]
         choice.add(comp, out.error)
@@ -62,6 +66,7 @@ class EventStream(OutputSink):
         self.choices, self.prompt_tokens, self.chat, self.n = choices, prompt_tokens, chat, req.n
         self.builder = chat_chunk if chat else completion_chunk
         self.include_usage = req.include_usage
+        self.report_prompt_logprobs = req.prompt_logprobs is not None
         self.on_slow_client = on_slow_client
         self.group: StreamGroup | None = None
         self.transport = None
@@ -70,6 +75,8 @@ class EventStream(OutputSink):
 
     def chunk(self, choice: ChoiceState, **kw) -> bytes:
         body = self.builder(self.request_id, self.created, self.model, [choice], **kw)
+        if self.report_prompt_logprobs and not kw.get("role_only"):
+            add_prompt_logprobs(body, [choice], self.chat)
         if self.include_usage:
             body["usage"] = None
         return sse(body)

@@ -29,6 +29,28 @@ static inline float exp2_neg(float x) {
 #define MAX_D 256
 #define MAX_G 32
 
+/* A work item's keys, with a sliding window: the query (the request's last token, position full_len - 1) sees
+   keys full_len - window .. full_len - 1. The item's loops run over the request's blocks from the one holding the
+   first of them (blocks wholly before the window are never read): `bt` and `len` below describe the request from
+   that block on, and the first `skip` tokens of it are outside the window (weight 0). */
+typedef struct {
+    const int32_t *bt;  /* block-table row from the first block read */
+    int64_t len, skip;
+} window_span;
+
+static inline window_span span_of(const int32_t *bt_row, int64_t full_len, int64_t window, int64_t block_size) {
+    const int64_t first = window > 0 && full_len > window ? full_len - window : 0;
+    const int64_t lo = first / block_size * block_size;
+    window_span w = {bt_row + lo / block_size, full_len - lo, first - lo};
+    return w;
+}
+
+/* Soft-capping of scores in log2 units: s -> cap * tanh(s / cap) (cap = softcap * log2(e); 0: none). */
+static inline void softcap_scores(float *sg, int64_t from, int64_t to, float cap) {
+    if (cap > 0.0f)
+        for (int64_t t = from; t < to; t++) sg[t] = cap * tanhf(sg[t] / cap);
+}
+
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -59,6 +81,13 @@ static int amx_ready(void) {
 }
 #endif
 
+/* The lanes j of the 16 tokens from t0 with from <= t0 + j < to. */
+static inline __mmask16 lanes_between(int64_t t0, int64_t from, int64_t to) {
+    const uint32_t below_to = to - t0 >= 16 ? 0xFFFFu : to > t0 ? (1u << (to - t0)) - 1u : 0u;
+    const uint32_t below_from = from - t0 >= 16 ? 0xFFFFu : from > t0 ? (1u << (from - t0)) - 1u : 0u;
+    return (__mmask16)(below_to & ~below_from);
+}
+
 /* Prefetch the rows of up to 16 tokens (from `first` in block `blk`; a whole block when block_size is 16) of one
    head into L1. */
 static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t *cache, int64_t blk, int64_t first,
@@ -86,11 +115,13 @@ static inline __attribute__((always_inline)) void prefetch_from(const uint16_t *
 static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
         const int32_t *seq_lens, uint16_t *out, int64_t item, int64_t num_kv_heads, const int64_t G, const int64_t C,
-        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int amx) {
+        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int amx,
+        int64_t window, float cap) {
     const int64_t D = 32 * C;
     const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-    const int64_t len = seq_lens[s], row = num_kv_heads * D;
-    const int32_t *bt = block_tables + s * bt_stride;  /* this request's block-table row */
+    const window_span span = span_of(block_tables + s * bt_stride, seq_lens[s], window, block_size);
+    const int64_t len = span.len, skip = span.skip, row = num_kv_heads * D;
+    const int32_t *bt = span.bt;  /* this request's block-table row (from the window's first block) */
     const __m512 sl = _mm512_set1_ps(scale * 1.4426950408889634f);
     __m512bh qv[FAST_MAX_G][MAX_D / 32];
     for (int64_t g = 0; g < G; g++)
@@ -170,15 +201,16 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
     float l[FAST_MAX_G];
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * padded;
+        softcap_scores(sg, skip, len, cap);
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t t0 = 0; t0 < len; t0 += 16) {
-            __mmask16 mk = len - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t0)) - 1u);
+        for (int64_t t0 = skip / 16 * 16; t0 < len; t0 += 16) {
+            __mmask16 mk = lanes_between(t0, skip, len);
             mx = _mm512_max_ps(mx, _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), mk, sg + t0));
         }
         __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t0 = 0; t0 < padded; t0 += 16) {
-            __mmask16 mk = len - t0 >= 16 ? 0xFFFF : len > t0 ? (__mmask16)((1u << (len - t0)) - 1u) : 0;
+            __mmask16 mk = lanes_between(t0, skip, len);
             __m512 p = _mm512_maskz_mov_ps(mk, exp2_16(_mm512_sub_ps(_mm512_load_ps(sg + t0), m)));
             sum = _mm512_add_ps(sum, p);
             _mm256_store_si256((__m256i *)(pb + g * padded + t0), (__m256i)_mm512_cvtneps_pbh(p));
@@ -286,7 +318,7 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
     for (int64_t item = 0; item < items; item++)                                                                  \
         attend_item_bf16_avx512((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,         \
                                 block_tables, seq_lens, (uint16_t *)out, item, num_kv_heads, GG, CC, block_size,   \
-                                bt_stride, q_stride, out_stride, scale, amx);
+                                bt_stride, q_stride, out_stride, scale, amx, window, cap);
 #endif
 
 /* One head's row of one token as float32. */
@@ -308,11 +340,13 @@ static inline __attribute__((always_inline)) void load_row(const void *cache, in
 static inline __attribute__((always_inline)) void attend_item(
         const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *seq_lens, void *out, int64_t item, int64_t num_kv_heads, int64_t G, const int64_t D,
-        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int is_bf16) {
+        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int is_bf16,
+        int64_t window, float cap) {
     const int64_t row = num_kv_heads * D;  /* elements between consecutive tokens of one head */
     const float log2e = 1.4426950408889634f;
     const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-    const int64_t len = seq_lens[s];
+    const window_span span = span_of(block_tables + s * bt_stride, seq_lens[s], window, block_size);
+    const int64_t len = span.len, skip = span.skip;
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], kv[MAX_D], l[MAX_G];
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = s * q_stride + (h * G + g) * D;
@@ -325,7 +359,7 @@ static inline __attribute__((always_inline)) void attend_item(
     float *scores = (float *)malloc(sizeof(float) * (len > 0 ? len : 1) * G);  /* [G][len] */
     /* pass 1: scores (walking the block table block by block: no division per token) */
     for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-      const int64_t blk = block_tables[s * bt_stride + b];
+      const int64_t blk = span.bt[b];
       const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
       for (int64_t t = t0; t < t_end; t++) {
         const int64_t base = (blk * block_size + (t - t0)) * row + h * D;
@@ -338,14 +372,16 @@ static inline __attribute__((always_inline)) void attend_item(
         }
       }
     }
-    /* pass 2: softmax weights, in place */
+    /* pass 2: softmax weights, in place (0 before the window) */
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * len;
         float mx = -INFINITY, sum = 0.0f;
+        softcap_scores(sg, skip, len, cap);
+        for (int64_t t = 0; t < skip; t++) sg[t] = 0.0f;
         #pragma omp simd reduction(max:mx)
-        for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+        for (int64_t t = skip; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
         #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = skip; t < len; t++) {
             float p = exp2_neg(sg[t] - mx);
             sg[t] = p;
             sum += p;
@@ -354,7 +390,7 @@ static inline __attribute__((always_inline)) void attend_item(
     }
     /* pass 3: weighted sum of V */
     for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-      const int64_t blk = block_tables[s * bt_stride + b];
+      const int64_t blk = span.bt[b];
       const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
       for (int64_t t = t0; t < t_end; t++) {
         const int64_t base = (blk * block_size + (t - t0)) * row + h * D;
@@ -380,13 +416,15 @@ static inline __attribute__((always_inline)) void attend_item(
 
 /* q [num_seqs, H, D] (token stride q_stride), out likewise (out_stride); caches [num_blocks, block_size, Hkv, D]
    contiguous; block_tables [num_seqs, bt_stride] int32; seq_lens [num_seqs] int32. is_bf16: 1 bfloat16, 0 float32.
-   Returns 0, or -1 for shapes it does not take (D > MAX_D, G > MAX_G). */
+   window: the query sees the `window` most recent keys (0: all); softcap: scaled scores s -> softcap *
+   tanh(s / softcap) (0: none). Returns 0, or -1 for shapes it does not take (D > MAX_D, G > MAX_G). */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                            const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t bt_stride,
                            int64_t q_stride, int64_t out_stride, float scale, int is_bf16, int num_threads,
-                           int force_generic) {
+                           int force_generic, int64_t window, float softcap) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim;
+    const float cap = softcap * 1.4426950408889634f;  /* scores are kept in log2 units */
     if (D > MAX_D || G > MAX_G) return -1;
     const int64_t items = num_seqs * num_kv_heads;
 #ifdef HAVE_AVX512_BF16
@@ -422,13 +460,13 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     for (int64_t item = 0; item < items; item++) {
         if (D == 64)
             attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, 64, block_size,
-                        bt_stride, q_stride, out_stride, scale, is_bf16);
+                        bt_stride, q_stride, out_stride, scale, is_bf16, window, cap);
         else if (D == 128)
             attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, 128, block_size,
-                        bt_stride, q_stride, out_stride, scale, is_bf16);
+                        bt_stride, q_stride, out_stride, scale, is_bf16, window, cap);
         else
             attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, D, block_size,
-                        bt_stride, q_stride, out_stride, scale, is_bf16);
+                        bt_stride, q_stride, out_stride, scale, is_bf16, window, cap);
     }
     return 0;
 }

@@ -23,12 +23,19 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf16,
 int gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, int64_t N, int64_t K, int nt);
 int gemv_bf16_available(void);
 
-// One query token per request over the paged KV cache; 0, or -1 for shapes it does not take. attention.cpp
+// y [M, N] = (x [M, K] W^T) * scale: W int8 [N, K] row-major, scale float32 [N] (one per output channel), x and y
+// bf16 or float32 with row strides x_stride / y_stride (elements), float32 sums; 0, or -1 for K outside
+// [1, 16384]. force_generic: the portable loops even where the AVX-512 path applies. gemm_int8.cpp
+int gemm_int8(const int8_t *W, const float *scale, const void *x, void *y, int64_t M, int64_t N, int64_t K,
+              int64_t x_stride, int64_t y_stride, int bf16, int nt, int force_generic);
+
+// One query token per request over the paged KV cache (window: the most recent keys it sees, 0 all; softcap:
+// of the scaled scores, 0 none); 0, or -1 for shapes it does not take. attention.cpp
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                            const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t bt_stride,
                            int64_t q_stride, int64_t out_stride, float scale, int is_bf16, int num_threads,
-                           int force_generic);
+                           int force_generic, int64_t window, float softcap);
 
 // logits [rows, vocab] (row stride `stride`) -> idx [rows] (first maximum), nonfinite [rows]. sample.cpp
 void greedy_pick(const void *logits, int64_t rows, int64_t vocab, int64_t stride, int bf16, int64_t *idx,

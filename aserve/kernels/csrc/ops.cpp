@@ -92,9 +92,27 @@ at::Tensor gemv(const at::Tensor &weight, const at::Tensor &x_) {
     return y;
 }
 
+at::Tensor gemm_int8(const at::Tensor &weight, const at::Tensor &scale, const at::Tensor &x_, bool generic) {
+    TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kChar && weight.dim() == 2 &&
+                    weight.is_contiguous(),
+                "gemm_int8: a contiguous CPU int8 weight [N, K] expected");
+    const int64_t n = weight.size(0), k = weight.size(1);
+    TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.numel() == n &&
+                    scale.is_contiguous(),
+                "gemm_int8: a contiguous float32 scale [N] expected");
+    check_float(x_, "gemm_int8");
+    TORCH_CHECK(x_.dim() == 2 && x_.size(1) == k, "gemm_int8: x [M, K] expected");
+    const at::Tensor x = x_.stride(1) == 1 ? x_ : x_.contiguous();
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    const int rc = ::gemm_int8(weight.data_ptr<int8_t>(), scale.data_ptr<float>(), x.data_ptr(), y.data_ptr(),
+                               x.size(0), n, k, x.stride(0), n, is_bf16(x), at::get_num_threads(), generic);
+    TORCH_CHECK(rc == 0, "gemm_int8: K = ", k, " not taken (1 <= K <= 16384)");
+    return y;
+}
+
 void paged_decode_attention(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
                             const at::Tensor &block_tables, const at::Tensor &seq_lens, at::Tensor &out,
-                            std::optional<double> scale, bool generic) {
+                            std::optional<double> scale, bool generic, int64_t window, double softcap) {
     check_float(q, "paged_decode_attention");
     TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
                 "paged_decode_attention: q [n, H, D] with contiguous heads expected");
@@ -118,7 +136,7 @@ void paged_decode_attention(const at::Tensor &q, const at::Tensor &k_cache, cons
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
         seq_lens.data_ptr<int32_t>(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim, block_size,
         block_tables.stride(0), q.stride(0), out.stride(0), (float)scale.value_or(std::pow((double)head_dim, -0.5)),
-        is_bf16(q), at::get_num_threads(), generic);
+        is_bf16(q), at::get_num_threads(), generic, window, (float)softcap);
     TORCH_CHECK_VALUE(rc == 0, "paged_decode_attention: unsupported shape (heads ", num_heads, "/", num_kv_heads,
                       ", D ", head_dim, ")");
 }
@@ -150,14 +168,16 @@ void register_ops() {
              "(Tensor, Tensor, Tensor)");
     lib->def("silu_mul(Tensor gate_up) -> Tensor");
     lib->def("gemv(Tensor weight, Tensor x) -> Tensor");
+    lib->def("gemm_int8(Tensor weight, Tensor scale, Tensor x, bool generic=False) -> Tensor");
     lib->def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-             "Tensor(a!) out, float? scale=None, bool generic=False) -> ()");
+             "Tensor(a!) out, float? scale=None, bool generic=False, int window=0, float softcap=0.0) -> ()");
     lib->def("greedy_pick(Tensor logits) -> (Tensor, Tensor)");
     auto *cpu = new torch::Library(torch::Library::IMPL, "aserve", c10::DispatchKey::CPU, __FILE__, __LINE__);
     cpu->impl("add_rms_norm", TORCH_FN(typed::add_rms_norm));
     cpu->impl("rotary_split", TORCH_FN(typed::rotary_split));
     cpu->impl("silu_mul", TORCH_FN(typed::silu_mul));
     cpu->impl("gemv", TORCH_FN(typed::gemv));
+    cpu->impl("gemm_int8", TORCH_FN(typed::gemm_int8));
     cpu->impl("paged_decode_attention", TORCH_FN(typed::paged_decode_attention));
     cpu->impl("greedy_pick", TORCH_FN(typed::greedy_pick));
     defs = lib;

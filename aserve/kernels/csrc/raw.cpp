@@ -52,15 +52,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
     m.def("gemv_bf16_available", &::gemv_bf16_available);
     m.def(
+        "gemm_int8",
+        [](uintptr_t W, uintptr_t scale, uintptr_t x, uintptr_t y, int64_t M, int64_t N, int64_t K, int64_t x_stride,
+           int64_t y_stride, int bf16, int nt, int force_generic) {
+            return ::gemm_int8(ptr<int8_t>(W), ptr<float>(scale), ptr(x), ptr(y), M, N, K, x_stride, y_stride, bf16,
+                               nt, force_generic);
+        },
+        nogil);
+    m.def(
         "paged_decode_attention",
         [](uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t seq_lens,
            uintptr_t out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
            int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int is_bf16,
-           int num_threads, int force_generic) {
+           int num_threads, int force_generic, int64_t window, float softcap) {
             return ::paged_decode_attention(ptr(q), ptr(k_cache), ptr(v_cache), ptr<int32_t>(block_tables),
                                             ptr<int32_t>(seq_lens), ptr(out), num_seqs, num_heads, num_kv_heads,
                                             head_dim, block_size, bt_stride, q_stride, out_stride, scale, is_bf16,
-                                            num_threads, force_generic);
+                                            num_threads, force_generic, window, softcap);
         },
         nogil);
     m.def(

@@ -13,7 +13,9 @@ token ("decodes") come first, so a backend can treat them as one batch.
 
 One backend object is chosen at engine start (select_attention_backend, this package's __init__) and shared by all
 layers; what it works out once per step (which requests batch together, gather indices, masks, split-KV segments) is
-its own dataclass, which prepare() puts into AttentionMetadata.state.
+its own dataclass, which prepare() puts into AttentionMetadata.state. What differs between layers (the softmax scale,
+a sliding window, soft-capping: Gemma 2/3 interleave sliding and global layers) is the layer's AttentionParams, fixed
+when the model is built and handed to every call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """One layer's attention. scale: of q . k (None: head_dim ** -0.5). sliding_window: a query at position p sees
+    keys p - sliding_window < k <= p (transformers' convention), and blocks wholly before that are not read (None:
+    every k <= p). softcap: each scaled score s becomes softcap * tanh(s / softcap) (None: none)."""
+
+    scale: float | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
+FULL_ATTENTION = AttentionParams()
 
 
 @dataclass(slots=True)
@@ -51,7 +67,7 @@ class AttentionBackend(ABC):
 
     # True: rotate_and_write(qkv, cos, sin, kv_cache, meta, num_heads, head_dim) -> (q, k_new, v_new) does rotary
     # and the cache write in one pass (a Triton kernel: the model uses it where its element-wise ops are Triton's
-    # too), and attend(q, k_new, v_new, kv_cache, meta) then computes attention.
+    # too), and attend(q, k_new, v_new, kv_cache, meta, params) then computes attention.
     writes_rotated_kv = False
     # True: prepare() reads nothing per step on the host that a replay would need afresh, so decode steps can be
     # captured in CUDA graphs (aserve/worker/cuda_graphs.py) and replayed with other inputs.
@@ -63,6 +79,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        params: AttentionParams = FULL_ATTENTION,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D] -> out [T, H, D]."""
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D] -> out [T, H, D], for a layer
+        with `params`."""

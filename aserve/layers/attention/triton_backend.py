@@ -11,7 +11,7 @@ import torch
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import rotary_split
 from aserve.kernels.paged_attention import paged_attention
-from aserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionParams
 
 _MAX_SEGMENTS = 16
 
@@ -31,6 +31,8 @@ def num_kv_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms:
 @dataclass(slots=True)
 class TritonAttentionState:
     num_segments: int  # split-KV segments of a decode-only step (1: no split)
+    # The same for layers with a sliding window, which read at most that many keys: window -> segments
+    window_segments: dict[int, int]
 
 
 def _reads_new_kv(meta: AttentionMetadata) -> bool:
@@ -62,7 +64,15 @@ class TritonAttentionBackend(AttentionBackend):
         metadata has the longest context a replay can see (max_model_len), so each graph keeps a count that fits
         every step it replays (segments past a sequence's end contribute nothing)."""
         decode_only = meta.max_query_len == 1
-        meta.state = TritonAttentionState(self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1)
+        meta.state = TritonAttentionState(self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1, {})
+
+    def _num_segments(self, meta: AttentionMetadata, window: int | None) -> int:
+        state: TritonAttentionState = meta.state
+        if window is None or state.num_segments == 1:
+            return state.num_segments
+        if window not in state.window_segments:
+            state.window_segments[window] = self.segments_for(meta.num_reqs, min(meta.max_seq_len, window))
+        return state.window_segments[window]
 
     def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int):
         """Rotary on q and k, and k / v written into the cache, in one kernel (aserve/kernels/fused.py) -> (q [T, H, D],
@@ -74,16 +84,16 @@ class TritonAttentionBackend(AttentionBackend):
             return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache), None, None
         return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, keep_k=True)
 
-    def forward(self, q, k, v, kv_cache, meta):
+    def forward(self, q, k, v, kv_cache, meta, params: AttentionParams = FULL_ATTENTION):
         write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         if _reads_new_kv(meta):
-            return self.attend(q, k, v, kv_cache, meta)
-        return self.attend(q, None, None, kv_cache, meta)
+            return self.attend(q, k, v, kv_cache, meta, params)
+        return self.attend(q, None, None, kv_cache, meta, params)
 
-    def attend(self, q, k_new, v_new, kv_cache, meta):
+    def attend(self, q, k_new, v_new, kv_cache, meta, params: AttentionParams = FULL_ATTENTION):
         """Attention over the paged cache, which already holds the step's K/V; k_new / v_new (or None): the
         step's own K/V, read from there instead."""
-        segments = meta.state.num_segments
+        segments = self._num_segments(meta, params.sliding_window)
         partials = None
         if segments > 1:
             n = q.shape[0] * self.num_heads * segments
@@ -93,6 +103,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, num_segments=segments, partials=partials,
+            meta.max_query_len, num_segments=segments, partials=partials, scale=params.scale,
             k_new=k_new if segments == 1 else None, v_new=v_new if segments == 1 else None,
+            sliding_window=params.sliding_window, softcap=params.softcap,
         )  # fmt: skip

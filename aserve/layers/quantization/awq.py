@@ -26,8 +26,6 @@ See docs/quantization.md.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +41,7 @@ from aserve.layers.quantization.base import QuantizationConfig
 @dataclass(frozen=True)
 class AWQConfig(QuantizationConfig):
     name = "awq"
+    legacy_file = "quant_config.json"
 
     group_size: int = 128
     bits: int = 4
@@ -67,15 +66,6 @@ class AWQConfig(QuantizationConfig):
             raise ValueError(f"AWQ group_size {group_size} is not supported (a multiple of 16: 32, 64, 128)")
         skip = tuple(raw.get("modules_to_not_convert") or ())
         return cls(group_size=group_size, bits=bits, zero_point=True, version=version, modules_to_not_convert=skip)
-
-    @classmethod
-    def from_legacy_file(cls, model_dir: str) -> AWQConfig | None:
-        """Older AutoAWQ checkpoints: no quantization_config in config.json, a quant_config.json beside it."""
-        path = os.path.join(model_dir, "quant_config.json")
-        if not os.path.isfile(path):
-            return None
-        with open(path) as f:
-            return cls.from_config(json.load(f))
 
     def to_hf(self) -> dict:
         return {

@@ -4,6 +4,8 @@ that interface, and the unquantised method, live with the layer in aserve/layers
 
 from __future__ import annotations
 
+import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,11 +18,22 @@ class QuantizationConfig(ABC):
     """A checkpoint's quantisation, parsed from the `quantization_config` entry of its config.json."""
 
     name: str  # the checkpoint's `quant_method`
+    legacy_file: str | None = None  # older writers' file beside config.json (AutoAWQ's quant_config.json, ...)
 
     @classmethod
     @abstractmethod
     def from_config(cls, raw: dict[str, Any]) -> QuantizationConfig:
         """Parses a `quantization_config` dict (clear errors for variants aserve does not run)."""
+
+    @classmethod
+    def from_legacy_file(cls, model_dir: str) -> QuantizationConfig | None:
+        """Checkpoints of older writers: no quantization_config in config.json, `legacy_file` beside it (None where
+        there is none)."""
+        path = os.path.join(model_dir, cls.legacy_file) if cls.legacy_file else ""
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return cls.from_config(json.load(f))
 
     @abstractmethod
     def to_hf(self) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+// Weight-only INT8 products (W8A16): aserve/kernels/cpu.py describes them.
+#include "cpu_common.h"
+#include "cpu_kernels.h"
+
+#define I8_XF 16384        /* a thread's float32 copy of x rows (64 KB on its stack): 16384 / K rows per pass */
+#define I8_MAX_K I8_XF
+#define I8_BLOCK 16        /* output rows per work item */
+#define I8_PREFETCH 4      /* how far ahead (in blocks) the weight rows are prefetched */
+
+static void row_to_f32(const void *x, int bf16, int64_t K, float *out) {
+    if (bf16) {
+        const uint16_t *xh = (const uint16_t *)x;
+        for (int64_t k = 0; k < K; k++) out[k] = bf16_to_f32(xh[k]);
+    } else {
+        memcpy(out, x, (size_t)K * sizeof(float));
+    }
+}
+
+/* One row's dot product: 16 partial sums, which the compiler vectorises without reordering any one sum. */
+static float dot_generic(const int8_t *w, const float *xf, int64_t K) {
+    float acc[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int j = 0; j < 16; j++) acc[j] += (float)w[k + j] * xf[k + j];
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += acc[j];
+    for (; k < K; k++) s += (float)w[k] * xf[k];
+    return s;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+
+static inline __m512 w16(const int8_t *w) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+}
+
+/* Rows w, w + K, w + 2K, w + 3K against MB rows of xf (row stride K): acc[j][r + i] = 16-lane partial sums of row i
+   with x row j; K % 16 == 0. Each weight vector is widened once for all MB rows of x, each x vector loaded once for
+   the four weight rows: 4 x MB independent FMA chains. */
+template <int MB>
+static inline void dot4(const int8_t *w, int64_t K, const float *xf, __m512 (*acc)[I8_BLOCK], int r) {
+    __m512 a[4][MB];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < MB; j++) a[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[4];
+        for (int i = 0; i < 4; i++) wv[i] = w16(w + i * K + k);
+        for (int j = 0; j < MB; j++) {
+            const __m512 xv = _mm512_loadu_ps(xf + j * K + k);
+            for (int i = 0; i < 4; i++) a[i][j] = _mm512_fmadd_ps(wv[i], xv, a[i][j]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < MB; j++) acc[j][r + i] = a[i][j];
+}
+
+template <int MB>
+static void block_fast(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t K,
+                       float (*s)[I8_BLOCK]) {
+    __m512 acc[MB][I8_BLOCK];
+    for (int r = 0; r < I8_BLOCK; r += 4) dot4<MB>(W + (n0 + r) * K, K, xf, acc, r);
+    const __m512 sc = _mm512_loadu_ps(scale + n0);
+    for (int j = 0; j < MB; j++) _mm512_storeu_ps(s[j], _mm512_mul_ps(hsum16(acc[j]), sc));
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
+#define I8_MB 4  /* rows of x per block pass */
+
+/* s[j][r]: output n0 + r (r < rows <= 16) for x row j (j < mb <= 4; xf holds them, row stride K), times its
+   scale. */
+static void block_outputs(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t rows, int64_t K,
+                          int64_t mb, int fast, float (*s)[I8_BLOCK]) {
+#if HAVE_AVX512
+    if (fast && rows == I8_BLOCK) {
+        switch (mb) {
+            case 1: block_fast<1>(W, scale, xf, n0, K, s); return;
+            case 2: block_fast<2>(W, scale, xf, n0, K, s); return;
+            case 3: block_fast<3>(W, scale, xf, n0, K, s); return;
+            default: block_fast<4>(W, scale, xf, n0, K, s); return;
+        }
+    }
+#endif
+    (void)fast;
+    for (int64_t j = 0; j < mb; j++)
+        for (int64_t r = 0; r < rows; r++) s[j][r] = dot_generic(W + (n0 + r) * K, xf + j * K, K) * scale[n0 + r];
+}
+
+int gemm_int8(const int8_t *W, const float *scale, const void *x, void *y, int64_t M, int64_t N, int64_t K,
+              int64_t x_stride, int64_t y_stride, int bf16, int nt, int force_generic) {
+    if (K <= 0 || K > I8_MAX_K) return -1;
+    const int fast = HAVE_AVX512 && !force_generic && K % 16 == 0;
+    const int64_t rows_per_pass = I8_XF / K;  /* x rows converted to float32 at once */
+    const int64_t blocks = (N + I8_BLOCK - 1) / I8_BLOCK;
+    const size_t elem = bf16 ? 2 : 4;
+    #pragma omp parallel num_threads(nt)
+    {
+        float xf[I8_XF];
+        for (int64_t m0 = 0; m0 < M; m0 += rows_per_pass) {
+            const int64_t mn = M - m0 < rows_per_pass ? M - m0 : rows_per_pass;
+            for (int64_t i = 0; i < mn; i++) row_to_f32((const char *)x + (m0 + i) * x_stride * elem, bf16, K, xf + i * K);
+            /* static and nowait: every pass gives a thread the same blocks (their rows still in its cache) */
+            #pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t n0 = b * I8_BLOCK, rows = N - n0 < I8_BLOCK ? N - n0 : I8_BLOCK;
+                if (b + I8_PREFETCH < blocks) {
+                    const char *ahead = (const char *)(W + (n0 + I8_PREFETCH * I8_BLOCK) * K);
+                    for (int64_t p = 0; p < I8_BLOCK * K; p += 64) __builtin_prefetch(ahead + p, 0, 3);
+                }
+                for (int64_t i = 0; i < mn; i += I8_MB) {
+                    const int64_t mb = mn - i < I8_MB ? mn - i : I8_MB;
+                    float s[I8_MB][I8_BLOCK];
+                    block_outputs(W, scale, xf + i * K, n0, rows, K, mb, fast, s);
+                    for (int64_t j = 0; j < mb; j++) {
+                        char *out = (char *)y + (m0 + i + j) * y_stride * elem;
+                        for (int64_t r = 0; r < rows; r++) {
+                            if (bf16) ((uint16_t *)out)[n0 + r] = f32_to_bf16(s[j][r]);
+                            else ((float *)out)[n0 + r] = s[j][r];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}

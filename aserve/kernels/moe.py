@@ -1,0 +1,235 @@
+"""Fused mixture-of-experts on the GPU: routing, tokens grouped by expert, and one grouped GEMM per projection.
+
+Each token t picks top_k experts; its `slots` are t * top_k + j. The slots are grouped by expert, each group padded
+to a multiple of BLOCK_M (vLLM's moe_align_block_size), so that every BLOCK_M rows of `sorted_slots` belong to one
+expert and a GEMM tile reads one expert's weights:
+
+    router logits [T, E] ─route─▶ weights, ids [T, k]; each slot's rank among its expert's slots; counts [E]
+                         ─offsets─▶ expert e's rows start at sum of padded counts before it; block -> expert
+                         ─scatter─▶ sorted_slots [num_blocks * BLOCK_M] (padding: the sentinel T * k)
+
+    sorted_slots:  | e0 s3 s8 s9 pad | e1 s0 pad pad pad | e3 s1 s2 s5 s6 | e3 s7 pad pad pad | (E: unused blocks)
+
+    x [T, H] ─GEMM 1: rows x[slot // k] · w13[e]^T, SiLU·mul in the epilogue─▶ act [T * k, I]
+    act      ─GEMM 2: rows act[slot] · w2[e]^T, times the slot's routing weight─▶ out [T * k, H] ─sum over k─▶ [T, H]
+
+The three routing kernels need no host synchronisation (the number of blocks is the bound T * k + min(E, T * k) *
+(BLOCK_M - 1) rounded up, and blocks past the last expert return at once), so a decode step captures in a CUDA graph.
+A slot's rank within its expert comes from an atomic counter: the order of slots inside an expert's rows varies
+from run to run, each slot's result does not. References: aserve/kernels/reference.py select_experts, fused_moe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from aserve.kernels.fused import silu_mul_rounded
+
+# Launch configurations: BLOCK_M (the grouping's, shared by both GEMMs) and each GEMM's tiles, by tokens per
+# expert: few (decode) stream the weights with one 16-row block per expert; many are GEMMs. The fastest of a grid
+# with one tile for both GEMMs on an H200 at the Qwen3-30B-A3B shape (bench/moe_kernel.py --tune, 2026-12-02):
+# 2,048 tokens 619 us for the two GEMMs (250 TFLOP/s, 38 % of cuBLAS's dense rate); one token 36 us (2.1 TB/s).
+SMALL_CONFIG = dict(BLOCK_M=16, gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+                    down=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4))  # fmt: skip
+LARGE_CONFIG = dict(BLOCK_M=64, gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+                    down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4))  # fmt: skip
+
+
+def moe_config(num_slots: int, num_experts: int) -> dict:
+    """The launch configuration for T * k = num_slots routed rows over num_experts experts."""
+    return SMALL_CONFIG if num_slots <= 16 * num_experts else LARGE_CONFIG
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, ranks_ptr, counts_ptr, T, E, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr):  # fmt: skip
+    """BLOCK_T tokens per program: softmax over the experts (float32), the top_k largest (lowest index on ties),
+    renormalised where asked; each slot's rank among its expert's slots from the expert's counter."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
+    x = tl.where(row_ok[:, None], x, 0.0)  # rows past T: finite, never stored
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where(col_ok[None, :], p, float("-inf"))
+    ks = tl.arange(0, K_PAD)
+    top_w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        idx = tl.argmax(p, 1, tie_break_left=True).to(tl.int32)
+        top_w = tl.where(ks[None, :] == j, best[:, None], top_w)
+        top_i = tl.where(ks[None, :] == j, idx[:, None], top_i)
+        p = tl.where(cols[None, :] == idx[:, None], float("-inf"), p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 1)[:, None]
+    slots = rows[:, None] * TOP_K + ks[None, :]
+    ok = row_ok[:, None] & (ks[None, :] < TOP_K)
+    tl.store(weights_ptr + slots, top_w, mask=ok)
+    tl.store(ids_ptr + slots, top_i, mask=ok)
+    rank = tl.atomic_add(counts_ptr + top_i, 1, mask=ok)
+    tl.store(ranks_ptr + slots, rank, mask=ok)
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, starts_ptr, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, E,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                    FILL: tl.constexpr):  # fmt: skip
+    """One program: each expert's first row (counts padded to BLOCK_M, summed), each block's expert (E past the
+    last one), and every row of sorted_slots set to the sentinel (the scatter overwrites the used ones)."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + e, ends - padded, mask=e_ok)
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        # experts whose rows end at or before the block's first row: the block's expert index
+        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
+        tl.store(block_experts_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < num_blocks)
+    for r0 in range(0, num_blocks * BLOCK_M, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(sorted_slots_ptr + r, tl.full([FILL], 0, tl.int32) + num_slots, mask=r < num_blocks * BLOCK_M)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_slots_ptr, num_slots, BLOCK: tl.constexpr):
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = slots < num_slots
+    expert = tl.load(ids_ptr + slots, mask=ok, other=0)
+    row = tl.load(starts_ptr + expert, mask=ok, other=0) + tl.load(ranks_ptr + slots, mask=ok, other=0)
+    tl.store(sorted_slots_ptr + row, slots, mask=ok)
+
+
+def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
+    """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k], sorted_slots int32 [num_blocks *
+    block_m], block_experts int32 [num_blocks]): the routing and the slots grouped by expert (module docstring)."""
+    t, e = router_logits.shape
+    n = t * top_k
+    dev = router_logits.device
+    num_blocks = triton.cdiv(n + min(e, n) * (block_m - 1), block_m)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    ranks = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    counts = torch.zeros(e, dtype=torch.int32, device=dev)
+    starts = torch.empty(e, dtype=torch.int32, device=dev)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(16, 4096 // block_e))
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        router_logits, weights, ids, ranks, counts, t, e, router_logits.stride(0), TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
+    )  # fmt: skip
+    _offsets_kernel[(1,)](counts, starts, block_experts, sorted_slots, n, num_blocks, e, BLOCK_M=block_m,
+                          BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e), FILL=1024)  # fmt: skip
+    _scatter_kernel[(triton.cdiv(n, 1024),)](ids, ranks, starts, sorted_slots, n, BLOCK=1024)
+    return weights, ids, sorted_slots, block_experts
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_experts_ptr, num_slots, N, K,
+                         num_blocks, stride_a, stride_be, stride_bn, stride_c, NUM_EXPERTS: tl.constexpr,
+                         ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
+                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):  # fmt: skip
+    """c[slot, n] = a[slot // ROW_DIV] . b[expert, n] for the BLOCK_M slots of one block (one expert) and BLOCK_N
+    outputs. GATED: b holds [gate (N rows) | up (N rows)] and c is silu(gate) * up; WEIGHTED: c times the slot's
+    routing weight. Float32 accumulators; padding rows read row 0 and are never stored."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n  # consecutive programs share a column of the same expert's weights (L2 reuse)
+    first_m = (pid // group) * GROUP_M
+    rows_in_group = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % rows_in_group
+    pid_n = (pid % group) // rows_in_group
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert >= NUM_EXPERTS:
+        return
+    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < num_slots
+    rows = tl.where(valid, slots // ROW_DIV, 0).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # columns past N repeat earlier ones, never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    up_ptrs = b_ptrs + N * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if GATED:
+            if EVEN_K:
+                u = tl.load(up_ptrs)
+            else:
+                u = tl.load(up_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+            if IEEE:
+                acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, u, acc_up)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    dtype = c_ptr.dtype.element_ty
+    if GATED:  # the projections rounded to the model's dtype, as separate GEMMs then silu_and_mul would round
+        out = silu_mul_rounded(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
+    elif WEIGHTED:
+        out = (acc * tl.load(weights_ptr + slots, mask=valid, other=0.0)[:, None]).to(dtype)
+    else:
+        out = acc.to(dtype)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_c + cols[None, :]
+    tl.store(c_ptrs, out, mask=valid[:, None] & (cols < N)[None, :])
+
+
+def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: dict, row_div: int, gated: bool,
+                 weights=None) -> torch.Tensor:  # fmt: skip
+    """out[slot] = a[slot // row_div] @ b[expert]^T for every routed slot (GATED: b is [E, 2N, K] and out is
+    silu(gate) * up [slots, N]; weights: each row times its slot's routing weight), the slots grouped in blocks of
+    block_m by route_and_align; `config`: the GEMM's tiles (moe_config's "gate_up" / "down"). Returns out."""
+    cfg = dict(config)
+    num_experts, n_rows, k = b.shape
+    n = n_rows // 2 if gated else n_rows
+    assert a.stride(-1) == 1 and b.stride(-1) == 1 and out.stride(-1) == 1 and out.shape[1] == n
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(n)))  # small shapes (tests): no idle tiles
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    num_blocks = block_experts.numel()
+    assert sorted_slots.numel() == num_blocks * block_m, "route_and_align ran with another BLOCK_M"
+    grid = (num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _grouped_gemm_kernel[grid](
+        a, b, out, weights if weights is not None else out, sorted_slots, block_experts, out.shape[0], n, k,
+        num_blocks, a.stride(0), b.stride(0), b.stride(1), out.stride(0), NUM_EXPERTS=num_experts, ROW_DIV=row_div,
+        GATED=gated, WEIGHTED=weights is not None, IEEE=a.dtype == torch.float32, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        BLOCK_M=block_m, **cfg,
+    )  # fmt: skip
+    return out
+
+
+def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict | None = None) -> torch.Tensor:
+    """x [T, H], router logits [T, E], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] -> [T, H]: each
+    token's top_k experts' outputs weighted by their routing weights and summed (module docstring)."""
+    t, h = x.shape
+    num_experts, two_i, _ = w13.shape
+    cfg = config or moe_config(t * top_k, num_experts)
+    weights, _, sorted_slots, block_experts = route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"])
+    act = torch.empty(t * top_k, two_i // 2, dtype=x.dtype, device=x.device)
+    grouped_gemm(x, w13, act, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["gate_up"], top_k, gated=True)
+    out = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)
+    grouped_gemm(act, w2, out, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["down"], 1, False, weights)
+    return out.view(t, top_k, h).sum(1)

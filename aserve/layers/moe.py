@@ -1,0 +1,106 @@
+"""A mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE): a router and E SiLU-gated experts, each token
+through its top_k experts, their outputs summed with the routing weights.
+
+Routing as transformers' MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock: softmax over all E router logits in float32,
+the top_k probabilities, renormalised to sum to 1 where the family asks (Mixtral always; Qwen3-MoE with
+norm_topk_prob). (Qwen3-MoE without renormalisation rounds the weights to the model's dtype before using them; here
+they stay float32: the same in float32, within a rounding in 16-bit.)
+
+The experts' weights are stacked, one tensor per projection:
+
+    w13 [E, 2 I, H]   expert e's gate_proj rows [0, I), then its up_proj rows [I, 2 I)
+    w2  [E, H, I]     expert e's down_proj
+
+The kernel is chosen once, in process_weights_after_loading, by the weights' device:
+
+    CUDA        aserve/kernels/moe.py fused_moe: routing and grouping by expert in three Triton kernels, one grouped
+                GEMM per projection (SiLU·mul in the first one's epilogue, the routing weight in the second's)
+    otherwise   per-expert matmuls: the tokens routed to each expert gathered, through its two projections, added
+                back weighted (in expert order, as transformers adds them)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.kernels import reference
+from aserve.layers.elementwise import silu_and_mul
+from aserve.layers.linear import Linear
+from aserve.layers.quantization.base import QuantizationConfig
+
+
+def per_expert_matmuls(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel: for each expert with tokens, its two projections over those tokens' rows."""
+    weights, ids = reference.select_experts(router_logits, layer.top_k, layer.renormalize)
+    slots = ids.flatten()
+    order = slots.argsort(stable=True)
+    counts = torch.bincount(slots, minlength=layer.num_experts).tolist()
+    out = torch.zeros_like(x)
+    for expert, expert_slots in enumerate(order.split(counts)):
+        if not counts[expert]:
+            continue
+        tokens = expert_slots // layer.top_k
+        h = F.linear(silu_and_mul(F.linear(x[tokens], layer.w13[expert])), layer.w2[expert])
+        out.index_add_(0, tokens, (h * weights.view(-1)[expert_slots, None]).to(out.dtype))
+    return out
+
+
+def triton_fused(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """The GPU kernel (aserve/kernels/moe.py, set on the layer by use_triton)."""
+    return layer.triton_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, layer.moe_config)
+
+
+class FusedMoE(nn.Module):
+    """The router `gate` (a linear layer, E outputs, unquantised) and the stacked experts w13, w2 (module docstring).
+    `quant_config`: the checkpoint's quantisation; quantised experts are refused."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 quant_config: QuantizationConfig | None = None) -> None:  # fmt: skip
+        super().__init__()
+        if quant_config is not None:
+            raise ValueError(
+                f"{quant_config.name} quantisation of mixture-of-experts layers is not supported; "
+                "serve the 16-bit checkpoint (without --quantization)"
+            )
+        if top_k > num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} > the number of experts {num_experts}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = intermediate_size
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.kernel = per_expert_matmuls
+        self.triton_moe = self.moe_config = None
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, "
+                f"kernel={self.kernel.__name__}")  # fmt: skip
+
+    def load_expert(self, param: nn.Parameter, expert: int, shard: int | None, tensor: torch.Tensor) -> None:
+        """One expert's checkpoint tensor into w13 (shard 0: gate_proj, 1: up_proj) or w2 (shard None)."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_experts} experts")
+        target = param.data[expert]
+        if shard is not None:
+            target = target[shard * self.intermediate_size : (shard + 1) * self.intermediate_size]
+        if target.shape != tensor.shape:
+            raise ValueError(f"expert {expert}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def process_weights_after_loading(self) -> None:
+        """Picks the kernel for the weights' device (module docstring); the router's linear prepares its own."""
+        self.kernel, self.triton_moe, self.moe_config = per_expert_matmuls, None, None
+        if self.w13.is_cuda:
+            self.use_triton()
+
+    def use_triton(self, config: dict | None = None) -> None:
+        """The fused Triton kernels (on a CPU: Triton's interpreter, for tests); `config`: their launch
+        configuration instead of the one chosen per call."""
+        from aserve.kernels import moe  # Triton: optional (CPU installs may lack it), imported once it is chosen
+
+        self.kernel, self.triton_moe, self.moe_config = triton_fused, moe.fused_moe, config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(self, x, self.gate(x))

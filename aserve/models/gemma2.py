@@ -1,0 +1,112 @@
+"""Gemma 2 (`Gemma2ForCausalLM`): the Llama decoder's projections, rotary and attention backends, with Gemma's
+differences, each as transformers computes it:
+
+    embeddings         multiplied by sqrt(hidden_size), rounded to the model's dtype first
+    RMSNorm            x / rms(x) * (1 + w), in float32 (GemmaRMSNorm); the checkpoint's w is stored as it is
+    decoder layer      x = x + post_attention_norm(attn(input_norm(x)))
+                       x = x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
+    MLP                GeGLU: gelu_tanh(gate) * up
+    attention          scale query_pre_attn_scalar ** -0.5; scores soft-capped at attn_logit_softcapping; the layers
+                       config.layer_types marks "sliding_attention" (every other one) see the last sliding_window keys
+    logits             soft-capped at final_logit_softcapping; lm_head tied to the embeddings
+
+The scale, window and soft-cap are each layer's AttentionParams, which every attention backend takes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.layers.attention.backend import AttentionParams
+from aserve.models.llama import MLP, Attention, LlamaForCausalLM
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dimension: float32 throughout, (1 + weight), rounded to x's dtype at the end."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> (norm(x + residual), x + residual), or (norm(x), x): RMSNorm's contract (compute_logits uses it)."""
+        if residual is not None:
+            x = x + residual
+        return gemma_rms_norm(x, self.weight, self.eps), x
+
+
+class GemmaMLP(MLP):
+    hidden_act = "gelu_pytorch_tanh"
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma2Attention(Attention):
+    def __init__(self, cfg, backend, ops, qkv_bias: bool, quant_config, prefix: str) -> None:
+        super().__init__(cfg, backend, ops, qkv_bias, quant_config, prefix)
+        softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.attn_params = AttentionParams(scale=cfg.query_pre_attn_scalar**-0.5, softcap=softcap)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    attention_cls = Gemma2Attention
+    rotary_index = 0  # which of the model's rotary tables the layer's positions use (models/gemma3.py has two)
+
+    def __init__(self, cfg, backend, ops, qkv_bias: bool, quant_config, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, backend, ops, qkv_bias, quant_config, f"{prefix}.self_attn")
+        self.mlp = GemmaMLP(cfg, ops, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, rotary_cos_sin, x, kv_cache, meta) -> torch.Tensor:
+        h = self.self_attn(rotary_cos_sin, self.input_layernorm(x)[0], kv_cache, meta)
+        x = x + self.post_attention_layernorm(h)[0]
+        h = self.mlp(self.pre_feedforward_layernorm(x)[0])
+        return x + self.post_feedforward_layernorm(h)[0]
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    layer_cls = Gemma2DecoderLayer
+    one_token_path = False  # the CPU one-token forward knows the Llama layer only
+
+    def __init__(self, cfg, backend, ops, quant_config, max_position: int) -> None:
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError(f"{type(self).__name__} with use_bidirectional_attention is not supported (causal only)")
+        super().__init__(cfg, backend, ops, quant_config, max_position)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # sqrt(hidden) as the model's dtype holds it (bf16: sqrt(3072) = 55.4256 becomes 55.5), as in transformers
+        dtype = self.embed_tokens.weight.dtype
+        self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device="cpu"))
+        self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
+
+    def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta, num_layers: int | None = None):
+        """As LlamaForCausalLM.forward: -> hidden [T, hidden] before the final norm."""
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        tables = self.rotary_tables(positions, x.dtype)
+        for i, layer in enumerate(self.layers[:num_layers]):
+            x = layer(tables[layer.rotary_index], x, kv_caches[i], meta)
+        return x
+
+    def rotary_tables(self, positions, dtype) -> tuple:
+        """(cos, sin) of the step's positions for each rotary table the layers use."""
+        return (self.rotary(positions, dtype),)
+
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        logits = self.lm_head(self.norm(hidden)[0])
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits if dtype is None else logits.to(dtype)

@@ -1,0 +1,139 @@
+"""The fused MoE kernel (aserve/kernels/moe.py) on the GPU, bf16, random weights and router logits:
+
+    python bench/moe_kernel.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--tokens 2048] [--tune]
+
+For `--tokens` tokens: the two grouped GEMMs (gate/up with SiLU·mul, down with the routing weights) against cuBLAS
+doing the same FLOPs as two dense bf16 matmuls (every routed row through one weight: [T k, H] x [H, 2 I] and
+[T k, I] x [I, H]); the ratio is the grouped GEMMs' share of the dense rate (issue 27's target: >= 60 % at 2,048
+tokens). Also the routing (route_and_align), the whole layer (fused_moe: routing, GEMMs, the sum over top_k), its
+error against the per-expert torch path, and batch-1 decode (one token: its top_k experts' weights read, against
+copy bandwidth). `--tune` times a grid of launch configurations at both sizes first and uses the best.
+Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from gpu_bench import bench_ms
+from triton.testing import do_bench_cudagraph
+
+from aserve.kernels import moe
+from aserve.layers.moe import FusedMoE, per_expert_matmuls
+
+SHAPES = {  # experts, top_k, hidden, expert intermediate, renormalise
+    "qwen3-30b-a3b": (128, 8, 2048, 768, True),
+    "mixtral-8x7b": (8, 2, 4096, 14336, True),
+}
+
+
+def routed(x, logits, w13, w2, top_k, renormalize, block_m):
+    """The routing done once, and the two grouped GEMMs on it as functions of their tiles."""
+    weights, _, sorted_slots, block_experts = moe.route_and_align(logits, top_k, renormalize, block_m)
+    n = x.shape[0] * top_k
+    act = torch.empty(n, w2.shape[2], dtype=x.dtype, device=x.device)
+    out = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
+    return {
+        "gate_up": lambda cfg: moe.grouped_gemm(x, w13, act, sorted_slots, block_experts, block_m, cfg, top_k, True),
+        "down": lambda cfg: moe.grouped_gemm(act, w2, out, sorted_slots, block_experts, block_m, cfg, 1, False,
+                                             weights),
+    }  # fmt: skip
+
+
+def tune(x, w13, w2, logits, top_k, renormalize) -> dict:
+    """The fastest launch configuration on a grid: for each BLOCK_M (16 for a decode-sized batch), each GEMM's
+    fastest tiles."""
+    decode = x.shape[0] * top_k <= w13.shape[0]
+    if decode:
+        block_ms, grid = (16,), list(itertools.product((32, 64, 128), (128, 256), (4,), (3, 4), (1,)))
+    else:
+        block_ms, grid = (64, 128), list(itertools.product((128, 256), (64, 128), (4, 8), (3, 4), (8,)))
+    best = None
+    for block_m in block_ms:
+        gemms = routed(x, logits, w13, w2, top_k, renormalize, block_m)
+        chosen, total = {"BLOCK_M": block_m}, 0.0
+        for which, run in gemms.items():
+            fastest = None
+            for bn, bk, warps, stages, group in grid:
+                tiles_per_stage = block_m * bk + (2 if which == "gate_up" else 1) * bk * bn
+                if tiles_per_stage * 2 * stages > 220_000:  # past the shared memory
+                    continue
+                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages)
+                try:
+                    ms = bench_ms(lambda: run(cfg), 10, 40)
+                except Exception as e:  # out of resources
+                    print(f"   {which} {cfg}: {type(e).__name__}")
+                    continue
+                if fastest is None or ms < fastest[0]:
+                    fastest = (ms, cfg)
+            print(f"   BLOCK_M {block_m} {which}: {fastest[0] * 1e3:.0f} us {fastest[1]}", flush=True)
+            chosen[which] = fastest[1]
+            total += fastest[0]
+        if best is None or total < best[0]:
+            best = (total, chosen)
+    return best[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--tune", action="store_true")
+    args = p.parse_args()
+    experts, top_k, hidden, inter, renormalize = SHAPES[args.shape]
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dt) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, device=dev, dtype=dt) * inter**-0.5
+    rows = {}
+    print(f"{torch.cuda.get_device_name()}, {args.shape}: E={experts} top_k={top_k} H={hidden} I={inter}", flush=True)
+
+    for tokens in (args.tokens, 1):
+        x = torch.randn(tokens, hidden, device=dev, dtype=dt)
+        logits = torch.randn(tokens, experts, device=dev, dtype=dt)
+        cfg = moe.moe_config(tokens * top_k, experts)
+        if args.tune:
+            print(f"== tuning at {tokens} tokens", flush=True)
+            cfg = tune(x, w13, w2, logits, top_k, renormalize)
+        gemms = routed(x, logits, w13, w2, top_k, renormalize, cfg["BLOCK_M"])
+        up_ms, down_ms = (bench_ms(lambda: gemms[w](cfg[w])) for w in ("gate_up", "down"))
+        route_ms = do_bench_cudagraph(lambda: moe.route_and_align(logits, top_k, renormalize, cfg["BLOCK_M"]))
+        layer_ms = do_bench_cudagraph(lambda: moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg))
+        layer = FusedMoE(experts, top_k, hidden, inter, renormalize).to(dev, dt)
+        layer.w13.data, layer.w2.data = w13, w2
+        ref = per_expert_matmuls(layer, x, logits).float()
+        got = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg).float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        rows[f"{tokens} tok: config"] = str(cfg)
+        rows[f"{tokens} tok: route_and_align (CUDA graph)"] = f"{route_ms * 1e3:.1f} us"
+        rows[f"{tokens} tok: fused_moe (whole layer, CUDA graph)"] = (f"{layer_ms * 1e3:.1f} us, rel err vs "
+                                                                      f"per-expert matmuls {err:.1e}")  # fmt: skip
+        m = tokens * top_k
+        if tokens > 1:
+            flops = (2 * m * hidden * 2 * inter, 2 * m * inter * hidden)
+            dense = [(torch.randn(m, kk, device=dev, dtype=dt), torch.randn(kk, nn, device=dev, dtype=dt))
+                     for kk, nn in ((hidden, 2 * inter), (inter, hidden))]  # fmt: skip
+            dense_ms = [bench_ms(lambda: a @ b) for a, b in dense]
+            for name, ms, d_ms, f in zip(("gate_up", "down"), (up_ms, down_ms), dense_ms, flops):
+                rows[f"{tokens} tok: {name} grouped GEMM vs dense"] = (
+                    f"{ms * 1e3:.1f} us ({f / ms / 1e9:.0f} TFLOP/s) vs {d_ms * 1e3:.1f} us ({f / d_ms / 1e9:.0f})"
+                )
+            rate = 100 * sum(dense_ms) / (up_ms + down_ms)
+            rows[f"{tokens} tok: grouped / dense rate"] = f"{rate:.0f} % (target >= 60 %)"
+        else:
+            src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            bw = 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e9  # TB/s, bytes read + written
+            active = top_k * (w13[0].numel() + w2[0].numel()) * 2
+            gemm_ms = up_ms + down_ms
+            rows["1 tok: grouped GEMMs"] = (f"{gemm_ms * 1e3:.1f} us, {active / gemm_ms / 1e9:.2f} TB/s of the "
+                                            f"{top_k} experts' weights (copy {bw:.2f} TB/s)")  # fmt: skip
+    print("\n| result | value |\n|---|---|")
+    for key, value in rows.items():
+        print(f"| {key} | {value} |")
+
+
+if __name__ == "__main__":
+    main()

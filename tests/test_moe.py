@@ -1,0 +1,214 @@
+"""Mixture-of-experts: the fused Triton kernels (Triton's interpreter on CPU) and the CPU per-expert path against the
+pure-torch references, and the MoE families (Mixtral, Qwen3-MoE) against transformers beyond greedy parity (that is
+in tests/test_parity.py): logprobs, prefix-cache hits, the Triton path inside the engine, transformers' stacked expert
+names, quantisation refused."""
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+from tiny_models import hf_greedy
+
+from aserve import LLM, SamplingParams
+from aserve.kernels import moe, reference
+from aserve.layers.moe import FusedMoE
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MOE_VARIANTS = ["mixtral", "qwen3_moe"]
+
+
+def random_moe(tokens, experts, hidden, inter, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    logits = torch.randn(tokens, experts, generator=gen)
+    return [t.to(DEVICE) for t in (x, w13, w2, logits)]
+
+
+def test_route_and_align_groups_slots_by_expert():
+    # token -> its two experts: t0 (2, 0), t1 (2, 3), t2 (0, 2), t3 (2, 1); slots t * 2 + j
+    picks = [(2, 0), (2, 3), (0, 2), (2, 1)]
+    logits = torch.zeros(4, 4)
+    for t, (first, second) in enumerate(picks):
+        logits[t, first], logits[t, second] = 3.0, 1.0
+    weights, ids, sorted_slots, block_experts = moe.route_and_align(logits.to(DEVICE), 2, True, 16)
+    assert ids.tolist() == [list(p) for p in picks]
+    top = torch.tensor([3.0, 1.0, 0.0, 0.0]).softmax(0)[:2]
+    torch.testing.assert_close(weights.cpu(), (top / top.sum()).expand(4, 2))
+    # 8 slots in blocks of 16: at most 8 + 4 * 15 rows -> 5 blocks; expert 4 marks the unused one
+    assert block_experts.tolist() == [0, 1, 2, 3, 4]
+    pad = 8
+    expected = [[1, 4], [7], [0, 2, 5, 6], [3], []]  # each block's slots (order within an expert may vary)
+    got = sorted_slots.view(5, 16).sort(1).values.tolist()
+    assert got == [sorted(s) + [pad] * (16 - len(s)) for s in expected]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 4, 2), (37, 8, 2), (64, 6, 3)])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_route_and_align_matches_reference_routing(tokens, experts, top_k, block_m):
+    *_, logits = random_moe(tokens, experts, 16, 16, seed=tokens)
+    for renormalize in (True, False):
+        weights, ids, sorted_slots, block_experts = moe.route_and_align(logits, top_k, renormalize, block_m)
+        ref_w, ref_ids = reference.select_experts(logits, top_k, renormalize)
+        assert ids.tolist() == ref_ids.tolist()
+        torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
+    flat = ids.flatten().long()
+    counts = torch.bincount(flat, minlength=experts)
+    padded = (counts + block_m - 1) // block_m
+    # the experts in order, ceil(count / block_m) blocks each, then unused blocks (marked E)
+    expected = [e for e in range(experts) for _ in range(int(padded[e]))]
+    assert block_experts.tolist() == expected + [experts] * (block_experts.numel() - len(expected))
+    rows = sorted_slots.view(-1, block_m)
+    for b, e in enumerate(block_experts.tolist()):
+        slots = rows[b][rows[b] < flat.numel()].long()
+        assert (flat[slots] == e).all()
+    used = sorted_slots[sorted_slots < flat.numel()]
+    assert sorted(used.tolist()) == list(range(flat.numel()))  # every slot exactly once
+
+
+def tiles(block_n, block_k, group_m):
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=4, num_stages=2)
+
+
+CONFIGS = {
+    "default": None,
+    "small-tiles": dict(BLOCK_M=16, gate_up=tiles(16, 16, 1), down=tiles(16, 32, 1)),
+    "grouped": dict(BLOCK_M=32, gate_up=tiles(32, 32, 4), down=tiles(16, 16, 2)),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 4, 2, 64, 32), (19, 8, 2, 48, 40),
+                                                                    (70, 6, 3, 64, 48)])  # fmt: skip
+def test_fused_moe_matches_reference(config, tokens, experts, top_k, hidden, inter):
+    """Hidden / intermediate sizes that are not multiples of the tiles take the masked K loop and clamped columns."""
+    x, w13, w2, logits = random_moe(tokens, experts, hidden, inter)
+    for renormalize in (True, False):
+        out = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, CONFIGS[config])
+        ref = reference.fused_moe(x, w13, w2, *reference.select_experts(logits, top_k, renormalize))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_16_bit_rounds_as_separate_ops():
+    """float16 (Triton's interpreter multiplies bfloat16 wrongly, so the 16-bit case on CPU is float16): within the
+    rounding of the projections and the activation to 16 bits."""
+    x, w13, w2, logits = (t.half() for t in random_moe(37, 8, 64, 48, seed=5))
+    out = moe.fused_moe(x, logits, w13, w2, 2, True)
+    ref = reference.fused_moe(x, w13, w2, *reference.select_experts(logits, 2, True))
+    torch.testing.assert_close(out, ref, atol=3e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kernel", ["per_expert", "triton"])
+def test_fused_moe_layer_matches_reference(kernel):
+    """The layer's two kernels (the CPU's per-expert matmuls, the fused Triton one) with the router."""
+    x, w13, w2, logits = random_moe(23, 8, 32, 16, seed=3)
+    layer = FusedMoE(8, 2, 32, 16, renormalize=False).to(DEVICE)
+    with torch.no_grad():
+        layer.w13.copy_(w13)
+        layer.w2.copy_(w2)
+        layer.gate.weight.copy_(torch.randn(8, 32, generator=torch.Generator().manual_seed(4)))
+        layer.gate.process_weights_after_loading()
+        if kernel == "triton":
+            layer.use_triton()
+        out = layer(x)
+        ref = reference.fused_moe(x, w13, w2, *reference.select_experts(layer.gate(x), 2, False))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def prompts(seed=0, lens=(3, 17, 33, 50)):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 384) for _ in range(n)] for n in lens]
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_logprobs_match_transformers(tiny_model_factory, variant):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory(variant)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", enforce_eager=True)
+    ids = prompts(5, (21,))[0]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                                   ignore_eos=True))[0].outputs[0]  # fmt: skip
+    for token_id, lp in zip(out.token_ids, out.logprobs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        top = ref.topk(3)
+        for rank, (tid, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+            assert lp[tid].rank == rank and abs(lp[tid].logprob - value) < 1e-4
+        assert lp[token_id].rank == 1
+        ids = ids + [token_id]
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_prefix_cache_hits_keep_parity(tiny_model_factory, variant):
+    """A second prompt sharing 32 tokens (two blocks) with the first reads them from the prefix cache, under a
+    16-token budget (chunked prefill): both equal transformers' greedy tokens."""
+    path = tiny_model_factory(variant)
+    first = prompts(1, (40,))[0]
+    second = first[:32] + prompts(2, (9,))[0]
+    expected = hf_greedy(path, [first, second], 16)
+    llm = LLM(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    got = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in (first, second)]
+    assert got == expected
+    assert llm.engine.core.kv_manager.stats.hits == 32
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_triton_moe_in_the_engine_matches_transformers(tiny_model_factory, variant):
+    """The GPU's fused MoE kernels inside the engine (Triton's interpreter on CPU), with chunked prefill and
+    preemption: same greedy tokens."""
+    path = tiny_model_factory(variant)
+    ps = prompts(0, (20, 40, 50))
+    expected = hf_greedy(path, ps, 12)
+    # 6 blocks of 16 tokens for requests that grow to 32..62 tokens: some are preempted and resumed
+    llm = LLM(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=16, num_gpu_blocks_override=6,
+              max_model_len=64)  # fmt: skip
+    blocks = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(blocks) == (3 if variant == "mixtral" else 2)  # Qwen3-MoE's layer 1 is dense
+    for block in blocks:
+        block.use_triton()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_stacked_expert_tensors_load(tiny_model_factory, tmp_path):
+    """A checkpoint with transformers' in-memory names (experts stacked: mlp.experts.gate_up_proj / down_proj)
+    loads as the per-expert one save_pretrained writes."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model_factory("mixtral")
+    dst = str(tmp_path / "stacked")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(dst, "model.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ps = [{"prompt_token_ids": p} for p in prompts()]
+    got = [o.outputs[0].token_ids for o in LLM(dst, dtype="float32", enforce_eager=True).generate(ps, params)]
+    assert got == [o.outputs[0].token_ids for o in LLM(src, dtype="float32", enforce_eager=True).generate(ps, params)]
+
+
+def test_quantised_experts_are_refused(tiny_model_factory):
+    with pytest.raises(ValueError, match="fp8 quantisation of mixture-of-experts layers is not supported"):
+        LLM(tiny_model_factory("qwen3_moe"), dtype="float32", enforce_eager=True, quantization="fp8")
+
+
+def test_a_missing_expert_tensor_is_reported(tiny_model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_factory("mixtral")
+    dst = str(tmp_path / "missing")
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    state = load_file(path)
+    del state["model.layers.2.block_sparse_moe.experts.3.w3.weight"]
+    save_file(state, path)
+    with pytest.raises(ValueError, match=r"lacks weights for: \['layers.2.mlp.w13'\]"):
+        LLM(dst, dtype="float32", enforce_eager=True)
