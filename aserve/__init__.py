@@ -6,6 +6,7 @@ from aserve.engine.llm_engine import LLMEngine
 from aserve.entrypoints.llm import LLM
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.sampling_params import SamplingParams, StructuredOutputsParams
+from aserve.version import __version__
 
 __all__ = [
     "AsyncEngine",
@@ -17,5 +18,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "__version__",
 ]
-__version__ = "0.1.0"

@@ -13,7 +13,6 @@ import typing
 
 from aiohttp import web
 
-from aserve import __version__
 from aserve.config import EngineArgs
 from aserve.core.stats import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
@@ -21,6 +20,7 @@ from aserve.engine.tokenizer_pool import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits
 from aserve.entrypoints.openai.server import STATE_KEY, begin_drain, build_app, drain
 from aserve.quantize.quantize import add_quantize_parser, run_quantize
+from aserve.version import __version__
 
 try:
     import uvloop

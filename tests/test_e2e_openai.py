@@ -18,6 +18,20 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 def test_models(server):
     assert [m.id for m in server.models.list().data] == [MODEL]
+    assert server.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        server.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_version(server):
+    import json
+    import urllib.request
+
+    from aserve import __version__
+
+    with urllib.request.urlopen(str(server.base_url).removesuffix("/v1/") + "/version", timeout=10) as resp:
+        assert json.loads(resp.read()) == {"version": __version__}
 
 
 def test_chat_paris(server):

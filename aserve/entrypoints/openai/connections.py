@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from aserve.entrypoints.openai.protocol import error_body
+from aserve.entrypoints.openai.responses import error_body
 
 try:
     import resource

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from aserve.outputs import CompletionOutput, Logprob
 
 if TYPE_CHECKING:
-    from aserve.entrypoints.openai.protocol import ChoiceState
+    from aserve.entrypoints.openai.responses import ChoiceState
 
 
 def first_token_entry(token_id: int, text: str) -> dict[int, Logprob]:

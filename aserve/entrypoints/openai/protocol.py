@@ -1,16 +1,14 @@
-"""The OpenAI API on the wire: request types (msgspec) and their translation to SamplingParams; response bodies
-(completions and chat completions, whole or as stream chunks, with logprobs and usage) and error bodies."""
+"""The OpenAI API on the wire: request types (msgspec) and their translation to SamplingParams (responses.py shapes
+what goes back)."""
 
 from __future__ import annotations
 
 import msgspec
 
-from aserve.entrypoints.openai.prompt_scoring import Echo
 from aserve.entrypoints.openai.structured_request import (
     ResponseFormat,
     structured_outputs_params,
 )
-from aserve.outputs import CompletionOutput, Logprob
 from aserve.sampling_params import ParamError, SamplingParams
 
 # What one API request may ask for. A client can always split work across requests; these bound what a single
@@ -328,170 +326,3 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-# -- responses ----------------------------------------------------------------------------------------------------
-
-
-class ChoiceState:
-    """One choice of a response: everything generated so far, and the part not yet sent (for streams)."""
-
-    def __init__(self, index: int, num_top: int | None) -> None:
-        self.index = index
-        self.want_logprobs = num_top is not None
-        self.num_top = num_top or 0  # top alternatives per token, when logprobs are asked for
-        self.text = ""
-        self.num_tokens = 0
-        self.logprobs: list[dict[int, Logprob]] = []
-        self.token_ids: list[int] = []
-        self.delta_text = ""
-        self.delta_token_ids: list[int] = []
-        self.delta_logprobs: list[dict[int, Logprob]] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.error: str | None = None
-        self.error_status = 500  # 500: an internal fault; 503: the server ended the request (shutting down)
-        self.echo: Echo | None = None  # completions' echo: the prompt goes first (prompt_scoring.Echo)
-        self.prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, once known (reported once)
-        self.prompt_logprobs_sent = False
-
-    def add(self, comp: CompletionOutput, error: str | None) -> None:
-        """Adds an output's delta; deltas gather until `clear_delta` (a stream sent them)."""
-        if self.echo is not None:
-            comp = self.echo.apply(self, comp)
-        self.delta_text += comp.text
-        self.delta_token_ids += comp.token_ids
-        if comp.logprobs:
-            self.delta_logprobs += comp.logprobs
-        self.text += comp.text
-        self.token_ids += comp.token_ids
-        self.num_tokens += len(comp.token_ids)
-        self.logprobs += comp.logprobs or []
-        if comp.finish_reason is not None:
-            self.finish_reason, self.stop_reason = comp.finish_reason, comp.stop_reason
-            if comp.finish_reason == "error":
-                self.error = error or "the request failed"
-            elif comp.finish_reason == "abort":  # clients never see their own aborts: the server ended it
-                self.error, self.error_status = error or "the request was aborted", 503
-
-    def clear_delta(self) -> None:
-        self.delta_text, self.delta_token_ids, self.delta_logprobs = "", [], []
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
-    """OpenAI's error object, for error responses and for the last event of a stream that failed."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _top_entries(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
-    """The top-n alternatives of one position, most likely first."""
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= num_top), key=lambda x: x[1].rank)
-
-
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, offset: int) -> dict:
-    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset. An echoed prompt's first
-    token has no logprob: its entry is a placeholder (prompt_scoring.first_token_entry), reported as nulls."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for token_id, entry in zip(token_ids, entries):
-        sampled = entry[token_id]
-        if sampled.rank == 0:
-            tokens.append(sampled.decoded_token or "")
-            token_logprobs.append(None)
-            top_logprobs.append(None)
-            text_offset.append(offset)
-            offset += len(tokens[-1])
-            continue
-        text = sampled.decoded_token or ""
-        tokens.append(text)
-        token_logprobs.append(sampled.logprob)
-        top_logprobs.append({(lp.decoded_token or ""): lp.logprob for _, lp in _top_entries(entry, num_top)})
-        text_offset.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
-    }
-
-
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> dict:
-    def item(lp: Logprob) -> dict:
-        text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for _, lp in _top_entries(entry, num_top)]})
-    return {"content": content}
-
-
-def completion_chunk(request_id, created, model, choices: list[ChoiceState], final: bool, role_only=False) -> dict:
-    out = []
-    for c in choices:
-        text, ids, entries = (
-            (c.text, c.token_ids, c.logprobs) if final else (c.delta_text, c.delta_token_ids, c.delta_logprobs)
-        )
-        logprobs = None
-        if c.want_logprobs:
-            offset = 0 if final else len(c.text) - len(c.delta_text)
-            logprobs = completion_logprobs(ids, entries, c.num_top, offset)
-        out.append(
-            {
-                "index": c.index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-        )
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": out}
-
-
-def chat_chunk(request_id, created, model, choices: list[ChoiceState], final: bool = False, role_only=False) -> dict:
-    out = []
-    for c in choices:
-        if role_only:
-            out.append(
-                {
-                    "index": c.index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-            continue
-        text, ids, entries = (
-            (c.text, c.token_ids, c.logprobs) if final else (c.delta_text, c.delta_token_ids, c.delta_logprobs)
-        )
-        logprobs = chat_logprobs(ids, entries, c.num_top) if c.want_logprobs else None
-        if final:
-            out.append(
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        else:
-            out.append(
-                {
-                    "index": c.index,
-                    "delta": {"content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-    obj = "chat.completion" if final else "chat.completion.chunk"
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": out}

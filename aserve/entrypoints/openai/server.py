@@ -21,21 +21,18 @@ from aserve.entrypoints.openai.protocol import (
     MAX_SEQUENCES,
     APIError,
     ChatCompletionRequest,
-    ChoiceState,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     _GenerationRequest,
-    chat_chunk,
-    completion_chunk,
-    error_body,
-    usage,
 )
 from aserve.entrypoints.openai.request_body import MAX_BODY_BYTES, BodyReader
+from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, error_body, usage
 from aserve.entrypoints.openai.streaming import EventStream, absorb, stream_response
 from aserve.entrypoints.openai.structured_request import structured_outputs_field
 from aserve.metrics import PrometheusMetrics
 from aserve.sampling_params import ParamError
+from aserve.version import __version__
 
 logger = logging.getLogger("aserve")
 
@@ -126,9 +123,8 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-async def list_models(request: web.Request) -> web.Response:
-    state: ServerState = request.app[STATE_KEY]
-    card = {
+def _model_card(state: ServerState) -> dict:
+    return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
@@ -136,7 +132,21 @@ async def list_models(request: web.Request) -> web.Response:
         "root": state.engine.config.model_dir,
         "max_model_len": state.engine.config.max_model_len,
     }
-    return json_response({"object": "list", "data": [card]})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [_model_card(request.app[STATE_KEY])]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the served model's card; 404 model_not_found for any other name."""
+    state: ServerState = request.app[STATE_KEY]
+    state.check_model(request.match_info["model"])
+    return json_response(_model_card(state))
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": __version__})
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -363,6 +373,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)

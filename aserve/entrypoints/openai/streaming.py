@@ -21,7 +21,7 @@ from aiohttp import web
 from aserve import envs
 from aserve.engine.async_engine import OutputSink, StreamGroup
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs
-from aserve.entrypoints.openai.protocol import ChoiceState, chat_chunk, completion_chunk, error_body, usage
+from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, error_body, usage
 from aserve.outputs import RequestOutput
 
 logger = logging.getLogger("aserve")
