@@ -19,6 +19,7 @@ from aserve.engine.async_engine import AsyncEngine
 from aserve.engine.tokenizer_pool import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits
 from aserve.entrypoints.openai.server import STATE_KEY, begin_drain, build_app, drain
+from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from aserve.quantize.quantize import add_quantize_parser, run_quantize
 from aserve.version import __version__
 
@@ -110,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending-prompt-chars", type=int, default=DEFAULT_MAX_PENDING_CHARS,
                        help="characters of prompt text that may be tokenising at once; more get 429 "
                             f"(default: {DEFAULT_MAX_PENDING_CHARS})")  # fmt: skip
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="parse tool calls from the output when a chat request's tool_choice is 'auto' (the default "
+                            "with tools); needs --tool-call-parser (default: off, such requests get 400)")  # fmt: skip
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model's tool-call format: hermes (Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.x), "
+                            "mistral (default: none)")  # fmt: skip
     add_engine_args(serve)
     add_quantize_parser(sub)
     return parser
@@ -123,6 +130,8 @@ def serve(ns: argparse.Namespace) -> None:
     limits.validate()
     if ns.tokenizer_pool_size < 1 or ns.max_pending_prompt_chars < 1:
         raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     t0 = time.perf_counter()
     print(f"aserve: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
     engine = AsyncEngine.from_engine_args(
@@ -136,7 +145,8 @@ def serve(ns: argparse.Namespace) -> None:
         flush=True,
     )
     run = uvloop.run if uvloop is not None else asyncio.run
-    run(_serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits))
+    tool_calls = {"tool_call_parser": ns.tool_call_parser, "enable_auto_tool_choice": ns.enable_auto_tool_choice}
+    run(_serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, tool_calls))
 
 
 async def _serve(
@@ -147,8 +157,10 @@ async def _serve(
     api_key: str | None,
     shutdown_timeout: float = 30.0,
     limits: ConnectionLimits | None = None,
+    tool_calls: dict | None = None,
 ) -> None:
-    app = build_app(engine, served_model_name, api_key)
+    """tool_calls: build_app's tool_call_parser and enable_auto_tool_choice."""
+    app = build_app(engine, served_model_name, api_key, **(tool_calls or {}))
     engine.stats.add_listener(PeriodicLogger(logger.info))
     # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
     # client that stopped reading.

@@ -170,6 +170,12 @@ def test_eos_min_tokens_ignore_eos_stop_token_ids(llm):
     stopped = gen1(llm, p, temperature=0, max_tokens=24, stop_token_ids=[stop_id])
     assert stopped.token_ids == plain.token_ids[: plain.token_ids.index(stop_id) + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    # the stop token (like EOS) is no text, even with special tokens kept
+    kept = gen1(llm, p, temperature=0, max_tokens=24, stop_token_ids=[stop_id], skip_special_tokens=False)
+    assert kept.text == llm.get_tokenizer().decode(stopped.token_ids[:-1], skip_special_tokens=False)
+    assert gen1(llm, p, temperature=0, max_tokens=24, skip_special_tokens=False).text == llm.get_tokenizer().decode(
+        plain.token_ids[:-1], skip_special_tokens=False
+    )
 
 
 def test_stop_strings(llm):

@@ -183,7 +183,7 @@ async def test_stop_and_logprobs(client, llm_engine):
                 "tools": [{"type": "function", "function": {"name": "f"}}],
             },
             400,
-            "tools",
+            "tool_choice",  # "auto" (the default with tools) needs --enable-auto-tool-choice
         ),
         ("/v1/nope", {}, 404, None),
     ],

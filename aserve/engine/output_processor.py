@@ -136,8 +136,12 @@ class OutputProcessor:
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:  # every sequence scores the prompt
             state.prompt_logprobs = [None] + [self._logprob_dict(lp) for lp in out.prompt_logprobs]
         detok = state.detokenizers[index]
+        # The stop token (EOS or one of stop_token_ids) that ends a sequence is no text, as in vLLM, even where
+        # special tokens are kept (skip_special_tokens false); include_stop_str_in_output keeps it.
+        last_is_stop = out.finished and out.finish_reason == "stop" and not state.params.include_stop_str_in_output
+        last = len(out.new_token_ids) - 1
         for i, token_id in enumerate(out.new_token_ids):
-            stop = detok.add_token(token_id)
+            stop = None if last_is_stop and i == last else detok.add_token(token_id)
             state.token_ids[index].append(token_id)
             if out.new_logprobs is not None:
                 state.logprobs[index].append(self._logprob_dict(out.new_logprobs[i]))

@@ -9,6 +9,7 @@ from aserve.entrypoints.openai.structured_request import (
     ResponseFormat,
     structured_outputs_params,
 )
+from aserve.entrypoints.openai.tool_request import check_tools, forced_output, template_message
 from aserve.sampling_params import ParamError, SamplingParams
 
 # What one API request may ask for. A client can always split work across requests; these bound what a single
@@ -88,7 +89,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     def check_limits(self) -> None:
         """The caps above, plus integers that must fit in 64 bits (JSON integers are unbounded)."""
         self.check_unsupported()
-        structured_outputs_params(self)
+        self.structured_outputs_params()
         if isinstance(self.n, int) and self.n > MAX_N:
             raise ParamError("n", f"n must be <= {MAX_N}, got {self.n}")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -144,8 +145,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             logit_bias=self.token_logit_bias(),
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
-            structured_outputs=structured_outputs_params(self),
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_outputs_params(self):
+        """The constraint on the output: structured output's fields (structured_request.py)."""
+        return structured_outputs_params(self)
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -207,18 +212,25 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
-    tools: list | None = None  # only with tool_choice "none" (check_unsupported): aserve parses no tool calls
-    tool_choice: str | dict | None = None
-    functions: list | None = None
+    tools: list[dict] | None = None  # tool calling: tool_request.py (the request), tool_output.py (the response)
+    tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
+    parallel_tool_calls: bool = True
+    functions: list | None = None  # refused (the deprecated spelling of tools)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if (self.tools or self.functions) and self.tool_choice != "none":
-            param = "tools" if self.tools else "functions"
-            raise ParamError(param, f"{param} are not supported (aserve parses no tool calls); send tool_choice "
-                             "'none' or no tools")  # fmt: skip
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ParamError("tool_choice", "tool_choice other than 'none' is not supported")
+        check_tools(self.tools, self.tool_choice, self.functions)
+
+    def structured_outputs_params(self):
+        """tool_choice "required" or a named function forces the output's shape (tool_request.forced_output), which
+        no other structured output may then change."""
+        forced = forced_output(self.tools, self.tool_choice, self.parallel_tool_calls) if self.tools else None
+        if forced is None:
+            return super().structured_outputs_params()
+        if super().structured_outputs_params() is not None:
+            raise ParamError("tool_choice", "tool_choice 'required' or a named function cannot be combined with "
+                             "response_format or structured_outputs")  # fmt: skip
+        return forced
 
     logprobs_param = "top_logprobs"
 
@@ -255,7 +267,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                 content = "".join(texts)
             elif content is not None and not isinstance(content, str):
                 raise ParamError(f"messages[{i}].content", "content must be a string or a list of text parts")
-            out.append({**msg, "role": role, "content": content or ""})
+            out.append(template_message({**msg, "role": role, "content": content or ""}))
         return out
 
 

@@ -30,6 +30,9 @@ from aserve.entrypoints.openai.request_body import MAX_BODY_BYTES, BodyReader
 from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, error_body, usage
 from aserve.entrypoints.openai.streaming import EventStream, absorb, stream_response
 from aserve.entrypoints.openai.structured_request import structured_outputs_field
+from aserve.entrypoints.openai.tool_output import template_kwargs, tool_call_output
+from aserve.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from aserve.entrypoints.openai.tool_request import forces_tool_call
 from aserve.metrics import PrometheusMetrics
 from aserve.sampling_params import ParamError
 from aserve.version import __version__
@@ -68,6 +71,8 @@ class ServerState:
         self.idle.set()
         self.bodies = BodyReader(engine.check_prompt_chars)
         self.connections: ConnectionGuard | None = None  # `aserve serve`'s read timeouts and connection limit
+        self.tool_parser: ToolParser | None = None  # --tool-call-parser
+        self.enable_auto_tool_choice = False  # --enable-auto-tool-choice: tool_choice "auto" is parsed
 
     def attach_connections(self, guard: ConnectionGuard) -> None:
         """`aserve serve`'s connections go through `guard`: handlers mark their phases on it."""
@@ -98,7 +103,7 @@ class ServerState:
         try:
             await self.engine.compile_grammar(params)
         except ParamError as e:
-            e.param = structured_outputs_field(req)
+            e.param = "tools" if forces_tool_call(req) else structured_outputs_field(req)
             raise
 
 
@@ -195,14 +200,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     req.check_limits()
     state.engine.check_queue(req.n)
+    tools = tool_call_output(req, state.tool_parser, state.enable_auto_tool_choice)
     params = state.sampling_params(req, default_max_tokens=None)
+    if tools is not None:
+        tools.adjust(params)
     await state.compile_grammar(req, params)
-    ids = await state.engine.render_chat(req.conversation(), req.add_generation_prompt, req.chat_template_kwargs)
+    ids = await state.engine.render_chat(req.conversation(), req.add_generation_prompt, template_kwargs(req))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True)
+    return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True, tools=tools)
 
 
-async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool):
+async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool, tools=None):
     """Runs every (text, ids, params) prompt; choice index = prompt index * n + sample index."""
     n = req.n
     created = int(time.time())
@@ -215,7 +223,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     sink = OutputSink()
     if req.stream:
         sink = EventStream(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
-                           state.on_slow_client)  # fmt: skip
+                           state.on_slow_client, tools)  # fmt: skip
     streams = []
     # Checked again now that tokenising is done; nothing below awaits before the requests are queued.
     state.engine.check_queue(len(prompts) * n)
@@ -248,6 +256,9 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
         raise APIError(failed.error_status, failed.error, type_=type_)
     builder = chat_chunk if chat else completion_chunk
     body = builder(request_id, created, state.model_name, choices, final=True)
+    if tools is not None:
+        for body_choice, choice in zip(body["choices"], choices):
+            tools.message(body_choice, choice)
     if req.prompt_logprobs is not None:
         add_prompt_logprobs(body, choices, chat)
     body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices))
@@ -366,10 +377,18 @@ async def _wait_idle(state: ServerState, timeout: float, force: asyncio.Event | 
             w.cancel()
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> web.Application:
+def build_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
-    app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
+    state = app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
+    state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    state.enable_auto_tool_choice = enable_auto_tool_choice
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

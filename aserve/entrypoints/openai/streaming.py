@@ -60,7 +60,8 @@ class EventStream(OutputSink):
     ended (True: finished, the last events written; False: cut off or failed)."""
 
     def __init__(self, request: web.Request, model: str, req, request_id: str, created: int,
-                 choices: list[ChoiceState], prompt_tokens: int, chat: bool, on_slow_client) -> None:  # fmt: skip
+                 choices: list[ChoiceState], prompt_tokens: int, chat: bool, on_slow_client,
+                 tools=None) -> None:  # fmt: skip
         super().__init__()
         self.request, self.model, self.request_id, self.created = request, model, request_id, created
         self.choices, self.prompt_tokens, self.chat, self.n = choices, prompt_tokens, chat, req.n
@@ -68,6 +69,7 @@ class EventStream(OutputSink):
         self.include_usage = req.include_usage
         self.report_prompt_logprobs = req.prompt_logprobs is not None
         self.on_slow_client = on_slow_client
+        self.tools = tools  # a chat's tool-call handling (tool_output.ToolCallOutput): rewrites each delta
         self.group: StreamGroup | None = None
         self.transport = None
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -75,6 +77,8 @@ class EventStream(OutputSink):
 
     def chunk(self, choice: ChoiceState, **kw) -> bytes:
         body = self.builder(self.request_id, self.created, self.model, [choice], **kw)
+        if self.tools is not None and not kw.get("role_only") and not self.tools.delta(body["choices"][0], choice):
+            return b""  # text held back while a tool call may be forming
         if self.report_prompt_logprobs and not kw.get("role_only"):
             add_prompt_logprobs(body, [choice], self.chat)
         if self.include_usage:

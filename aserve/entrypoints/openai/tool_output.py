@@ -1,0 +1,157 @@
+"""Tool calling on the response side: a chat choice's output text turned into OpenAI's `tool_calls`, whole (the
+message) or as stream deltas.
+
+auto: the server's parser (--tool-call-parser) finds the calls; streaming sends text on until a call marker may be
+forming, then holds it and sends each call whole (name and arguments in one delta) once the parser sees it complete.
+named: the output is the named function's arguments (forced by its schema); streamed as argument pieces after a first
+delta with the call's id and name. required: the output is a JSON list of {"name", "parameters"} (forced); streamed
+as whole calls at the end. A choice with calls finishing on "stop" finishes on "tool_calls"."""
+
+from __future__ import annotations
+
+import json
+
+from aserve.entrypoints.openai.responses import ChoiceState
+from aserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser
+from aserve.entrypoints.openai.tool_parsers.base import call_id, openai_call
+from aserve.entrypoints.openai.tool_request import AUTO, NAMED, REQUIRED, named_function, tool_mode
+from aserve.sampling_params import ParamError, SamplingParams
+
+AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+
+
+def tool_call_output(req, parser: ToolParser | None, enable_auto: bool) -> ToolCallOutput | None:
+    """A chat request's tool-call handling (None: its output is plain text); "auto" needs the server's parser."""
+    mode = tool_mode(req.tools, req.tool_choice)
+    if mode is None:
+        return None
+    if mode != AUTO:
+        return ToolCallOutput(mode, name=named_function(req.tool_choice))
+    if not enable_auto or parser is None:
+        raise ParamError("tool_choice", AUTO_NEEDS_FLAGS)
+    return ToolCallOutput(AUTO, parser)
+
+
+def template_kwargs(req) -> dict | None:
+    """The chat template's extra arguments: the request's chat_template_kwargs, and its tools."""
+    if not req.tools:
+        return req.chat_template_kwargs
+    return {**(req.chat_template_kwargs or {}), "tools": req.tools}
+
+
+class _StreamState:
+    __slots__ = ("sent", "in_calls", "calls_sent", "content_sent", "named_id")
+
+    def __init__(self) -> None:
+        self.sent = 0  # characters of the text sent as content or known to be calls
+        self.in_calls = False  # a call marker has begun: the rest is held
+        self.calls_sent = 0
+        self.content_sent = ""
+        self.named_id: str | None = None
+
+
+class ToolCallOutput:
+    """One chat request's tool-call handling: mode AUTO (with `parser`), NAMED (with `name`) or REQUIRED."""
+
+    def __init__(self, mode: str, parser: ToolParser | None = None, name: str | None = None) -> None:
+        assert mode in (AUTO, NAMED, REQUIRED) and (mode != AUTO or parser is not None)
+        self.mode, self.parser, self.name = mode, parser, name
+        self.states: dict[int, _StreamState] = {}
+
+    def adjust(self, params: SamplingParams) -> None:
+        """A parser whose markers are special tokens needs them in the decoded text."""
+        if self.parser is not None and self.parser.needs_special_tokens:
+            params.skip_special_tokens = False
+
+    def calls(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole output -> (its text outside the calls, the calls); no calls: (text, [])."""
+        if self.mode == AUTO:
+            return self.parser.extract(text)
+        if self.mode == NAMED:
+            return ("", [ToolCall(self.name, text)]) if text.strip() else (text, [])
+        try:
+            items = json.loads(text)
+        except ValueError:  # cut short (max_tokens): no complete list
+            return text, []
+        calls = [ToolCall.from_json(item, "parameters") for item in items] if isinstance(items, list) else [None]
+        return ("", calls) if calls and None not in calls else (text, [])
+
+    def message(self, body_choice: dict, choice: ChoiceState) -> None:
+        """Rewrites a final body's choice: content outside the calls (or null), tool_calls, finish_reason."""
+        content, calls = self.calls(choice.text)
+        if not calls:
+            return
+        message = body_choice["message"]
+        message["content"] = content or None
+        message["tool_calls"] = [openai_call(call) for call in calls]
+        if body_choice["finish_reason"] == "stop":
+            body_choice["finish_reason"] = "tool_calls"
+
+    def delta(self, body_choice: dict, choice: ChoiceState) -> bool:
+        """Rewrites a stream chunk's choice -> whether it still has anything to send."""
+        state = self.states.get(choice.index)
+        if state is None:
+            state = self.states[choice.index] = _StreamState()
+        finished = choice.finish_reason is not None
+        if self.mode == NAMED:
+            content, calls = "", self._named_pieces(state, choice.delta_text)
+        elif self.mode == REQUIRED:
+            content, calls = self._at_end(state, choice.text) if finished else ("", [])
+        else:
+            content, calls = self._auto(state, choice.text, finished)
+        delta: dict = {}
+        if content:
+            delta["content"] = content
+            state.content_sent += content
+        if calls:
+            delta["tool_calls"] = calls
+        body_choice["delta"] = delta
+        if finished and state.calls_sent and body_choice["finish_reason"] == "stop":
+            body_choice["finish_reason"] = "tool_calls"
+        return bool(delta) or finished or body_choice.get("logprobs") is not None
+
+    def _named_pieces(self, state: _StreamState, piece: str) -> list[dict]:
+        if not piece:
+            return []
+        if state.named_id is None:
+            state.named_id = call_id()
+            state.calls_sent = 1
+            return [{"index": 0, "id": state.named_id, "type": "function",
+                     "function": {"name": self.name, "arguments": piece}}]  # fmt: skip
+        return [{"index": 0, "function": {"arguments": piece}}]
+
+    def _auto(self, state: _StreamState, text: str, finished: bool) -> tuple[str, list[dict]]:
+        parser, content = self.parser, ""
+        if not state.in_calls:
+            rest = text[state.sent :]
+            if parser.only_at_start:
+                start = parser.marker_start(text) if state.sent == 0 else -1
+            else:
+                start = parser.marker_start(rest)
+                start = start + state.sent if start >= 0 else -1
+            if start >= 0:
+                content, state.sent, state.in_calls = text[state.sent : start], start, True
+            else:
+                safe = len(rest) if finished else parser.safe_prefix(rest)
+                content, state.sent = rest[:safe], state.sent + safe
+                return content, []
+        if finished:
+            more, calls = self._at_end(state, text, content)
+            return content + more, calls
+        _, calls = parser.extract(text)
+        return content, self._new_calls(state, calls)
+
+    def _at_end(self, state: _StreamState, text: str, sending: str = "") -> tuple[str, list[dict]]:
+        """The output is complete: the calls not sent yet, and the text outside the calls not sent yet (all the held
+        text when it held no call after all); `sending`: content this delta sends before it."""
+        outside, calls = self.calls(text)
+        if not calls:
+            return text[state.sent :], []
+        sent = (state.content_sent + sending).strip()
+        more = outside[len(sent) :].strip() if outside.startswith(sent) else ""
+        return more, self._new_calls(state, calls)
+
+    def _new_calls(self, state: _StreamState, calls: list[ToolCall]) -> list[dict]:
+        new = [{"index": state.calls_sent + i, **openai_call(call)} for i, call in enumerate(calls[state.calls_sent :])]
+        state.calls_sent = max(state.calls_sent, len(calls))
+        return new

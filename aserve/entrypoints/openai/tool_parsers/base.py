@@ -1,0 +1,96 @@
+"""What every tool-call parser shares: the call type, OpenAI's call ids, and the contract a format implements.
+
+A parser reads a model's whole output text -> (the text outside the calls, the calls). Streaming reuses it: while
+no call has begun, text is sent on except what may be the start of a call marker (held back until it is known);
+once a marker has begun, the parser is asked for the calls complete so far, and each is sent whole when done."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's function.arguments)
+
+    @classmethod
+    def from_json(cls, obj, arguments_key: str = "arguments") -> ToolCall | None:
+        """{"name": ..., arguments_key: {...}} -> a call; None when `obj` has not that shape."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get(arguments_key, {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string already
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        return cls(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def openai_call(call: ToolCall, id_: str | None = None) -> dict:
+    """A call as the message's tool_calls entry."""
+    return {"id": id_ or call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def json_values(text: str) -> tuple[list, str] | None:
+    """The JSON values written one after another in `text` (whitespace, `,` or `;` between them) -> (values, what
+    follows the last); None when `text` does not start with one (or it is incomplete)."""
+    decoder = json.JSONDecoder()
+    values, pos = [], 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,;":
+            pos += 1
+        if pos == len(text) or text[pos] not in "{[":
+            break
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        values.append(value)
+    return (values, text[pos:]) if values else None
+
+
+class ToolParser:
+    """One model family's tool-call format. `start_markers`: the texts a call (or the calls) begin with;
+    `only_at_start`: calls are recognised only at the start of the output (after whitespace), as Llama 3's are;
+    `needs_special_tokens`: a marker is a special token, so the output is decoded with special tokens kept."""
+
+    name = ""
+    start_markers: tuple[str, ...] = ()
+    only_at_start = False
+    needs_special_tokens = False
+
+    def extract(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The whole output -> (text outside the calls, the calls); no calls: (text, [])."""
+        raise NotImplementedError
+
+    def marker_start(self, text: str) -> int:
+        """Where the first call marker begins in `text`, or -1."""
+        if self.only_at_start:
+            stripped = text.lstrip()
+            return len(text) - len(stripped) if stripped.startswith(self.start_markers) else -1
+        found = [i for i in (text.find(m) for m in self.start_markers) if i >= 0]
+        return min(found, default=-1)
+
+    def safe_prefix(self, text: str) -> int:
+        """How much of `text` (with no whole marker in it) can be sent as content: all but a tail that may yet grow
+        into a marker."""
+        if self.only_at_start:
+            stripped = text.lstrip()
+            return 0 if any(m.startswith(stripped) for m in self.start_markers) else len(text)
+        hold = 0
+        for marker in self.start_markers:
+            for k in range(min(len(marker) - 1, len(text)), hold, -1):
+                if text.endswith(marker[:k]):
+                    hold = k
+                    break
+        return len(text) - hold

@@ -1,0 +1,119 @@
+"""Tool calling on the request side: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` checked, the tools
+handed to the chat template, the conversation's earlier tool calls and results made into what templates expect, and
+the JSON schema that `tool_choice` "required" or a named function imposes on the output (structured output, so the
+arguments are valid for the function's parameters every time; vLLM builds the same schemas)."""
+
+from __future__ import annotations
+
+import json
+
+from aserve.sampling_params import ParamError, StructuredOutputsParams
+
+AUTO, REQUIRED, NAMED = "auto", "required", "named"
+
+
+def check_tools(tools: list | None, tool_choice, functions) -> None:
+    """The shapes OpenAI documents; a named tool_choice must name one of the tools."""
+    if functions is not None:
+        raise ParamError("functions", "functions (deprecated) are not supported; send tools")
+    if tools is not None:
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or tool.get("type") != "function":
+                raise ParamError(f"tools[{i}]", 'each tool must be {"type": "function", "function": {...}}')
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise ParamError(f"tools[{i}].function.name", "each function needs a name")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise ParamError(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
+    if tool_choice is None or tool_choice in ("none", "auto", "required"):
+        if tool_choice == "required" and not tools:
+            raise ParamError("tool_choice", "tool_choice 'required' needs tools")
+        return
+    if isinstance(tool_choice, str):
+        raise ParamError("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a function, got "
+                         f"{tool_choice!r}")  # fmt: skip
+    name = _named(tool_choice)
+    if name is None:
+        raise ParamError("tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}')
+    if _function(tools, name) is None:
+        raise ParamError("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+
+
+def tool_mode(tools: list | None, tool_choice) -> str | None:
+    """None (no tool calls are parsed), AUTO (a parser finds them), REQUIRED or NAMED (the output is forced)."""
+    if not tools or tool_choice == "none":
+        return None
+    if tool_choice is None or tool_choice == "auto":
+        return AUTO
+    return REQUIRED if tool_choice == "required" else NAMED
+
+
+def forces_tool_call(req) -> bool:
+    """Whether a request's structured output is the tools' schemas (so a schema that fails to compile is a tool's)."""
+    return tool_mode(getattr(req, "tools", None), getattr(req, "tool_choice", None)) in (REQUIRED, NAMED)
+
+
+def named_function(tool_choice) -> str | None:
+    return _named(tool_choice) if isinstance(tool_choice, dict) else None
+
+
+def _named(tool_choice: dict) -> str | None:
+    function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _function(tools: list | None, name: str) -> dict | None:
+    return next((t["function"] for t in tools or [] if t["function"]["name"] == name), None)
+
+
+def _parameters(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def forced_output(tools: list, tool_choice, parallel_tool_calls: bool) -> StructuredOutputsParams | None:
+    """The structured output that tool_choice "required" or a named function imposes; None otherwise. Named: the
+    output is that function's arguments. Required: a JSON list of {"name", "parameters"}, each one of the tools."""
+    mode = tool_mode(tools, tool_choice)
+    if mode == NAMED:
+        return StructuredOutputsParams(json=_parameters(_function(tools, named_function(tool_choice))))
+    if mode != REQUIRED:
+        return None
+    one_of = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "parameters": _parameters(t["function"]),
+            },  # fmt: skip
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": one_of}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+def template_message(msg: dict) -> dict:
+    """An assistant message's tool_calls with their arguments as objects (templates write them with `tojson` or
+    iterate over them; the API carries them as JSON text)."""
+    calls = msg.get("tool_calls")
+    if not calls:
+        return msg
+    if not isinstance(calls, list):
+        raise ParamError("messages", "tool_calls must be a list")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise ParamError("messages", "each tool call needs a function")
+        args = function.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise ParamError("messages", f"a tool call's arguments are not JSON: {e}") from e
+        out.append({**call, "function": {**function, "arguments": args}})
+    return {**msg, "tool_calls": out}

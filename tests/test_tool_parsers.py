@@ -1,0 +1,251 @@
+"""Tool calling without a model: each parser's extraction from whole outputs, the same outputs streamed in pieces
+through ToolCallOutput (the deltas put back together equal the whole), the forced schemas of tool_choice "required"
+and a named function, and the request checks."""
+
+import json
+
+import jsonschema
+import pytest
+
+from aserve.entrypoints.openai.protocol import ChatCompletionRequest
+from aserve.entrypoints.openai.responses import ChoiceState
+from aserve.entrypoints.openai.tool_output import ToolCallOutput, template_kwargs, tool_call_output
+from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCall, get_tool_parser
+from aserve.entrypoints.openai.tool_request import AUTO, NAMED, REQUIRED, forced_output, template_message
+from aserve.outputs import CompletionOutput
+from aserve.sampling_params import ParamError
+
+WEATHER = ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
+TIME = ToolCall("get_time", '{"zone": "UTC"}')
+
+# parser -> [(output text, expected content, expected calls)]
+CASES = {
+    "hermes": [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+         "", [WEATHER]),
+        ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+         '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+         "Let me check.", [WEATHER, TIME]),
+        ("No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
+        ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "", [WEATHER]),
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+         '{"name": "get_time", "parameters": {"zone": "UTC"}}', "", [WEATHER, TIME]),
+        ("The weather is {sunny}.", "The weather is {sunny}.", []),
+        ('{"answer": 42}', '{"answer": 42}', []),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]', "", [WEATHER]),
+        ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+         '{"name": "get_time", "arguments": {"zone": "UTC"}}]', "Sure.", [WEATHER, TIME]),
+        ("Just text [TOOL", "Just text [TOOL", []),
+    ],
+}  # fmt: skip
+ALL_CASES = [(name, *case) for name, cases in CASES.items() for case in cases]
+
+
+def test_registry_has_vllm_names():
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        get_tool_parser("nope")
+
+
+@pytest.mark.parametrize("name,text,content,calls", ALL_CASES)
+def test_extract_whole_output(name, text, content, calls):
+    got_content, got_calls = get_tool_parser(name).extract(text)
+    assert got_calls == calls
+    assert got_content == content
+
+
+def _stream(output: ToolCallOutput, text: str, piece: int, finish: str = "stop") -> list[dict]:
+    """Feeds `text` in pieces of `piece` characters -> the chunks' choices that were sent."""
+    choice, sent = ChoiceState(0, None), []
+    for start in range(0, len(text), piece):
+        last = start + piece >= len(text)
+        choice.add(CompletionOutput(0, text[start : start + piece], [], finish_reason=finish if last else None), None)
+        body_choice = {"index": 0, "delta": {"content": choice.delta_text}, "logprobs": None,
+                       "finish_reason": choice.finish_reason}  # fmt: skip
+        if output.delta(body_choice, choice):
+            sent.append(body_choice)
+        choice.clear_delta()
+    return sent
+
+
+def _joined(sent: list[dict]) -> tuple[str, list[ToolCall], str]:
+    """Stream deltas put back together as a client does -> (content, calls, finish_reason)."""
+    content, calls = "", {}
+    for c in sent:
+        content += c["delta"].get("content", "")
+        for d in c["delta"].get("tool_calls", []):
+            call = calls.setdefault(d["index"], {"id": None, "name": "", "arguments": ""})
+            call["id"] = call["id"] or d.get("id")
+            call["name"] += d.get("function", {}).get("name", "")
+            call["arguments"] += d["function"]["arguments"]
+    assert all(call["id"].startswith("call_") for call in calls.values())
+    return content, [ToolCall(c["name"], c["arguments"]) for _, c in sorted(calls.items())], sent[-1]["finish_reason"]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+@pytest.mark.parametrize("name,text,content,calls", ALL_CASES)
+def test_streamed_pieces_equal_the_whole(name, text, content, calls, piece):
+    sent = _stream(ToolCallOutput(AUTO, get_tool_parser(name)), text, piece)
+    got_content, got_calls, finish = _joined(sent)
+    assert got_calls == calls
+    assert got_content.strip() == (content if calls else text).strip()
+    assert finish == ("tool_calls" if calls else "stop")
+
+
+def test_stream_sends_plain_text_at_once_and_holds_a_forming_marker():
+    output = ToolCallOutput(AUTO, get_tool_parser("hermes"))
+    sent = _stream(output, "Hello <tool", 6, finish=None)  # never finishes: what is sent so far
+    assert [c["delta"] for c in sent] == [{"content": "Hello "}]
+    sent = _stream(ToolCallOutput(AUTO, get_tool_parser("hermes")), "Hello <tooth>", 6)
+    assert "".join(c["delta"].get("content", "") for c in sent) == "Hello <tooth>"
+
+
+def test_hermes_call_is_sent_when_its_block_closes():
+    output = ToolCallOutput(AUTO, get_tool_parser("hermes"))
+    text = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n<tool_call>{"na'
+    sent = _stream(output, text, 5, finish=None)
+    calls = [d for c in sent for d in c["delta"].get("tool_calls", [])]
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in calls] == [
+        (0, "get_time", '{"zone": "UTC"}')
+    ]
+
+
+def test_named_streams_argument_pieces_after_a_first_delta_with_the_name():
+    sent = _stream(ToolCallOutput(NAMED, name="get_time"), '{"zone": "UTC"}', 4)
+    first = sent[0]["delta"]["tool_calls"][0]
+    assert first["function"]["name"] == "get_time" and first["type"] == "function" and first["index"] == 0
+    assert all("name" not in c["delta"]["tool_calls"][0]["function"] for c in sent[1:])
+    assert _joined(sent) == ("", [TIME], "tool_calls")
+
+
+def test_required_output_is_a_list_of_calls():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, ' \
+           '{"name": "get_time", "parameters": {"zone": "UTC"}}]'  # fmt: skip
+    output = ToolCallOutput(REQUIRED)
+    assert output.calls(text) == ("", [WEATHER, TIME])
+    assert _joined(_stream(ToolCallOutput(REQUIRED), text, 9)) == ("", [WEATHER, TIME], "tool_calls")
+    assert output.calls('[{"name": "get_ti') == ('[{"name": "get_ti', [])  # cut short by max_tokens
+
+
+def test_message_rewrite():
+    choice = ChoiceState(0, None)
+    text = 'Checking. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    choice.add(CompletionOutput(0, text, [], finish_reason="stop"), None)
+    body_choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+    ToolCallOutput(AUTO, get_tool_parser("hermes")).message(body_choice, choice)
+    assert body_choice["finish_reason"] == "tool_calls"
+    assert body_choice["message"]["content"] == "Checking."
+    [call] = body_choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}},
+]  # fmt: skip
+
+
+def test_forced_schemas():
+    named = forced_output(TOOLS, {"type": "function", "function": {"name": "get_time"}}, True)
+    assert named.json == TOOLS[1]["function"]["parameters"]
+    required = forced_output(TOOLS, "required", False).json
+    good = [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}]
+    jsonschema.validate(good, required)
+    for bad in ([], good * 2, [{"name": "get_time", "parameters": {"city": "Paris", "unit": "celsius"}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, required)
+    assert forced_output(TOOLS, "auto", True) is None
+
+
+def _request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ],
+)
+def test_request_checks(kw, param):
+    import msgspec
+
+    req = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **kw}, ChatCompletionRequest)
+    with pytest.raises(ParamError) as e:
+        req.check_limits()
+    assert e.value.param == param
+
+
+def test_auto_needs_the_server_flags():
+    req = _request(tools=TOOLS)
+    with pytest.raises(ParamError, match="--enable-auto-tool-choice"):
+        tool_call_output(req, None, False)
+    assert tool_call_output(req, get_tool_parser("hermes"), True).mode == AUTO
+    assert tool_call_output(_request(tools=TOOLS, tool_choice="none"), None, False) is None
+    assert tool_call_output(_request(tools=TOOLS, tool_choice="required"), None, False).mode == REQUIRED
+    assert template_kwargs(_request(tools=TOOLS, chat_template_kwargs={"x": 1})) == {"x": 1, "tools": TOOLS}
+
+
+def test_sampling_params_carry_the_forced_schema():
+    req = _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    req.check_limits()
+    assert req.to_sampling_params(8).structured_outputs.json == TOOLS[0]["function"]["parameters"]
+
+
+def test_earlier_tool_calls_reach_the_template_with_object_arguments():
+    msg = {"role": "assistant", "content": None,
+           "tool_calls": [{"id": "call_1", "type": "function",
+                           "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}  # fmt: skip
+    assert template_message(msg)["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "12"}
+    conv = ChatCompletionRequest(messages=[{"role": "user", "content": "time?"}, msg, result]).conversation()
+    assert conv[1]["content"] == "" and conv[1]["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
+    assert conv[2] == {"role": "tool", "tool_call_id": "call_1", "content": "12"}
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"zone": "UTC"}  # the request is unchanged
+
+
+# A Hermes-like template: the tools in the system turn, earlier calls as <tool_call> blocks, results as tool turns.
+_TOOL_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_tools_and_earlier_calls_render_through_the_template(tmp_path):
+    import asyncio
+
+    from tiny_models import build_tokenizer
+
+    from aserve.engine.tokenizer_pool import TokenizerPool
+
+    tokenizer = build_tokenizer(str(tmp_path))
+    tokenizer.chat_template = _TOOL_TEMPLATE
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    req = _request(tools=TOOLS, chat_template_kwargs={"unused": 1})
+    req.messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]  # fmt: skip
+    pool = TokenizerPool(tokenizer)
+    ids = asyncio.run(pool.render_chat(req.conversation(), True, template_kwargs(req), 0, lambda n: None))
+    pool.shutdown()
+    assert tokenizer.decode(ids) == (
+        "tools: get_weather get_timeuser: hi"
+        'assistant: <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+        "tool: 12:00assistant:"
+    )
