@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import codecs
 import json
-import logging
 
 from tokenizers.decoders import DecodeStream
-
-logger = logging.getLogger("aserve")
 
 _PRIME_TOKENS = 6  # prompt tokens fed to the decoder first, so the first output token decodes in context
 _CHECK_TEXT = (

@@ -29,6 +29,7 @@ logger = logging.getLogger("aserve")
 _encode = msgspec.json.encode
 
 SLOW_CLIENT = "the client stopped reading its stream"
+DONE = b"data: [DONE]\n\n"
 
 
 def sse(obj) -> bytes:
@@ -48,9 +49,16 @@ def absorb(choices: list[ChoiceState], prompt_index: int, n: int, out: RequestOu
     return touched
 
 
-def stream_error(message: str, status: int) -> dict:
-    """The last event of a stream that cannot finish (vLLM's shape: the HTTP status as the code)."""
-    return error_body(message, "server_error" if status == 500 else "service_unavailable", code=status)
+def error_events(message: str, status: int) -> bytes:
+    """The last events of a stream that cannot finish: the error (vLLM's shape: the HTTP status as the code), then
+    [DONE]."""
+    error = error_body(message, "server_error" if status == 500 else "service_unavailable", code=status)
+    return sse(error) + DONE
+
+
+def http_chunk(data: bytes) -> bytes:
+    """`data` in HTTP/1.1 chunked framing (what aiohttp writes for a streamed response)."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 class EventStream(OutputSink):
@@ -92,13 +100,13 @@ class EventStream(OutputSink):
         for i, out in batch:
             if isinstance(out, BaseException):
                 self.include_usage = False
-                return sse(stream_error(f"the engine failed: {out}", 500)) + b"data: [DONE]\n\n", True
+                return error_events(f"the engine failed: {out}", 500), True
             for choice in absorb(self.choices, i, self.n, out):
                 touched[choice.index] = choice
         failed = next((c for c in touched.values() if c.error), None)
         if failed is not None:
             self.include_usage = False
-            return sse(stream_error(failed.error, failed.error_status)) + b"data: [DONE]\n\n", True
+            return error_events(failed.error, failed.error_status), True
         parts = []
         for choice in touched.values():
             parts.append(self.chunk(choice, final=False))
@@ -109,7 +117,7 @@ class EventStream(OutputSink):
         return b"".join(parts), False
 
     def tail(self) -> bytes:
-        tail = b"data: [DONE]\n\n"
+        tail = DONE
         if self.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             totals = usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices))
@@ -134,7 +142,7 @@ class EventStream(OutputSink):
             if transport.is_closing():  # the client went away: its requests end now
                 return self._end(False)
             if data:
-                transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                transport.write(http_chunk(data))
             if ended:
                 self._end(True)
             elif transport.get_write_buffer_size() > self.buffer_limit:
@@ -142,8 +150,7 @@ class EventStream(OutputSink):
         except Exception:  # a fault here ends this stream only (with an error event), never the step coroutine
             logger.exception("stream %s failed", self.request_id)
             with contextlib.suppress(Exception):
-                error = sse(stream_error("internal server error", 500)) + b"data: [DONE]\n\n"
-                self.transport.write(b"%x\r\n%b\r\n" % (len(error), error))
+                self.transport.write(http_chunk(error_events("internal server error", 500)))
             self._end(True)
 
     def _end(self, finished: bool) -> None:
@@ -187,7 +194,7 @@ async def stream_response(request: web.Request, stream: EventStream, group: Stre
     except Exception:  # headers are sent: the error can only go in the stream
         logger.exception("stream %s failed", stream.request_id)
         with contextlib.suppress(Exception):  # the client may be gone as well
-            await response.write(sse(stream_error("internal server error", 500)) + b"data: [DONE]\n\n")
+            await response.write(error_events("internal server error", 500))
             await response.write_eof()
     finally:
         await group.aclose()  # a client that went away aborts its requests here
