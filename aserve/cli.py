@@ -39,7 +39,7 @@ _HELP = {
     "enforce_eager": "CPU: do not torch.compile element-wise ops (faster start)",
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
     "max_queue_len": "serving: answer 429 (with Retry-After) when more sequences than this would wait for a slot",
-    "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on for CUDA without speculation)",
+    "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on for CUDA)",
     "quantization": "awq / gptq: require an AWQ / GPTQ int4 checkpoint (detected from the checkpoint either way); "
     "fp8 / int8: quantise a 16-bit checkpoint's linear weights at load to FP8 e4m3 / int8 (weight-only, per channel)",
 }

@@ -40,7 +40,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (triton on GPU, torch on CPU) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs (GPU) / no torch.compile of element-wise work (CPU)
     # Schedule and launch step N+1 while step N runs (hides the host's per-step work behind the GPU's).
-    # None: on for CUDA without speculative decoding.
+    # None: on for CUDA.
     async_scheduling: bool | None = None
     debug_invariants: bool = False  # check block/queue invariants after every step (slow)
     # Serving: at most this many sequences waiting to be scheduled; more get HTTP 429 (None: unbounded).

@@ -80,11 +80,16 @@ def tune(name: str, n: int, k: int, q: torch.Tensor, scale: torch.Tensor) -> Non
             gemv.append((bench_us(lambda: int8.int8_gemv(x1, q, scale, None, cfg)), cfg))
     best = min(gemv, key=lambda t: t[0])
     print(f"tune {name} GEMV: {best[0]:.1f} us with {best[1]}")
-    for m in (4, 16):
+    for m in (4, 16, 64, 256):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         found = []
-        for bn, bk, warps, stages in itertools.product((32, 64), (128, 256), (4, 8), (3, 4)):
-            cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages)
+        if m <= 16:
+            grid = itertools.product((16,), (32, 64), (128, 256), (4, 8), (3, 4))
+        else:
+            grid = itertools.product((16, 32, 64) if m <= 64 else (64, 128), (64, 128), (64, 128), (4, 8), (3, 4))
+        for bm, bn, bk, warps, stages in grid:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1 if m <= 64 else 8, num_warps=warps,
+                       num_stages=stages)  # fmt: skip
             try:
                 found.append((bench_us(lambda: int8.int8_matmul(x, q, scale, config=cfg)), cfg))
             except Exception:  # shared memory exceeded: skip the configuration

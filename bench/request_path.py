@@ -49,8 +49,10 @@ async def run(model: str | None, max_tokens: int, max_model_len: int | None) -> 
             if path.startswith(packages):
                 files.add(os.path.relpath(path, ROOT))
 
-    threading.setprofile(profile)  # the step worker thread starts with the first request
+    # Threads started from now on, this one, and the step thread that already runs (the engine is built in it).
+    threading.setprofile(profile)
     sys.setprofile(profile)
+    engine._executor.submit(sys.setprofile, profile).result()
     try:
         for measured in (False, True):
             recording = measured
@@ -60,6 +62,7 @@ async def run(model: str | None, max_tokens: int, max_model_len: int | None) -> 
             assert text.endswith("data: [DONE]\n\n"), text[-200:]
             recording = False
     finally:
+        engine._executor.submit(sys.setprofile, None).result()
         sys.setprofile(None)
         threading.setprofile(None)
         await client.close()

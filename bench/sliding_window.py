@@ -115,8 +115,10 @@ def decode_step_ms(llm, context: int, batch: int) -> float:
         times = []
         for n in (1, 1 + DECODE_STEPS):
             t0 = time.perf_counter()
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             times.append(time.perf_counter() - t0)
+            lengths = {len(o.outputs[0].token_ids) for o in outs}
+            assert lengths == {n}, f"asked for {n} tokens per request, got {lengths} (a failed step?)"
         runs.append((times[1] - times[0]) / DECODE_STEPS * 1e3)
     return min(runs)
 

@@ -11,7 +11,7 @@ import torch
 from aserve import LLM, SamplingParams
 from aserve.spec.config import SpeculativeConfig
 from aserve.spec.ngram import propose_ngram
-from aserve.spec.policy import SpecPolicy, StepCostModel, expected_tokens
+from aserve.spec.policy import PROBE_EVERY, SpecPolicy, StepCostModel, expected_tokens
 from aserve.worker.sampler import Sampler
 
 MAX_NEW = 40
@@ -42,11 +42,14 @@ def spec_configs(tiny_model_factory):
 
 
 @pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model_self", "draft_model_other", "auto"])
-@pytest.mark.parametrize("engine", ["default", "chunked-16", "preemption"])
+@pytest.mark.parametrize("engine", ["default", "chunked-16", "preemption", "async"])
 def test_greedy_outputs_unchanged(tiny_model, tiny_model_factory, greedy_reference, method, engine):
     extra = {"default": {}, "chunked-16": {"max_num_batched_tokens": 16},
-             "preemption": {"num_gpu_blocks_override": 12, "max_model_len": 128}}[engine]  # fmt: skip
-    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, debug_invariants=True,
+             "preemption": {"num_gpu_blocks_override": 12, "max_model_len": 128},
+             # with CUDA graphs on a GPU
+             "async": {"async_scheduling": True, "enforce_eager": not torch.cuda.is_available()}}[engine]  # fmt: skip
+    extra = {"enforce_eager": True, **extra}
+    llm = LLM(tiny_model, dtype="float32", debug_invariants=True,
               speculative_config=spec_configs(tiny_model_factory)[method], **extra)  # fmt: skip
     outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert [o.outputs[0].token_ids for o in outs] == greedy_reference
@@ -100,10 +103,12 @@ N_SAMPLES = 20_000
 PROMPT8 = {"prompt_token_ids": [2, 3, 4, 5, 2, 3, 4]}
 
 
-def sample_pairs(path, spec, seed, top_p=1.0):
+def sample_pairs(path, spec, seed, top_p=1.0, async_scheduling=False):
     """Tokens 2 and 3 of N_SAMPLES requests (with speculation, both come out of one verification step)."""
-    llm = LLM(path, dtype="float32", enforce_eager=True, speculative_config=spec, seed=seed, max_num_seqs=512,
-              max_num_batched_tokens=4096)  # fmt: skip
+    # Async scheduling with CUDA graphs on a GPU
+    eager = not (async_scheduling and torch.cuda.is_available())
+    llm = LLM(path, dtype="float32", enforce_eager=eager, speculative_config=spec, seed=seed, max_num_seqs=512,
+              max_num_batched_tokens=4096, async_scheduling=async_scheduling)  # fmt: skip
     outs = llm.generate([PROMPT8] * N_SAMPLES, SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3,
                                                               ignore_eos=True))  # fmt: skip
     return collections.Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outs), llm.engine.stats
@@ -183,9 +188,10 @@ NGRAM8 = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1
 SKIP8 = {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("spec", [NGRAM8, SKIP8], ids=["ngram", "layer_skip"])
-def test_speculative_sampling_is_lossless(vocab8, plain_pairs, exact_pairs, spec):
-    pairs, stats = sample_pairs(vocab8, spec, seed=2)
+def test_speculative_sampling_is_lossless(vocab8, plain_pairs, exact_pairs, spec, async_scheduling):
+    pairs, stats = sample_pairs(vocab8, spec, seed=2, async_scheduling=async_scheduling)
     assert stats.spec_draft_tokens_total > N_SAMPLES and stats.spec_accepted_tokens_total > N_SAMPLES // 10
     assert chi_square_p(plain_pairs, pairs) > 0.01
     assert goodness_of_fit_p(pairs, exact_pairs) > 0.01
@@ -259,6 +265,50 @@ def test_adaptive_policy_drafts_only_where_it_pays():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     SpecPolicy.observe(bad, 4, 4)
     assert bad.spec_accepted == pytest.approx(4)
+
+
+def test_adaptive_policy_prices_the_lost_overlap_and_probes():
+    """With async scheduling a drafting step costs the overlap (sync_overhead) and an empty proposal counts as a
+    rejection; requests held at k = 0 draft one token together every PROBE_EVERY steps."""
+    cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto"})
+    cost = StepCostModel({1: 1.0, 2: 1.0, 8: 1.0})  # verification free in step time
+    policy = SpecPolicy(cfg, cost, overlap=True)
+    assert policy.empty_is_rejection and not SpecPolicy(cfg, cost).empty_is_rejection
+    low = _Req(0, 100)  # nothing accepted lately: the prior alone keeps the estimate at 1/102
+    weak = _Req(2, 10)  # 0.25
+    policy.begin_step()
+    assert policy.num_drafts(weak, 1) > 0
+    for _ in range(20):
+        cost.observe_sync_overhead(0.5)  # a step without overlap costs half a step more
+    assert cost.sync_overhead == pytest.approx(0.5, rel=0.02)
+    assert policy.num_drafts(weak, 1) == 0 and policy.num_drafts(low, 1) == 0
+    probes = []
+    for _ in range(3 * PROBE_EVERY):
+        policy.begin_step()
+        probes.append(policy.num_drafts(low, 1))
+    assert sum(probes) == 3 and set(probes) == {0, 1}  # one probe of one token per PROBE_EVERY steps
+    assert policy.num_drafts(_Req(90, 100), 1) == cfg.num_speculative_tokens  # high acceptance still pays
+
+
+@pytest.mark.parametrize("spec", ["ngram-auto", "ngram-4"])
+def test_async_scheduling_overlaps_steps_without_drafts(tiny_model, greedy_reference, spec):
+    """Speculation with async scheduling: greedy outputs unchanged; with drafts rarely accepted, auto holds the
+    requests at k = 0 and most steps are launched behind the one in flight."""
+    k = "auto" if spec == "ngram-auto" else 4
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, async_scheduling=True, debug_invariants=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1})  # fmt: skip
+    core = llm.engine.core
+    launches = []
+    launch = core.launch
+    core.launch = lambda work: launches.append((work.overlap, core.inflight is not None)) or launch(work)
+    outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.outputs[0].token_ids for o in outs] == greedy_reference
+    overlapped = sum(1 for overlap, behind in launches if overlap and behind)
+    if spec == "ngram-auto":
+        assert overlapped > len(launches) // 2, launches
+    else:
+        assert llm.engine.stats.spec_draft_tokens_total > 0
+    assert core.kv_manager.pool.num_free_blocks == core.num_kv_blocks
 
 
 def test_cost_model_learns_from_observed_steps():

@@ -55,6 +55,16 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def verifies(self) -> bool:
+        """Does the step verify drafts (how many tokens it adds is known only once it ran)?"""
+        return any(s.spec_token_ids for s in self.scheduled)
+
+    @property
+    def drafts_next(self) -> bool:
+        """Does a request ask for drafts after this step (they follow the token it samples)?"""
+        return any(s.num_draft_next for s in self.scheduled)
+
 
 class Scheduler:
     def __init__(
@@ -120,6 +130,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.spec_policy is not None:
+            self.spec_policy.begin_step()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -339,6 +351,8 @@ class Scheduler:
             request.spec_token_ids = propose_ngram(
                 request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max
             )
+            if not request.spec_token_ids and self.spec_policy.empty_is_rejection:
+                self.spec_policy.observe(request, 1, 0)
 
     def _fail(self, request: Request, error: str, forget_kv: bool = False, new_token_ids=()) -> EngineCoreOutput:
         if forget_kv:

@@ -68,7 +68,7 @@ class EngineConfig:
             eos_token_id=eos_token_id,
             vocab_size=hf_config.vocab_size,
             spec_config=spec_config,
-            async_scheduling=async_scheduling and spec_config is None,
+            async_scheduling=async_scheduling,
             max_chars_per_token=chars_per_token,
             max_prompt_chars=max_model_len * chars_per_token,
             extra_eos_token_ids=_extra_eos_token_ids(model_dir, hf_config, eos_token_id),

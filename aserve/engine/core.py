@@ -16,7 +16,9 @@ scheduling and preparing step N+1) overlaps the GPU's work instead of alternatin
 A request that step N finishes (EOS, a stop string) has been scheduled in N+1 already: that one extra token is
 computed and dropped. Requests with repetition/presence/frequency penalties or structured output (which need every
 earlier token id on the host before sampling the next: a grammar's mask is its matcher's state after all of them) turn
-the overlap off while they are live (`can_overlap`); speculative decoding turns it off for the engine.
+the overlap off while they are live (`can_overlap`). With speculative decoding a step that verifies drafts, or after
+which drafts are proposed, is updated from before the next one is scheduled; steps in which no request drafts
+overlap as without speculation (the adaptive policy holds requests at k = 0 where drafting does not pay).
 
 Fault isolation: a step that raises ends its request if it carried one; with more, the next step re-runs them one at
 a time (same inputs, same KV slots) so that only the request at fault ends. Non-finite logits end only their request
@@ -125,6 +127,8 @@ class EngineCore:
         self.inflight: tuple[SchedulerOutput, PendingStep] | None = None  # the launched step not yet updated from
         self._retry: SchedulerOutput | None = None  # a failed batch, re-run one request at a time next
         self._sync_requests: set[str] = set()  # live requests whose sampling needs every token on the host
+        self._update_seconds: float | None = None  # host seconds of the last update, and of a launch (moving average)
+        self._launch_seconds = 0.0
 
     def _spec_policy(self) -> SpecPolicy | None:
         cfg = self.config.spec_config
@@ -135,7 +139,7 @@ class EngineCore:
             drafter = self.runner.drafter
             cost = StepCostModel(self.runner.measure_step_times(), drafter.cost_fraction if drafter else 0.0)
             logger.info("Speculation cost model (step seconds by tokens): %s", dict(zip(cost.sizes, cost.times)))
-        return SpecPolicy(cfg, cost)
+        return SpecPolicy(cfg, cost, overlap=self.config.async_scheduling)
 
     def _num_kv_blocks(self) -> int:
         args, config = self.config.args, self.config
@@ -208,14 +212,32 @@ class EngineCore:
             return None if sched.is_empty else StepWork(sched)
         # The step in flight must be updated from first when a request needs every token id on the host, or when it
         # sampled on the host path (its tokens cannot feed the next step on the device).
+        # Speculation: a step verifying drafts, or after which drafts are proposed, is updated from before the next
+        # is scheduled (the drafts, and the tokens the next step starts from, follow its result).
+        t0 = time.perf_counter()
         overlap = self.can_overlap()
         sched = None
-        if self.inflight is None or (overlap and self.inflight[1].feeds_next):
+        inflight = self.inflight
+        if inflight is None or (overlap and inflight[1].feeds_next and not inflight[0].verifies
+                                and not inflight[0].drafts_next):  # fmt: skip
             sched = self.scheduler.schedule()
             sched = None if sched.is_empty else sched
-        if sched is None and self.inflight is None:
+        if sched is None and inflight is None:
             return None
+        if sched is not None:
+            # Verification samples on the host path, and so do steps whose drafts a model proposes.
+            overlap = overlap and not sched.verifies and not (sched.drafts_next and self.runner.drafter is not None)
+            if inflight is None:
+                self._observe_sync_overhead(time.perf_counter() - t0)
         return StepWork(sched, overlap=overlap)
+
+    def _observe_sync_overhead(self, schedule_seconds: float) -> None:
+        """A step launched with none in flight: the device idles for the host's update, schedule and launch
+        preparation, which async scheduling hides otherwise. The adaptive speculation policy prices drafting with it
+        (a step that drafts or verifies is followed by such a step)."""
+        cost = self.spec_policy.cost if self.spec_policy is not None else None
+        if cost is not None and self.async_scheduling and self._update_seconds is not None:
+            cost.observe_sync_overhead(self._update_seconds + schedule_seconds + self._launch_seconds)
 
     def execute(self, work: StepWork) -> StepResult:
         """Runs `work` on the model. Touches only the model and the KV tensors (AsyncEngine's worker thread runs it);
@@ -247,10 +269,13 @@ class EngineCore:
         done = StepResult()
         if work.sched is not None:
             prev = self.inflight[1] if self.inflight is not None else None
+            t0 = time.perf_counter()
             try:
                 done.pending = self.runner.launch(work.sched, prev, overlap=work.overlap)
             except Exception as e:
                 done.error = e
+            if work.overlap:  # host time only: the launch queues the step without waiting for it
+                self._launch_seconds += 0.2 * (time.perf_counter() - t0 - self._launch_seconds)
         return done
 
     def wait_inflight(self, done: StepResult) -> StepResult:
@@ -272,6 +297,7 @@ class EngineCore:
 
     def update(self, work: StepWork, done: StepResult) -> list[EngineCoreOutput]:
         """Applies what `execute` did (see StepResult) through the scheduler. -> what changed per sequence."""
+        t0 = time.perf_counter()
         if work.retry:
             outputs = []
             for one, result in done.each:
@@ -284,6 +310,7 @@ class EngineCore:
         self.stats.on_step(work.sched.num_tokens if work.sched is not None else 0, self.scheduler, self.kv_manager)
         if self._sync_requests:
             self._sync_requests.intersection_update(self.scheduler.requests)
+        self._update_seconds = time.perf_counter() - t0
         return outputs
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:

@@ -13,8 +13,10 @@ the mantissa of fp16 and bf16) and summed in float32. Reference: aserve/kernels/
                   weight dequantised to x's dtype (one elementwise kernel) and cuBLAS, where the GEMM's arithmetic
                   dwarfs the extra pass over the weights
 
-The launch configurations and DEQUANT_MIN_ROWS are starting points: bench/int8_bench.py measures every path against
-bf16 cuBLAS at Llama-3-8B shapes on a GPU (set them here, as the bench does).
+bench/int8_bench.py measures every path against bf16 cuBLAS at Llama-3-8B shapes (`--tune` searches the launch
+configurations); docs/quantization.md has its H200 table. There the dequantise + cuBLAS path was slower than
+int8_matmul at every M up to 2,048 (the extra pass over the weights costs more than cuBLAS saves), so it is off
+(DEQUANT_MIN_ROWS None).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ MATMUL_CONFIGS = (
     (64, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)),
     (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
 )
-DEQUANT_MIN_ROWS = 512  # from this many rows: dequantise + cuBLAS (None: int8_matmul at every M)
+DEQUANT_MIN_ROWS = None  # from this many rows: dequantise + cuBLAS (None: int8_matmul at every M)
 
 
 def gemv_config(n: int, k: int, config: dict | None = None, silu_mul: bool = False) -> dict | None:

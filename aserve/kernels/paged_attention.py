@@ -392,14 +392,21 @@ def _combine_segments_kernel(
 _NO_WINDOW = 1 << 30  # the window of full attention: longer than any sequence
 
 
-def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int) -> dict:
+def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int, head_dim: int = 128) -> dict:
     """Launch configuration: decode-only batches get the smallest tile that holds the G heads of one token;
-    batches with longer queries get bigger tiles."""
+    batches with longer queries get bigger tiles. Heads over 128 wide (Gemma's 256) get narrower KV tiles and one
+    stage less, so that the K and V tiles in flight fit in shared memory (227 KiB on Hopper)."""
     g = num_heads // num_kv_heads
+    wide = head_dim > 128
     if max_query_len <= 1:
         return dict(BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=64, num_warps=4, num_stages=2)
     return dict(
-        BLOCK_M=max(128, triton.next_power_of_2(g)), TILE_N=128, num_warps=8, num_stages=3, REVERSE=True, ACC_DOT=True
+        BLOCK_M=max(64 if wide else 128, triton.next_power_of_2(g)),
+        TILE_N=64 if wide else 128,
+        num_warps=8,
+        num_stages=2 if wide else 3,
+        REVERSE=True,
+        ACC_DOT=True,
     )
 
 
@@ -437,7 +444,7 @@ def paged_attention(
     assert num_heads % num_kv_heads == 0
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q) if out is None else out
-    cfg = config or tile_config(num_heads, num_kv_heads, max_query_len)
+    cfg = config or tile_config(num_heads, num_kv_heads, max_query_len, q.shape[-1])
     block_m = cfg["BLOCK_M"]
     block_q = block_m // (num_heads // num_kv_heads)
     assert block_q >= 1, f"BLOCK_M {block_m} is smaller than the GQA group {num_heads // num_kv_heads}"

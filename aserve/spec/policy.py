@@ -5,6 +5,14 @@ request, k drafts yield E(a, k) = (1 - a^(k+1)) / (1 - a) tokens per step, while
 R(B, k) = (T(B (k+1)) + k T_draft(B)) / T(B) times a plain decode step of batch B (T = step time by token count,
 seeded at start-up and then measured on the engine's own decode/verify steps). Pick k maximising E / R: k = 0
 wherever speculation does not pay (large batches, low acceptance).
+
+With async scheduling a step is launched before the previous one's tokens reach the host, except after a step that
+drafts or verifies: the drafts follow its sampled token. Drafting then also costs the host's time between steps
+that the overlap would have hidden (`StepCostModel.sync_overhead`, measured by the engine), and a request for
+drafts that comes back empty (no n-gram match) costs it too, so it counts as a rejected draft.
+
+A request at k = 0 is never observed, so its estimate could never rise again: every PROBE_EVERY-th step, all such
+requests draft one token together (one step without overlap for the batch, not one per request).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from aserve.spec.config import SpeculativeConfig
 
 _PRIOR_ACCEPTED, _PRIOR_TRIALS = 1.0, 2.0  # acceptance 0.5 until observed
 _DECAY = 0.9  # older observations fade: acceptance drifts within a request
+PROBE_EVERY = 32  # steps between probes of the requests the adaptive policy holds at k = 0
 
 
 def _interpolate(sizes: list[int], times: list[float], num_tokens: int) -> float:
@@ -48,6 +57,9 @@ class StepCostModel:
         self.seen: dict[int, float] = {}
         self.alpha = alpha
         self.draft_fraction = draft_fraction  # a draft step's cost relative to a target step of the same size
+        # Seconds a step without overlap adds (async scheduling: host work the overlap hides otherwise); 0 when
+        # steps never overlap.
+        self.sync_overhead = 0.0
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -76,12 +88,15 @@ class StepCostModel:
         self.seen[num_tokens] = seconds if old is None else old + self.alpha * (seconds - old)
         self._rebuild()
 
+    def observe_sync_overhead(self, seconds: float) -> None:
+        self.sync_overhead += self.alpha * (seconds - self.sync_overhead)
+
     def time(self, num_tokens: int) -> float:
         return _interpolate(self.sizes, self.times, num_tokens)
 
     def relative_cost(self, batch: int, k: int) -> float:
         base = self.time(batch)
-        return (self.time(batch * (k + 1)) + k * self.draft_fraction * base) / base
+        return (self.time(batch * (k + 1)) + k * self.draft_fraction * base + self.sync_overhead) / base
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -91,10 +106,23 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class SpecPolicy:
-    def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None, overlap: bool = False) -> None:
         self.config = config
         self.cost = cost
+        self.overlap = overlap  # async scheduling: drafting costs the overlap of the step after it
         assert not config.adaptive or cost is not None, "the adaptive policy needs a cost model"
+        self._steps = 0
+        self._probe = False
+
+    def begin_step(self) -> None:
+        """The scheduler starts a step: every PROBE_EVERY-th one probes the requests held at k = 0."""
+        self._steps += 1
+        self._probe = self._steps % PROBE_EVERY == 0
+
+    @property
+    def empty_is_rejection(self) -> bool:
+        """Does an empty proposal count as a rejected draft (it cost the overlap, and gave nothing)?"""
+        return self.overlap
 
     def num_drafts(self, request, batch_size: int) -> int:
         k_max = self.config.num_speculative_tokens
@@ -106,7 +134,7 @@ class SpecPolicy:
             value = expected_tokens(a, k) / self.cost.relative_cost(max(batch_size, 1), k)
             if value > best * 1.02:  # demand a margin: measurement noise should not buy speculation
                 best_k, best = k, value
-        return best_k
+        return 1 if best_k == 0 and self._probe else best_k
 
     @staticmethod
     def observe(request, num_drafted: int, num_accepted: int) -> None:
