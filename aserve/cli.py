@@ -40,9 +40,17 @@ _HELP = {
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
     "max_queue_len": "serving: answer 429 (with Retry-After) when more sequences than this would wait for a slot",
     "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on for CUDA)",
-    "quantization": "awq / gptq: require an AWQ / GPTQ int4 checkpoint (detected from the checkpoint either way); "
-    "fp8 / int8: quantise a 16-bit checkpoint's linear weights at load to FP8 e4m3 / int8 (weight-only, per channel)",
+    "deterministic": "bitwise-reproducible tokens and logprobs per request whatever else is batched with it, "
+    "however its prompt is chunked, with or without a prefix-cache hit, preemption or speculation (batch-invariant "
+    "kernels; seeded sampling keyed by output position)",
+    "tensor_parallel_size": "split the model across this many GPUs (processes on CPU), Megatron-style; also -tp",
+    "quantization": "awq / gptq / compressed-tensors / fp8: require a checkpoint so quantised (detected from the "
+    "checkpoint either way); fp8 / int8 on a 16-bit checkpoint: quantise its linear weights at load to FP8 e4m3 / int8 "
+    "(per channel)",
 }
+
+
+_ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short flags
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        parser.add_argument(flag, type=base, default=f.default, help=help_text)
+        parser.add_argument(flag, *_ALIASES.get(f.name, ()), type=base, default=f.default, help=help_text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -117,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.x), "
                             "mistral (default: none)")  # fmt: skip
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+                            "cache; default: off, the field is absent)")  # fmt: skip
     add_engine_args(serve)
     add_quantize_parser(sub)
     return parser
@@ -145,8 +156,12 @@ def serve(ns: argparse.Namespace) -> None:
         flush=True,
     )
     run = uvloop.run if uvloop is not None else asyncio.run
-    tool_calls = {"tool_call_parser": ns.tool_call_parser, "enable_auto_tool_choice": ns.enable_auto_tool_choice}
-    run(_serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, tool_calls))
+    api = {"tool_call_parser": ns.tool_call_parser, "enable_auto_tool_choice": ns.enable_auto_tool_choice,
+           "enable_prompt_tokens_details": ns.enable_prompt_tokens_details}  # fmt: skip
+    serving = _serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, api)
+    code = run(serving)
+    if code:
+        sys.exit(code)
 
 
 async def _serve(
@@ -157,10 +172,12 @@ async def _serve(
     api_key: str | None,
     shutdown_timeout: float = 30.0,
     limits: ConnectionLimits | None = None,
-    tool_calls: dict | None = None,
-) -> None:
-    """tool_calls: build_app's tool_call_parser and enable_auto_tool_choice."""
-    app = build_app(engine, served_model_name, api_key, **(tool_calls or {}))
+    api: dict | None = None,
+) -> int:
+    """api: build_app's tool_call_parser, enable_auto_tool_choice and enable_prompt_tokens_details. -> the exit
+    status: 0 after a signal, 1 when the engine stopped by itself (its step loop failed: a dead tensor-parallel
+    worker, ...)."""
+    app = build_app(engine, served_model_name, api_key, **(api or {}))
     engine.stats.add_listener(PeriodicLogger(logger.info))
     # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
     # client that stopped reading.
@@ -188,12 +205,21 @@ async def _serve(
             loop.add_signal_handler(sig, on_signal)
         except NotImplementedError:
             pass
-    await stop.wait()
+    stopped, failed = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.wait_failed())
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if failed.done():  # nothing left to drain for: the engine's requests have ended with its error
+        print(f"aserve: error: the engine stopped: {failed.result()}", file=sys.stderr, flush=True)
+        force.set()
+        code = 1
+    stopped.cancel()
+    failed.cancel()
     print(f"aserve: shutting down (in-flight requests get up to {shutdown_timeout:g} s)", flush=True)
     await drain(app, shutdown_timeout, force)
     listener.close()
     await runner.cleanup()
     print("aserve: stopped", flush=True)
+    return code
 
 
 def main(argv: list[str] | None = None) -> None:

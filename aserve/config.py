@@ -33,7 +33,8 @@ class EngineArgs:
     kv_cache_memory_gb: float | None = None  # KV budget; default on CPU: 2 GiB (capped to what can be used)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests, experiments)
     load_format: str = "auto"  # auto | dummy
-    quantization: str | None = None  # awq / gptq: the checkpoint must be so; fp8 / int8: quantise weights at load
+    quantization: str | None = None  # awq / gptq / compressed-tensors / fp8: the checkpoint must be so; fp8 / int8 on
+    # a 16-bit checkpoint: quantise weights at load
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     speculative_config: str | dict | None = None  # JSON or dict, vLLM's shape (see aserve/spec/config.py)
@@ -45,6 +46,11 @@ class EngineArgs:
     debug_invariants: bool = False  # check block/queue invariants after every step (slow)
     # Serving: at most this many sequences waiting to be scheduled; more get HTTP 429 (None: unbounded).
     max_queue_len: int | None = None
+    # Bitwise-reproducible outputs whatever the batch, chunking, prefix cache, preemption or speculation:
+    # batch-invariant kernels and position-keyed seeded sampling (aserve/layers/batch_invariant.py)
+    deterministic: bool = False
+    # Ranks the model is split across (one process, one GPU each; CPU processes on CPU): aserve/distributed
+    tensor_parallel_size: int = 1
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -57,6 +63,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1 (or unset for no limit), got {self.max_queue_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:

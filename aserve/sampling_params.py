@@ -85,6 +85,10 @@ class SamplingParams:
     cache_salt: str | None = None
     # The output follows a JSON schema, regex, choice or grammar (see StructuredOutputsParams).
     structured_outputs: StructuredOutputsParams | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids; logprobs stay those of the model's distribution)
+    allowed_token_ids: list[int] | None = None
+    # Keep only the last N prompt tokens (-1: the last max_model_len); more than max_model_len is an error
+    truncate_prompt_tokens: int | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -141,6 +145,15 @@ class SamplingParams:
                     raise ParamError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ParamError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+        n = self.truncate_prompt_tokens
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or (n < 1 and n != -1)):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (the last max_model_len tokens)")
 
     @property
     def greedy(self) -> bool:
@@ -152,7 +165,21 @@ class SamplingParams:
 
     @property
     def needs_logit_bias(self) -> bool:
-        return bool(self.logit_bias)
+        """The logits change before sampling: logit_bias, or allowed_token_ids masking the others."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    def truncate_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (all of it without truncate_prompt_tokens)."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return prompt_token_ids
+        if n > max_model_len:
+            raise ParamError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
+                "Please, select a smaller truncation size.",
+            )
+        return prompt_token_ids[-(max_model_len if n == -1 else n) :]
 
     def clone(self, **changes) -> SamplingParams:
         return replace(self, **changes)

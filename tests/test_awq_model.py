@@ -173,7 +173,7 @@ def test_quantize_cli_rejects_impossible_counts(tiny_model_factory, tmp_path, ca
 def test_quantization_arg_checks_the_checkpoint(tiny_model_factory):
     with pytest.raises(ValueError, match="is a 16-bit checkpoint; quantise it with `aserve quantize`"):
         LLM(tiny_model_factory("gqa"), quantization="awq", enforce_eager=True)
-    with pytest.raises(ValueError, match="quantization must be one of awq, fp8, gptq, int8"):
+    with pytest.raises(ValueError, match="quantization must be one of awq, compressed-tensors, fp8, gptq, int8"):
         LLM(tiny_model_factory("gqa"), quantization="int4", enforce_eager=True)
 
 

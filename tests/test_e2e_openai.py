@@ -38,6 +38,7 @@ def test_chat_paris(server):
     resp = server.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
     assert "Paris" in resp.choices[0].message.content
     assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.prompt_tokens_details is None  # without --enable-prompt-tokens-details, as vLLM
     assert (
         resp.usage.completion_tokens > 0
         and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens

@@ -105,7 +105,29 @@ def test_unsupported_fp8_uses_are_refused(tiny_model_factory, tmp_path):
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     with open(config_path, "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="pre-quantised FP8 checkpoints are not supported yet"):
-        LLM(fp8_dir, enforce_eager=True)
-    with pytest.raises(ValueError, match="quantization must be one of awq, fp8"):
+    with pytest.raises(ValueError, match="a weight of dtype torch.float32 where float8_e4m3fn is expected"):
+        LLM(fp8_dir, enforce_eager=True)  # config.json says FP8, the weights are 16-bit
+    with pytest.raises(ValueError, match="quantization must be one of awq, compressed-tensors, fp8"):
         LLM(tiny_model_factory("gqa"), quantization="int4", enforce_eager=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, n, k", [(1, 37, 256), (1, 8, 64), (5, 48, 96), (16, 70, 64)])
+def test_weight_only_fp8_kernels_match_the_reference(m, n, k, dtype):
+    """aserve/kernels/fp8_gemv.py (Triton's interpreter on CPU: float32 / fp16 activations, its bf16 tl.dot is not
+    exact there) against the pure-torch reference: the GEMV at one row, tl.dot with K and N tails masked beyond."""
+    from aserve.kernels import fp8_gemv
+    from aserve.kernels.fp8_reference import fp8_weight_only_linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(m + n + k)
+    w, scale = quantize_per_channel(torch.randn(n, k, generator=gen))
+    x, bias = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    want = fp8_weight_only_linear(x, w, scale, bias)
+    args = [t.to(device) for t in (x, w, scale, bias)]
+    row_config = fp8_gemv.gemv_config(n, k, dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2))
+    got = fp8_gemv.fp8_small_m(*args, row_config)
+    matmul = fp8_gemv.fp8_matmul(*args, config=dict(BLOCK_K=32))
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=2e-3)
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    torch.testing.assert_close(matmul.cpu(), want, **tol)

@@ -175,7 +175,8 @@ def test_legacy_quantize_config_and_clear_errors(tiny_model_factory, tmp_path):
         LLM(gptq_dir, quantization="awq", enforce_eager=True)
     with pytest.raises(ValueError, match=r"is a 16-bit checkpoint; quantise it with `aserve quantize --format gptq`"):
         LLM(tiny_model_factory("gqa"), quantization="gptq", enforce_eager=True)
-    for change, message in [({"bits": 8}, "8-bit weights: aserve runs 4-bit GPTQ only"),
+    for change, message in [({"bits": 3}, "3-bit weights: aserve runs 4-bit and 8-bit GPTQ"),
+                            ({"bits": 8}, "8-bit GPTQ with group_size 32: not supported"),
                             ({"group_size": 24}, "group_size 24 is not supported"),
                             ({"checkpoint_format": "marlin"}, "format 'marlin' is not supported"),
                             ({"lm_head": True}, "quantised lm_head")]:  # fmt: skip

@@ -156,6 +156,36 @@ def test_logit_bias_with_async_scheduling(tiny_model):
     assert [o.outputs[0].token_ids for o in outs] == [[9] * 6, [9] * 6]
 
 
+def test_allowed_token_ids(llm, hf_model, tiny_model):
+    """vLLM's allowed_token_ids: only those tokens are sampled (greedy: the most likely of them by transformers'
+    logits), logprobs stay those of the raw logits; the overlapped sampler (async scheduling) masks too."""
+    p = prompt(15, seed=9)
+    logits = hf_model(torch.tensor([p["prompt_token_ids"]])).logits[0, -1].float()
+    allowed = [3, 50, 200]
+    greedy = gen1(llm, p, temperature=0, max_tokens=1, allowed_token_ids=allowed, logprobs=0)
+    [token] = greedy.token_ids
+    assert token == max(allowed, key=lambda t: logits[t].item())
+    assert abs(greedy.logprobs[0][token].logprob - torch.log_softmax(logits, -1)[token].item()) < 1e-4
+    sampled = gen1(llm, p, temperature=1.5, seed=2, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(sampled.token_ids) <= set(allowed) and len(set(sampled.token_ids)) > 1
+    overlapped = LLM(tiny_model, dtype="float32", enforce_eager=True, async_scheduling=True, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[9, 11])
+    assert set(overlapped.generate(p, params)[0].outputs[0].token_ids) <= {9, 11}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        gen1(llm, p, allowed_token_ids=[10**6])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    ids = prompt(300, seed=4)["prompt_token_ids"]  # longer than max_model_len (256)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4, temperature=0,
+                                                                 truncate_prompt_tokens=200))[0]  # fmt: skip
+    assert out.prompt_token_ids == ids[-200:]
+    kept = gen1(llm, {"prompt_token_ids": ids[-200:]}, max_tokens=4, temperature=0)
+    assert out.outputs[0].token_ids == kept.token_ids
+    with pytest.raises(ValueError, match="max_model_len"):
+        gen1(llm, {"prompt_token_ids": ids}, truncate_prompt_tokens=257)
+
+
 def test_eos_min_tokens_ignore_eos_stop_token_ids(llm):
     # This prompt makes the tiny model emit EOS after 8 tokens (see the parity references).
     p = {"prompt_token_ids": prompt(3)["prompt_token_ids"]}
@@ -222,8 +252,8 @@ def test_async_scheduling_gives_the_same_outputs(llm, tiny_model, monkeypatch):
                      async_scheduling=True)  # fmt: skip
     patched = []
     patch = ModelRunner._patch_inflight
-    monkeypatch.setattr(ModelRunner, "_patch_inflight", lambda self, inflight, prev: patched.append(len(inflight))
-                        or patch(self, inflight, prev))  # fmt: skip
+    monkeypatch.setattr(ModelRunner, "_patch_inflight", lambda self, dst, src, tokens: patched.append(len(dst))
+                        or patch(self, dst, src, tokens))  # fmt: skip
     no_penalties = cases[:-1]
     assert run(overlapped, no_penalties) == run(llm, no_penalties)
     assert sum(patched) > 50  # the steps did overlap: inputs came from the step still running
@@ -258,6 +288,10 @@ def test_max_tokens_defaults_to_context_left(tiny_model):
         dict(logit_bias={3: float("nan")}),
         dict(logit_bias={"3": 1.0}),
         dict(logit_bias=[3]),
+        dict(allowed_token_ids=[]),
+        dict(allowed_token_ids=[-1]),
+        dict(truncate_prompt_tokens=0),
+        dict(truncate_prompt_tokens=-2),
     ],
 )
 def test_invalid_sampling_params(kw):

@@ -156,6 +156,20 @@ def test_auto_streams_each_format(auto):
     assert call["name"] == "get_time" and json.loads(call["arguments"])["zone"] in ("UTC", "CET")
 
 
+@pytest.mark.parametrize("auto", ["hermes"], indirect=True)
+def test_auto_hermes_streams_arguments_piece_by_piece(auto):
+    _, client = auto
+    forced = {"structured_outputs": {"regex": FORMATS["hermes"]}}
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60, stream=True,
+                                            extra_body=forced)  # fmt: skip
+    first, *rest = [d for chunk in stream for choice in chunk.choices for d in choice.delta.tool_calls or []]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_time"
+    assert rest and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    arguments = first.function.arguments + "".join(d.function.arguments for d in rest)
+    assert json.loads(arguments)["zone"] in ("UTC", "CET")
+
+
 def test_auto_without_a_call_is_plain_text(auto):
     _, client = auto
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=8,

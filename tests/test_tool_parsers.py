@@ -9,8 +9,9 @@ import pytest
 
 from aserve.entrypoints.openai.protocol import ChatCompletionRequest
 from aserve.entrypoints.openai.responses import ChoiceState
-from aserve.entrypoints.openai.tool_output import ToolCallOutput, template_kwargs, tool_call_output
+from aserve.entrypoints.openai.tool_output import ToolCallOutput, tool_call_output
 from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCall, get_tool_parser
+from aserve.entrypoints.openai.tool_parsers.partial_json import object_members
 from aserve.entrypoints.openai.tool_request import AUTO, NAMED, REQUIRED, forced_output, template_message
 from aserve.outputs import CompletionOutput
 from aserve.sampling_params import ParamError
@@ -28,6 +29,8 @@ CASES = {
          "Let me check.", [WEATHER, TIME]),
         ("No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
         ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+        ('<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>', "", [TIME]),
+        ('<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}</tool_call>', "", [TIME]),
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "", [WEATHER]),
@@ -105,14 +108,30 @@ def test_stream_sends_plain_text_at_once_and_holds_a_forming_marker():
     assert "".join(c["delta"].get("content", "") for c in sent) == "Hello <tooth>"
 
 
-def test_hermes_call_is_sent_when_its_block_closes():
+def test_hermes_streams_a_call_piece_by_piece():
     output = ToolCallOutput(AUTO, get_tool_parser("hermes"))
     text = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n<tool_call>{"na'
     sent = _stream(output, text, 5, finish=None)
-    calls = [d for c in sent for d in c["delta"].get("tool_calls", [])]
-    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in calls] == [
-        (0, "get_time", '{"zone": "UTC"}')
-    ]
+    first, *rest = [d for c in sent for d in c["delta"].get("tool_calls", [])]
+    # OpenAI's shape: the first delta has the index, id, type and name; the later ones only argument pieces
+    assert first["index"] == 0 and first["type"] == "function" and first["id"].startswith("call_")
+    assert first["function"]["name"] == "get_time"
+    assert len(rest) >= 3 and all(d == {"index": 0, "function": {"arguments": d["function"]["arguments"]}}
+                                  for d in rest)  # fmt: skip
+    assert first["function"]["arguments"] + "".join(d["function"]["arguments"] for d in rest) == '{"zone": "UTC"}'
+    # the second call's name is not written yet: nothing of it is sent
+    assert "".join(c["delta"].get("content", "") for c in sent) == ""
+
+
+def test_partial_json_members():
+    text = '{"name": "f", "n": 12, "arguments": {"a": "}\\"", "b": [1, {"c": 2}]}}'
+    members = object_members(text)
+    assert [(k, text[s:e]) for k, s, e in members] == [
+        ("name", '"f"'), ("n", "12"), ("arguments", '{"a": "}\\"", "b": [1, {"c": 2}]}')]  # fmt: skip
+    for cut in range(len(text)):
+        partial = object_members(text[:cut])
+        assert all(e is None or (k, s, e) in members for k, s, e in partial)  # a finished member never changes
+        assert all(e is not None for _, _, e in partial[:-1])
 
 
 def test_named_streams_argument_pieces_after_a_first_delta_with_the_name():
@@ -197,7 +216,7 @@ def test_auto_needs_the_server_flags():
     assert tool_call_output(req, get_tool_parser("hermes"), True).mode == AUTO
     assert tool_call_output(_request(tools=TOOLS, tool_choice="none"), None, False) is None
     assert tool_call_output(_request(tools=TOOLS, tool_choice="required"), None, False).mode == REQUIRED
-    assert template_kwargs(_request(tools=TOOLS, chat_template_kwargs={"x": 1})) == {"x": 1, "tools": TOOLS}
+    assert _request(tools=TOOLS, chat_template_kwargs={"x": 1}).template_kwargs() == {"x": 1, "tools": TOOLS}
 
 
 def test_sampling_params_carry_the_forced_schema():
@@ -242,7 +261,7 @@ def test_tools_and_earlier_calls_render_through_the_template(tmp_path):
     req.messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]  # fmt: skip
     pool = TokenizerPool(tokenizer)
-    ids = asyncio.run(pool.render_chat(req.conversation(), True, template_kwargs(req), 0, lambda n: None))
+    ids = asyncio.run(pool.render_chat(req.conversation(), True, req.template_kwargs(), 0, lambda n: None))
     pool.shutdown()
     assert tokenizer.decode(ids) == (
         "tools: get_weather get_timeuser: hi"

@@ -93,6 +93,9 @@ def make_config(variant: str):
         return LlamaConfig(**{**common, "vocab_size": 8, "num_key_value_heads": 2, "initializer_range": 0.08})
     if variant == "qwen2":
         return Qwen2Config(**{**common, "num_key_value_heads": 2, "use_sliding_window": False})
+    if variant == "qwen2_mqa":  # one KV head (tensor parallelism replicates it), a vocabulary 2 ranks split unevenly
+        return Qwen2Config(**{**common, "num_key_value_heads": 1, "vocab_size": VOCAB_SIZE + 1,
+                              "use_sliding_window": False})  # fmt: skip
     if variant == "qwen3":  # head_dim apart from hidden / heads, as in the released models
         return Qwen3Config(**{**common, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                               "use_sliding_window": False})  # fmt: skip

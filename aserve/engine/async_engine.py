@@ -149,6 +149,8 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closed_reason: str | None = None  # set by abort_all(): no new requests after a forced shutdown
+        self.failure: BaseException | None = None  # what ended the step loop, if an error did
+        self._failed: asyncio.Event | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **serving) -> AsyncEngine:
@@ -212,9 +214,14 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._task is None:
-            self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._step_loop(), name="aserve-step-loop")
+            self._wakeup, self._failed = asyncio.Event(), asyncio.Event()
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._step_loop(), name="aserve-step-loop")
             self._task.add_done_callback(self._on_loop_exit)
+            workers = self.engine.core.workers
+            if workers is not None:  # a worker that fails wakes the loop, which then stops (EngineCore.check_workers)
+                wakeup = self._wakeup
+                workers.add_failure_listener(lambda: loop.call_soon_threadsafe(wakeup.set))
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -222,6 +229,8 @@ class AsyncEngine:
         error = task.exception()
         if error is not None:
             logger.error("the engine step loop died", exc_info=error)
+            self.failure = error
+            self._failed.set()
             for stream in list(self._streams.values()):
                 stream.deliver(EngineDeadError(f"the engine stopped: {type(error).__name__}"))
             self._streams.clear()
@@ -230,6 +239,12 @@ class AsyncEngine:
     def has_started(self) -> bool:
         return self._task is not None
 
+    async def wait_failed(self) -> BaseException:
+        """Returns the error that ends the step loop, once one does (the server then exits)."""
+        self.start()
+        await self._failed.wait()
+        return self.failure
+
     async def shutdown(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -237,11 +252,14 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception:  # the loop had died of it (logged, and told to its requests, by _on_loop_exit)
+                pass
             self._task = None
         for request_id in list(self._streams):
             self.abort(request_id)
         self.tokenizer_pool.shutdown()
         self._executor.shutdown(wait=True)
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -381,6 +399,7 @@ class AsyncEngine:
         engine, core, executor = self.engine, self.engine.core, self._executor
         held: list[RequestOutput] = []  # processed outputs not yet handed to their streams
         while True:
+            core.check_workers()
             if not engine.has_unfinished_requests():
                 self._deliver(held)
                 held = []

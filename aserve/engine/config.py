@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
+from aserve.layers.batch_invariant import check_supported
 from aserve.models.model_path import resolve_model
 from aserve.models.registry import architecture_of
 from aserve.spec.config import SpeculativeConfig
@@ -47,6 +48,8 @@ class EngineConfig:
         args.validate()
         model_dir, default_name = resolve_model(args.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
+        if args.deterministic:
+            check_supported(architecture_of(hf_config), args.quantization)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
         device = resolve_device(args.device)
         spec_config = SpeculativeConfig.parse(args.speculative_config)

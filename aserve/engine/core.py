@@ -38,12 +38,17 @@ from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.core.stats import EngineStats
 from aserve.core.structured_output import StructuredOutputManager
+from aserve.distributed.group import TensorParallelError, check_devices
+from aserve.distributed.sharding import check_shardable
 from aserve.engine.config import EngineConfig
 from aserve.kernels import cpu
+from aserve.layers.quantization import get_quantization_config
+from aserve.models.loader import resolve_quantization
 from aserve.spec.policy import SpecPolicy, StepCostModel
 from aserve.worker.drafter import ModelDrafter
 from aserve.worker.host_memory import retain_freed_memory
 from aserve.worker.model_runner import ModelRunner, PendingStep
+from aserve.worker.tp_workers import TensorParallelWorkers
 
 logger = logging.getLogger("aserve")
 
@@ -80,11 +85,10 @@ class EngineCore:
         if config.device.type == "cpu":
             retain_freed_memory()
             cpu.load()  # compiled (first start on this machine) or loaded now, never inside a request
-        self.runner = ModelRunner(
-            config.hf_config,
-            config.model_dir,
-            config.dtype,
-            config.device,
+        runner_args = dict(
+            hf_config=config.hf_config,
+            model_dir=config.model_dir,
+            dtype=config.dtype,
             max_model_len=config.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -94,7 +98,22 @@ class EngineCore:
             compile_model=config.device.type == "cpu" and not args.enforce_eager,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            deterministic=args.deterministic,
         )
+        # Tensor parallelism: ranks 1..N-1 in worker processes, which build their runners alongside this one's
+        self.workers = self._start_workers(runner_args) if args.tensor_parallel_size > 1 else None
+        try:
+            self._build(runner_args)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, runner_args: dict) -> None:
+        config, args, workers = self.config, self.config.args, self.workers
+        tp = workers.group if workers is not None else None
+        self.runner = ModelRunner(**runner_args, device=config.device, tp=tp, workers=workers)
+        if workers is not None:
+            workers.wait_ready()
         spec = config.spec_config
         if spec is not None and spec.needs_kv:
             self.runner.drafter = ModelDrafter(self.runner, spec, args.seed)
@@ -129,6 +148,42 @@ class EngineCore:
         self._sync_requests: set[str] = set()  # live requests whose sampling needs every token on the host
         self._update_seconds: float | None = None  # host seconds of the last update, and of a launch (moving average)
         self._launch_seconds = 0.0
+
+    def _start_workers(self, runner_args: dict) -> TensorParallelWorkers:
+        config, size = self.config, self.config.args.tensor_parallel_size
+        spec = config.spec_config
+        if spec is not None and spec.needs_kv:
+            raise ValueError(f"speculative decoding by {spec.method} cannot run with tensor_parallel_size > 1 yet "
+                             "(n-gram speculation can)")  # fmt: skip
+        quant = resolve_quantization(config.args.quantization, get_quantization_config(config.hf_config),
+                                     config.model_dir)  # fmt: skip
+        check_shardable(config.hf_config, size, quant)
+        check_devices(config.device, size)
+        return TensorParallelWorkers(size, config.device, runner_args)
+
+    def check_workers(self, done: StepResult | None = None) -> None:
+        """Tensor parallelism: TensorParallelError (the engine stops) once the ranks can no longer run together: a
+        worker exited, or a step failed on rank 0 after the others began it. A failed step first waits briefly for
+        a worker's exit to show (its collective may have failed before the process was gone)."""
+        if self.workers is None:
+            return
+        errors = []
+        if done is not None:
+            errors = [done.error, done.prev, *(result for _, result in done.each or ())]
+            errors = [e for e in errors if isinstance(e, Exception)]
+        for e in errors:
+            if isinstance(e, TensorParallelError):
+                self.workers.health.fail(str(e))
+        try:
+            self.workers.check(grace=1.0 if errors else 0.0)
+        except TensorParallelError:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _spec_policy(self) -> SpecPolicy | None:
         cfg = self.config.spec_config
@@ -200,6 +255,7 @@ class EngineCore:
     def schedule(self) -> StepWork | None:
         """The next work for `execute`, or None: nothing to run (with async scheduling: nothing to launch and no
         step in flight)."""
+        self.check_workers()
         if self._retry is not None:
             sched, self._retry = self._retry, None
             live, aborted = [], []  # aborted since the failure: not re-run
@@ -298,6 +354,7 @@ class EngineCore:
     def update(self, work: StepWork, done: StepResult) -> list[EngineCoreOutput]:
         """Applies what `execute` did (see StepResult) through the scheduler. -> what changed per sequence."""
         t0 = time.perf_counter()
+        self.check_workers(done)
         if work.retry:
             outputs = []
             for one, result in done.each:

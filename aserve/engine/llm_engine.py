@@ -105,6 +105,7 @@ class LLMEngine:
             prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         else:
             prompt_text = prompt if isinstance(prompt, str) else None
+        prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.config.max_model_len)
         params, sequences = self._make_sequences(
             request_id, prompt_token_ids, params, arrival_time, max_tokens_must_fit
         )
@@ -175,6 +176,10 @@ class LLMEngine:
             raise ParamError("seed", "seed must be a 64-bit signed integer")
         if params.logit_bias and max(params.logit_bias) >= vocab_size:
             raise ParamError("logit_bias", f"logit_bias token ids must be < the vocabulary size ({vocab_size})")
+        allowed = params.allowed_token_ids
+        if allowed and (max(allowed) >= vocab_size or len(allowed) > vocab_size):
+            raise ParamError("allowed_token_ids", f"allowed_token_ids must be at most {vocab_size} token ids, each < "
+                             "the vocabulary size")  # fmt: skip
 
     def _make_sequences(
         self,
@@ -275,3 +280,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); garbage collection and interpreter exit do it
+        too. The engine cannot run after it."""
+        self.core.shutdown()

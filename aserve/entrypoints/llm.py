@@ -42,7 +42,10 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         # Validate everything first, so a bad prompt leaves nothing half-queued.
+        max_model_len = self.engine.config.max_model_len
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        tokenized = [(text, params.truncate_prompt(ids, max_model_len)) for (text, ids), params in
+                     zip(tokenized, params_list)]  # fmt: skip
         for _, ids in tokenized:
             self.engine.validate_prompt(ids)
         # Structured-output grammars compile in parallel in the engine's pool; one that does not raises here.

@@ -25,6 +25,22 @@ accumulation, y rounded to bf16; reference torch.mv (same products, summed in an
   threads, vdpbf16ps pair dot products against x held in registers, one transpose-and-add tree per 16 row sums, rows
   4 blocks ahead prefetched). Needs AVX512-BF16 (Sapphire Rapids and newer) and K % 32 == 0 (`gemv_supports`).
 
+Batch-invariant product (csrc/gemm_rows.cpp), what deterministic mode runs every linear layer with (aserve/layers/
+batch_invariant.py): y [M, N] = x [M, K] W^T, x and W bf16 or float32, float32 sums whose order depends on K alone,
+never on M, the row's place in x or the number of threads, so a row's result is the same bits whatever else is in the
+batch (oneDNN and MKL pick other kernels, and so other sums, by M; the GEMV above sums one row its own way).
+
+  bf16: the weight is packed once (`gemm_rows_prepare`) into blocks of 16 output channels with k in pairs, so one
+  64-byte load holds a k pair of 16 outputs; each output is one vdpbf16ps chain over the k pairs, in order (x's pair
+  broadcast to all lanes: oneDNN's own scheme, and about its speed), so there is no horizontal sum at all. Tiles of
+  6 x rows by 4 blocks (24 accumulators; 2 blocks where that gives too few work items), work items of (up to 48 x
+  rows, 64 or 32 outputs) over torch's threads, small products on one thread. One row is the GEMV of batch-1 decode
+  (the CPU one-token forward runs it through `library()`, over the same packed weight). float32: one 16-lane FMA
+  chain per output over the plain weight, then the lanes summed by hsum16 (blocks of 16 outputs) or
+  _mm512_reduce_add_ps.
+  Without AVX512-BF16: portable loops, the same pair-by-pair order for bf16. Reference: torch.nn.functional.linear
+  (same products, summed in another order).
+
 INT8 weight-only products (csrc/gemm_int8.cpp), the CPU side of `--quantization int8`: y [M, N] = (x [M, K] W^T) *
 scale, W int8 [N, K] row-major with one float32 scale per output channel, x and y bf16 or float32, float32 sums;
 reference aserve/kernels/int8_reference.py int8_linear (same products, summed in another order). The weight is
@@ -135,6 +151,31 @@ def gemv_supports(weight: torch.Tensor) -> bool:
 def gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """weight [N, K] (`gemv_supports` holds), x [K] bf16 -> weight @ x [N] bf16."""
     return torch.ops.aserve.gemv(weight, x)
+
+
+# -- batch-invariant product ---------------------------------------------------------------------------------------
+
+
+def gemm_rows_supports(weight: torch.Tensor) -> bool:
+    """Whether gemm_rows takes this weight (CPU, float32 / bfloat16, [N, K]; the kernels built)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dim() == 2
+        and weight.shape[1] > 0
+        and available()
+    )
+
+
+def gemm_rows_prepare(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (`gemm_rows_supports` holds) -> what gemm_rows reads: bf16 packed (a copy), float32 as it is."""
+    return torch.ops.aserve.gemm_rows_prepare(weight)
+
+
+def gemm_rows(prepared: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """prepared: gemm_rows_prepare(weight [n, K]), x [M, K] of its dtype -> x @ weight^T [M, n], each row summed in
+    the same order whatever M is."""
+    return torch.ops.aserve.gemm_rows(prepared, x, n)
 
 
 # -- INT8 weight-only products --------------------------------------------------------------------------------------

@@ -116,3 +116,35 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _scaled_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N: clamped, computed, not stored
+    pdl.gdc_sync(USE_PDL)
+    y = _gemv_rows(x_ptr, w_ptr, rows, K, stride_w, BLOCK_N, BLOCK_K, SILU_MUL) * tl.load(scale_ptr + rows)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+def scaled_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, cfg: dict,
+                silu_mul: bool = False) -> torch.Tensor:  # fmt: skip
+    """The GEMV over 8-bit weights (int8, float8) with one float32 scale per output row: x [1, K] -> (x w^T) *
+    scale (+ bias) [1, N] in x's dtype, the weights widened in registers. silu_mul as in `gemv`; cfg from
+    `gemv_config` with the caller's defaults."""
+    n, k = w.shape
+    assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 if silu_mul else 1) * k
+    assert x.stride(-1) == 1 and w.stride(-1) == 1 and scale.dtype == torch.float32
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _scaled_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, w, scale, bias if bias is not None else scale, out, n, k, w.stride(0),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out

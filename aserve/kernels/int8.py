@@ -47,37 +47,14 @@ def gemv_config(n: int, k: int, config: dict | None = None, silu_mul: bool = Fal
     return gemv.gemv_config(n, k, config or default)
 
 
-@triton.jit
-def _int8_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N: clamped, computed, not stored
-    pdl.gdc_sync(USE_PDL)
-    y = gemv._gemv_rows(x_ptr, w_ptr, rows, K, stride_w, BLOCK_N, BLOCK_K, SILU_MUL) * tl.load(scale_ptr + rows)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows).to(tl.float32)
-    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
-
-
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
               config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:  # fmt: skip
     """x [1, K] -> (x q^T) * scale (+ bias) [1, N] in x's dtype; silu_mul: x is [1, 2K] = [gate | up] and the
     product is taken of silu(gate) * up."""
-    n, k = q.shape
-    assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 if silu_mul else 1) * k
-    assert x.stride(-1) == 1 and q.stride(-1) == 1 and q.dtype == torch.int8 and scale.dtype == torch.float32
-    cfg = gemv_config(n, k, config, silu_mul)
-    assert cfg is not None, f"K={k} is not a multiple of 64"
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _int8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, q, scale, bias if bias is not None else scale, out, n, k, q.stride(0),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    return out
+    assert q.dtype == torch.int8
+    cfg = gemv_config(*q.shape, config, silu_mul)
+    assert cfg is not None, f"K={q.shape[1]} is not a multiple of 64"
+    return gemv.scaled_gemv(x, q, scale, bias, cfg, silu_mul)
 
 
 @triton.jit

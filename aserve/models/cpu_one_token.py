@@ -15,7 +15,9 @@ the C kernels compiled, AVX512-BF16 for the GEMV, the CPU attention backend), wh
 runs; used for every step of one token (which that backend runs on its decode kernel).
 
 The linears' GEMV is the bf16 one, or with `--quantization int8` (every decoder linear int8, aserve/layers/
-quantization/int8.py) gemm_int8 over the int8 weights and their scales: chosen once, when this is built.
+quantization/int8.py) gemm_int8 over the int8 weights and their scales, or in deterministic mode (aserve/layers/
+batch_invariant.py) gemm_rows over the packed weights, the kernel those linears run at every row count: chosen once,
+when this is built.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from aserve.kernels import cpu
 from aserve.layers.attention.torch_backend import CPUAttentionBackend
-from aserve.layers.linear import UnquantizedLinearMethod
+from aserve.layers.linear import Linear, UnquantizedLinearMethod
 
 
 class OneTokenForward:
@@ -37,10 +39,12 @@ class OneTokenForward:
         self.windows = [layer.self_attn.attn_params.sliding_window or 0 for layer in model.layers]  # 0: none
         # Per layer, the parameter tables of the modules whose weights a step reads, in call order. A module's table
         # holds its current parameters (assigning module.weight replaces the entry), and reading it directly costs
-        # ~0.1 us where nn.Module's attribute lookup costs ~0.5 us.
+        # ~0.1 us where nn.Module's attribute lookup costs ~0.5 us. Deterministic mode's linears (rows_packed) are
+        # read from their attribute tables instead: gemm_rows runs over their packed_weight.
+        rows = getattr(model.layers[0].self_attn.qkv_proj, "rows_packed", False)
         self.params = [
             tuple(
-                m._parameters
+                m.__dict__ if rows and isinstance(m, Linear) else m._parameters
                 for m in (
                     layer.input_layernorm,
                     layer.self_attn.qkv_proj,
@@ -59,7 +63,7 @@ class OneTokenForward:
         self.ptr = {k: v.data_ptr() for k, v in self.buf.items()}
         self.lib = cpu.library()  # the extension's raw entry points
         int8 = model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
-        self.gemv = self._gemv_int8 if int8 else self._gemv_bf16
+        self.gemv = self._gemv_rows if rows else self._gemv_int8 if int8 else self._gemv_bf16
 
     @staticmethod
     def applies(model) -> bool:
@@ -71,7 +75,9 @@ class OneTokenForward:
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if not (isinstance(m.quant_method, UnquantizedLinearMethod) and m.cpu_gemv) or m.bias is not None:
+                if not isinstance(m.quant_method, UnquantizedLinearMethod) or m.bias is not None:
+                    return False
+                if not (m.cpu_gemv or getattr(m, "rows_packed", False)):
                     return False
                 weight_dtypes.add(m.weight.dtype)
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -81,6 +87,9 @@ class OneTokenForward:
 
     def _gemv_bf16(self, table: dict, x: int, y: int, n: int, k: int, nt: int) -> None:
         self.lib.gemv_bf16(table["weight"].data_ptr(), x, y, n, k, nt)
+
+    def _gemv_rows(self, table: dict, x: int, y: int, n: int, k: int, nt: int) -> None:
+        self.lib.gemm_rows(table["packed_weight"].data_ptr(), x, y, 1, n, k, k, n, 1, nt)
 
     def _gemv_int8(self, table: dict, x: int, y: int, n: int, k: int, nt: int) -> None:
         self.lib.gemm_int8(table["weight"].data_ptr(), table["weight_scale"].data_ptr(), x, y, 1, n, k, k, n, 1, nt, 0)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from aserve import envs
+from aserve.layers.batch_invariant import select_batch_invariant_ops, use_batch_invariant_linears
 from aserve.layers.elementwise import select_elementwise_ops
 from aserve.layers.quantization import ONLINE_QUANTIZATION, QUANTIZATION_CONFIGS, get_quantization_config
 from aserve.layers.quantization.base import QuantizationConfig
@@ -46,27 +47,39 @@ def build_model(
     seed: int,
     compile_model: bool = False,
     quantization: str | None = None,
+    shard=None,
+    deterministic: bool = False,
 ) -> torch.nn.Module:
     """Picks the element-wise implementation for the device (Triton kernels on GPU; C kernels, or torch.compile'd
     where they do not build, on CPU), constructs the architecture on the meta device with it, `backend` and every
     linear's quantisation method, materialises it on `device`, loads (or draws) weights and lets every layer prepare
     them for its kernels (process_weights_after_loading). `quantization` (the engine argument): what the checkpoint
-    must be."""
+    must be. `shard`: a transform that splits the model across ranks (tensor parallelism,
+    aserve/distributed/sharding.py): `shard.apply(model)` on the model built on the meta device, and
+    `shard.weights(tensors)` cuts every checkpoint tensor to this rank's slice as it loads. `deterministic`
+    (deterministic mode): batch-invariant element-wise ops and linear methods (aserve/layers/batch_invariant.py)."""
     model_class = get_model_class(hf_config)
     quant_config = resolve_quantization(quantization, get_quantization_config(hf_config), model_dir)
-    ops = select_elementwise_ops(device, dtype, compile_model)
+    if deterministic:
+        ops = select_batch_invariant_ops(device, dtype)
+    else:
+        ops = select_elementwise_ops(device, dtype, compile_model)
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = model_class(hf_config, backend, ops, quant_config, max_position=max_model_len)
+            if shard is not None:
+                shard.apply(model)
+            if deterministic:
+                use_batch_invariant_linears(model)
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)
     model.tie_weights()
     model.rotary.materialize(device)
-    load_weights(model, model_dir, load_format, seed, show_progress=True)
+    load_weights(model, model_dir, load_format, seed, show_progress=True, quant_config=quant_config, shard=shard)
     model.eval()
     model.process_weights_after_loading()
     if device.type == "cuda":
@@ -105,13 +118,19 @@ def resolve_quantization(
     return quant_config
 
 
-def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int, show_progress: bool) -> None:
+def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int, show_progress: bool,
+                 quant_config: QuantizationConfig | None = None, shard=None) -> None:  # fmt: skip
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         return
     if load_format != "auto":
         raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
-    loaded = model.load_weights(iterate_safetensors(model_dir, show_progress))
+    weights = iterate_safetensors(model_dir, show_progress)
+    if quant_config is not None:  # the format's own reshaping / checks of its tensors
+        weights = quant_config.checkpoint_weights(weights)
+    if shard is not None:  # tensor parallelism: this rank's slice of each tensor
+        weights = shard.weights(weights)
+    loaded = model.load_weights(weights)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks weights for: {sorted(missing)[:8]}")
@@ -121,7 +140,7 @@ def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed:
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights at real shapes for benchmarks: N(0, 0.02) matrices, unit norms, zero biases (AWQ / GPTQ layers:
     random packed weights and zero points, scales that give weights of about the same size; GPTQ: groups in input
-    order)."""
+    order; FP8 checkpoints: e4m3 weights and scales that give the same, input scales 1)."""
     gen = None
     params = dict(model.named_parameters())
     for name, param in params.items():
@@ -131,6 +150,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
         if name.endswith(".g_idx"):  # GPTQ: contiguous groups, as many as the layer's scales have rows
             k, groups = param.numel(), params[name.removesuffix("g_idx") + "scales"].shape[0]
             param.copy_(torch.arange(k, device=param.device) // (k // groups))
+        elif param.dtype == torch.float8_e4m3fn:  # FP8 checkpoints: e4m3 values ~N(0, 64), scales 1/3200 below
+            param.copy_(torch.randn(param.shape, generator=gen, device=param.device).mul_(64).clamp_(-448, 448))
+        elif name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+            param.fill_(1.0 if name.endswith(".input_scale") else 0.02 / 64)
         elif not param.is_floating_point():  # packed int4 (AWQ / GPTQ qweight, qzeros): random nibbles
             param.random_(-(2**31), 2**31, generator=gen)
             if name.endswith(".qzeros") and name.removesuffix("qzeros") + "g_idx" in params:

@@ -8,6 +8,13 @@ Async scheduling (`launch(sched, prev)`): step N+1 is prepared and launched whil
 request decoding in both steps has, as its input in N+1, the token N samples: its slot in the input ids is filled on
 the device from N's sampled-token tensor (`_patch_inflight`), so the host never waits for it. The host input
 buffers alternate between two sets, so that filling N+1's does not overwrite what N's copies have not read yet.
+
+Tensor parallelism (`tp`: aserve/distributed): every rank has a runner over its part of the model. Rank 0's runs the
+engine's calls; before each method that runs the model (a step, profiling, warm-up, CUDA graph capture) it has the
+other ranks (`workers`, aserve/worker/tp_workers.py) run the same, so that their forward passes meet in the
+collectives. A step reaches them as a StepPlan: the host buffers rank 0 filled and what the device part needs beyond
+them. Only rank 0 samples; with async scheduling it broadcasts the sampled tokens, which the workers' next step reads
+its in-flight inputs from.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,31 +31,19 @@ import torch
 from aserve.core.kv_cache_manager import cdiv
 from aserve.core.outputs import RunnerOutput, SamplerOutput
 from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from aserve.distributed.group import TensorParallelError, TensorParallelGroup
+from aserve.distributed.sharding import TensorParallelSharding, rank_attention_config
 from aserve.layers.attention import select_attention_backend
 from aserve.layers.attention.backend import AttentionMetadata
 from aserve.models.loader import build_model
+from aserve.worker.batch_invariant_sampler import BatchInvariantSampler
 from aserve.worker.cuda_graphs import DecodeGraphs
-from aserve.worker.prompt_logprobs import compute_prompt_logprobs
+from aserve.worker.input_buffers import InputBuffers
+from aserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logits_rows
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device
+from aserve.worker.step_plan import StepLayout, StepPlan
 
 logger = logging.getLogger("aserve")
-
-
-@dataclass(slots=True)
-class StepLayout:
-    """Shape of a step's flat batch, as written into the host buffers."""
-
-    num_reqs: int
-    num_tokens: int = 0
-    num_decodes: int = 0
-    max_blocks: int = 1
-    max_query_len: int = 0
-    query_start: list[int] = field(default_factory=lambda: [0])
-    seq_lens: list[int] = field(default_factory=list)
-
-    @property
-    def decode_only(self) -> bool:
-        return self.num_tokens == self.num_reqs
 
 
 class PendingStep:
@@ -74,47 +68,6 @@ class PendingStep:
             self._result = RunnerOutput(self.sampled, self._sample.result())
             self._sample = None
         return self._result
-
-
-class InputBuffers:
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
-
-        def host_set() -> dict[str, torch.Tensor]:
-            def host(*shape, dtype):
-                return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
-
-            return {
-                "input_ids": host(max_tokens, dtype=torch.int64),
-                "positions": host(max_tokens, dtype=torch.int64),
-                "slot_mapping": host(max_tokens, dtype=torch.int64),
-                "query_start_loc": host(max_reqs + 1, dtype=torch.int32),
-                "seq_lens": host(max_reqs, dtype=torch.int32),
-                "block_tables": host(max_reqs, max_blocks, dtype=torch.int32),
-                "logits_indices": host(max_tokens, dtype=torch.int64),
-            }
-
-        # Two host sets on a GPU (flip() between async steps); on the CPU the "device" tensors are the host ones.
-        self._sets = [host_set(), host_set()] if pin else [host_set()]
-        self._np = [{k: v.numpy() for k, v in hs.items()} for hs in self._sets]
-        self._current = 0
-        self.host, self.np = self._sets[0], self._np[0]
-        self.device = {k: v.to(device) for k, v in self.host.items()} if device.type != "cpu" else self.host
-
-    def flip(self) -> None:
-        """Switches to the other host set: the copies of the step just launched may still read this one."""
-        self._current = (self._current + 1) % len(self._sets)
-        self.host, self.np = self._sets[self._current], self._np[self._current]
-
-    def to_device(self, name: str, n: int, cols: int | None = None) -> torch.Tensor:
-        src, dst = self.host[name], self.device[name]
-        if cols is not None:
-            src, dst = src[:n, :cols], dst[:n, :cols]
-        else:
-            src, dst = src[:n], dst[:n]
-        if dst is not src:
-            dst.copy_(src, non_blocking=True)
-        return dst
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -146,6 +99,9 @@ class ModelRunner:
         compile_model: bool = False,
         attention_backend: str = "auto",
         quantization: str | None = None,
+        tp: TensorParallelGroup | None = None,
+        workers=None,
+        deterministic: bool = False,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -154,7 +110,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.backend = select_attention_backend(attention_backend, hf_config, dtype, max_num_seqs, device)
+        # Tensor parallelism: this rank's group; on rank 0, the other ranks (TensorParallelWorkers)
+        self.tp, self.workers = tp, workers
+        self._shared_tokens: torch.Tensor | None = None  # a worker: the tokens rank 0 sampled in the last step
+        rank_config = hf_config if tp is None else rank_attention_config(hf_config, tp.size)
+        # Deterministic mode: batch-invariant attention, layers and sampling (aserve/layers/batch_invariant.py)
+        self.deterministic = deterministic
+        self.backend = select_attention_backend(attention_backend, rank_config, dtype, max_num_seqs, device,
+                                                deterministic, max_model_len)  # fmt: skip
         # GPU: every step runs on a dedicated stream (its host sync, reading the sampled tokens, happens in the
         # engine's worker thread, never on the event loop).
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -164,7 +127,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = model = build_model(
             hf_config, model_dir, dtype, device, max_model_len, self.backend, load_format, seed, compile_model,
-            quantization,
+            quantization, TensorParallelSharding(tp) if tp is not None else None, deterministic,
         )  # fmt: skip
         self.compiled = model.ops.compiled
         self.attention_backend = attention_backend
@@ -172,10 +135,16 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in model.parameters())
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq, device)
-        self.sampler = Sampler(device, seed)
+        self.sampler = (BatchInvariantSampler if deterministic else Sampler)(device, seed)
         self.kv_caches: torch.Tensor | None = None
 
+    def _on_every_rank(self, method: str, *args) -> None:
+        """Rank 0 of a tensor-parallel engine: the other ranks run `method` too (their runners' own)."""
+        if self.workers is not None:
+            self.workers.call(method, *args)
+
     def capture_cuda_graphs(self) -> None:
+        self._on_every_rank("capture_cuda_graphs")
         if not self.backend.supports_cuda_graphs:
             logger.info("No CUDA graphs: the %s prepares every step on the host", type(self.backend).__name__)
             return
@@ -190,6 +159,7 @@ class ModelRunner:
         return own + (self.drafter.kv_bytes_per_block if self.drafter is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._on_every_rank("allocate_kv_cache", num_blocks)
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
@@ -234,6 +204,7 @@ class ModelRunner:
     def warmup(self) -> None:
         """Triggers compilation (for steps of 32+ tokens, with and without a residual) so that the first requests
         do not wait for it."""
+        self._on_every_rank("warmup")
         n = self.model.ops.min_tokens
         if n > min(self.max_num_batched_tokens, self.max_model_len):
             return  # steps never get big enough to use the compiled code
@@ -246,6 +217,7 @@ class ModelRunner:
         """Seconds per step by number of tokens (1, 2, 4, ... up to the budget): the seed of the speculation
         policy's cost model (which then learns from real steps). A step of n tokens is timed as one n-token request;
         the fastest of `reps` runs, after a warm-up run (kernel selection, compilation)."""
+        self._on_every_rank("measure_step_times", reps)
         sizes = [1 << i for i in range(12) if (1 << i) <= min(self.max_num_batched_tokens, self.max_model_len, 1024)]
         out = {}
         for n in sizes:
@@ -267,7 +239,9 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_num_kv_blocks(self, utilization: float) -> int:
         """GPU: run the largest step once (one prompt of max_num_batched_tokens tokens) to measure peak activation
-        memory, then give the KV cache what `utilization` of the device leaves."""
+        memory, then give the KV cache what `utilization` of the device leaves. Tensor parallelism: every rank measures
+        its own device, and all take the smallest number of blocks."""
+        self._on_every_rank("profile_num_kv_blocks", utilization)
         gc.collect()  # engines dropped earlier in this process (runner <-> CUDA graphs is a cycle) free their memory
         n = min(self.max_num_batched_tokens, self.max_model_len)
         self.allocate_kv_cache(cdiv(n, self.block_size))
@@ -282,13 +256,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         budget = int(total * utilization) - (total - free) - activation_peak
-        if budget <= 0:
+        num_blocks = max(budget, 0) // self.kv_bytes_per_block
+        if self.tp is not None:
+            num_blocks = self.tp.min_int(num_blocks)
+        if num_blocks <= 0:
             raise ValueError(
                 f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization} "
                 f"({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB, activations need "
                 f"{activation_peak / 2**30:.1f} GiB); raise it or lower max_num_batched_tokens"
             )
-        return budget // self.kv_bytes_per_block
+        return num_blocks
 
     # -- the step ---------------------------------------------------------------------------------------------
 
@@ -306,45 +283,53 @@ class ModelRunner:
         if overlap:
             self.buffers.flip()
         layout, inflight = self._fill_host(order)
+        sampled = [s for s in sched.scheduled if s.samples]
+        # Logits rows, in scheduler order: each sampling request's last known token, then its drafts.
+        where = {id(s): i for i, s in enumerate(order)}
+        rows = []
+        for s in sampled:
+            end = layout.query_start[where[id(s)] + 1]
+            rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+        self.buffers.np["logits_indices"][: len(rows)] = rows
+        plan = StepPlan(layout, overlap, *self._inflight_rows(inflight, prev), len(rows),
+                        share_tokens=overlap and bool(sampled) and self.tp is not None)  # fmt: skip
+        if sched.scores_prompt:
+            plan.prompt_logits_rows = prompt_logits_rows(order, layout.query_start)
+        if self.workers is not None:
+            self.workers.call("replay_step", plan.with_host(self.buffers.np))
         with self._stream():
-            bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
-            patch = (lambda: self._patch_inflight(inflight, prev)) if inflight else None
-            meta = None
-            if bucket is not None:
-                hidden = self.graphs.replay(layout, bucket, patch)
-            else:
-                meta = self._device_meta(layout)
-                self.backend.prepare(meta, self.block_size)
-                input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
-                positions = self.buffers.to_device("positions", layout.num_tokens)
-                if patch is not None:
-                    patch()
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if self.drafter is not None and self.drafter.needs_mirror:
-                # A draft model computes its own KV for every token the target just computed.
-                if meta is None:
-                    meta = self._device_meta(layout)
-                n = layout.num_tokens
-                self.drafter.mirror(self.buffers.device["input_ids"][:n], self.buffers.device["positions"][:n], meta)
-            # Requests asking for prompt logprobs run without overlap (the engine makes sure): scored here, eagerly.
-            scores = []
-            if sched.scores_prompt:
-                scores = compute_prompt_logprobs(self.model, hidden, order, layout.query_start)
-            sampled = [s for s in sched.scheduled if s.samples]
-            if not sampled:
-                return PendingStep([], result=RunnerOutput([], SamplerOutput.empty(), prompt_logprobs=scores))
-            # Logits rows, in scheduler order: each sampling request's last known token, then its drafts.
-            where = {id(s): i for i, s in enumerate(order)}
-            rows = []
-            for s in sampled:
-                end = layout.query_start[where[id(s)] + 1]
-                rows.extend(range(end - 1 - len(s.spec_token_ids), end))
-            self.buffers.np["logits_indices"][: len(rows)] = rows
-            # In the model's dtype: the sampler widens them to float32 unless a greedy batch needs only the maxima.
-            logits = self.model.compute_logits(hidden[self.buffers.to_device("logits_indices", len(rows))], None)
+            try:
+                hidden, meta = self._forward(plan, prev.tokens if prev is not None else None)
+                if self.drafter is not None and self.drafter.needs_mirror:
+                    # A draft model computes its own KV for every token the target just computed.
+                    if meta is None:
+                        meta = self._device_meta(layout)
+                    n = layout.num_tokens
+                    input_ids, positions = self.buffers.device["input_ids"][:n], self.buffers.device["positions"][:n]
+                    self.drafter.mirror(input_ids, positions, meta)
+                # Requests asking for prompt logprobs run without overlap (the engine makes sure): scored here.
+                scores = []
+                if sched.scores_prompt:
+                    scores = compute_prompt_logprobs(self.model, hidden, order, layout.query_start)
+                if not sampled:
+                    return PendingStep([], result=RunnerOutput([], SamplerOutput.empty(), prompt_logprobs=scores))
+                # In the model's dtype: the sampler widens them to float32 unless a greedy batch needs only the maxima.
+                logits = self.model.compute_logits(hidden[self.buffers.to_device("logits_indices", len(rows))], None)
+            except Exception as e:
+                if self.tp is None:
+                    raise
+                # The other ranks began this step: they wait in collectives this rank never reaches.
+                raise TensorParallelError(f"a step failed on rank 0 after the other ranks began it: {e!r}") from e
             requests = [s.request for s in sampled]
             if overlap:
-                return PendingStep(sampled, self.sampler.launch(logits, requests))
+                pending = None
+                try:
+                    pending = self.sampler.launch(logits, requests)
+                finally:
+                    if plan.share_tokens:  # the workers' next step reads its in-flight inputs from them
+                        tokens = pending.tokens if pending is not None else torch.zeros(len(rows), device=self.device)
+                        self.tp.broadcast_(tokens.to(torch.int64))
+                return PendingStep(sampled, pending)
             drafts = [s.spec_token_ids for s in sampled]
             draft_probs = None
             if any(s.request.spec_draft_probs is not None for s in sampled):
@@ -358,15 +343,58 @@ class ModelRunner:
                 result.next_drafts, result.next_draft_probs = self.drafter.propose(sampled, out.token_ids)
         return PendingStep(sampled, result=result)
 
-    def _patch_inflight(self, inflight: list[tuple[int, ScheduledRequest]], prev: PendingStep | None) -> None:
-        """Device input ids of the in-flight tokens <- the previous step's sampled tokens (stream-ordered after the
-        input copy, before the forward)."""
+    @torch.inference_mode()
+    def replay_step(self, plan: StepPlan) -> None:
+        """A tensor-parallel worker's part of a step rank 0 launched: the same forward and logits (gathered on rank
+        0, which samples), and with async scheduling the sampled tokens rank 0 broadcasts."""
+        if plan.overlap:
+            self.buffers.flip()
+        for name, values in plan.host.items():
+            self.buffers.np[name][tuple(slice(0, n) for n in values.shape)] = values
+        with self._stream():
+            hidden, _ = self._forward(plan, self._shared_tokens)
+            for row, n in plan.prompt_logits_rows:
+                self.model.compute_logits(hidden[row : row + n])
+            if plan.num_logits_rows:
+                self.model.compute_logits(hidden[self.buffers.to_device("logits_indices", plan.num_logits_rows)], None)
+            if plan.share_tokens:
+                tokens = torch.empty(plan.num_logits_rows, dtype=torch.int64, device=self.device)
+                self._shared_tokens = self.tp.broadcast_(tokens)
+
+    def _forward(self, plan: StepPlan, prev_tokens: torch.Tensor | None):
+        """Host buffers -> device, in-flight inputs patched from `prev_tokens`, the model (a CUDA graph's replay for
+        decode steps it covers). -> (hidden states, the attention metadata of an eager forward or None)."""
+        layout = plan.layout
+        bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+        patch = None
+        if plan.inflight_dst:
+            patch = lambda: self._patch_inflight(plan.inflight_dst, plan.inflight_src, prev_tokens)  # noqa: E731
+        if bucket is not None:
+            return self.graphs.replay(layout, bucket, patch), None
+        meta = self._device_meta(layout)
+        self.backend.prepare(meta, self.block_size)
+        input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
+        positions = self.buffers.to_device("positions", layout.num_tokens)
+        if patch is not None:
+            patch()
+        return self.model(input_ids, positions, self.kv_caches, meta), meta
+
+    @staticmethod
+    def _inflight_rows(inflight: list[tuple[int, ScheduledRequest]], prev: PendingStep | None):
+        """(flat-batch slots, rows of the previous step's sampled tokens) of the in-flight inputs."""
+        if not inflight:
+            return [], []
         if prev is None or prev.tokens is None:
             raise RuntimeError("a step has inputs in flight but no launched step supplies them")
         row_of = {id(s.request): i for i, s in enumerate(prev.sampled)}
-        dst = list_to_device([index for index, _ in inflight], self.device, torch.int64)
-        src = list_to_device([row_of[id(s.request)] for _, s in inflight], self.device, torch.int64)
-        self.buffers.device["input_ids"].index_copy_(0, dst, prev.tokens.index_select(0, src))
+        return [index for index, _ in inflight], [row_of[id(s.request)] for _, s in inflight]
+
+    def _patch_inflight(self, dst: list[int], src: list[int], tokens: torch.Tensor) -> None:
+        """Device input ids of the in-flight tokens <- the previous step's sampled tokens (stream-ordered after the
+        input copy, before the forward)."""
+        dst_t = list_to_device(dst, self.device, torch.int64)
+        src_t = list_to_device(src, self.device, torch.int64)
+        self.buffers.device["input_ids"].index_copy_(0, dst_t, tokens.index_select(0, src_t))
 
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

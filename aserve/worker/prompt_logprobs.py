@@ -23,29 +23,36 @@ def scored_positions(s: ScheduledRequest) -> range:
     return range(s.num_computed_tokens, max(end, s.num_computed_tokens))
 
 
+def _slices(order: list[ScheduledRequest], query_start: list[int]):
+    """(index in `order`, positions scored, first row of the slice, rows) of each slice of logits, in order."""
+    for i, s in enumerate(order):
+        if s.request.sampling_params.prompt_logprobs is None:
+            continue
+        positions = scored_positions(s)
+        for lo in range(0, len(positions), _ROWS_PER_SLICE):
+            yield i, positions, query_start[i] + lo, len(positions[lo : lo + _ROWS_PER_SLICE])
+
+
+def prompt_logits_rows(order: list[ScheduledRequest], query_start: list[int]) -> list[tuple[int, int]]:
+    """(first row, rows) of each compute_logits call compute_prompt_logprobs makes for this step, in order (what a
+    tensor-parallel worker runs alongside: the logits are gathered from every rank)."""
+    return [(row, n) for _, _, row, n in _slices(order, query_start)]
+
+
 def compute_prompt_logprobs(
     model, hidden: torch.Tensor, order: list[ScheduledRequest], query_start: list[int]
 ) -> list[tuple[ScheduledRequest, int, list[SampledLogprobs]]]:
     """-> (request, index of its first prompt token scored, one entry per token scored) for each request of the
     step asking for prompt logprobs whose chunk scores any. `order`/`query_start`: the step's flat batch layout."""
-    results = []
-    for i, s in enumerate(order):
+    entries: dict[int, list[SampledLogprobs]] = {}
+    for i, positions, row, n in _slices(order, query_start):
+        s = order[i]
+        first = positions.start + (row - query_start[i])  # the slice's first position
+        rows = torch.arange(row, row + n, device=hidden.device)
+        targets = torch.tensor(s.request.prompt_token_ids[first + 1 : first + n + 1], device=hidden.device)
         k = s.request.sampling_params.prompt_logprobs
-        if k is None:
-            continue
-        positions = scored_positions(s)
-        if not positions:
-            continue
-        prompt = s.request.prompt_token_ids
-        row0 = query_start[i]  # the chunk's first position is at this row of the flat batch
-        entries: list[SampledLogprobs] = []
-        for lo in range(0, len(positions), _ROWS_PER_SLICE):
-            pos = positions[lo : lo + _ROWS_PER_SLICE]
-            rows = torch.arange(row0 + lo, row0 + lo + len(pos), device=hidden.device)
-            targets = torch.tensor(prompt[pos.start + 1 : pos.stop + 1], device=hidden.device)
-            entries += _score(model.compute_logits(hidden[rows]), targets, k)
-        results.append((s, positions.start + 1, entries))
-    return results
+        entries.setdefault(i, []).extend(_score(model.compute_logits(hidden[rows]), targets, k))
+    return [(order[i], scored_positions(order[i]).start + 1, scored) for i, scored in entries.items()]
 
 
 def _score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[SampledLogprobs]:

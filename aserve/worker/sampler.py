@@ -2,8 +2,8 @@
 
 A logits row is one position to sample at: a request, plus (when verifying) the draft tokens assumed before that
 position, which count as generated tokens for penalties and min_tokens. Order of processing (as vLLM v1): raw
-logprobs (if asked) -> min_tokens masking -> logit_bias -> repetition/presence/frequency penalties -> greedy
-argmax, or temperature -> min-p -> top-k -> top-p -> probabilities.
+logprobs (if asked) -> min_tokens masking -> logit_bias -> allowed_token_ids -> repetition/presence/frequency
+penalties -> greedy argmax, or temperature -> min-p -> top-k -> top-p -> probabilities.
 
 Verification of k drafts d_1..d_k of one request (rows 0..k) is lossless rejection sampling: accept d_j with
 probability min(1, p_j(d_j) / q_j(d_j)) while they are accepted; at the first rejection emit a token drawn from
@@ -226,7 +226,18 @@ class Sampler:
             logits = logits.clone()
             logits.index_put_((self._tensor(row_idx), self._tensor(cols)), self._tensor(biases, logits.dtype),
                               accumulate=True)  # fmt: skip
-        return logits
+        return self._mask_allowed(logits, rows)
+
+    def _mask_allowed(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """allowed_token_ids: every other token of the row to -inf."""
+        masked = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids]
+        if not masked:
+            return logits
+        keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+        for i, allowed in masked:
+            keep[i] = False
+            keep[i, self._tensor(allowed, torch.long)] = True
+        return logits.masked_fill(~keep, float("-inf"))
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         logits = logits.clone()

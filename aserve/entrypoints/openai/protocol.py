@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from aserve.entrypoints.openai.request_fields import check_refused
 from aserve.entrypoints.openai.structured_request import (
     ResponseFormat,
     structured_outputs_params,
@@ -22,10 +23,17 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs in chat
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 _INT64 = (-(2**63), 2**63 - 1)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+_TEMPLATE_CONTROLS = frozenset({"add_generation_prompt", "continue_final_message", "tools", "tokenize", "conversation",
+                                "chat_template", "return_dict", "return_tensors", "padding", "truncation",
+                                "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})  # fmt: skip
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool | None = None  # None: as continuous_usage_stats
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk too
+    include_obfuscation: bool | None = None  # accepted: aserve's chunks carry no obfuscation padding
 
 
 class _GenerationRequest(msgspec.Struct, kw_only=True):
@@ -45,9 +53,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None  # structured output (structured_outputs_params)
-    # Parsed only to be refused where they would change the output (check_unsupported): msgspec drops unknown
-    # fields, so without them a client asking for tools would silently get none
+    # Parsed only to be refused where they would change the output (check_unsupported, request_fields.py): msgspec
+    # drops unknown fields, so without them a client asking for them would silently get nothing
     best_of: int | None = None
+    use_beam_search: bool = False
     # vLLM's extras
     top_k: int | None = None
     min_p: float = 0.0
@@ -65,10 +74,22 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: the last max_model_len)
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids in the response
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        """A usage chunk ends the stream (include_usage, or continuous_usage_stats without include_usage)."""
+        options = self.stream_options
+        if options is None:
+            return False
+        return bool(options.include_usage or (options.include_usage is None and options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's stream_options.continuous_usage_stats)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -80,7 +101,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         return self.prompt_logprobs
 
     def check_unsupported(self) -> None:
-        """400 for what aserve does not do (rather than ignoring it): best_of."""
+        """400 for what aserve does not do (rather than ignoring it): request_fields.REFUSED_FIELDS, best_of; and
+        stream_options without stream (vLLM's 400)."""
+        check_refused(self)
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "Stream options can only be defined when `stream=True`.")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ParamError("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.best_of is not None and self.best_of not in (1, self.n):
@@ -102,7 +127,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         num_logprobs = self.num_logprobs()
         if num_logprobs is not None and num_logprobs > MAX_LOGPROBS:
             raise ParamError(self.logprobs_param, f"at most {MAX_LOGPROBS} logprobs per token are allowed")
-        for name in ("seed", "top_k", "min_tokens"):
+        for name in ("seed", "top_k", "min_tokens", "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and not _INT64[0] <= value <= _INT64[1]:
                 raise ParamError(name, f"{name} must be a 64-bit integer")
@@ -146,6 +171,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
             structured_outputs=self.structured_outputs_params(),
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     def structured_outputs_params(self):
@@ -163,8 +190,6 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
         super().check_unsupported()
         if self.max_tokens == 0 and not self.echo:
             raise ParamError("max_tokens", "max_tokens must be >= 1 (0 only with echo: scoring the prompt)")
-        if self.suffix:
-            raise ParamError("suffix", "suffix is not supported")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -211,15 +236,63 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message stays open: the reply continues it
+    echo: bool = False  # vLLM's: the reply starts with the last message's text when it continues that message
     chat_template_kwargs: dict | None = None
+    reasoning_effort: str | None = None  # to the chat template, as vLLM passes it (with enable_thinking)
     tools: list[dict] | None = None  # tool calling: tool_request.py (the request), tool_output.py (the response)
     tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
     parallel_tool_calls: bool = True
-    functions: list | None = None  # refused (the deprecated spelling of tools)
+    # OpenAI's fields that aserve accepts without effect or refuses (request_fields.py)
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
+    verbosity: str | None = None
+    web_search_options: dict | None = None
+    moderation: dict | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         check_tools(self.tools, self.tool_choice, self.functions)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError("continue_final_message", "Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.")  # fmt: skip
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise ParamError("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & _TEMPLATE_CONTROLS)
+        if reserved:
+            raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r} (request "
+                             "fields set add_generation_prompt, continue_final_message and tools)")  # fmt: skip
+
+    def template_kwargs(self) -> dict | None:
+        """The chat template's extra arguments: chat_template_kwargs, tools, continue_final_message, and
+        reasoning_effort with enable_thinking (unless chat_template_kwargs sets it), as vLLM passes them."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = self.tools
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs or None
+
+    def echo_text(self, conversation: list[dict]) -> str:
+        """With echo, the last message's text when the reply continues it (it is the assistant's, or no generation
+        prompt follows it), else ""."""
+        last = conversation[-1]
+        if not self.echo or (self.add_generation_prompt and last["role"] != "assistant"):
+            return ""
+        return last["content"] or ""
 
     def structured_outputs_params(self):
         """tool_choice "required" or a named function forces the output's shape (tool_request.forced_output), which

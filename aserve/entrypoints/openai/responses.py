@@ -28,11 +28,18 @@ class ChoiceState:
         self.echo: Echo | None = None  # completions' echo: the prompt goes first (prompt_scoring.Echo)
         self.prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, once known (reported once)
         self.prompt_logprobs_sent = False
+        self.prompt_token_ids: list[int] = []  # the prompt as it ran (return_token_ids; its length: usage)
+        self.prompt_token_ids_sent = False
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache
+        self.output_token_ids: list[int] = []  # generated tokens only (token_ids may start with an echoed prompt)
+        self.delta_output_token_ids: list[int] = []
 
     def add(self, comp: CompletionOutput, error: str | None) -> None:
         """Adds an output's delta; deltas gather until `clear_delta` (a stream sent them)."""
         if self.echo is not None:
             comp = self.echo.apply(self, comp)
+        self.output_token_ids += comp.token_ids
+        self.delta_output_token_ids += comp.token_ids
         self.delta_text += comp.text
         self.delta_token_ids += comp.token_ids
         if comp.logprobs:
@@ -50,6 +57,7 @@ class ChoiceState:
 
     def clear_delta(self) -> None:
         self.delta_text, self.delta_token_ids, self.delta_logprobs = "", [], []
+        self.delta_output_token_ids = []
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
@@ -57,17 +65,50 @@ def error_body(message: str, type_: str = "invalid_request_error", param=None, c
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with `cached_tokens` (--enable-prompt-tokens-details), prompt_tokens_details too."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def cached_tokens(choices: list[ChoiceState], n: int) -> int:
+    """Prompt tokens served from the prefix cache, over a response's prompts (choice index = prompt index * n + j)."""
+    return sum(c.num_cached_tokens for c in choices[::n])
+
+
+def add_token_ids(body: dict, choices: list[ChoiceState], chat: bool, final: bool, role_only: bool = False) -> None:
+    """vLLM's return_token_ids: the prompt's token ids (at the top of a chat response, in each completions choice;
+    a stream sends them once, first) and each choice's generated token ids (a stream chunk: its new ones).
+    `choices`: those `body["choices"]` was built from, in order."""
+    for choice, out in zip(choices, body["choices"]):
+        if final or not choice.prompt_token_ids_sent:
+            choice.prompt_token_ids_sent = True
+            if chat:
+                body["prompt_token_ids"] = choice.prompt_token_ids
+            else:
+                out["prompt_token_ids"] = choice.prompt_token_ids
+        if not role_only:
+            out["token_ids"] = choice.output_token_ids if final else choice.delta_output_token_ids
+
+
+# A logprob of -inf (a token the request's mask excludes) has no JSON number: reported as vLLM does.
+_MIN_LOGPROB = -9999.0
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
 
 
 def _top_entries(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
     """The top-n alternatives of one position, most likely first."""
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= num_top), key=lambda x: x[1].rank)
+    top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= num_top), key=lambda x: x[1].rank)
+    return top[:num_top]
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, offset: int) -> dict:
@@ -85,8 +126,11 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
             continue
         text = sampled.decoded_token or ""
         tokens.append(text)
-        token_logprobs.append(sampled.logprob)
-        top_logprobs.append({(lp.decoded_token or ""): lp.logprob for _, lp in _top_entries(entry, num_top)})
+        token_logprobs.append(_clamp(sampled.logprob))
+        # the top `num_top` and the sampled token, wherever it ranks (up to num_top + 1 entries, as OpenAI's)
+        top = {(lp.decoded_token or ""): _clamp(lp.logprob) for _, lp in _top_entries(entry, num_top)}
+        top.setdefault(text, _clamp(sampled.logprob))
+        top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(text)
     return {
@@ -98,9 +142,12 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> dict:
+    """OpenAI's chat shape: per token, the sampled token and its logprob, and top_logprobs: the `num_top` most likely
+    (the sampled token among them only where it ranks)."""
+
     def item(lp: Logprob) -> dict:
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _clamp(lp.logprob), "bytes": list(text.encode())}
 
     content = []
     for token_id, entry in zip(token_ids, entries):
@@ -169,3 +216,9 @@ def chat_chunk(request_id, created, model, choices: list[ChoiceState], final: bo
             )
     obj = "chat.completion" if final else "chat.completion.chunk"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": out}
+
+
+def chat_echo_chunk(request_id, created, model, choice: ChoiceState, text: str) -> dict:
+    """A chat stream's chunk of echoed text (the chat request's echo), before anything generated."""
+    delta = {"index": choice.index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [delta]}

@@ -27,10 +27,18 @@ from aserve.entrypoints.openai.protocol import (
     _GenerationRequest,
 )
 from aserve.entrypoints.openai.request_body import MAX_BODY_BYTES, BodyReader
-from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, error_body, usage
+from aserve.entrypoints.openai.responses import (
+    ChoiceState,
+    add_token_ids,
+    cached_tokens,
+    chat_chunk,
+    completion_chunk,
+    error_body,
+    usage,
+)
 from aserve.entrypoints.openai.streaming import EventStream, absorb, stream_response
 from aserve.entrypoints.openai.structured_request import structured_outputs_field
-from aserve.entrypoints.openai.tool_output import template_kwargs, tool_call_output
+from aserve.entrypoints.openai.tool_output import tool_call_output
 from aserve.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from aserve.entrypoints.openai.tool_request import forces_tool_call
 from aserve.metrics import PrometheusMetrics
@@ -73,6 +81,7 @@ class ServerState:
         self.connections: ConnectionGuard | None = None  # `aserve serve`'s read timeouts and connection limit
         self.tool_parser: ToolParser | None = None  # --tool-call-parser
         self.enable_auto_tool_choice = False  # --enable-auto-tool-choice: tool_choice "auto" is parsed
+        self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
 
     def attach_connections(self, guard: ConnectionGuard) -> None:
         """`aserve serve`'s connections go through `guard`: handlers mark their phases on it."""
@@ -187,9 +196,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = state.sampling_params(req, default_max_tokens=16)
     await state.compile_grammar(req, params)
     prompts = []
+    max_model_len = state.engine.config.max_model_len
     for p in raw_prompts:
         ids = await state.engine.tokenize(p) if isinstance(p, str) else p
-        prompts.append((p if isinstance(p, str) else None, ids, params))
+        kept = params.truncate_prompt(ids, max_model_len)
+        text = p if isinstance(p, str) and len(kept) == len(ids) else None  # a truncated prompt's text: its tokens'
+        prompts.append((text, kept, params))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     return await _generate(request, state, req, request_id, prompts, chat=False)
 
@@ -205,17 +217,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if tools is not None:
         tools.adjust(params)
     await state.compile_grammar(req, params)
-    ids = await state.engine.render_chat(req.conversation(), req.add_generation_prompt, template_kwargs(req))
+    conversation = req.conversation()
+    ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs())
+    ids = params.truncate_prompt(ids, state.engine.config.max_model_len)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True, tools=tools)
+    return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True, tools=tools,
+                           echo=req.echo_text(conversation))  # fmt: skip
 
 
-async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool, tools=None):
-    """Runs every (text, ids, params) prompt; choice index = prompt index * n + sample index."""
+async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool, tools=None, echo=""):
+    """Runs every (text, ids, params) prompt; choice index = prompt index * n + sample index. `echo`: a chat's
+    echoed text (the reply's start)."""
     n = req.n
     created = int(time.time())
     num_top = req.num_logprobs()
     choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
+    for choice in choices:
+        choice.prompt_token_ids = prompts[choice.index // n][1]
     if not chat and req.echo:
         await make_echoes(state.engine, choices, n, prompts, req.score_only)
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
@@ -223,7 +241,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     sink = OutputSink()
     if req.stream:
         sink = EventStream(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
-                           state.on_slow_client, tools)  # fmt: skip
+                           state.on_slow_client, tools, echo, state.enable_prompt_tokens_details)  # fmt: skip
     streams = []
     # Checked again now that tokenising is done; nothing below awaits before the requests are queued.
     state.engine.check_queue(len(prompts) * n)
@@ -259,9 +277,15 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     if tools is not None:
         for body_choice, choice in zip(body["choices"], choices):
             tools.message(body_choice, choice)
+    if echo:
+        for body_choice in body["choices"]:
+            body_choice["message"]["content"] = echo + (body_choice["message"]["content"] or "")
     if req.prompt_logprobs is not None:
         add_prompt_logprobs(body, choices, chat)
-    body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices))
+    if req.return_token_ids:
+        add_token_ids(body, choices, chat, final=True)
+    cached = cached_tokens(choices, n) if state.enable_prompt_tokens_details else None
+    body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)
     return json_response(body)
 
 
@@ -383,12 +407,14 @@ def build_app(
     api_key: str | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    enable_prompt_tokens_details: bool = False,
 ) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     state = app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
     state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     state.enable_auto_tool_choice = enable_auto_tool_choice
+    state.enable_prompt_tokens_details = enable_prompt_tokens_details
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

@@ -21,7 +21,16 @@ from aiohttp import web
 from aserve import envs
 from aserve.engine.async_engine import OutputSink, StreamGroup
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs
-from aserve.entrypoints.openai.responses import ChoiceState, chat_chunk, completion_chunk, error_body, usage
+from aserve.entrypoints.openai.responses import (
+    ChoiceState,
+    add_token_ids,
+    cached_tokens,
+    chat_chunk,
+    chat_echo_chunk,
+    completion_chunk,
+    error_body,
+    usage,
+)
 from aserve.outputs import RequestOutput
 
 logger = logging.getLogger("aserve")
@@ -42,6 +51,8 @@ def absorb(choices: list[ChoiceState], prompt_index: int, n: int, out: RequestOu
     if out.prompt_logprobs is not None:  # reported once per prompt, for all its choices
         for j in range(n):
             choices[prompt_index * n + j].prompt_logprobs = out.prompt_logprobs
+    for j in range(n):
+        choices[prompt_index * n + j].num_cached_tokens = out.num_cached_tokens
     for comp in out.outputs:
         choice = choices[prompt_index * n + comp.index]
         choice.add(comp, out.error)
@@ -69,12 +80,16 @@ class EventStream(OutputSink):
 
     def __init__(self, request: web.Request, model: str, req, request_id: str, created: int,
                  choices: list[ChoiceState], prompt_tokens: int, chat: bool, on_slow_client,
-                 tools=None) -> None:  # fmt: skip
+                 tools=None, echo: str = "", prompt_tokens_details: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.request, self.model, self.request_id, self.created = request, model, request_id, created
         self.choices, self.prompt_tokens, self.chat, self.n = choices, prompt_tokens, chat, req.n
         self.builder = chat_chunk if chat else completion_chunk
         self.include_usage = req.include_usage
+        self.continuous_usage = req.continuous_usage  # usage so far on every chunk
+        self.prompt_tokens_details = prompt_tokens_details  # the usage chunk reports cached prompt tokens
+        self.return_token_ids = bool(req.return_token_ids)
+        self.echo = echo  # a chat's echoed text, sent after the role chunks
         self.report_prompt_logprobs = req.prompt_logprobs is not None
         self.on_slow_client = on_slow_client
         self.tools = tools  # a chat's tool-call handling (tool_output.ToolCallOutput): rewrites each delta
@@ -84,14 +99,34 @@ class EventStream(OutputSink):
         self.buffer_limit = envs.ASERVE_STREAM_BUFFER
 
     def chunk(self, choice: ChoiceState, **kw) -> bytes:
+        role_only = kw.get("role_only", False)
         body = self.builder(self.request_id, self.created, self.model, [choice], **kw)
-        if self.tools is not None and not kw.get("role_only") and not self.tools.delta(body["choices"][0], choice):
-            return b""  # text held back while a tool call may be forming
-        if self.report_prompt_logprobs and not kw.get("role_only"):
+        if self.return_token_ids:
+            add_token_ids(body, [choice], self.chat, final=False, role_only=role_only)
+        if self.tools is not None and not role_only and not self.tools.delta(body["choices"][0], choice):
+            if not (self.return_token_ids and choice.delta_output_token_ids):
+                return b""  # text held back while a tool call may be forming
+        if self.report_prompt_logprobs and not role_only:
             add_prompt_logprobs(body, [choice], self.chat)
+        return sse(self.with_usage(body, choice, role_only))
+
+    def with_usage(self, body: dict, choice: ChoiceState, role_only: bool = False) -> dict:
+        """A chunk's usage: null, or with continuous_usage_stats, the choice's so far (as vLLM reports it)."""
         if self.include_usage:
-            body["usage"] = None
-        return sse(body)
+            completion_tokens = 0 if role_only else choice.num_tokens
+            body["usage"] = usage(len(choice.prompt_token_ids), completion_tokens) if self.continuous_usage else None
+        return body
+
+    def head(self) -> bytes:
+        """A chat stream's first events: each choice's role chunk, then its echoed text if any."""
+        if not self.chat:
+            return b""
+        parts = [self.chunk(c, role_only=True) for c in self.choices]
+        if self.echo:
+            for c in self.choices:
+                body = chat_echo_chunk(self.request_id, self.created, self.model, c, self.echo)
+                parts.append(sse(self.with_usage(body, c, role_only=True)))
+        return b"".join(parts)
 
     def events(self, batch: list) -> tuple[bytes, bool]:
         """(tag, output or error) items -> their events, and whether the stream ends with them (every choice
@@ -120,7 +155,8 @@ class EventStream(OutputSink):
         tail = DONE
         if self.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
-            totals = usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices))
+            cached = cached_tokens(self.choices, self.n) if self.prompt_tokens_details else None
+            totals = usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices), cached)
             body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                     "choices": [], "usage": totals}  # fmt: skip
             tail = sse(body) + tail
@@ -174,8 +210,7 @@ async def stream_response(request: web.Request, stream: EventStream, group: Stre
         await response.prepare(request)  # raises ConnectionError if the client has already hung up
         # The first events go through aiohttp (they carry the headers); direct writes follow where the framing is
         # HTTP/1.1 chunks.
-        head = b"".join(stream.chunk(c, role_only=True) for c in stream.choices) if stream.chat else b""
-        await response.write(head)
+        await response.write(stream.head())
         direct = request.version >= (1, 1) and request.transport is not None
         ended = False
         while not ended:

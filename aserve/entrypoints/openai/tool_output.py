@@ -2,7 +2,9 @@
 message) or as stream deltas.
 
 auto: the server's parser (--tool-call-parser) finds the calls; streaming sends text on until a call marker may be
-forming, then holds it and sends each call whole (name and arguments in one delta) once the parser sees it complete.
+forming, then holds it and sends each call as the parser reads it (ToolParser.partial_calls): a first delta with the
+call's index, id, type and name once the name is written, then its arguments piece by piece (Hermes); parsers that
+read only complete calls send each whole.
 named: the output is the named function's arguments (forced by its schema); streamed as argument pieces after a first
 delta with the call's id and name. required: the output is a JSON list of {"name", "parameters"} (forced); streamed
 as whole calls at the end. A choice with calls finishing on "stop" finishes on "tool_calls"."""
@@ -13,7 +15,7 @@ import json
 
 from aserve.entrypoints.openai.responses import ChoiceState
 from aserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser
-from aserve.entrypoints.openai.tool_parsers.base import call_id, openai_call
+from aserve.entrypoints.openai.tool_parsers.base import PartialCall, call_id, openai_call
 from aserve.entrypoints.openai.tool_request import AUTO, NAMED, REQUIRED, named_function, tool_mode
 from aserve.sampling_params import ParamError, SamplingParams
 
@@ -32,20 +34,14 @@ def tool_call_output(req, parser: ToolParser | None, enable_auto: bool) -> ToolC
     return ToolCallOutput(AUTO, parser)
 
 
-def template_kwargs(req) -> dict | None:
-    """The chat template's extra arguments: the request's chat_template_kwargs, and its tools."""
-    if not req.tools:
-        return req.chat_template_kwargs
-    return {**(req.chat_template_kwargs or {}), "tools": req.tools}
-
-
 class _StreamState:
-    __slots__ = ("sent", "in_calls", "calls_sent", "content_sent", "named_id")
+    __slots__ = ("sent", "in_calls", "calls_sent", "args_sent", "content_sent", "named_id")
 
     def __init__(self) -> None:
         self.sent = 0  # characters of the text sent as content or known to be calls
         self.in_calls = False  # a call marker has begun: the rest is held
         self.calls_sent = 0
+        self.args_sent: list[int] = []  # auto: per call begun, characters of its arguments sent
         self.content_sent = ""
         self.named_id: str | None = None
 
@@ -138,18 +134,41 @@ class ToolCallOutput:
         if finished:
             more, calls = self._at_end(state, text, content)
             return content + more, calls
-        _, calls = parser.extract(text)
-        return content, self._new_calls(state, calls)
+        return content, self._call_deltas(state, parser.partial_calls(text), finished=False)
 
     def _at_end(self, state: _StreamState, text: str, sending: str = "") -> tuple[str, list[dict]]:
-        """The output is complete: the calls not sent yet, and the text outside the calls not sent yet (all the held
-        text when it held no call after all); `sending`: content this delta sends before it."""
+        """The output is complete: the calls (or their parts) not sent yet, and the text outside the calls not sent
+        yet (all the held text when it held no call after all); `sending`: content this delta sends before it."""
         outside, calls = self.calls(text)
         if not calls:
+            if self.mode == AUTO and state.args_sent:  # calls begun in the stream that never completed
+                return "", self._call_deltas(state, self.parser.partial_calls(text), finished=True)
             return text[state.sent :], []
         sent = (state.content_sent + sending).strip()
         more = outside[len(sent) :].strip() if outside.startswith(sent) else ""
+        if self.mode == AUTO:
+            return more, self._call_deltas(state, self.parser.partial_calls(text), finished=True)
         return more, self._new_calls(state, calls)
+
+    def _call_deltas(self, state: _StreamState, partials: list[PartialCall], finished: bool) -> list[dict]:
+        """OpenAI's tool-call deltas for the calls as far as written: a call's first (index, id, type, name and its
+        arguments so far) once its name is known, then each new piece of its arguments. At the end, a call not begun
+        yet counts only if complete."""
+        deltas = []
+        for i, call in enumerate(partials):
+            if i < len(state.args_sent):
+                piece = call.arguments[state.args_sent[i] :]
+                if piece:
+                    deltas.append({"index": i, "function": {"arguments": piece}})
+                    state.args_sent[i] = len(call.arguments)
+            elif call.name is not None and (call.complete or not finished):
+                deltas.append({"index": i, "id": call_id(), "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}})  # fmt: skip
+                state.args_sent.append(len(call.arguments))
+            else:
+                break
+        state.calls_sent = len(state.args_sent)
+        return deltas
 
     def _new_calls(self, state: _StreamState, calls: list[ToolCall]) -> list[dict]:
         new = [{"index": state.calls_sent + i, **openai_call(call)} for i, call in enumerate(calls[state.calls_sent :])]

@@ -23,6 +23,13 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf16,
 int gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, int64_t N, int64_t K, int nt);
 int gemv_bf16_available(void);
 
+// y [M, N] = x [M, K] W^T, x and y bf16 or float32 with row strides x_stride / y_stride (elements), float32 sums
+// in one order per output that depends on K alone (batch-invariant). W: float32 [N, K] row-major; bf16 packed by
+// gemm_rows_pack_bf16 (ceil(N / 16) * 16 * ceil(K / 2) * 2 elements). 0, or -1 for K < 1. gemm_rows.cpp
+void gemm_rows_pack_bf16(const uint16_t *W, uint16_t *Wp, int64_t N, int64_t K);
+int gemm_rows(const void *W, const void *x, void *y, int64_t M, int64_t N, int64_t K, int64_t x_stride,
+              int64_t y_stride, int bf16, int nt);
+
 // y [M, N] = (x [M, K] W^T) * scale: W int8 [N, K] row-major, scale float32 [N] (one per output channel), x and y
 // bf16 or float32 with row strides x_stride / y_stride (elements), float32 sums; 0, or -1 for K outside
 // [1, 16384]. force_generic: the portable loops even where the AVX-512 path applies. gemm_int8.cpp

@@ -92,6 +92,38 @@ at::Tensor gemv(const at::Tensor &weight, const at::Tensor &x_) {
     return y;
 }
 
+int64_t gemm_rows_packed_numel(int64_t n, int64_t k) { return (n + 15) / 16 * 16 * ((k + 1) / 2 * 2); }
+
+at::Tensor gemm_rows_prepare(const at::Tensor &weight_) {
+    check_float(weight_, "gemm_rows_prepare");
+    TORCH_CHECK(weight_.dim() == 2 && weight_.size(1) > 0, "gemm_rows_prepare: a weight [N, K] expected");
+    const at::Tensor weight = weight_.contiguous();
+    if (!is_bf16(weight)) return weight;
+    const int64_t n = weight.size(0), k = weight.size(1);
+    at::Tensor packed = at::empty({gemm_rows_packed_numel(n, k)}, weight.options());
+    ::gemm_rows_pack_bf16((const uint16_t *)weight.data_ptr(), (uint16_t *)packed.data_ptr(), n, k);
+    return packed;
+}
+
+at::Tensor gemm_rows(const at::Tensor &prepared, const at::Tensor &x_, int64_t n) {
+    check_float(prepared, "gemm_rows");
+    check_like(x_, prepared, "gemm_rows x");
+    TORCH_CHECK(x_.dim() == 2 && x_.size(1) > 0, "gemm_rows: x [M, K] expected");
+    const int64_t k = x_.size(1);
+    if (is_bf16(prepared)) {
+        TORCH_CHECK(prepared.dim() == 1 && prepared.is_contiguous() && prepared.numel() == gemm_rows_packed_numel(n, k),
+                    "gemm_rows: a bfloat16 weight packed by gemm_rows_prepare for [", n, ", ", k, "] expected");
+    } else {
+        TORCH_CHECK(prepared.dim() == 2 && prepared.is_contiguous() && prepared.size(0) == n && prepared.size(1) == k,
+                    "gemm_rows: a contiguous float32 weight [", n, ", ", k, "] expected");
+    }
+    const at::Tensor x = x_.stride(1) == 1 ? x_ : x_.contiguous();
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    ::gemm_rows(prepared.data_ptr(), x.data_ptr(), y.data_ptr(), x.size(0), n, k, x.stride(0), n, is_bf16(x),
+                at::get_num_threads());
+    return y;
+}
+
 at::Tensor gemm_int8(const at::Tensor &weight, const at::Tensor &scale, const at::Tensor &x_, bool generic) {
     TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kChar && weight.dim() == 2 &&
                     weight.is_contiguous(),
@@ -168,6 +200,8 @@ void register_ops() {
              "(Tensor, Tensor, Tensor)");
     lib->def("silu_mul(Tensor gate_up) -> Tensor");
     lib->def("gemv(Tensor weight, Tensor x) -> Tensor");
+    lib->def("gemm_rows_prepare(Tensor weight) -> Tensor");
+    lib->def("gemm_rows(Tensor prepared, Tensor x, int n) -> Tensor");
     lib->def("gemm_int8(Tensor weight, Tensor scale, Tensor x, bool generic=False) -> Tensor");
     lib->def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
              "Tensor(a!) out, float? scale=None, bool generic=False, int window=0, float softcap=0.0) -> ()");
@@ -177,6 +211,8 @@ void register_ops() {
     cpu->impl("rotary_split", TORCH_FN(typed::rotary_split));
     cpu->impl("silu_mul", TORCH_FN(typed::silu_mul));
     cpu->impl("gemv", TORCH_FN(typed::gemv));
+    cpu->impl("gemm_rows_prepare", TORCH_FN(typed::gemm_rows_prepare));
+    cpu->impl("gemm_rows", TORCH_FN(typed::gemm_rows));
     cpu->impl("gemm_int8", TORCH_FN(typed::gemm_int8));
     cpu->impl("paged_decode_attention", TORCH_FN(typed::paged_decode_attention));
     cpu->impl("greedy_pick", TORCH_FN(typed::greedy_pick));

@@ -52,6 +52,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
     m.def("gemv_bf16_available", &::gemv_bf16_available);
     m.def(
+        "gemm_rows",
+        [](uintptr_t W, uintptr_t x, uintptr_t y, int64_t M, int64_t N, int64_t K, int64_t x_stride, int64_t y_stride,
+           int bf16, int nt) { return ::gemm_rows(ptr(W), ptr(x), ptr(y), M, N, K, x_stride, y_stride, bf16, nt); },
+        nogil);
+    m.def(
         "gemm_int8",
         [](uintptr_t W, uintptr_t scale, uintptr_t x, uintptr_t y, int64_t M, int64_t N, int64_t K, int64_t x_stride,
            int64_t y_stride, int bf16, int nt, int force_generic) {

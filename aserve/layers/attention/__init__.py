@@ -6,20 +6,30 @@ The backend is chosen once at engine start, by select_attention_backend (the `at
 auto     Triton on a GPU; on CPU the C decode kernel's backend where it compiles, else the torch reference
 torch    the torch reference (on CPU, with the C decode kernel where it compiles)
 triton   Triton (on CPU tensors too, through Triton's interpreter: tests)
+
+Deterministic mode (`deterministic`) takes a batch-invariant backend instead: triton_batch_invariant.py on a GPU (or
+with `triton`), batch_invariant.py on CPU (every query token on the C decode kernel).
 """
 
 from __future__ import annotations
 
 import torch
 
+from aserve.kernels import cpu
 from aserve.layers.attention.backend import AttentionBackend
+from aserve.layers.attention.batch_invariant import BatchInvariantCPUAttentionBackend
 from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 
 
-def select_attention_backend(name: str, hf_config, dtype: torch.dtype, max_num_seqs: int,
-                             device: torch.device) -> AttentionBackend:  # fmt: skip
+def select_attention_backend(name: str, hf_config, dtype: torch.dtype, max_num_seqs: int, device: torch.device,
+                             deterministic: bool = False, max_model_len: int = 0) -> AttentionBackend:  # fmt: skip
+    """`deterministic` (deterministic mode): a batch-invariant backend, triton_batch_invariant.py on a GPU or with
+    `triton` (its split-KV segments sized from `max_model_len`), else batch_invariant.py on CPU."""
     num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    if deterministic:
+        return _batch_invariant_backend(name, num_heads, num_kv_heads, head_dim, dtype, max_num_seqs, device,
+                                        max_model_len)  # fmt: skip
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from aserve.layers.attention.triton_backend import TritonAttentionBackend  # Triton: optional
 
@@ -27,3 +37,18 @@ def select_attention_backend(name: str, hf_config, dtype: torch.dtype, max_num_s
     if device.type == "cpu" and CPUAttentionBackend.supports(dtype, head_dim):
         return CPUAttentionBackend()
     return TorchAttentionBackend()
+
+
+def _batch_invariant_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                             max_num_seqs: int, device: torch.device, max_model_len: int):  # fmt: skip
+    if name == "triton" or device.type == "cuda":  # on a GPU, the Triton backend whatever the name
+        from aserve.layers.attention.triton_batch_invariant import BatchInvariantTritonAttentionBackend  # Triton
+
+        return BatchInvariantTritonAttentionBackend(num_heads, num_kv_heads, head_dim, max_num_seqs, max_model_len,
+                                                    device)  # fmt: skip
+    if device.type == "cpu" and CPUAttentionBackend.supports(dtype, head_dim):
+        return BatchInvariantCPUAttentionBackend()
+    raise ValueError(f"deterministic mode on CPU needs aserve's C kernels (a C++ compiler and ninja; "
+                     f"ASERVE_CPU_KERNELS not 0), a float32 / bfloat16 model and head_dim <= "
+                     f"{cpu.MAX_ATTENTION_HEAD_DIM}; attention backend {name!r}, {dtype}, head_dim {head_dim} on "
+                     f"{device}")  # fmt: skip

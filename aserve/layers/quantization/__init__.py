@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from aserve.layers.quantization.awq import AWQConfig
 from aserve.layers.quantization.base import QuantizationConfig
-from aserve.layers.quantization.fp8 import Fp8Config
+from aserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from aserve.layers.quantization.fp8_config import Fp8Config
 from aserve.layers.quantization.gptq import GPTQConfig
 from aserve.layers.quantization.int8 import Int8Config
 
 # a checkpoint's `quant_method` -> its config class
 QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
     "awq": AWQConfig,
+    "compressed-tensors": CompressedTensorsConfig,
     "fp8": Fp8Config,
     "gptq": GPTQConfig,
 }

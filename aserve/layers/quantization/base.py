@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,6 +38,11 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def to_hf(self) -> dict[str, Any]:
         """The `quantization_config` entry of config.json (what transformers and vLLM read)."""
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """The checkpoint's (name, tensor) pairs as the model's load_weights takes them (a format may reshape,
+        check or drop tensors here); as they are by default."""
+        return weights
 
     @abstractmethod
     def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:

@@ -7,8 +7,9 @@ Where a checkpoint says it is GPTQ:
     quantize_config.json   (older AutoGPTQ, beside config.json) the same fields, without quant_method
 
 Supported: 4 bits; group sizes that are multiples of 16 (32, 64, 128) and -1 (one group per output channel);
-symmetric and asymmetric; desc_act false and true (act order: g_idx); formats v1 ("gptq") and v2 ("gptq_v2"). Each
-other variant is refused with a message naming it. The tensors and their layout: gptq_format.py.
+symmetric and asymmetric; desc_act false and true (act order: g_idx); formats v1 ("gptq") and v2 ("gptq_v2"). And
+8 bits with group_size -1, on the int8 kernels (gptq_int8.py). Each other variant is refused with a message naming
+it. The tensors and their layout: gptq_format.py.
 
 A fused layer (qkv_proj = q|k|v, gate_up_proj = gate|up) concatenates its parts along the output dimension (the
 last one of qweight, qzeros and scales). Its parts share one input, so GPTQ gave them one g_idx (the input order
@@ -35,6 +36,7 @@ from aserve.layers.quantization import gptq_format
 from aserve.layers.quantization.awq import AWQConfig, AWQLinearMethod
 from aserve.layers.quantization.awq_format import PACK_FACTOR
 from aserve.layers.quantization.base import QuantizationConfig
+from aserve.layers.quantization.gptq_int8 import GPTQInt8LinearMethod
 
 FORMAT_VERSIONS = {"gptq": 1, "gptq_v2": 2}
 
@@ -54,8 +56,11 @@ class GPTQConfig(QuantizationConfig):
     def from_config(cls, raw: dict[str, Any]) -> GPTQConfig:
         bits, group_size = raw.get("bits", 4), raw.get("group_size", 128)
         fmt = str(raw.get("checkpoint_format") or raw.get("format") or "gptq").lower()
-        if bits != 4:
-            raise ValueError(f"GPTQ checkpoint with {bits}-bit weights: aserve runs 4-bit GPTQ only")
+        if bits not in (4, 8):
+            raise ValueError(f"GPTQ checkpoint with {bits}-bit weights: aserve runs 4-bit and 8-bit GPTQ")
+        if bits == 8 and group_size != -1:
+            raise ValueError(f"8-bit GPTQ with group_size {group_size}: not supported (aserve runs 8-bit GPTQ with one "
+                             "scale per output channel, group_size -1, on its int8 kernels)")  # fmt: skip
         if group_size != -1 and (group_size <= 0 or group_size % 16):
             raise ValueError(f"GPTQ group_size {group_size} is not supported (-1 or a multiple of 16: 32, 64, 128)")
         if raw.get("is_marlin_format") or fmt not in FORMAT_VERSIONS:
@@ -80,7 +85,9 @@ class GPTQConfig(QuantizationConfig):
             "checkpoint_format": self.checkpoint_format,
         }
 
-    def get_linear_method(self, checkpoint_names: Sequence[str]) -> GPTQLinearMethod:
+    def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:
+        if self.bits == 8:
+            return GPTQInt8LinearMethod(FORMAT_VERSIONS[self.checkpoint_format])
         return GPTQLinearMethod(self)
 
 

@@ -2,7 +2,9 @@
 
 A parser reads a model's whole output text -> (the text outside the calls, the calls). Streaming reuses it: while
 no call has begun, text is sent on except what may be the start of a call marker (held back until it is known);
-once a marker has begun, the parser is asked for the calls complete so far, and each is sent whole when done."""
+once a marker has begun, the parser is asked for the calls so far (`partial_calls`): a parser that reads calls as
+they form reports each one's name once complete and its arguments' JSON text as far as written (sent piece by
+piece); the others report each call whole once it is complete."""
 
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ class ToolCall:
         if not isinstance(args, dict):
             return None
         return cls(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+@dataclass(frozen=True, slots=True)
+class PartialCall:
+    """A call as far as the output has written it: `name` once complete (None before), `arguments` the arguments'
+    JSON text so far (each later report extends it), `complete` once the call has ended."""
+
+    name: str | None
+    arguments: str
+    complete: bool
 
 
 def call_id() -> str:
@@ -72,6 +84,10 @@ class ToolParser:
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         """The whole output -> (text outside the calls, the calls); no calls: (text, [])."""
         raise NotImplementedError
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The output so far -> its calls so far, in order (see PartialCall). Here: the complete ones, whole."""
+        return [PartialCall(call.name, call.arguments, True) for call in self.extract(text)[1]]
 
     def marker_start(self, text: str) -> int:
         """Where the first call marker begins in `text`, or -1."""

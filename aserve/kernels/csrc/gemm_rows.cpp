@@ -1,0 +1,232 @@
+// The batch-invariant product y [M, N] = x [M, K] W^T: every output element is summed in one fixed order that
+// depends on K alone, never on M, the row's place in x, the tile it falls in or the number of threads.
+// aserve/kernels/cpu.py describes it.
+#include "cpu_common.h"
+#include "cpu_kernels.h"
+
+#define GR_BLOCK 16  /* bf16: output channels per packed block */
+#define GR_MR 6      /* x rows per tile */
+
+/* bf16 weights packed once: W [N, K] -> blocks of 16 output channels, k in pairs: Wp[b][p][j][2] = W[16 b + j][2 p,
+   2 p + 1], zeros past N and K. A 64-byte load is then one k pair of 16 outputs, which vdpbf16ps multiplies by the
+   pair of x broadcast to every lane. */
+void gemm_rows_pack_bf16(const uint16_t *W, uint16_t *Wp, int64_t N, int64_t K) {
+    const int64_t blocks = (N + GR_BLOCK - 1) / GR_BLOCK, pairs = (K + 1) / 2;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int64_t j = 0; j < GR_BLOCK; j++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t n = b * GR_BLOCK + j, k = 2 * p + e;
+                    Wp[((b * pairs + p) * GR_BLOCK + j) * 2 + e] = n < N && k < K ? W[n * K + k] : 0;
+                }
+}
+
+/* x row r's pair p as one 32-bit word (the second half zero past an odd K: never read beyond the row). */
+static inline int32_t x_pair(const uint16_t *x, int64_t p, int64_t K) {
+    int32_t v = 0;
+    memcpy(&v, x + 2 * p, 2 * p + 1 < K ? 4 : 2);
+    return v;
+}
+
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
+/* Portable order (no AVX-512 BF16). bf16: per output, the two products of each k pair added in turn, pair after pair.
+   float32: 16 partial sums over k = j mod 16, added in a fixed tree. */
+static float dot_portable_bf16(const uint16_t *Wp, const uint16_t *x, int64_t n, int64_t K) {
+    const int64_t pairs = (K + 1) / 2, b = n / GR_BLOCK, j = n % GR_BLOCK;
+    float acc = 0.0f;
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint16_t *w = Wp + ((b * pairs + p) * GR_BLOCK + j) * 2;
+        const int32_t xp = x_pair(x, p, K);
+        acc += bf16_to_f32(w[0]) * bf16_to_f32((uint16_t)(xp & 0xFFFF));
+        acc += bf16_to_f32(w[1]) * bf16_to_f32((uint16_t)((uint32_t)xp >> 16));
+    }
+    return acc;
+}
+
+static float dot_portable_f32(const float *w, const float *x, int64_t K) {
+    float acc[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int j = 0; j < 16; j++) acc[j] += w[k + j] * x[k + j];
+    for (int j = 0; k < K; k++, j++) acc[j] += w[k] * x[k];
+    for (int s = 8; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) acc[j] += acc[j + s];
+    return acc[0];
+}
+#else
+#include <immintrin.h>
+#define HAVE_GR_AVX512 1
+
+/* f32_to_bf16 (cpu_common.h) on 16 lanes, the same integer steps: round to nearest even, no NaN handling. */
+static inline __m256i round_bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* One k pair of the tile: the pair's weights of NV blocks, each x row's pair broadcast (ODD: the last pair of an odd
+   K, whose second half is zero). */
+template <int MR, int NV, bool ODD>
+static inline __attribute__((always_inline)) void pair_bf16(__m512 (*a)[NV], const uint16_t *x, int64_t x_stride,
+                                                            const uint16_t *wp, int64_t block, int64_t p, int64_t K) {
+    __m512bh w[NV];
+    #pragma GCC unroll 8
+    for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512(wp + j * block + p * 2 * GR_BLOCK);
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+        int32_t xp;
+        if (ODD) xp = x_pair(x + i * x_stride, p, K);
+        else memcpy(&xp, x + i * x_stride + 2 * p, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+        #pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], w[j], xb);
+    }
+}
+
+/* bf16: MR x rows against NV packed blocks (16 NV outputs): per output one vdpbf16ps chain over the k pairs, in
+   order. lanes: how many outputs of the last block are stored (16 for whole blocks). */
+template <int MR, int NV>
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp,
+                                                            int64_t K, uint16_t *y, int64_t y_stride, int lanes) {
+    __m512 a[MR][NV];
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) a[i][j] = _mm512_setzero_ps();
+    const int64_t full = K / 2, block = (K + 1) / 2 * 2 * GR_BLOCK;
+    for (int64_t p = 0; p < full; p++) pair_bf16<MR, NV, false>(a, x, x_stride, wp, block, p, K);
+    if (K % 2) pair_bf16<MR, NV, true>(a, x, x_stride, wp, block, full, K);
+    const __mmask16 last = lanes >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << lanes) - 1u);
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < NV; j++)
+            _mm256_mask_storeu_epi16(y + i * y_stride + GR_BLOCK * j, j == NV - 1 ? last : (__mmask16)0xFFFF,
+                                     round_bf16x16(a[i][j]));
+}
+
+template <int NV>
+static void rows_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, int64_t K, uint16_t *y,
+                      int64_t y_stride, int64_t m0, int64_t m_end, int lanes) {
+    int64_t m = m0;
+    for (; m + GR_MR <= m_end; m += GR_MR)
+        tile_bf16<GR_MR, NV>(x + m * x_stride, x_stride, wp, K, y + m * y_stride, y_stride, lanes);
+    switch (m_end - m) {
+        case 5: tile_bf16<5, NV>(x + m * x_stride, x_stride, wp, K, y + m * y_stride, y_stride, lanes); break;
+        case 4: tile_bf16<4, NV>(x + m * x_stride, x_stride, wp, K, y + m * y_stride, y_stride, lanes); break;
+        case 3: tile_bf16<3, NV>(x + m * x_stride, x_stride, wp, K, y + m * y_stride, y_stride, lanes); break;
+        case 2: tile_bf16<2, NV>(x + m * x_stride, x_stride, wp, K, y + m * y_stride, y_stride, lanes); break;
+        case 1: tile_bf16<1, NV>(x + m * x_stride, x_stride, wp, K, y + m * y_stride, y_stride, lanes); break;
+    }
+}
+
+/* float32: per output one 16-lane FMA chain over chunks of 16 k's (the last one masked), its lanes then summed by
+   hsum16 for outputs in whole blocks of 16, by _mm512_reduce_add_ps for the N % 16 last ones. */
+template <int MR, int NR>
+static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t x_stride, const float *w,
+                                                           int64_t K, __m512 (*r)[GR_BLOCK], int n_off) {
+    __m512 a[MR][NR];
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < NR; j++) a[i][j] = _mm512_setzero_ps();
+    const int64_t C = (K + 15) / 16;
+    const __mmask16 tail = K % 16 ? (__mmask16)((1u << (K % 16)) - 1u) : (__mmask16)0xFFFF;
+    for (int64_t c = 0; c < C; c++) {
+        const __mmask16 mk = c < C - 1 ? (__mmask16)0xFFFF : tail;
+        __m512 wv[NR];
+        #pragma GCC unroll 8
+        for (int j = 0; j < NR; j++) wv[j] = _mm512_maskz_loadu_ps(mk, w + j * K + 16 * c);
+        #pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mk, x + i * x_stride + 16 * c);
+            #pragma GCC unroll 8
+            for (int j = 0; j < NR; j++) a[i][j] = _mm512_fmadd_ps(wv[j], xv, a[i][j]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < NR; j++) r[i][n_off + j] = a[i][j];
+}
+
+template <int MR>
+static void block_f32(const float *W, const float *x, float *y, int64_t m0, int64_t n0, int64_t nr, int64_t K,
+                      int64_t x_stride, int64_t y_stride) {
+    __m512 r[MR][GR_BLOCK];
+    const float *xb = x + m0 * x_stride, *wb = W + n0 * K;
+    if (nr == GR_BLOCK)
+        for (int j = 0; j < GR_BLOCK; j += 4) tile_f32<MR, 4>(xb, x_stride, wb + j * K, K, r, j);
+    else
+        for (int j = 0; j < nr; j++) tile_f32<MR, 1>(xb, x_stride, wb + j * K, K, r, j);
+    for (int i = 0; i < MR; i++) {
+        float *row = y + (m0 + i) * y_stride + n0;
+        if (nr == GR_BLOCK) _mm512_storeu_ps(row, hsum16(r[i]));
+        else
+            for (int j = 0; j < nr; j++) row[j] = _mm512_reduce_add_ps(r[i][j]);
+    }
+}
+
+static void rows_f32(const float *W, const float *x, float *y, int64_t m0, int64_t m_end, int64_t n0, int64_t nr,
+                     int64_t K, int64_t x_stride, int64_t y_stride) {
+    int64_t m = m0;
+    for (; m + GR_MR <= m_end; m += GR_MR) block_f32<GR_MR>(W, x, y, m, n0, nr, K, x_stride, y_stride);
+    for (; m < m_end; m++) block_f32<1>(W, x, y, m, n0, nr, K, x_stride, y_stride);
+}
+#endif
+
+int gemm_rows(const void *W, const void *x, void *y, int64_t M, int64_t N, int64_t K, int64_t x_stride,
+              int64_t y_stride, int bf16, int nt) {
+    if (K < 1) return -1;
+    /* Small products (under ~1M multiply-adds and a weight under 64K elements: a few microseconds) on one thread: a
+       parallel region costs more there. (Few rows stream the weight: worth the threads from 64K elements.) */
+    const int par = M * N * K >= (1 << 20) || N * K >= (1 << 16);
+#ifdef HAVE_GR_AVX512
+    /* Work items: (slab of x rows, group of output channels), each sweeping its slab in tiles over its group's
+       weights; slabs of equal size, so that the threads' shares are. How the work is cut changes no sum. Few rows
+       (decode batches): narrower groups, more items. */
+    const int64_t slabs = (M + 47) / 48, slab = (M + slabs - 1) / slabs;  /* <= 48 rows each, as even as can be */
+    if (bf16) {
+        const int nv = M >= GR_MR && (N + 63) / 64 * slabs >= 16 ? 4 : 2;  /* enough items for the threads */
+        const int64_t width = nv * GR_BLOCK, groups = (N + width - 1) / width, pairs = (K + 1) / 2;
+        #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
+        for (int64_t s = 0; s < slabs; s++)
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t m0 = s * slab, m_end = m0 + slab < M ? m0 + slab : M, n0 = g * width;
+                const int64_t blocks = (N - n0 + GR_BLOCK - 1) / GR_BLOCK < nv ? (N - n0 + GR_BLOCK - 1) / GR_BLOCK : nv;
+                const int lanes = (int)(N - n0 - (blocks - 1) * GR_BLOCK);  /* outputs in the last block */
+                const uint16_t *wp = (const uint16_t *)W + n0 * pairs * 2, *xs = (const uint16_t *)x;
+                uint16_t *ys = (uint16_t *)y + n0;
+                switch (blocks) {
+                    case 4: rows_bf16<4>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
+                    case 3: rows_bf16<3>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
+                    case 2: rows_bf16<2>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
+                    default: rows_bf16<1>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
+                }
+            }
+        return 0;
+    }
+    const int64_t blocks = (N + GR_BLOCK - 1) / GR_BLOCK;
+    #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
+    for (int64_t s = 0; s < slabs; s++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * GR_BLOCK, nr = N - n0 < GR_BLOCK ? N - n0 : GR_BLOCK;
+            const int64_t m_end = (s + 1) * slab < M ? (s + 1) * slab : M;
+            rows_f32((const float *)W, (const float *)x, (float *)y, s * slab, m_end, n0, nr, K, x_stride, y_stride);
+        }
+    return 0;
+#else
+    #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            if (bf16)
+                ((uint16_t *)y)[m * y_stride + n] =
+                    f32_to_bf16(dot_portable_bf16((const uint16_t *)W, (const uint16_t *)x + m * x_stride, n, K));
+            else
+                ((float *)y)[m * y_stride + n] = dot_portable_f32((const float *)W + n * K, (const float *)x +
+                                                                  m * x_stride, K);
+        }
+    return 0;
+#endif
+}

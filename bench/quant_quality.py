@@ -1,0 +1,134 @@
+"""Quantisation quality on CPU in one command: the default model (SmolLM2-135M-Instruct, the embedded GGUF dequantised
+to float weights) unquantised and through aserve's weight quantisations, each against the unquantised model:
+
+    python bench/quant_quality.py [--dtype bfloat16] [--methods fp32,int8,fp8,awq,gptq] [--window 512]
+                                  [--max-windows N] [--prompts 16] [--prompt-len 32] [--max-tokens 32]
+                                  [--group-size 64] [--num-samples 16] [--out DIR]
+
+Rows (the baseline is the model in --dtype, unquantised):
+    fp32    the same model in float32 (the float noise floor of the comparison)
+    int8    `--quantization int8`: int8 weights, one scale per output channel, quantised at load
+    fp8     `--quantization fp8`: e4m3 weights, one scale per output channel, quantised at load; without FP8 tensor
+            cores (this CPU) weight-only: the activations are not quantised, as a GPU's FP8 kernels do at up to 16
+            rows but not beyond (per-token e4m3 activations into torch._scaled_mm)
+    awq     `aserve quantize --method awq` (int4, AutoAWQ format), group --group-size
+    gptq    `aserve quantize --method gptq --format gptq` (int4, GPTQ format), group --group-size
+The int4 checkpoints are written to --out (reused when present; calibration: --num-samples x 512 tokens of
+aserve/quantize/data/calibration.txt).
+
+Columns: perplexity on aserve/quantize/data/heldout.txt (aserve/quantize/perplexity.py: consecutive windows of
+--window tokens, through each model's own forward) and its change against the baseline; greedy agreement with the
+baseline over --prompts prompts (the first --prompt-len tokens of evenly spaced held-out windows, --max-tokens
+greedy tokens each, EOS ignored): "prefix" is the mean share of a continuation's tokens before its first difference
+from the baseline's, "identical" the share of continuations equal to the baseline's. Prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+
+from aserve import LLM, SamplingParams
+from aserve.quantize.perplexity import model_nll, window_ids
+from aserve.quantize.quantize import data_path, quantize_model
+
+ONLINE = {"int8": "int8", "fp8": "fp8"}  # row -> --quantization
+CHECKPOINTS = {"awq": ("awq", "awq"), "gptq": ("gptq", "gptq")}  # row -> (aserve quantize --method, --format)
+LABELS = {
+    "fp32": "float32, unquantised",
+    "int8": "int8 per channel (`--quantization int8`)",
+    "fp8": "fp8 e4m3 per channel (`--quantization fp8`, weight-only on CPU)",
+    "awq": "AWQ int4 g{g} (`aserve quantize --method awq`)",
+    "gptq": "GPTQ int4 g{g} (`aserve quantize --method gptq --format gptq`)",
+}
+
+
+def evaluate(model: str | None, dtype: str, quantization: str | None, text: str, args) -> dict:
+    """-> {"ppl", "tokens", "outputs", "seconds"} of one model: perplexity on the held-out windows, then greedy
+    continuations of the prompts."""
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=dtype, device="cpu", quantization=quantization, max_model_len=args.window,
+              max_num_seqs=args.prompts, enforce_eager=True, kv_cache_memory_gb=0.25,
+              enable_prefix_caching=False)  # fmt: skip
+    windows = window_ids(llm.get_tokenizer(), text, args.window)
+    scored = windows[: args.max_windows] if args.max_windows else windows
+    total, count = model_nll(llm.engine.core.runner.model, scored)
+    step = max(1, len(windows) // args.prompts)
+    prompts = [windows[i * step][: args.prompt_len] for i in range(args.prompts)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return {"ppl": math.exp(total / count), "tokens": count, "outputs": [o.outputs[0].token_ids for o in outs],
+            "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
+    """-> (mean share of each continuation before its first difference from the baseline's, share identical)."""
+    prefixes = []
+    for b, o in zip(base, other, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(b, o)) if x != y), min(len(b), len(o)))
+        prefixes.append(same / len(b))
+    return sum(prefixes) / len(prefixes), sum(p == 1.0 for p in prefixes) / len(prefixes)
+
+
+def checkpoint(row: str, args) -> tuple[str, float | None]:
+    """The int4 checkpoint of `row` under --out (written first if absent) -> (its directory, seconds to write)."""
+    method, fmt = CHECKPOINTS[row]
+    out = os.path.join(args.out, f"{method}-{fmt}-g{args.group_size}-n{args.num_samples}")
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out, None
+    report = quantize_model(None, out, group_size=args.group_size, method=method, num_samples=args.num_samples,
+                            device="cpu", fmt=fmt, progress=False)  # fmt: skip
+    return out, report["seconds"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", help="the baseline's (and every quantised model's) dtype")
+    p.add_argument("--methods", default="fp32,int8,fp8,awq,gptq")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=64, help="AWQ / GPTQ (SmolLM2's hidden size 576: 64 or 32)")
+    p.add_argument("--num-samples", type=int, default=16, help="AWQ / GPTQ calibration sequences of 512 tokens")
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "aserve-quant-quality"))
+    args = p.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(LABELS)
+    if unknown:
+        p.error(f"unknown methods {sorted(unknown)} (choose from {', '.join(LABELS)})")
+    with open(data_path("heldout.txt"), encoding="utf-8") as f:
+        text = f.read()
+
+    base = evaluate(None, args.dtype, None, text, args)
+    print(f"{args.dtype}: perplexity {base['ppl']:.3f} over {base['tokens']} tokens ({base['seconds']:.0f} s)",
+          flush=True)  # fmt: skip
+    rows = [(f"{args.dtype}, unquantised (baseline)", base, None)]
+    for row in methods:
+        model, dtype, quantization, seconds = None, args.dtype, ONLINE.get(row), None
+        if row == "fp32":
+            dtype = "float32"
+        elif row in CHECKPOINTS:
+            model, seconds = checkpoint(row, args)
+        result = evaluate(model, dtype, quantization, text, args)
+        rows.append((LABELS[row].format(g=args.group_size), result, seconds))
+        print(f"{row}: perplexity {result['ppl']:.3f} ({100 * (result['ppl'] / base['ppl'] - 1):+.2f} %)", flush=True)
+
+    print(f"\nheld-out tokens scored: {base['tokens']} (windows of {args.window}); greedy agreement: {args.prompts} "
+          f"prompts of {args.prompt_len} tokens, {args.max_tokens} tokens each\n")  # fmt: skip
+    print("| model | perplexity | vs baseline | greedy prefix agreement | identical continuations | quantise s |")
+    print("|---|---|---|---|---|---|")
+    for label, result, seconds in rows:
+        prefix, identical = agreement(base["outputs"], result["outputs"])
+        change = "-" if result is base else f"{100 * (result['ppl'] / base['ppl'] - 1):+.2f} %"
+        quant = "-" if seconds is None else f"{seconds:.0f}"
+        print(f"| {label} | {result['ppl']:.3f} | {change} | {100 * prefix:.1f} % | {100 * identical:.0f} % | "
+              f"{quant} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

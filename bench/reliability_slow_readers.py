@@ -1,0 +1,143 @@
+"""Clients that never read their streams must not cost the others: `aserve serve` with normal streaming clients,
+measured alone and then beside clients that open streams with a tiny receive window and never read them.
+
+    python bench/reliability_slow_readers.py [--clients 16] [--stuck 32] [--requests 96] [--stream-buffer 65536]
+
+Phase 1 (alone): --clients closed-loop clients run --requests streaming completions (128 token-id prompt tokens, 128
+generated, greedy, EOS ignored) and their output tok/s is measured. Phase 2 (beside stuck clients): --stuck raw
+sockets (SO_RCVBUF 2 KiB) each send one streaming completion whose events are large (20 logprobs per token, 1,024
+tokens) and never read a byte; the same normal workload then runs again. The server is started with
+ASERVE_STREAM_BUFFER=--stream-buffer, so each stuck stream is cut off (its request ended, KV freed) once that many bytes
+wait for it. Reports both phases' throughput and their ratio (target >= 0.95), how many stuck clients were cut off
+(aserve:http_connections_closed_total{reason="slow_client"}), and the server's gauges afterwards (nothing running,
+no KV held). Default model: the embedded SmolLM2 (--model for another).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import time
+
+import aiohttp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from aserve_server import start_server, stop_server  # noqa: E402
+
+SLOW_CLIENT = "aserve:http_connections_closed_total"
+
+
+async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def total(values: dict[str, float], prefix: str, contains: str = "") -> float:
+    return sum(v for k, v in values.items() if k.startswith(prefix) and contains in k)
+
+
+async def normal_load(url: str, clients: int, requests: int, seed: int) -> float:
+    """Output tok/s of `requests` streaming completions over `clients` closed-loop clients."""
+    queue = list(range(requests))
+    tokens = 0
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal tokens
+        while queue:
+            i = queue.pop()
+            prompt = [(seed * 7919 + i * 131 + j * 17) % 40000 + 100 for j in range(128)]
+            body = {"prompt": prompt, "max_tokens": 128, "temperature": 0, "ignore_eos": True, "stream": True}
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        event = json.loads(line[6:])
+                        tokens += sum(1 for c in event["choices"] if c.get("text") is not None)
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+        return tokens / (time.perf_counter() - t0)
+
+
+def stuck_client(port: int, i: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps({"prompt": f"Stream {i} of tokens that nobody reads:", "max_tokens": 1024, "logprobs": 20,
+                       "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+    return sock
+
+
+async def run(args) -> dict:
+    env = dict(os.environ, ASERVE_STREAM_BUFFER=str(args.stream_buffer))
+    old = os.environ.copy()
+    os.environ.update(env)
+    model = ["--model", args.model] if args.model else []
+    proc, url = start_server(*model, "--no-debug-invariants", "--max-num-seqs", str(args.clients + args.stuck),
+                             "--kv-cache-memory-gb", "1", log_path=args.log)  # fmt: skip
+    os.environ.clear()
+    os.environ.update(old)
+    port = int(url.rsplit(":", 1)[1])
+    result = {}
+    try:
+        await normal_load(url, args.clients, args.clients, seed=99)  # warm-up
+        result["alone_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1)
+        socks = [stuck_client(port, i) for i in range(args.stuck)]
+        t0 = time.perf_counter()
+        result["beside_stuck_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1)
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 120
+            while True:
+                values = await metrics(session, url)
+                cut = total(values, SLOW_CLIENT, 'reason="slow_client"')
+                if cut >= args.stuck or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            result["stuck_cut_off"] = int(cut)
+            result["seconds_until_all_cut_off"] = round(time.perf_counter() - t0, 1)
+            await asyncio.sleep(1.0)
+            values = await metrics(session, url)
+            result["running_after"] = total(values, "aserve:num_requests_running")
+            result["kv_usage_after"] = total(values, "aserve:kv_cache_usage_perc")
+        for s in socks:
+            s.close()
+        result["ratio"] = round(result["beside_stuck_tok_s"] / result["alone_tok_s"], 3)
+        result["alone_tok_s"] = round(result["alone_tok_s"], 1)
+        result["beside_stuck_tok_s"] = round(result["beside_stuck_tok_s"], 1)
+    finally:
+        stop_server(proc)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--stuck", type=int, default=32)
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--stream-buffer", type=int, default=65536)
+    p.add_argument("--model", default=None)
+    p.add_argument("--log", default=os.devnull, help="the server's output")
+    args = p.parse_args()
+    result = asyncio.run(run(args))
+    print(json.dumps(result, indent=1))
+    ok = result["ratio"] >= 0.95 and result["stuck_cut_off"] == args.stuck and not result["running_after"]
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

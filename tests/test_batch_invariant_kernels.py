@@ -1,0 +1,191 @@
+"""Deterministic mode's kernels: every row the same bits whatever the rows around it, and close to a torch reference.
+CPU: the product gemm_rows (aserve/kernels/cpu.py) and the per-token attention backend. Triton (interpreted on CPU
+without a GPU; float32 and float16 there, the interpreter's bf16 dot being wrong on CPU): the matmul and the paged
+attention, including prompt chunks against decodes, split-KV segments, sliding windows and soft-capping."""
+
+import pytest
+import torch
+from attention_cases import random_batch
+
+from aserve.kernels import cpu
+from aserve.kernels.reference import paged_attention, write_kv_cache
+from aserve.layers.attention.backend import AttentionMetadata, AttentionParams
+from aserve.layers.attention.batch_invariant import BatchInvariantCPUAttentionBackend
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the CPU kernels")
+
+
+# -- CPU ----------------------------------------------------------------------------------------------------------
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k", [(960, 576), (37, 64), (50, 40), (16, 17), (100, 3)])
+def test_gemm_rows_is_row_invariant_and_close_to_torch(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(70, k, generator=gen).to(dtype)
+    prepared = cpu.gemm_rows_prepare(w)
+    y = cpu.gemm_rows(prepared, x, n)
+    expected = x.float() @ w.float().T
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+    for m in (1, 2, 5, 6, 7, 13, 64):
+        for start in (0, 3, 70 - m):
+            assert torch.equal(cpu.gemm_rows(prepared, x[start : start + m], n), y[start : start + m]), (m, start)
+    with torch.inference_mode():  # one thread: the same bits
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(cpu.gemm_rows(prepared, x, n), y)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def cached_kv(kv_cache, meta):
+    """The k / v rows the cache holds at each token's slot (what a forward writes back first)."""
+    hkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
+    return kv_cache[0].view(-1, hkv, d)[meta.slot_mapping], kv_cache[1].view(-1, hkv, d)[meta.slot_mapping]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 20])
+def test_cpu_attention_backend_per_token(dtype, window):
+    """A prompt's rows are the same in one step beside decodes and another prompt, chunked beside other requests, and
+    close to the reference."""
+    backend = BatchInvariantCPUAttentionBackend()
+    params = AttentionParams(sliding_window=window)
+
+    def batch(q_lens, ctx_lens, seed):
+        q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, 8, 2, 64, 16, 64, dtype=dtype, seed=seed)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return q, kv_cache, meta
+
+    q, kv_cache, meta = batch([1, 1, 70, 9], [40, 3, 0, 130], seed=0)
+    backend.prepare(meta, 16)
+    out = backend.forward(q, *cached_kv(kv_cache, meta), kv_cache, meta, params)
+    expected = paged_attention(q, kv_cache, meta, 16, sliding_window=window)
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=1e-2)
+    # The 70-token prompt (rows 2..71) again, in chunks beside a decode of another request.
+    for chunks in ([1, 30, 39], [70], [69, 1]):
+        start = 0
+        for n in chunks:
+            q2, cache2, meta2 = batch([1, n], [5, start], seed=1)
+            cache2.copy_(kv_cache)  # the prompt's keys and values where its block table says
+            blocks = meta.block_tables[2, : -(-(start + n) // 16)]
+            meta2.block_tables[1, : len(blocks)] = blocks
+            q2[1:] = q[2 + start : 2 + start + n]
+            backend.prepare(meta2, 16)
+            got = backend.forward(q2, *cached_kv(cache2, meta2), cache2, meta2, params)
+            assert torch.equal(got[1:], out[2 + start : 2 + start + n]), (chunks, n)
+            start += n
+
+
+# -- Triton (interpreted without a GPU) ----------------------------------------------------------------------------
+
+triton = pytest.importorskip("triton")
+from aserve.kernels import batch_invariant_attention as bi_attention  # noqa: E402
+from aserve.kernels import batch_invariant_matmul as bi_matmul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("n, k, bias", [(100, 72, True), (64, 128, False), (17, 40, False)])
+def test_triton_matmul_is_row_invariant_and_close_to_torch(dtype, n, k, bias):
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(70, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    y = bi_matmul.matmul(x, w, b)
+    expected = x.float() @ w.float().T + (b.float() if bias else 0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+    for m in (1, 3, 64, 65):
+        for start in (0, 70 - m):
+            assert torch.equal(bi_matmul.matmul(x[start : start + m], w, b), y[start : start + m]), (m, start)
+
+
+class PagedRequests:
+    """A pool of pages with one long target request's keys and values (positions 0..L-1) and random others; steps
+    are built from (q rows, block-table row, sequence length) per request."""
+
+    H, HKV, D, BLOCK, BLOCKS = 4, 2, 24, 16, 48
+
+    def __init__(self, dtype, length: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.dtype, self.length = dtype, length
+        shape = (self.BLOCKS, self.BLOCK, self.HKV, self.D)
+        self.k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+        self.v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+        self.blocks = torch.randperm(self.BLOCKS, generator=gen)[: -(-length // self.BLOCK)].int()
+        self.q = torch.randn(length, self.H, self.D, generator=gen).to(dtype).to(DEVICE)
+        self.gen = gen
+
+    def target(self, start: int, end: int):
+        return self.q[start:end], self.blocks, end
+
+    def other(self, q_len: int, context: int):
+        blocks = torch.randint(0, self.BLOCKS, (-(-(context + q_len) // self.BLOCK),), generator=self.gen).int()
+        q = torch.randn(q_len, self.H, self.D, generator=self.gen).to(self.dtype).to(DEVICE)
+        return q, blocks, context + q_len
+
+    def attend(self, requests, seg_keys: int, split: bool, **params):
+        q = torch.cat([r[0] for r in requests])
+        qsl = [0]
+        for r in requests:
+            qsl.append(qsl[-1] + r[0].shape[0])
+        tables = torch.zeros(len(requests), max(len(r[1]) for r in requests), dtype=torch.int32)
+        for i, r in enumerate(requests):
+            tables[i, : len(r[1])] = r[1]
+        seq_lens = torch.tensor([r[2] for r in requests], dtype=torch.int32)
+        segments = -(-max(r[2] for r in requests) // seg_keys) if split else 0
+        out = bi_attention.attention(q, self.k_cache, self.v_cache, tables.to(DEVICE), seq_lens.to(DEVICE),
+                                     torch.tensor(qsl, dtype=torch.int32, device=DEVICE), seg_keys, segments,
+                                     **params)  # fmt: skip
+        return out, qsl
+
+    def reference(self, **params):
+        length = self.length
+        meta = AttentionMetadata(length, 0, torch.zeros(length, dtype=torch.long), torch.tensor([0, length]),
+                                 torch.tensor([length]), self.blocks.unsqueeze(0).to(DEVICE), [0, length], [length],
+                                 length, length)  # fmt: skip
+        kv = torch.stack([self.k_cache, self.v_cache])
+        return paged_attention(self.q, kv, meta, self.BLOCK, **params)
+
+
+ATTENTION_CASES = [(torch.float32, {}), (torch.float32, {"sliding_window": 40}),
+                   (torch.float32, {"softcap": 3.0, "scale": 0.3}), (torch.float16, {})]  # fmt: skip
+ATTENTION_CASES_SLOW = [(dtype, params) for dtype in TRITON_DTYPES[1:]
+                        for params in ({"sliding_window": 40}, {"softcap": 3.0, "scale": 0.3})]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype, params", ATTENTION_CASES + [pytest.param(*case, marks=pytest.mark.slow) for case in ATTENTION_CASES_SLOW]
+)
+def test_triton_attention_is_batch_invariant(dtype, params):
+    """The target's rows (150 keys, segments of 64) in one step, in chunks beside other requests, and each as a
+    decode with split-KV segments and without: the same bits; close to the reference."""
+    pool = PagedRequests(dtype, 150)
+    seg = 64
+    full, _ = pool.attend([pool.target(0, 150)], seg, split=False, **params)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(full.float(), pool.reference(**params).float(), atol=atol, rtol=1e-2)
+    for start, end in ((0, 70), (70, 150)):
+        out, qsl = pool.attend([pool.other(1, 10), pool.other(7, 100), pool.target(start, end), pool.other(40, 3)],
+                               seg, split=False, **params)  # fmt: skip
+        assert torch.equal(out[qsl[2] : qsl[3]], full[start:end]), (start, end)
+    for pos in (0, 64, 149):
+        for split in (False, True):
+            out, qsl = pool.attend([pool.other(1, 30), pool.target(pos, pos + 1), pool.other(1, 200)], seg, split,
+                                   **params)  # fmt: skip
+            assert torch.equal(out[qsl[1]], full[pos]), (pos, split)
+
+
+def test_segment_keys():
+    assert bi_attention.segment_keys(2048) == 512
+    assert bi_attention.segment_keys(131072) == 8192
+    assert bi_attention.segment_keys(100000) % bi_attention.TILE_N == 0

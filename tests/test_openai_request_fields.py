@@ -1,0 +1,455 @@
+"""Every request field of the OpenAI chat and completions APIs (the official `openai` package's CompletionCreateParams
+TypedDicts) and of aserve's own request types, driven over HTTP with the official client against `aserve serve` with
+the embedded default model: each is implemented (a request with it shows its effect), accepted without effect (one
+of request_fields.IGNORED_FIELDS: the output equals the same request without it) or refused with a 400 naming it
+(request_fields.REFUSED_FIELDS) -- never parsed and silently ignored. The README lists them all."""
+
+import json
+import pathlib
+import re
+
+import jsonschema
+import pytest
+from aserve_server import running_server
+
+from aserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from aserve.entrypoints.openai.request_fields import IGNORED_FIELDS, REFUSED_FIELDS
+
+openai = pytest.importorskip("openai")
+from openai.types import completion_create_params  # noqa: E402
+from openai.types.chat import completion_create_params as chat_create_params  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+COUNT = [{"role": "user", "content": "Count from one to ten: one, two,"}]
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"},
+           {"role": "assistant", "content": "The capital of France is"}]  # fmt: skip
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+
+# OpenAI's request fields (`stream` is in the streaming / non-streaming subclasses), and aserve's
+OPENAI = {
+    True: set(chat_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"},
+    False: set(completion_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"},
+}
+FIELDS = {
+    True: OPENAI[True] | set(ChatCompletionRequest.__struct_fields__),
+    False: OPENAI[False] | set(CompletionRequest.__struct_fields__),
+}
+REFUSED_VALUES = {
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": "auto",
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "One, two,"}, "verbosity": "low", "web_search_options": {},
+    "moderation": {}, "suffix": " ten.", "use_beam_search": True,
+}  # fmt: skip
+IGNORED_VALUES = {
+    "user": "u-1", "safety_identifier": "s-1", "store": True, "metadata": {"k": "v"}, "service_tier": "flex",
+    "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "explicit"},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client():
+    with running_server("--enable-prompt-tokens-details") as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def call(client, chat: bool, **fields):
+    """One request: the endpoint's defaults (greedy, 8 tokens, COUNT / "one, two, three,") with `fields` over them;
+    OpenAI's fields as the client's arguments, aserve's in extra_body -> the response as a dict (a stream: its chunks
+    as dicts)."""
+    fields = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+              **({"messages": COUNT} if chat else {"prompt": "one, two, three,"}), **fields}  # fmt: skip
+    known = {k: v for k, v in fields.items() if k in OPENAI[chat]}
+    extra = {k: v for k, v in fields.items() if k not in OPENAI[chat]}
+    api = client.chat.completions if chat else client.completions
+    resp = api.create(**known, extra_body=extra or None)
+    return [chunk.model_dump() for chunk in resp] if fields.get("stream") else resp.model_dump()
+
+
+def text(body: dict, i: int = 0) -> str:
+    choice = body["choices"][i]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def refused(client, chat: bool, field: str, **fields) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        call(client, chat, **fields)
+    assert e.value.body["param"] == field, e.value.body
+
+
+def differs(client, chat: bool, field: str, value, **fields) -> None:
+    assert text(call(client, chat, **fields, **{field: value})) != text(call(client, chat, **fields))
+
+
+@pytest.fixture(scope="module")
+def base(client):
+    """Each endpoint's default request (chat: "One, two," then EOS; completions: 8 tokens), with its token ids."""
+    return {chat: call(client, chat, return_token_ids=True) for chat in (True, False)}
+
+
+def ids(body: dict) -> list[int]:
+    return body["choices"][0]["token_ids"]
+
+
+def prompt_ids(body: dict) -> list[int]:
+    return body["prompt_token_ids"] if "prompt_token_ids" in body else body["choices"][0]["prompt_token_ids"]
+
+
+# -- what each implemented field does, as a check (client, chat, base response) ----------------------------------
+
+
+def _model(client, chat, base):
+    assert call(client, chat, model=MODEL)["model"] == MODEL
+    with pytest.raises(openai.NotFoundError):
+        call(client, chat, model="gpt-4o")
+
+
+def _max_tokens(field):
+    def check(client, chat, base):
+        body = call(client, chat, **{field: 3})
+        assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
+
+    return check
+
+
+def _sampled(**fields):
+    """A sampling field that makes a hot, seeded request greedy: the output equals the greedy one."""
+
+    def check(client, chat, base):
+        assert text(call(client, chat, temperature=2.0, seed=1, **fields)) == text(base[chat])
+
+    return check
+
+
+def _temperature(client, chat, base):
+    outputs = {text(call(client, chat, temperature=1.5, seed=s)) for s in range(3)}
+    assert outputs - {text(base[chat])}
+
+
+def _seed(client, chat, base):
+    a, b = (text(call(client, chat, temperature=1.5, seed=7)) for _ in range(2))
+    assert a == b != text(call(client, chat, temperature=1.5, seed=8))
+
+
+def _stop(client, chat, base):
+    body = call(client, chat, stop=",")
+    assert text(body) == text(base[chat]).split(",")[0] and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["stop_reason"] == ","
+
+
+def _include_stop_str(client, chat, base):
+    assert text(call(client, chat, stop=",", include_stop_str_in_output=True)) == text(base[chat]).split(",")[0] + ","
+
+
+def _stop_token_ids(client, chat, base):
+    comma = ids(base[chat])[1]
+    body = call(client, chat, stop_token_ids=[comma])
+    assert body["usage"]["completion_tokens"] == 2 and body["choices"][0]["stop_reason"] == comma
+
+
+def _penalty(field, chat_value, completion_value):
+    def check(client, chat, base):  # on a longer output, which repeats itself
+        differs(client, chat, field, chat_value if chat else completion_value, max_tokens=16, ignore_eos=True)
+
+    return check
+
+
+def _logit_bias(client, chat, base):
+    first = ids(base[chat])[0]
+    assert ids(call(client, chat, logit_bias={str(first): -100}, return_token_ids=True))[0] != first
+
+
+def _logprobs(client, chat, base):
+    if chat:
+        body = call(client, chat, logprobs=True)
+        content = body["choices"][0]["logprobs"]["content"]  # one entry per token, the end-of-turn one included
+        assert len(content) == body["usage"]["completion_tokens"] and all(not c["top_logprobs"] for c in content)
+        assert "".join(c["token"] for c in content).startswith(text(base[chat]))
+    else:
+        lp = call(client, chat, logprobs=2)["choices"][0]["logprobs"]
+        assert "".join(lp["tokens"]) == text(base[chat]) and all(len(top) == 2 for top in lp["top_logprobs"])
+
+
+def _top_logprobs(client, chat, base):
+    content = call(client, chat, logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]["content"]
+    for entry in content:  # greedy: the sampled token is the most likely one
+        assert len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["token"] == entry["token"]
+
+
+def _n(client, chat, base):
+    assert sorted(c["index"] for c in call(client, chat, n=2)["choices"]) == [0, 1]
+
+
+def _best_of(client, chat, base):
+    assert len(call(client, chat, n=2, best_of=2)["choices"]) == 2
+    refused(client, chat, "best_of", best_of=2)
+
+
+def _stream(client, chat, base):
+    chunks = call(client, chat, stream=True)
+    pieces = [c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"] for c in chunks]
+    assert "".join(p or "" for p in pieces) == text(base[chat])
+
+
+def _stream_options(client, chat, base):
+    chunks = call(client, chat, stream=True, stream_options={"include_usage": True})
+    assert (
+        chunks[-1]["choices"] == []
+        and chunks[-1]["usage"]["completion_tokens"] == base[chat]["usage"]["completion_tokens"]
+    )
+    refused(client, chat, "stream_options", stream_options={"include_usage": True})
+
+
+def _structured(field, value, valid):
+    def check(client, chat, base):
+        assert valid(text(call(client, chat, max_tokens=12, **{field: value})))
+
+    return check
+
+
+def _echo(client, chat, base):
+    if chat:  # vLLM's: the reply continues the last (assistant) message, which comes first
+        body = call(client, chat, messages=CAPITAL, add_generation_prompt=False, continue_final_message=True,
+                    echo=True)  # fmt: skip
+        assert text(body).startswith("The capital of France is") and "Paris" in text(body)
+    else:
+        assert text(call(client, chat, echo=True)) == "one, two, three," + text(base[chat])
+
+
+def _tools(client, chat, base):
+    refused(client, chat, "tool_choice", tools=[TIME_TOOL])  # "auto" needs --enable-auto-tool-choice
+    body = call(client, chat, tools=[TIME_TOOL], tool_choice="none")
+    assert body["choices"][0]["message"]["tool_calls"] is None and text(body) == text(base[chat])
+
+
+def _tool_choice(client, chat, base):
+    body = call(client, chat, tools=[TIME_TOOL], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                max_tokens=30)  # fmt: skip
+    [tool_call] = body["choices"][0]["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "get_time"
+    jsonschema.validate(json.loads(tool_call["function"]["arguments"]), TIME_TOOL["function"]["parameters"])
+
+
+def _parallel_tool_calls(client, chat, base):
+    body = call(client, chat, tools=[TIME_TOOL], tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+    assert len(body["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def _ignore_eos(client, chat, base):
+    assert call(client, chat, ignore_eos=True)["usage"]["completion_tokens"] == 8  # the default request stops at 5
+
+
+def _min_tokens(client, chat, base):
+    assert call(client, chat, min_tokens=7)["usage"]["completion_tokens"] >= 7
+
+
+def _skip_special_tokens(client, chat, base):
+    special = prompt_ids(base[True])[0]  # <|im_start|>
+    assert text(call(client, chat, allowed_token_ids=[special], max_tokens=2)) == ""
+    kept = text(call(client, chat, allowed_token_ids=[special], max_tokens=2, skip_special_tokens=False))
+    assert kept == "<|im_start|>" * 2
+
+
+def _cache_salt(client, chat, base):
+    long = {} if chat else {"prompt": "one, two, three, " * 8}  # more than two KV blocks of prompt
+    for _ in range(2):
+        cached = call(client, chat, max_tokens=1, **long)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    salted = call(client, chat, max_tokens=1, cache_salt=f"tenant-b-{chat}", **long)
+    assert cached >= 32 and salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _prompt_logprobs(client, chat, base):
+    body = call(client, chat, prompt_logprobs=0)
+    entries = body["prompt_logprobs"] if chat else body["choices"][0]["prompt_logprobs"]
+    assert len(entries) == body["usage"]["prompt_tokens"] and entries[0] is None
+
+
+def _allowed_token_ids(client, chat, base):
+    allowed = set(ids(base[chat])[:2])
+    assert set(ids(call(client, chat, allowed_token_ids=sorted(allowed), return_token_ids=True))) <= allowed
+
+
+def _truncate_prompt_tokens(client, chat, base):
+    body = call(client, chat, truncate_prompt_tokens=4, return_token_ids=True)
+    assert prompt_ids(body) == prompt_ids(base[chat])[-4:] and body["usage"]["prompt_tokens"] == 4
+    refused(client, chat, "truncate_prompt_tokens", truncate_prompt_tokens=10**6)
+
+
+def _return_token_ids(client, chat, base):
+    body = base[chat]
+    assert len(prompt_ids(body)) == body["usage"]["prompt_tokens"]
+    assert len(ids(body)) == body["usage"]["completion_tokens"]
+
+
+def _prompt(client, chat, base):
+    assert text(call(client, chat, prompt=prompt_ids(base[chat]))) == text(base[chat])
+
+
+def _messages(client, chat, base):
+    assert "Paris" in text(call(client, chat, messages=CAPITAL[:1], max_tokens=16))
+
+
+def _add_generation_prompt(client, chat, base):
+    body = call(client, chat, add_generation_prompt=False, max_tokens=1)
+    assert body["usage"]["prompt_tokens"] < base[chat]["usage"]["prompt_tokens"]
+
+
+def _continue_final_message(client, chat, base):
+    body = call(client, chat, messages=CAPITAL, add_generation_prompt=False, continue_final_message=True)
+    assert text(body).lstrip().startswith("Paris")
+    refused(client, chat, "continue_final_message", messages=CAPITAL, continue_final_message=True)
+
+
+def _chat_template_kwargs(client, chat, base):
+    assert text(call(client, chat, chat_template_kwargs={"unused_by_the_template": 1})) == text(base[chat])
+    refused(client, chat, "chat_template_kwargs", chat_template_kwargs={"add_generation_prompt": False})
+
+
+def _reasoning_effort(client, chat, base):  # the default model's template has no reasoning switch
+    assert text(call(client, chat, reasoning_effort="low")) == text(base[chat])
+    refused(client, chat, "reasoning_effort", reasoning_effort="extreme")
+
+
+_JSON_ENUM = {"type": "string", "enum": ["yes", "no"]}
+IMPLEMENTED = {
+    "model": _model, "messages": _messages, "prompt": _prompt,
+    "max_tokens": _max_tokens("max_tokens"), "max_completion_tokens": _max_tokens("max_completion_tokens"),
+    "temperature": _temperature, "top_p": _sampled(top_p=1e-6), "top_k": _sampled(top_k=1),
+    "min_p": _sampled(min_p=1.0), "seed": _seed, "n": _n, "best_of": _best_of,
+    "stop": _stop, "include_stop_str_in_output": _include_stop_str, "stop_token_ids": _stop_token_ids,
+    "presence_penalty": _penalty("presence_penalty", -2.0, 2.0),
+    "frequency_penalty": _penalty("frequency_penalty", -2.0, 2.0),
+    "repetition_penalty": _penalty("repetition_penalty", 2.0, 2.0), "logit_bias": _logit_bias,
+    "logprobs": _logprobs, "top_logprobs": _top_logprobs, "prompt_logprobs": _prompt_logprobs,
+    "stream": _stream, "stream_options": _stream_options, "echo": _echo,
+    "response_format": _structured("response_format", {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": _JSON_ENUM}}, lambda t: json.loads(t) in ("yes", "no")),
+    "structured_outputs": _structured("structured_outputs", {"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    "guided_json": _structured("guided_json", _JSON_ENUM, lambda t: json.loads(t) in ("yes", "no")),
+    "guided_regex": _structured("guided_regex", "[ab]{3}", lambda t: re.fullmatch("[ab]{3}", t) is not None),
+    "guided_choice": _structured("guided_choice", ["maybe"], lambda t: t == "maybe"),
+    "guided_grammar": _structured("guided_grammar", 'root ::= "hi" | "ho"', lambda t: t in ("hi", "ho")),
+    "tools": _tools, "tool_choice": _tool_choice, "parallel_tool_calls": _parallel_tool_calls,
+    "ignore_eos": _ignore_eos, "min_tokens": _min_tokens, "skip_special_tokens": _skip_special_tokens,
+    "cache_salt": _cache_salt, "allowed_token_ids": _allowed_token_ids,
+    "truncate_prompt_tokens": _truncate_prompt_tokens, "return_token_ids": _return_token_ids,
+    "add_generation_prompt": _add_generation_prompt, "continue_final_message": _continue_final_message,
+    "chat_template_kwargs": _chat_template_kwargs, "reasoning_effort": _reasoning_effort,
+}  # fmt: skip
+
+
+def test_every_field_is_classified_once():
+    """A field added to OpenAI's API (a newer openai package) or to aserve's request types must be decided here."""
+    kinds = [set(IMPLEMENTED), set(IGNORED_FIELDS), set(REFUSED_FIELDS)]
+    assert not (kinds[0] & kinds[1] or kinds[0] & kinds[2] or kinds[1] & kinds[2])
+    unclassified = (FIELDS[True] | FIELDS[False]) - set().union(*kinds)
+    assert not unclassified, f"request fields neither implemented, ignored nor refused: {sorted(unclassified)}"
+    assert set(IGNORED_VALUES) == set(IGNORED_FIELDS) and set(REFUSED_VALUES) == set(REFUSED_FIELDS)
+
+
+def test_the_readme_lists_every_field():
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    missing = sorted(f for f in FIELDS[True] | FIELDS[False] if f"`{f}`" not in readme)
+    assert not missing, f"README.md does not name these request fields: {missing}"
+
+
+# Both endpoints parse the fields they share with the same code: the default run drives those through chat only
+# (and parallel_tool_calls, slow here, through tests/test_tool_calling_server.py).
+_SLOW = {(False, field) for field in FIELDS[True] & FIELDS[False]} | {(True, "parallel_tool_calls")}
+CASES = [
+    pytest.param(chat, field, id=f"{'chat' if chat else 'completions'}-{field}",
+                 marks=[pytest.mark.slow] if (chat, field) in _SLOW else [])
+    for chat in (True, False) for field in sorted(FIELDS[chat])
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("chat,field", CASES)
+def test_field(client, base, chat, field):
+    if field in IGNORED_FIELDS:
+        body = call(client, chat, **{field: IGNORED_VALUES[field]})
+        assert text(body) == text(base[chat])
+    elif field in REFUSED_FIELDS:
+        refused(client, chat, field, **{field: REFUSED_VALUES[field]})
+    else:
+        IMPLEMENTED[field](client, chat, base)
+
+
+# -- the fields' finer points, streamed and not --------------------------------------------------------------------
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client):
+    for chat in (True, False):
+        chunks = call(client, chat, n=2, stream=True, stream_options={"include_usage": True,
+                                                                      "continuous_usage_stats": True})  # fmt: skip
+        *per_choice, last = chunks
+        prompt_tokens = last["usage"]["prompt_tokens"]
+        counts = {0: 0, 1: 0}
+        for chunk in per_choice:  # one choice per chunk; its usage counts that choice's tokens so far
+            [choice] = chunk["choices"]
+            counts[choice["index"]] = chunk["usage"]["completion_tokens"]
+            assert chunk["usage"]["prompt_tokens"] == prompt_tokens
+            assert chunk["usage"]["total_tokens"] == prompt_tokens + counts[choice["index"]]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == sum(counts.values()) > 0
+        assert last["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    # vLLM's shape: continuous_usage_stats alone asks for usage too
+    chunks = call(client, True, stream=True, stream_options={"continuous_usage_stats": True})
+    assert all(c["usage"] is not None for c in chunks) and chunks[-1]["choices"] == []
+
+
+def test_cached_tokens_count_the_prefix_cache_hits(client):
+    long = "one, two, three, four, five, six, seven, eight, nine, ten. " * 4  # several 16-token KV blocks
+    first = call(client, False, prompt=long, max_tokens=1)["usage"]
+    chunks = call(client, False, prompt=long, max_tokens=1, stream=True, stream_options={"include_usage": True})
+    again = chunks[-1]["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert cached % 16 == 0 and first["prompt_tokens"] - 16 <= cached < first["prompt_tokens"]
+
+
+def test_completions_top_logprobs_hold_the_sampled_token(client):
+    for n in (0, 1, 3):
+        body = call(client, False, temperature=1.5, seed=5, max_tokens=12, logprobs=n, return_token_ids=True)
+        lp = body["choices"][0]["logprobs"]
+        for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert top[token] == value and len(top) <= n + 1
+            assert n == 0 or max(top.values()) >= value
+        # sampled hot, some tokens are not the most likely one: their top_logprobs have n + 1 entries
+        assert n == 0 or any(len(top) == n + 1 for top in lp["top_logprobs"])
+        assert all(len(top) == 1 for top in lp["top_logprobs"]) or n > 0
+
+
+def test_chat_logprobs_in_openai_shape(client):
+    body = call(client, True, temperature=1.5, seed=5, max_tokens=12, logprobs=True, top_logprobs=2)
+    for entry in body["choices"][0]["logprobs"]["content"]:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] <= 0
+        top = entry["top_logprobs"]
+        assert len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"] >= -9999.0
+        assert entry["token"] in [t["token"] for t in top] or entry["logprob"] <= top[1]["logprob"]
+
+
+def test_return_token_ids_streamed(client):
+    for chat in (True, False):
+        whole = call(client, chat, return_token_ids=True)
+        chunks = call(client, chat, return_token_ids=True, stream=True)
+        sent = [c.get("prompt_token_ids") if chat else c["choices"][0].get("prompt_token_ids") for c in chunks]
+        assert [s for s in sent if s is not None] == [prompt_ids(whole)]  # once, first
+        assert sent[0] is not None
+        streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+        assert streamed == ids(whole)
+
+
+def test_chat_echo_streamed(client):
+    fields = dict(messages=CAPITAL, add_generation_prompt=False, continue_final_message=True, echo=True)
+    whole = text(call(client, True, **fields))
+    chunks = call(client, True, stream=True, **fields)
+    assert chunks[1]["choices"][0]["delta"]["content"] == "The capital of France is"  # after the role chunk
+    assert "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks) == whole
+
+
+def test_truncated_completions_prompt_echoes_what_ran(client, base):
+    body = call(client, False, truncate_prompt_tokens=2, echo=True, max_tokens=1, return_token_ids=True)
+    kept = prompt_ids(base[False])[-2:]
+    assert prompt_ids(body) == kept and body["usage"]["prompt_tokens"] == 2
+    assert text(body).startswith(" three,")  # the last two tokens of "one, two, three,", not the whole prompt
