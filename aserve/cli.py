@@ -43,10 +43,14 @@ _HELP = {
     "deterministic": "bitwise-reproducible tokens and logprobs per request whatever else is batched with it, "
     "however its prompt is chunked, with or without a prefix-cache hit, preemption or speculation (batch-invariant "
     "kernels; seeded sampling keyed by output position)",
+    "kv_cache_dtype": "auto (the model's dtype) | fp8 / fp8_e4m3: KV cache in FP8 e4m3, twice the tokens in the same "
+    "memory (per-layer k/v scales from the checkpoint, else 1.0)",
     "tensor_parallel_size": "split the model across this many GPUs (processes on CPU), Megatron-style; also -tp",
     "quantization": "awq / gptq / compressed-tensors / fp8: require a checkpoint so quantised (detected from the "
     "checkpoint either way); fp8 / int8 on a 16-bit checkpoint: quantise its linear weights at load to FP8 e4m3 / int8 "
     "(per channel)",
+    "quantize_lm_head": "round the lm_head at load: int8 per channel (unquantised / int8 models), fp8 per channel "
+    "(--quantization fp8, FP8 checkpoints), int4 per group (AWQ / GPTQ); a tied embedding keeps its 16-bit table",
 }
 
 
@@ -71,16 +75,32 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it ("default: ...")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if "default" in help or not action.option_strings or action.default is argparse.SUPPRESS:
+            return help
+        if isinstance(action, argparse._StoreTrueAction):
+            default = "off"
+        elif action.default is None:
+            default = "none"
+        else:
+            default = "%(default)s"
+        return f"{help} (default: {default})" if help else f"default: {default}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aserve", description="aserve: an OpenAI-compatible LLM server")
     parser.add_argument("--version", action="version", version=f"aserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", help="debug, info, warning or error")
     serve.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended (default: 30)",
@@ -128,8 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
                             "cache; default: off, the field is absent)")  # fmt: skip
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve GET /tokenizer_info (the tokenizer's class, special tokens and chat template, for "
+                            "clients that tokenise through /tokenize; default: off, 404)")  # fmt: skip
     add_engine_args(serve)
     add_quantize_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = HelpWithDefaults
     return parser
 
 
@@ -157,7 +182,8 @@ def serve(ns: argparse.Namespace) -> None:
     )
     run = uvloop.run if uvloop is not None else asyncio.run
     api = {"tool_call_parser": ns.tool_call_parser, "enable_auto_tool_choice": ns.enable_auto_tool_choice,
-           "enable_prompt_tokens_details": ns.enable_prompt_tokens_details}  # fmt: skip
+           "enable_prompt_tokens_details": ns.enable_prompt_tokens_details,
+           "enable_tokenizer_info_endpoint": ns.enable_tokenizer_info_endpoint}  # fmt: skip
     serving = _serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, api)
     code = run(serving)
     if code:
@@ -174,7 +200,8 @@ async def _serve(
     limits: ConnectionLimits | None = None,
     api: dict | None = None,
 ) -> int:
-    """api: build_app's tool_call_parser, enable_auto_tool_choice and enable_prompt_tokens_details. -> the exit
+    """api: build_app's tool_call_parser, enable_auto_tool_choice, enable_prompt_tokens_details and
+    enable_tokenizer_info_endpoint. -> the exit
     status: 0 after a signal, 1 when the engine stopped by itself (its step loop failed: a dead tensor-parallel
     worker, ...)."""
     app = build_app(engine, served_model_name, api_key, **(api or {}))

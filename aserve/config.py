@@ -16,6 +16,7 @@ _DTYPES = {
     "float": torch.float32,
     "fp32": torch.float32,
 }
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # aserve/layers/attention/kv_cache_dtype.py
 
 
 @dataclass
@@ -35,6 +36,8 @@ class EngineArgs:
     load_format: str = "auto"  # auto | dummy
     quantization: str | None = None  # awq / gptq / compressed-tensors / fp8: the checkpoint must be so; fp8 / int8 on
     # a 16-bit checkpoint: quantise weights at load
+    # The lm_head rounded at load: int8 (unquantised / int8 models), fp8 (FP8 models), int4 (AWQ / GPTQ)
+    quantize_lm_head: bool = False
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     speculative_config: str | dict | None = None  # JSON or dict, vLLM's shape (see aserve/spec/config.py)
@@ -51,6 +54,8 @@ class EngineArgs:
     deterministic: bool = False
     # Ranks the model is split across (one process, one GPU each; CPU processes on CPU): aserve/distributed
     tensor_parallel_size: int = 1
+    # The KV cache's element type: auto (the model's dtype) | fp8 / fp8_e4m3 (aserve/layers/attention/kv_cache_dtype.py)
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -73,6 +78,13 @@ class EngineArgs:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.quantize_lm_head and self.deterministic:
+            raise ValueError("--quantize-lm-head cannot run in deterministic mode (its batch-invariant kernels are "
+                             "for unquantised weights): turn one of them off")  # fmt: skip
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = " (e5m2 is not supported: fp8 means e4m3)" if self.kv_cache_dtype == "fp8_e5m2" else ""
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}{hint}")  # fmt: skip
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
 
@@ -101,14 +113,11 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    rope = {**(getattr(hf_config, "rope_scaling", None) or {}), **(getattr(hf_config, "rope_parameters", None) or {})}
-    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # only LongRoPE's short factors
-        limit = min(limit, rope.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
-            f"max_model_len {requested} exceeds what the model supports ({limit}, from max_position_embeddings / "
-            "LongRoPE's original_max_position_embeddings); lower --max-model-len"
+            f"max_model_len {requested} exceeds what the model supports ({limit}, from max_position_embeddings); "
+            "lower --max-model-len"
         )
     return requested

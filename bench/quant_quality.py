@@ -1,7 +1,7 @@
 """Quantisation quality on CPU in one command: the default model (SmolLM2-135M-Instruct, the embedded GGUF dequantised
 to float weights) unquantised and through aserve's weight quantisations, each against the unquantised model:
 
-    python bench/quant_quality.py [--dtype bfloat16] [--methods fp32,int8,fp8,awq,gptq] [--window 512]
+    python bench/quant_quality.py [--dtype bfloat16] [--methods fp32,int8,fp8,awq,gptq,...] [--window 512]
                                   [--max-windows N] [--prompts 16] [--prompt-len 32] [--max-tokens 32]
                                   [--group-size 64] [--num-samples 16] [--out DIR]
 
@@ -13,6 +13,11 @@ Rows (the baseline is the model in --dtype, unquantised):
             rows but not beyond (per-token e4m3 activations into torch._scaled_mm)
     awq     `aserve quantize --method awq` (int4, AutoAWQ format), group --group-size
     gptq    `aserve quantize --method gptq --format gptq` (int4, GPTQ format), group --group-size
+    ROW+head  ROW with `--quantize-lm-head` (base+head: the unquantised model's): the lm_head rounded at load, int8
+            per channel (base, int8), fp8 per channel (fp8) or int4 (awq, gptq: per group of 128 inputs, or of
+            --group-size where 128 does not divide the hidden size); the tied embedding keeps its table
+    ROW+fp8kv  ROW (or ROW+head) with `--kv-cache-dtype fp8` (base+fp8kv: the unquantised model's): the KV cache in
+            e4m3, per-tensor scales 1.0; perplexity then reads every key and value through the FP8 cache
 The int4 checkpoints are written to --out (reused when present; calibration: --num-samples x 512 tokens of
 aserve/quantize/data/calibration.txt).
 
@@ -32,9 +37,11 @@ import tempfile
 import time
 
 from aserve import LLM, SamplingParams
+from aserve.layers.quantization.lm_head import int4_group_size
 from aserve.quantize.perplexity import model_nll, window_ids
 from aserve.quantize.quantize import data_path, quantize_model
 
+SMOLLM2_HIDDEN = 576  # the int4 head's group: 128 where it divides the hidden size (not SmolLM2's), else --group-size
 ONLINE = {"int8": "int8", "fp8": "fp8"}  # row -> --quantization
 CHECKPOINTS = {"awq": ("awq", "awq"), "gptq": ("gptq", "gptq")}  # row -> (aserve quantize --method, --format)
 LABELS = {
@@ -43,19 +50,24 @@ LABELS = {
     "fp8": "fp8 e4m3 per channel (`--quantization fp8`, weight-only on CPU)",
     "awq": "AWQ int4 g{g} (`aserve quantize --method awq`)",
     "gptq": "GPTQ int4 g{g} (`aserve quantize --method gptq --format gptq`)",
+    "base": "{dtype}, unquantised",
 }
+HEAD_KINDS = {"fp8": "fp8", "awq": "int4 g{hg}", "gptq": "int4 g{hg}"}  # row -> its quantised head (else int8)
+HEAD_METHODS = ("fp32", "base", "int8", "fp8", "awq", "gptq")  # the rows that take +head
 
 
-def evaluate(model: str | None, dtype: str, quantization: str | None, text: str, args) -> dict:
+def evaluate(model: str | None, dtype: str, quantization: str | None, text: str, args,
+             quantize_lm_head: bool = False, kv_cache_dtype: str = "auto") -> dict:  # fmt: skip
     """-> {"ppl", "tokens", "outputs", "seconds"} of one model: perplexity on the held-out windows, then greedy
     continuations of the prompts."""
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, device="cpu", quantization=quantization, max_model_len=args.window,
               max_num_seqs=args.prompts, enforce_eager=True, kv_cache_memory_gb=0.25,
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, quantize_lm_head=quantize_lm_head,
+              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     windows = window_ids(llm.get_tokenizer(), text, args.window)
     scored = windows[: args.max_windows] if args.max_windows else windows
-    total, count = model_nll(llm.engine.core.runner.model, scored)
+    total, count = model_nll(llm.engine.core.runner.model, scored, kv_dtype=llm.engine.core.runner.kv_dtype)
     step = max(1, len(windows) // args.prompts)
     prompts = [windows[i * step][: args.prompt_len] for i in range(args.prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -84,6 +96,13 @@ def checkpoint(row: str, args) -> tuple[str, float | None]:
     return out, report["seconds"]
 
 
+def parse_row(row: str) -> tuple[str, bool, bool]:
+    """A --methods entry -> (method, +head, +fp8kv)."""
+    fp8_kv = row.endswith("+fp8kv")
+    rest = row.removesuffix("+fp8kv")
+    return rest.removesuffix("+head"), rest.endswith("+head"), fp8_kv
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", help="the baseline's (and every quantised model's) dtype")
@@ -98,9 +117,12 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "aserve-quant-quality"))
     args = p.parse_args()
     methods = [m for m in args.methods.split(",") if m]
-    unknown = set(methods) - set(LABELS)
+    unknown = {m for m in methods if parse_row(m)[0] not in (HEAD_METHODS if parse_row(m)[1] else LABELS)}
     if unknown:
-        p.error(f"unknown methods {sorted(unknown)} (choose from {', '.join(LABELS)})")
+        p.error(
+            f"unknown methods {sorted(unknown)} (choose from {', '.join(LABELS)}; ROW+head for ROW in "
+            f"{', '.join(HEAD_METHODS)})"
+        )
     with open(data_path("heldout.txt"), encoding="utf-8") as f:
         text = f.read()
 
@@ -109,13 +131,21 @@ def main() -> None:
           flush=True)  # fmt: skip
     rows = [(f"{args.dtype}, unquantised (baseline)", base, None)]
     for row in methods:
-        model, dtype, quantization, seconds = None, args.dtype, ONLINE.get(row), None
-        if row == "fp32":
+        method, head, fp8_kv = parse_row(row)
+        model, dtype, quantization, seconds = None, args.dtype, ONLINE.get(method), None
+        if method == "fp32":
             dtype = "float32"
-        elif row in CHECKPOINTS:
-            model, seconds = checkpoint(row, args)
-        result = evaluate(model, dtype, quantization, text, args)
-        rows.append((LABELS[row].format(g=args.group_size), result, seconds))
+        elif method in CHECKPOINTS:
+            model, seconds = checkpoint(method, args)
+        result = evaluate(model, dtype, quantization, text, args, quantize_lm_head=head,
+                          kv_cache_dtype="fp8" if fp8_kv else "auto")  # fmt: skip
+        label = LABELS[method].format(g=args.group_size, dtype=args.dtype)
+        if head:
+            kind = HEAD_KINDS.get(method, "int8").format(hg=int4_group_size(SMOLLM2_HIDDEN, args.group_size))
+            label += f" + {kind} lm_head (`--quantize-lm-head`)"
+        if fp8_kv:
+            label += " + fp8 KV cache (`--kv-cache-dtype fp8`)"
+        rows.append((label, result, seconds))
         print(f"{row}: perplexity {result['ppl']:.3f} ({100 * (result['ppl'] / base['ppl'] - 1):+.2f} %)", flush=True)
 
     print(f"\nheld-out tokens scored: {base['tokens']} (windows of {args.window}); greedy agreement: {args.prompts} "

@@ -1,6 +1,6 @@
 """Model families' long-context features: sliding-window attention (Mistral, Gemma 2/3) served as transformers
-applies it, with prefix-cache hits, chunked prefill and preemption, and logprobs as transformers'; a feature aserve
-does not implement (LongRoPE's long factors) caps the context length where the model is still served exactly.
+applies it, with prefix-cache hits, chunked prefill and preemption, and logprobs as transformers'; LongRoPE's long
+factors where a sequence passes their switch length.
 generation_config.json's end-of-sequence ids end sequences. (Greedy parity with transformers for every family in
 every engine configuration is in tests/test_parity.py.)"""
 
@@ -27,22 +27,49 @@ def edited_copy(src: str, dst: str, **config) -> str:
     return dst
 
 
-@pytest.mark.parametrize(
-    "variant, config, limit",
-    [
-        ("phi3", {"original_max_position_embeddings": 64}, 64),  # LongRoPE's long factors
-    ],
-)
-def test_unimplemented_long_context_features_cap_the_context_length(
-    tiny_model_factory, tmp_path, variant, config, limit
-):
-    path = edited_copy(tiny_model_factory(variant), str(tmp_path / variant), **config)
-    with pytest.raises(ValueError, match=f"exceeds what the model supports \\({limit}"):
-        LLM(path, dtype="float32", enforce_eager=True, max_model_len=limit + 1)
-    llm = LLM(path, dtype="float32", enforce_eager=True)
-    assert llm.engine.config.max_model_len == limit
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4))
-    assert len(out[0].outputs[0].token_ids) == 4
+def greedy_with_cache(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from transformers' model called step by step on its KV cache (generate() would recompute a
+    Phi-3 sequence's cache when it passes LongRoPE's switch length; this keeps the keys as computed)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for pos in range(len(prompt), len(prompt) + max_new_tokens - 1):
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[pos]]),
+                        past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def test_longrope_long_factors_match_transformers(tiny_model_factory, tmp_path):
+    """Phi-3 with LongRoPE switching at 32 tokens: a 40-token prompt (the long factors throughout, transformers'
+    generate), a 20-token one that grows past 32 (its tokens from position 32 on the long factors, the earlier keys
+    kept: transformers' model stepped on its cache), and a 40-token prompt sharing its first block with a short
+    prompt served before it (cached apart: no hit). The long factors change the tokens."""
+    base = tiny_model_factory("phi3")
+    path = edited_copy(base, str(tmp_path / "switch"), original_max_position_embeddings=32)
+    with open(os.path.join(path, "config.json")) as f:
+        data = json.load(f)
+    data.get("rope_parameters", {})["original_max_position_embeddings"] = 32
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(data, f)
+    long, short = random_prompt(40, seed=3), random_prompt(20, seed=4)
+    first_block = short[:4] + long[4:16]
+    shared = first_block + random_prompt(24, seed=5)
+    expected = hf_greedy(path, [long], 24) + [greedy_with_cache(path, p, 24) for p in (short, first_block)]
+    expected += hf_greedy(path, [shared], 24)
+    assert [expected[0], expected[1]] != hf_greedy(base, [long, short], 24)  # the long factors change the tokens
+    llm = LLM(path, dtype="float32", enforce_eager=True, debug_invariants=True)
+    assert llm.engine.config.max_model_len == 256
+    params = SamplingParams(temperature=0, max_tokens=24)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in (long, short)], params)]
+    got += [llm.generate({"prompt_token_ids": first_block}, params)[0].outputs[0].token_ids]
+    hits_before = llm.engine.core.kv_manager.stats.hits
+    got += [llm.generate({"prompt_token_ids": shared}, params)[0].outputs[0].token_ids]
+    assert got == expected
+    assert llm.engine.core.kv_manager.stats.hits == hits_before  # a short prompt's blocks are not a long one's
 
 
 SLIDING = ["mistral_sliding", "gemma2", "gemma3"]
@@ -79,7 +106,9 @@ def test_sliding_window_prefix_hits_chunks_and_preemption(tiny_model_factory, va
     first = random_prompt(40, seed=1)
     batch = [first[:32] + random_prompt(9, seed=2 + i) for i in range(3)]
     expected = hf_greedy(path, [first, *batch], 20)
-    llm = LLM(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=16, num_gpu_blocks_override=7,
+    # Mistral's requests give back the blocks behind their window: fewer blocks make them preempt each other
+    blocks = 4 if variant == "mistral_sliding" else 7
+    llm = LLM(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=16, num_gpu_blocks_override=blocks,
               max_model_len=64, debug_invariants=True)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=20)
     got = [llm.generate({"prompt_token_ids": first}, params)[0].outputs[0].token_ids]
@@ -87,6 +116,29 @@ def test_sliding_window_prefix_hits_chunks_and_preemption(tiny_model_factory, va
     assert got == expected
     core = llm.engine.core
     assert core.kv_manager.stats.hits >= 32 and core.scheduler.num_preemptions > 0
+
+
+def test_all_sliding_models_give_back_the_blocks_behind_the_window(tiny_model_factory):
+    """Mistral (every layer slides by 12, blocks of 16): two requests of 40 prompt tokens and 60 generated each hold
+    at most three blocks at any step (the window, the block being written, one being filled), not the seven their
+    length needs; tokens as transformers'; every block back at the end. Gemma 2 (full layers too) keeps them all."""
+    path = tiny_model_factory("mistral_sliding")
+    prompts = [random_prompt(40, seed=11), random_prompt(40, seed=12)]
+    expected = hf_greedy(path, prompts, 60)
+    llm = LLM(path, dtype="float32", enforce_eager=True, max_model_len=128, debug_invariants=True)
+    engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=60)
+    kv = engine.core.kv_manager
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    held, got = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] = out.outputs[0].token_ids
+        held += [sum(b is not kv.pool.null_block for b in blocks) for blocks in kv.req_to_blocks.values()]
+    assert [got[str(i)] for i in range(2)] == expected and min(map(len, expected)) > 30
+    assert max(held) <= 3 and kv.pool.num_free_blocks == engine.core.num_kv_blocks
+    gemma = LLM(tiny_model_factory("gemma2"), dtype="float32", enforce_eager=True).engine.core.kv_manager
+    assert gemma.sliding_window is None and gemma.pool.null_block is None
 
 
 @pytest.mark.parametrize("variant", SLIDING)

@@ -5,10 +5,13 @@ of request_fields.IGNORED_FIELDS: the output equals the same request without it)
 (request_fields.REFUSED_FIELDS) -- never parsed and silently ignored. The README lists them all."""
 
 import json
+import os
 import pathlib
 import re
+import sys
 
 import jsonschema
+import msgspec
 import pytest
 from aserve_server import running_server
 
@@ -352,6 +355,32 @@ def test_the_readme_lists_every_field():
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     missing = sorted(f for f in FIELDS[True] | FIELDS[False] if f"`{f}`" not in readme)
     assert not missing, f"README.md does not name these request fields: {missing}"
+
+
+def test_a_plain_chat_request_runs_no_feature_code():
+    """The request type looks at tools, structured output and messages' tool_calls before calling into them: a plain
+    request's checks, sampling parameters, conversation and template arguments run no code of tool calling or
+    structured output (bench/request_path.py measures the whole path)."""
+    features = tuple(os.path.join("openai", name) for name in ("tool_request.py", "tool_output.py",
+                                                                 "structured_request.py"))  # fmt: skip
+    entered = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith(features):
+            entered.add(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+
+    body = json.dumps({"messages": COUNT, "stream": True, "max_tokens": 8, "temperature": 0})
+    req = msgspec.json.decode(body, type=ChatCompletionRequest)
+    sys.setprofile(profile)
+    try:
+        req.check_limits()
+        params = req.to_sampling_params(req.requested_max_tokens())
+        req.conversation()
+        req.template_kwargs()
+    finally:
+        sys.setprofile(None)
+    assert not entered, sorted(entered)
+    assert params.structured_outputs is None and params.max_tokens == 8
 
 
 # Both endpoints parse the fields they share with the same code: the default run drives those through chat only

@@ -127,3 +127,26 @@ def test_multiple_choice_picks_the_most_likely_continuation(client, hf_model):
             expected.append(sum(ref[len(context) - 1 + j, t].item() for j, t in enumerate(cont)))
         assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scores, expected))
         assert scores.index(max(scores)) == expected.index(max(expected))
+
+
+def test_lm_eval_batched_request_with_one_generated_token(client, hf_model):
+    """lm-eval 0.4.13's `local-completions` loglikelihood request: a batch of token-id prompts, `echo: true,
+    logprobs: 1, max_tokens: 1, seed`; it reads each choice (by index) as token_logprobs[ctxlen:-1] (the generated
+    token last) and calls a continuation greedy when each of its logprobs is the top one."""
+    context = [0, 17, 45, 200, 33]
+    continuations = [[91, 120], [5], [250, 64, 77]]
+    prompts = [context + cont for cont in continuations]
+    resp = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0,
+                                     seed=1234)  # fmt: skip
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    assert len(choices) == len(prompts)
+    for tokens, cont, choice in zip(prompts, continuations, choices):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(tokens) + 1 and choice.finish_reason == "length"
+        score = sum(lp.token_logprobs[len(context) : -1])
+        greedy = all(t == max(top.values()) for t, top in zip(lp.token_logprobs[len(context) : -1],
+                                                                lp.top_logprobs[len(context) : -1]))  # fmt: skip
+        ref = hf_logprobs(hf_model, tokens)
+        expected = sum(ref[len(context) - 1 + j, t].item() for j, t in enumerate(cont))
+        assert math.isclose(score, expected, abs_tol=1e-4)
+        assert greedy == all(ref[len(context) - 1 + j].argmax().item() == t for j, t in enumerate(cont))

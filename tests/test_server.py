@@ -27,8 +27,8 @@ def llm_engine(tiny_model):
     )
 
 
-async def make_client(llm_engine, api_key=None):
-    app = build_app(AsyncEngine(llm_engine), MODEL, api_key)
+async def make_client(llm_engine, api_key=None, **api):
+    app = build_app(AsyncEngine(llm_engine), MODEL, api_key, **api)
     client = TestClient(TestServer(app, handler_cancellation=True))
     await client.start_server()
     return client
@@ -313,3 +313,24 @@ def test_version_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"aserve {__version__}"
+
+
+async def test_tokenizer_info_endpoint(llm_engine):
+    """--enable-tokenizer-info-endpoint: GET /tokenizer_info gives what a client tokenising through /tokenize needs
+    (lm-evaluation-harness' tokenizer_backend=remote reads eos_token and encodes it there); 404 without the flag."""
+    plain = await make_client(llm_engine)
+    try:
+        assert (await plain.get("/tokenizer_info")).status == 404
+    finally:
+        await plain.close()
+    client = await make_client(llm_engine, enable_tokenizer_info_endpoint=True)
+    try:
+        resp = await client.get("/tokenizer_info")
+        info = await resp.json()
+        tokenizer = llm_engine.config.tokenizer
+        assert resp.status == 200 and info["eos_token"] == tokenizer.eos_token and info["model_max_length"] == 256
+        assert info["tokenizer_class"] == type(tokenizer).__name__ and "chat_template" in info
+        resp = await client.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+        assert (await resp.json())["tokens"] == [tokenizer.eos_token_id]
+    finally:
+        await client.close()

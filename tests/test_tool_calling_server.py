@@ -156,10 +156,9 @@ def test_auto_streams_each_format(auto):
     assert call["name"] == "get_time" and json.loads(call["arguments"])["zone"] in ("UTC", "CET")
 
 
-@pytest.mark.parametrize("auto", ["hermes"], indirect=True)
-def test_auto_hermes_streams_arguments_piece_by_piece(auto):
-    _, client = auto
-    forced = {"structured_outputs": {"regex": FORMATS["hermes"]}}
+def test_auto_streams_arguments_piece_by_piece(auto):
+    parser, client = auto
+    forced = {"structured_outputs": {"regex": FORMATS[parser]}}
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60, stream=True,
                                             extra_body=forced)  # fmt: skip
     first, *rest = [d for chunk in stream for choice in chunk.choices for d in choice.delta.tool_calls or []]

@@ -3,6 +3,7 @@ through ToolCallOutput (the deltas put back together equal the whole), the force
 and a named function, and the request checks."""
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -64,10 +65,15 @@ def test_extract_whole_output(name, text, content, calls):
 
 def _stream(output: ToolCallOutput, text: str, piece: int, finish: str = "stop") -> list[dict]:
     """Feeds `text` in pieces of `piece` characters -> the chunks' choices that were sent."""
+    return _feed(output, [text[start : start + piece] for start in range(0, len(text), piece)], finish)
+
+
+def _feed(output: ToolCallOutput, pieces: list[str], finish: str | None = "stop") -> list[dict]:
+    """Feeds the output text in `pieces`, one engine step each -> the chunks' choices that were sent."""
     choice, sent = ChoiceState(0, None), []
-    for start in range(0, len(text), piece):
-        last = start + piece >= len(text)
-        choice.add(CompletionOutput(0, text[start : start + piece], [], finish_reason=finish if last else None), None)
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        choice.add(CompletionOutput(0, piece, [], finish_reason=finish if last else None), None)
         body_choice = {"index": 0, "delta": {"content": choice.delta_text}, "logprobs": None,
                        "finish_reason": choice.finish_reason}  # fmt: skip
         if output.delta(body_choice, choice):
@@ -121,6 +127,84 @@ def test_hermes_streams_a_call_piece_by_piece():
     assert first["function"]["arguments"] + "".join(d["function"]["arguments"] for d in rest) == '{"zone": "UTC"}'
     # the second call's name is not written yet: nothing of it is sent
     assert "".join(c["delta"].get("content", "") for c in sent) == ""
+
+
+# (parser, output with two calls (after text where the format allows it), the content outside the calls)
+STREAMED = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+     '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+     "Let me check."),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+     '{"name": "get_time", "parameters": {"zone": "UTC"}}', ""),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}\n'
+     '{"name": "get_time", "arguments": {"zone": "UTC"}}', ""),
+    ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+     '"celsius"}}, {"name": "get_time", "arguments": {"zone": "UTC"}}]', "Let me check."),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'
+     '[{"name": "get_time", "arguments": {"zone": "UTC"}}]', ""),
+]  # fmt: skip
+STREAMED_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(STREAMED)]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from tiny_models import build_tokenizer
+
+    return build_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+def _chunks(text: str, chunking: str, tokenizer) -> list[str]:
+    """The text as the engine's steps would add it: token by token (each token's text), a character at a time, or in
+    seeded random pieces of 1-8 characters."""
+    if chunking == "tokens":
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prefixes = [tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
+        assert prefixes[-1] == text
+        return [b[len(a) :] for a, b in zip(prefixes, prefixes[1:])]
+    if chunking == "chars":
+        return list(text)
+    rng, pieces, pos = random.Random(int(chunking.removeprefix("random"))), [], 0
+    while pos < len(text):
+        size = rng.randint(1, 8)
+        pieces.append(text[pos : pos + size])
+        pos += size
+    return pieces
+
+
+@pytest.mark.parametrize("chunking", ["tokens", "chars", "random0", "random1", "random2"])
+@pytest.mark.parametrize("name,text,content", STREAMED, ids=STREAMED_IDS)
+def test_each_parser_streams_arguments_piece_by_piece(name, text, content, chunking, tiny_tokenizer):
+    pieces = _chunks(text, chunking, tiny_tokenizer)
+    sent = _feed(ToolCallOutput(AUTO, get_tool_parser(name)), pieces)
+    calls = get_tool_parser(name).extract(text)[1]
+    got_content, got_calls, finish = _joined(sent)
+    assert got_calls == calls and len(calls) == 2 and finish == "tool_calls"
+    assert got_content.strip() == content
+    deltas = [(n, d) for n, c in enumerate(sent) for d in c["delta"].get("tool_calls", [])]
+    assert [d["index"] for _, d in deltas] == sorted(d["index"] for _, d in deltas)  # calls in order
+    for index, call in enumerate(calls):
+        (n_first, first), *rest = [(n, d) for n, d in deltas if d["index"] == index]
+        # OpenAI's shape: a first delta with the index, id, type and name, then only argument pieces
+        assert first["id"].startswith("call_") and first["type"] == "function"
+        assert first["function"]["name"] == call.name
+        assert all(d == {"index": index, "function": {"arguments": d["function"]["arguments"]}} for _, d in rest)
+        assert len({n for n, _ in rest}) == len(rest) and all(n > n_first for n, _ in rest)
+        assert first["function"]["arguments"] + "".join(d["function"]["arguments"] for _, d in rest) == call.arguments
+        if chunking in ("tokens", "chars"):  # the name is complete before the arguments begin
+            assert first["function"]["arguments"] == "" and len(rest) >= 3
+        else:
+            assert len(rest) >= 1
+    # the first call's arguments go out while it is written, not once the output is complete
+    assert [n for n, d in deltas if d["index"] == 0][-1] < len(sent) - 1
+
+
+@pytest.mark.parametrize("name,text,content", STREAMED, ids=STREAMED_IDS)
+def test_a_call_cut_short_keeps_what_was_streamed(name, text, content):
+    cut = text.index('"Paris"') + 4  # max_tokens ends the output inside the first call's arguments
+    sent = _stream(ToolCallOutput(AUTO, get_tool_parser(name)), text[:cut], 1, finish="length")
+    got_content, [call], finish = _joined(sent)
+    assert got_content.strip() == content and finish == "length"
+    assert call.name == "get_weather" and call.arguments == '{"city": "Par'
 
 
 def test_partial_json_members():

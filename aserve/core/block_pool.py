@@ -103,11 +103,17 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    """`num_blocks` blocks in circulation. `null_block`: one more, block 0, kept out of circulation (never handed
+    out, so no request writes it; the KV cache holds num_blocks + 1 blocks): a request's block table points
+    there for the blocks it has given back (KVCacheManager's sliding-window freeing), so attention kernels may read
+    it, always masked."""
+
+    def __init__(self, num_blocks: int, null_block: bool = False) -> None:
         assert num_blocks > 0
         self.num_blocks = num_blocks
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks + int(null_block))]
+        self.null_block = self.blocks[0] if null_block else None
+        self.free_block_queue = FreeBlockQueue(self.blocks[int(null_block) :])
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     @property

@@ -4,6 +4,11 @@ A request's blocks cover its tokens in order (block i holds tokens [i*bs, (i+1)*
 shared with other requests through the prefix cache; blocks are registered in the cache as soon as they are fully
 scheduled, so a request scheduled later in the same step can already share them: each layer writes the step's new
 K/V into the cache before any attention reads it.
+
+With `sliding_window` W (every attention layer slides by W: Mistral, Phi-3), a query at position p reads keys after
+p - W only; before each allocation a request gives back the blocks wholly before its next query's window (their K/V
+stay findable by the prefix cache until evicted), and its block table points those entries at the pool's null block.
+So a long sequence holds about W / bs + 1 blocks. Models with full-attention layers keep every block.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.sliding_window = sliding_window
+        self.pool = BlockPool(num_blocks, null_block=sliding_window is not None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}  # the same, as ids, kept in step (read every step)
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered by hash
+        self.num_released: dict[str, int] = {}  # how many of a request's first blocks went back (sliding window)
         self.stats = PrefixCacheStats()
 
     @property
@@ -67,6 +74,8 @@ class KVCacheManager:
         when the pool cannot supply them — then nothing has changed."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
+        if self.sliding_window is not None and blocks:
+            self._release_outside_window(request, blocks)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(num_required - len(blocks) - len(new_computed_blocks), 0)
@@ -93,18 +102,33 @@ class KVCacheManager:
                 self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
 
+    def _release_outside_window(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Gives back the request's blocks wholly before the window of its next query (position
+        num_computed_tokens, which reads keys from num_computed_tokens - W + 1 on)."""
+        first_needed = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        start = self.num_released.get(request.request_id, 0)
+        if first_needed <= start:
+            return
+        null, block_ids = self.pool.null_block, self.req_to_block_ids[request.request_id]
+        released = blocks[start:first_needed]
+        blocks[start:first_needed] = [null] * len(released)
+        block_ids[start:first_needed] = [null.block_id] * len(released)
+        self.num_released[request.request_id] = first_needed
+        self.pool.free_blocks(reversed(released))
+
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first: its last blocks are the first to be evicted."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        start = self.num_released.pop(request.request_id, 0)  # the null block's entries
+        self.pool.free_blocks(reversed(blocks[start:]))
 
     def forget_uncomputed(self, request: Request, num_valid_tokens: int) -> None:
         """A step that was to compute `request` failed: only its first `num_valid_tokens` tokens have KV. Drop the
         cache entries of the blocks after them."""
         blocks = self.req_to_blocks.get(request.request_id, [])
-        first_uncomputed = num_valid_tokens // self.block_size
+        first_uncomputed = max(num_valid_tokens // self.block_size, self.num_released.get(request.request_id, 0))
         self.pool.uncache_blocks(blocks[first_uncomputed:])
         self.num_cached_blocks[request.request_id] = min(
             self.num_cached_blocks.get(request.request_id, 0), first_uncomputed
@@ -123,7 +147,7 @@ class KVCacheManager:
         requests holding it, a block is in the free list exactly when nobody holds it, waiting requests hold
         nothing, running ones hold blocks for every computed token, and the prefix-cache map and the blocks' hashes
         agree. Explicit checks rather than asserts, so that they also run under `python -O`."""
-        expected = [0] * self.pool.num_blocks
+        expected = [0] * len(self.pool.blocks)
         live = {r.request_id: r for r in live_requests}
         if dead := set(self.req_to_blocks) - set(live):
             raise InvariantError(f"KV blocks held by requests that are no longer live: {sorted(dead)}")
@@ -132,12 +156,17 @@ class KVCacheManager:
             if self.req_to_block_ids.get(request_id) != ids:
                 raise InvariantError(f"request {request_id!r}: block ids {self.req_to_block_ids.get(request_id)} "
                                      f"!= its blocks {ids}")  # fmt: skip
-            if len(set(ids)) != len(ids):
-                raise InvariantError(f"request {request_id!r} holds a block twice: {ids}")
+            released = self.num_released.get(request_id, 0)
+            if any(b is not self.pool.null_block for b in blocks[:released]):
+                raise InvariantError(f"request {request_id!r}: its first {released} blocks went back, yet {ids}")
+            blocks = blocks[released:]
+            ids = ids[released:]
+            if len(set(ids)) != len(ids) or (self.pool.null_block is not None and 0 in ids):
+                raise InvariantError(f"request {request_id!r} holds a block twice (or the null block): {ids}")
             request = live[request_id]
             if request.status != RequestStatus.RUNNING and blocks:
                 raise InvariantError(f"{request} is not running but holds blocks {ids}")
-            if len(blocks) * self.block_size < request.num_computed_tokens:
+            if (len(blocks) + released) * self.block_size < request.num_computed_tokens:
                 raise InvariantError(f"{request} holds {len(blocks)} blocks, too few for its computed tokens")
             for b in blocks:
                 expected[b.block_id] += 1
@@ -146,6 +175,10 @@ class KVCacheManager:
             raise InvariantError(f"the free list holds {len(in_free)} blocks but counts {self.pool.num_free_blocks}")
         cached = self.pool.cached_blocks
         for block in self.pool.blocks:
+            if block is self.pool.null_block:
+                if block.ref_cnt or block.block_id in in_free or block.block_hash is not None:
+                    raise InvariantError(f"the null block is in use: {block}")
+                continue
             refs = expected[block.block_id]
             if block.ref_cnt != refs:
                 raise InvariantError(f"{block}: ref_cnt is {block.ref_cnt} but {refs} live request(s) hold it "

@@ -99,6 +99,8 @@ class EngineCore:
             attention_backend=args.attention_backend,
             quantization=args.quantization,
             deterministic=args.deterministic,
+            quantize_lm_head=args.quantize_lm_head,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         # Tensor parallelism: ranks 1..N-1 in worker processes, which build their runners alongside this one's
         self.workers = self._start_workers(runner_args) if args.tensor_parallel_size > 1 else None
@@ -118,13 +120,14 @@ class EngineCore:
         if spec is not None and spec.needs_kv:
             self.runner.drafter = ModelDrafter(self.runner, spec, args.seed)
         self.num_kv_blocks = num_blocks = self._num_kv_blocks()
-        if num_blocks < cdiv(config.max_model_len, config.block_size):
+        window = self._released_window()
+        if num_blocks < self._blocks_one_request_needs(window):
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
                 f"({config.max_model_len}): one long request could never run. Give the cache more memory "
                 "(gpu_memory_utilization / kv_cache_memory_gb) or lower max_model_len."
             )
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks + int(window is not None))  # + the null block
         if self.runner.compiled:
             self.runner.warmup()
         if config.device.type == "cuda" and not args.enforce_eager:
@@ -132,7 +135,7 @@ class EngineCore:
         self.spec_policy = self._spec_policy()
         self.stats = EngineStats()
         self.structured_output = StructuredOutputManager(config.tokenizer, config.vocab_size, config.eos_token_id)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, window)
         self.scheduler = Scheduler(
             self.kv_manager,
             args.max_num_seqs,
@@ -148,6 +151,26 @@ class EngineCore:
         self._sync_requests: set[str] = set()  # live requests whose sampling needs every token on the host
         self._update_seconds: float | None = None  # host seconds of the last update, and of a launch (moving average)
         self._launch_seconds = 0.0
+
+    def _released_window(self) -> int | None:
+        """The sliding window by which requests give back their oldest blocks (KVCacheManager): where every layer
+        slides by the same window, and no draft model keeps its own cache over the same block tables."""
+        spec = self.config.spec_config
+        if spec is not None and spec.method == "draft_model":
+            return None
+        windows = {layer.self_attn.attn_params.sliding_window for layer in self.runner.model.layers}
+        return windows.pop() if len(windows) == 1 else None
+
+    def _blocks_one_request_needs(self, window: int | None) -> int:
+        """The blocks one request may hold at once: its whole length, or with blocks given back behind a sliding
+        window, those of the window and of one step's tokens (drafts included), if fewer."""
+        config = self.config
+        needed = cdiv(config.max_model_len, config.block_size)
+        if window is None:
+            return needed
+        spec = config.spec_config
+        step_tokens = config.max_num_batched_tokens + (spec.num_speculative_tokens if spec is not None else 0)
+        return min(needed, cdiv(window - 1 + step_tokens, config.block_size) + 1)
 
     def _start_workers(self, runner_args: dict) -> TensorParallelWorkers:
         config, size = self.config, self.config.args.tensor_parallel_size

@@ -55,7 +55,7 @@ class LLMEngine:
         self.startup_time = time.perf_counter() - t0
         runner = self.core.runner
         logger.info(
-            "Loaded %s (%s, %.1fM params, %s on %s) in %.1f s; KV cache: %d blocks x %d = %d tokens; "
+            "Loaded %s (%s, %.1fM params, %s on %s) in %.1f s; KV cache (%s): %d blocks x %d = %d tokens; "
             "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, async scheduling %s",
             config.served_model_name,
             config.architecture,
@@ -63,6 +63,7 @@ class LLMEngine:
             str(config.dtype).removeprefix("torch."),
             config.device,
             self.startup_time,
+            str(runner.kv_dtype).removeprefix("torch."),
             self.core.num_kv_blocks,
             config.block_size,
             self.core.kv_capacity_tokens,
@@ -212,7 +213,10 @@ class LLMEngine:
             params = params.clone(max_tokens=max(1, config.max_model_len - n))
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if config.args.enable_prefix_caching:
-            hasher = BlockHasher(config.block_size, params.cache_salt)
+            salt = params.cache_salt
+            if config.long_prompt_len is not None and n > config.long_prompt_len:
+                salt = f"{salt or ''}\x00long prompt"  # its blocks hold keys rotated otherwise
+            hasher = BlockHasher(config.block_size, salt)
         elif params.n > 1:  # siblings still share the prompt's blocks, with nobody else
             hasher = BlockHasher(config.block_size, f"group:{id(params)}:{request_id}")
         else:

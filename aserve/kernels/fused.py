@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from aserve.kernels import pdl
+from aserve.kernels.cache_write import to_cache
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def _rotary_split_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_cos, stride_sin,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
-    WRITE_CACHE: tl.constexpr, slot_ptr, stride_c_slot, KEEP_K: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, slot_ptr, stride_c_slot, KEEP_K: tl.constexpr, k_scale, v_scale, QUANT: tl.constexpr,
 ):  # fmt: skip
     pdl.gdc_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -93,14 +94,15 @@ def _rotary_split_kernel(
     if WRITE_CACHE:
         is_k = is_k & ((h * 0 + slot) >= 0)  # (as a vector: Triton's interpreter rejects scalar masks here)
     k_off = kv_row + (h - NUM_HEADS)[:, None] * HEAD_DIM + j[None, :]
-    tl.store(k_ptr + k_off, o1, mask=is_k[:, None])
-    tl.store(k_ptr + k_off + HALF, o2, mask=is_k[:, None])
+    cache_dtype = k_ptr.dtype.element_ty  # QUANT: an FP8 cache, written quantised (to_cache)
+    tl.store(k_ptr + k_off, to_cache(o1, k_scale, cache_dtype, QUANT), mask=is_k[:, None])
+    tl.store(k_ptr + k_off + HALF, to_cache(o2, k_scale, cache_dtype, QUANT), mask=is_k[:, None])
     d = tl.arange(0, BLOCK_KV)
     d_ok = d < NUM_KV_HEADS * HEAD_DIM
     v = tl.load(qkv_ptr + tok * stride_qkv + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + d, mask=d_ok)
     if WRITE_CACHE:
         d_ok = d_ok & ((d * 0 + slot) >= 0)
-    tl.store(v_ptr + kv_row + d, v, mask=d_ok)
+    tl.store(v_ptr + kv_row + d, to_cache(v, v_scale, cache_dtype, QUANT), mask=d_ok)
 
 
 def qkv_kv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -112,12 +114,14 @@ def qkv_kv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     return k, v
 
 
-def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int, cache=None, keep_k: bool = False):
+def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int, cache=None, keep_k: bool = False,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)):  # fmt: skip
     """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D].
     With cache = (k_cache, v_cache, slot_mapping) ([num_blocks, block_size, Hkv, D] each): k and v are written
     into their cache slots instead (aserve/kernels/cache_write.py's job, fused; negative slots write nothing) -> q.
     keep_k (with cache): the rotated k is also written back over qkv's k columns -> (q, k, v) with k and v views
-    of qkv (qkv_kv_views: the step's rotated keys and values, for paged_attention's k_new / v_new)."""
+    of qkv (qkv_kv_views: the step's rotated keys and values, for paged_attention's k_new / v_new). An FP8 cache
+    (float8_e4m3fn) gets k / k_scale and v / v_scale (kv_scales), clamped to +-448 and rounded."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if cache is None:
@@ -135,6 +139,7 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
         BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), HALF=head_dim // 2, USE_PDL=pdl.ENABLED,
         WRITE_CACHE=cache is not None, slot_ptr=slots, stride_c_slot=stride_slot, KEEP_K=keep_k,
+        k_scale=kv_scales[0], v_scale=kv_scales[1], QUANT=k.dtype != q.dtype,
         **pdl.launch_kwargs(),
     )  # fmt: skip
     if cache is None:

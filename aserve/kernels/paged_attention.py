@@ -24,6 +24,9 @@ softcap * tanh(s / softcap) (SOFTCAP, compiled in only where a layer asks for it
 Split-KV (flash-decoding): with NUM_SEGMENTS > 1 the keys of a tile row are divided among NUM_SEGMENTS programs
 that write partial (acc, max, sum) results; a second kernel combines them. This fills the GPU when a few long
 sequences decode.
+
+FP8 KV caches (float8_e4m3fn pages): tiles convert to q's dtype as they load; the per-tensor k_scale folds into the
+softmax scale and v_scale into the output. Such a cache is read whole from the pages (no k_new / v_new).
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def _attend_tile(
         k = tl.load(k_cache_ptr + kv_ptrs)
     else:
         k = tl.load(k_cache_ptr + kv_ptrs, mask=d_ok[None, :], other=0.0)
-    k = tl.trans(k)
+    k = tl.trans(k.to(q.dtype))  # (FP8 pages: to q's dtype; otherwise the same dtype, no-op)
     if IEEE:
         s = tl.dot(q, k, input_precision="ieee")
     else:
@@ -139,6 +142,7 @@ def _attend_tile(
         v = tl.load(v_cache_ptr + kv_ptrs)
     else:
         v = tl.load(v_cache_ptr + kv_ptrs, mask=d_ok[None, :], other=0.0)
+    v = v.to(q.dtype)
     if ACC_DOT:  # the rescaled accumulator goes into the MMA as its addend
         acc = acc * alpha[:, None]
         if IEEE:
@@ -239,6 +243,7 @@ def _paged_attention_kernel(
     scale_log2,
     window,
     softcap_log2,
+    v_scale,
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -336,6 +341,7 @@ def _paged_attention_kernel(
             offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D, ACC_DOT, False, SOFTCAP,
         )  # fmt: skip
 
+    acc = acc * v_scale
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -427,6 +433,8 @@ def paged_attention(
     v_new: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of every query token to its request's paged K/V (which must already hold the step's new
     tokens). `max_query_len` only picks the tile shape (any upper bound works). With num_segments > 1 (split-KV),
@@ -437,7 +445,8 @@ def paged_attention(
     step's own keys and values, read from there instead of the pages (the context's keys still come from the
     pages). Their contiguous rows load faster than a page gather (H200, 4096-token prompt: 441 vs 356 TFLOP/s).
     Only without split-KV. `sliding_window`: a query at position p sees keys p - sliding_window < k <= p only (None:
-    every k <= p); `softcap`: each scaled score s becomes softcap * tanh(s / softcap) (None: no capping)."""
+    every k <= p); `softcap`: each scaled score s becomes softcap * tanh(s / softcap) (None: no capping). FP8 caches
+    (float8_e4m3fn): keys read as k * k_scale, values as v * v_scale."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
@@ -465,11 +474,13 @@ def paged_attention(
     if new_kv:
         assert num_segments == 1 and v_new is not None and k_new.stride() == v_new.stride()
         assert k_new.shape == (num_tokens, num_kv_heads, head_dim) and k_new.stride(-1) == 1
+        assert k_cache.dtype == q.dtype, "a quantised cache is read whole from its pages (no k_new / v_new)"
     else:
         k_new = v_new = k_cache  # unused
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_acc, part_stats, k_new, v_new,
-        scale * 1.4426950408889634, sliding_window or _NO_WINDOW, (softcap or 1.0) * 1.4426950408889634, num_seqs,
+        scale * k_scale * 1.4426950408889634, sliding_window or _NO_WINDOW, (softcap or 1.0) * 1.4426950408889634,
+        v_scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_new.stride(0),
         k_new.stride(1),

@@ -1,5 +1,6 @@
 """Pure-torch references of the Triton kernels: the slowest, most obvious implementations. Kernel tests compare
-against these; the torch attention backend also uses write_kv_cache directly."""
+against these; the torch attention backend also writes its cache with write_kv_cache (through
+aserve/layers/attention/kv_cache_dtype.py; an FP8 cache quantises first)."""
 
 from __future__ import annotations
 

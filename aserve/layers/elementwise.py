@@ -225,10 +225,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(is_medium, smoothed, scaled)
-    if rope_type in ("longrope", "su"):  # the short factors: callers refuse sequences long enough for the long ones
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**exponents)
+    if rope_type in ("longrope", "su"):  # the short factors (aserve/models/phi3.py adds the long ones)
+        return longrope_inv_freq(head_dim, theta, scaling["short_factor"])
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3, longrope)")
+
+
+def longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE's frequencies: the default ones, each divided by its rescale factor."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
 
 
 def rope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
@@ -240,6 +245,14 @@ def rope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_position_embeddings / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def cos_sin_table(inv_freq: torch.Tensor, num_positions: int, scale: float = 1.0) -> torch.Tensor:
+    """[num_positions, 2 * head_dim] float32: cos | sin of each position's angles (neox layout), times `scale`."""
+    freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos_sin = torch.cat([emb.cos(), emb.sin()], dim=-1)
+    return cos_sin * scale if scale != 1.0 else cos_sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -254,12 +267,10 @@ class RotaryEmbedding(nn.Module):
 
     def materialize(self, device: torch.device) -> None:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos_sin = torch.cat([emb.cos(), emb.sin()], dim=-1)
-        self.cos_sin = (cos_sin * self.scale if self.scale != 1.0 else cos_sin).to(device)
+        self.cos_sin = cos_sin_table(inv_freq, self.max_position, self.scale).to(device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> cos, sin [T, 1, head_dim] in `dtype` (as HF, which rotates in the model's dtype)."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, meta=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> cos, sin [T, 1, head_dim] in `dtype` (as HF, which rotates in the model's dtype). `meta` (the step's
+        AttentionMetadata) is for tables that depend on the sequence (aserve/models/phi3.py's LongRoPE)."""
         cos, sin = self.cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin

@@ -17,6 +17,7 @@ from torch import nn
 
 from aserve import envs
 from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata
+from aserve.layers.attention.kv_cache_dtype import kv_scale_of, scale_value
 from aserve.layers.elementwise import ElementwiseOps, RMSNorm, RotaryEmbedding, rope_parameters
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         """The fused q/k/v projection's output [T, (H + 2 Hkv) D] -> rotary, cache write, attention, o_proj."""
         if self.rotates_into_cache:
             q, k_new, v_new = self.backend.rotate_and_write(qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads,
-                                                            self.head_dim)  # fmt: skip
+                                                            self.head_dim, self.attn_params)  # fmt: skip
             out = self.backend.attend(q, k_new, v_new, kv_cache, meta, self.attn_params)
         else:
             q, k, v = self.ops.split_rotate_qkv(qkv, *rotary_cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -90,6 +91,12 @@ class Attention(nn.Module):
         start = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
         size = self.q_size if shard == "q" else self.kv_size
         self.qkv_proj.load_output_slice(param, start, size, tensor)
+
+    def load_kv_scale(self, which: str, value: float) -> None:
+        """A checkpoint's per-tensor scale of this layer's keys ("k"), values ("v") or both ("kv") in an FP8 KV
+        cache (aserve/layers/attention/kv_cache_dtype.py)."""
+        scales = {f"{part}_scale": value for part in which}
+        self.attn_params = replace(self.attn_params, **scales)
 
 
 class MLP(nn.Module):
@@ -200,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T]; kv_caches [num_layers, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]
         (before the final norm). `num_layers` runs only the first layers (layer-skip self-speculation)."""
         x = self.embed_tokens(input_ids)
-        rotary_cos_sin = self.rotary(positions, x.dtype)
+        rotary_cos_sin = self.rotary(positions, x.dtype, meta)
         if self.cpu_one_token is not None and x.shape[0] == 1:
             return self.cpu_one_token(x, *rotary_cos_sin, kv_caches, meta, num_layers)
         residual = None
@@ -223,6 +230,9 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied to the embedding
+            if (kv_scale := kv_scale_of(name)) is not None:  # FP8 KV-cache scales: the layer's AttentionParams
+                self.get_submodule(kv_scale[0]).load_kv_scale(kv_scale[1], scale_value(name, tensor))
+                continue
             for fragment, (fused, shard) in _STACKED.items():
                 if fragment in name:
                     target = name.replace(fragment, fused)

@@ -15,6 +15,7 @@ from aserve.layers.batch_invariant import select_batch_invariant_ops, use_batch_
 from aserve.layers.elementwise import select_elementwise_ops
 from aserve.layers.quantization import ONLINE_QUANTIZATION, QUANTIZATION_CONFIGS, get_quantization_config
 from aserve.layers.quantization.base import QuantizationConfig
+from aserve.layers.quantization.lm_head import quantize_lm_head as quantize_lm_head_of
 from aserve.models.model_path import ModelNotFoundError
 from aserve.models.registry import get_model_class
 
@@ -49,6 +50,7 @@ def build_model(
     quantization: str | None = None,
     shard=None,
     deterministic: bool = False,
+    quantize_lm_head: bool = False,
 ) -> torch.nn.Module:
     """Picks the element-wise implementation for the device (Triton kernels on GPU; C kernels, or torch.compile'd
     where they do not build, on CPU), constructs the architecture on the meta device with it, `backend` and every
@@ -57,7 +59,9 @@ def build_model(
     must be. `shard`: a transform that splits the model across ranks (tensor parallelism,
     aserve/distributed/sharding.py): `shard.apply(model)` on the model built on the meta device, and
     `shard.weights(tensors)` cuts every checkpoint tensor to this rank's slice as it loads. `deterministic`
-    (deterministic mode): batch-invariant element-wise ops and linear methods (aserve/layers/batch_invariant.py)."""
+    (deterministic mode): batch-invariant element-wise ops and linear methods (aserve/layers/batch_invariant.py).
+    `quantize_lm_head`: the lm_head rounded at load by the method aserve/layers/quantization/lm_head.py picks for
+    the model's quantisation."""
     model_class = get_model_class(hf_config)
     quant_config = resolve_quantization(quantization, get_quantization_config(hf_config), model_dir)
     if deterministic:
@@ -70,6 +74,8 @@ def build_model(
     try:
         with torch.device("meta"):
             model = model_class(hf_config, backend, ops, quant_config, max_position=max_model_len)
+            if quantize_lm_head:
+                quantize_lm_head_of(model, quant_config)
             if shard is not None:
                 shard.apply(model)
             if deterministic:

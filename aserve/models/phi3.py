@@ -2,16 +2,55 @@
 `qkv_proj` and `gate_up_proj` load as they are), and LongRoPE ("longrope", formerly "su") where the config asks for
 it: rescale factors per frequency and cos/sin multiplied by an attention factor.
 
-LongRoPE switches from its short factors to its long ones once a sequence is longer than
-`original_max_position_embeddings`, and transformers then recomputes the whole sequence's keys with the long ones.
-aserve serves such models up to that length (the short factors, exactly): max_model_len is capped there
-(aserve/config.py resolve_max_model_len).
+LongRoPE has two sets of factors: the short ones for sequences up to `original_max_position_embeddings`, the long
+ones beyond. As transformers' Phi-3 (which picks the set per forward from the longest position it is given), a
+request's tokens are rotated with the long factors in a step where its sequence is longer than that length: a prompt
+longer than it uses the long factors throughout, and a sequence that grows past it rotates its new tokens with the
+long ones and keeps its earlier keys. (transformers' generate() then drops its cache and recomputes the sequence
+with the long factors once; aserve, as vLLM, keeps the keys. A long prompt prefilled in chunks rotates the chunks
+that end within the length with the short factors.) Both tables sit in one [2 * max_position] table, the long one
+second, so each token's lookup is its position plus an offset. Prompts longer than the length are cached apart
+(EngineConfig.long_prompt_len).
 """
 
 from __future__ import annotations
 
-from aserve.layers.elementwise import RotaryEmbedding, rope_attention_factor, rope_parameters
+import torch
+from torch import nn
+
+from aserve.layers.attention.backend import AttentionMetadata
+from aserve.layers.elementwise import cos_sin_table, longrope_inv_freq, rope_attention_factor, rope_parameters
 from aserve.models.llama import LlamaForCausalLM, head_dim_of
+
+
+class LongRopeRotary(nn.Module):
+    """cos/sin of every position under LongRoPE's short factors, then again under its long ones (float32, built by
+    `materialize`); forward takes the step's metadata to pick each token's set."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict, scale: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_position, self.theta, self.scale = head_dim, max_position, theta, scale
+        self.short_factor, self.long_factor = scaling["short_factor"], scaling["long_factor"]
+        self.original = scaling["original_max_position_embeddings"]
+        self.cos_sin: torch.Tensor | None = None
+
+    def materialize(self, device: torch.device) -> None:
+        tables = [
+            cos_sin_table(longrope_inv_freq(self.head_dim, self.theta, factors), self.max_position, self.scale)
+            for factors in (self.short_factor, self.long_factor)
+        ]
+        self.cos_sin = torch.cat(tables).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata):
+        """-> cos, sin [T, 1, head_dim] in `dtype`. A token's request is found by its index in the flat batch
+        (query_start_loc; rows past the last request, as in padded CUDA-graph batches, take the last one's)."""
+        index = torch.arange(positions.shape[0], device=positions.device, dtype=meta.query_start_loc.dtype)
+        request = torch.searchsorted(meta.query_start_loc[1:], index, right=True)
+        request = request.clamp_(max=meta.seq_lens.shape[0] - 1)
+        long = meta.seq_lens[request] > self.original
+        rows = positions + long.to(positions.dtype) * self.max_position
+        cos, sin = self.cos_sin[rows].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -19,9 +58,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, backend, ops, quant_config, max_position)
         theta, scaling = rope_parameters(cfg)
         if scaling["rope_type"] in ("longrope", "su"):
-            original = scaling.setdefault("original_max_position_embeddings", cfg.original_max_position_embeddings)
-            assert max_position <= original, "resolve_max_model_len caps max_model_len for LongRoPE"
+            scaling.setdefault("original_max_position_embeddings", cfg.original_max_position_embeddings)
             if scaling.get("partial_rotary_factor", 1.0) != 1.0:
                 raise ValueError("partial_rotary_factor other than 1 is not supported")
             scale = rope_attention_factor(scaling, cfg.max_position_embeddings)
-            self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, theta, scaling, scale)
+            self.rotary = LongRopeRotary(head_dim_of(cfg), max_position, theta, scaling, scale)

@@ -42,13 +42,15 @@ def _prefill_meta(num_tokens: int, block_size: int) -> AttentionMetadata:
 
 
 @torch.inference_mode()
-def model_nll(model, windows: list[list[int]], block_size: int = 16) -> tuple[float, int]:
-    """-> (summed negative log-likelihood, number of scored tokens) of aserve model `model` (CPU) on `windows`."""
+def model_nll(model, windows: list[list[int]], block_size: int = 16, kv_dtype=None) -> tuple[float, int]:
+    """-> (summed negative log-likelihood, number of scored tokens) of aserve model `model` (CPU) on `windows`.
+    `kv_dtype`: the KV cache's element type, as the engine's runner has it (`kv_dtype`; None: the model's dtype)."""
     attn = model.layers[0].self_attn
     window = max(len(w) for w in windows)
     dtype = model.embed_tokens.weight.dtype
     num_blocks = -(-window // block_size)
-    kv = torch.zeros(len(model.layers), 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+    kv = torch.zeros(len(model.layers), 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
+                     dtype=kv_dtype or dtype)  # fmt: skip
     total, count = 0.0, 0
     for ids in windows:
         meta = _prefill_meta(len(ids), block_size)

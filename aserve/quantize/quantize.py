@@ -317,7 +317,7 @@ def add_quantize_parser(sub) -> None:
         default="auto",
         help="where calibration, rounding and --tune-steps / --tune-generated run (auto: the GPU if there is one)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
 
 def run_quantize(ns: argparse.Namespace) -> None:

@@ -35,6 +35,7 @@ from aserve.distributed.group import TensorParallelError, TensorParallelGroup
 from aserve.distributed.sharding import TensorParallelSharding, rank_attention_config
 from aserve.layers.attention import select_attention_backend
 from aserve.layers.attention.backend import AttentionMetadata
+from aserve.layers.attention.kv_cache_dtype import kv_cache_dtype as kv_cache_format
 from aserve.models.loader import build_model
 from aserve.worker.batch_invariant_sampler import BatchInvariantSampler
 from aserve.worker.cuda_graphs import DecodeGraphs
@@ -102,9 +103,14 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         workers=None,
         deterministic: bool = False,
+        quantize_lm_head: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
+        # The KV cache's element type (an FP8 cache: one byte per element), read and written by the backend
+        self.kv_format = kv_format = kv_cache_format(kv_cache_dtype)
+        self.kv_dtype = kv_format.cache_dtype(dtype)
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -117,7 +123,7 @@ class ModelRunner:
         # Deterministic mode: batch-invariant attention, layers and sampling (aserve/layers/batch_invariant.py)
         self.deterministic = deterministic
         self.backend = select_attention_backend(attention_backend, rank_config, dtype, max_num_seqs, device,
-                                                deterministic, max_model_len)  # fmt: skip
+                                                deterministic, max_model_len, kv_format)  # fmt: skip
         # GPU: every step runs on a dedicated stream (its host sync, reading the sampled tokens, happens in the
         # engine's worker thread, never on the event loop).
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -127,7 +133,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = model = build_model(
             hf_config, model_dir, dtype, device, max_model_len, self.backend, load_format, seed, compile_model,
-            quantization, TensorParallelSharding(tp) if tp is not None else None, deterministic,
+            quantization, TensorParallelSharding(tp) if tp is not None else None, deterministic, quantize_lm_head,
         )  # fmt: skip
         self.compiled = model.ops.compiled
         self.attention_backend = attention_backend
@@ -155,12 +161,12 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        own = kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        own = kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
         return own + (self.drafter.kv_bytes_per_block if self.drafter is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._on_every_rank("allocate_kv_cache", num_blocks)
-        self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
 

@@ -122,7 +122,7 @@ class Sampler:
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = None
         grammar, grammar_nonfinite = self.grammar_bitmask, None
-        constrained = grammar.constrained(requests)
+        constrained = any(r.grammar is not None for r in requests)  # structured output: its rows are masked
         check_greedy = constrained and logits.device.type == "cpu"  # greedy: check the argmax, mask only if refused
         if constrained and not check_greedy:
             grammar_nonfinite = grammar.apply(logits, requests, drafts)

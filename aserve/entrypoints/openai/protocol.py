@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from aserve.entrypoints.openai.request_fields import check_refused
+from aserve.entrypoints.openai.request_fields import REFUSED_FIELDS
 from aserve.entrypoints.openai.structured_request import (
+    STRUCTURED_FIELDS,
     ResponseFormat,
     structured_outputs_params,
 )
@@ -103,7 +104,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     def check_unsupported(self) -> None:
         """400 for what aserve does not do (rather than ignoring it): request_fields.REFUSED_FIELDS, best_of; and
         stream_options without stream (vLLM's 400)."""
-        check_refused(self)
+        for name, why in REFUSED_FIELDS.items():
+            value = getattr(self, name, None)
+            if value is None or value is False or value in ("", []) or (name == "modalities" and value == ["text"]):
+                continue
+            raise ParamError(name, f"{name} is not supported: {why}")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "Stream options can only be defined when `stream=True`.")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
@@ -176,7 +181,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         )
 
     def structured_outputs_params(self):
-        """The constraint on the output: structured output's fields (structured_request.py)."""
+        """The constraint on the output: structured output's fields (structured_request.py); None when no field asks
+        for it."""
+        if all(getattr(self, name) is None for name in STRUCTURED_FIELDS):
+            return None
         return structured_outputs_params(self)
 
 
@@ -262,7 +270,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        check_tools(self.tools, self.tool_choice, self.functions)
+        if self.tools is not None or self.tool_choice is not None:
+            check_tools(self.tools, self.tool_choice)
         if self.continue_final_message and self.add_generation_prompt:
             raise ParamError("continue_final_message", "Cannot set both `continue_final_message` and "
                              "`add_generation_prompt` to True.")  # fmt: skip
@@ -340,7 +349,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                 content = "".join(texts)
             elif content is not None and not isinstance(content, str):
                 raise ParamError(f"messages[{i}].content", "content must be a string or a list of text parts")
-            out.append(template_message({**msg, "role": role, "content": content or ""}))
+            msg = {**msg, "role": role, "content": content or ""}
+            out.append(template_message(msg) if msg.get("tool_calls") else msg)
         return out
 
 

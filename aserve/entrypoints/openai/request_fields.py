@@ -1,10 +1,8 @@
 """OpenAI request fields that aserve does not implement, each decided once: accepted without effect (none of them
 changes the output; vLLM ignores them too) or refused with a 400 naming the field whenever it asks for something.
-Every other field of the request types (protocol.py) is implemented."""
+Every other field of the request types (protocol.py) is implemented; their check_unsupported refuses these."""
 
 from __future__ import annotations
-
-from aserve.sampling_params import ParamError
 
 # Accepted and ignored: what they ask for is OpenAI's bookkeeping, billing or routing, never the output.
 IGNORED_FIELDS = {
@@ -31,12 +29,3 @@ REFUSED_FIELDS = {
     "suffix": "fill-in-the-middle is not implemented",
     "use_beam_search": "beam search is not implemented",
 }
-
-
-def check_refused(req) -> None:
-    """ParamError naming the first refused field `req` sets."""
-    for name, why in REFUSED_FIELDS.items():
-        value = getattr(req, name, None)
-        if value is None or value is False or value in ("", []) or (name == "modalities" and value == ["text"]):
-            continue
-        raise ParamError(name, f"{name} is not supported: {why}")

@@ -12,6 +12,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
+from aserve import envs
 from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
 from aserve.entrypoints.openai.connections import ConnectionGuard
@@ -82,6 +83,7 @@ class ServerState:
         self.tool_parser: ToolParser | None = None  # --tool-call-parser
         self.enable_auto_tool_choice = False  # --enable-auto-tool-choice: tool_choice "auto" is parsed
         self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
+        self.stream_buffer = envs.ASERVE_STREAM_BUFFER  # bytes a stream may buffer for a client that stopped reading
 
     def attach_connections(self, guard: ConnectionGuard) -> None:
         """`aserve serve`'s connections go through `guard`: handlers mark their phases on it."""
@@ -109,6 +111,8 @@ class ServerState:
     async def compile_grammar(self, req: _GenerationRequest, params) -> None:
         """A structured-output grammar compiles (off the loop) before the request is queued; one that does not is a
         400 naming the request field it came in."""
+        if params.structured_outputs is None:
+            return
         try:
             await self.engine.compile_grammar(params)
         except ParamError as e:
@@ -184,6 +188,18 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": await state.engine.detokenize(req.tokens)})
 
 
+def tokenizer_info(engine: AsyncEngine) -> dict:
+    """GET /tokenizer_info's body (--enable-tokenizer-info-endpoint, as vLLM): what a client needs to tokenise as the
+    server does through /tokenize and /detokenize (lm-evaluation-harness' tokenizer_backend=remote)."""
+    tokenizer = engine.config.tokenizer
+    info = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": engine.config.max_model_len,
+            "chat_template": getattr(tokenizer, "chat_template", None)}  # fmt: skip
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = getattr(tokenizer, name, None)
+        info[name] = None if token is None else str(token)
+    return info
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     req = await state.bodies.parse(request, CompletionRequest, has_prompt=True)
@@ -212,7 +228,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     req.check_limits()
     state.engine.check_queue(req.n)
-    tools = tool_call_output(req, state.tool_parser, state.enable_auto_tool_choice)
+    tools = tool_call_output(req, state.tool_parser, state.enable_auto_tool_choice) if req.tools else None
     params = state.sampling_params(req, default_max_tokens=None)
     if tools is not None:
         tools.adjust(params)
@@ -241,7 +257,8 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     sink = OutputSink()
     if req.stream:
         sink = EventStream(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
-                           state.on_slow_client, tools, echo, state.enable_prompt_tokens_details)  # fmt: skip
+                           state.on_slow_client, state.stream_buffer, tools, echo,
+                           state.enable_prompt_tokens_details)  # fmt: skip
     streams = []
     # Checked again now that tokenising is done; nothing below awaits before the requests are queued.
     state.engine.check_queue(len(prompts) * n)
@@ -408,6 +425,7 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     enable_prompt_tokens_details: bool = False,
+    enable_tokenizer_info_endpoint: bool = False,
 ) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
@@ -424,6 +442,13 @@ def build_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    if enable_tokenizer_info_endpoint:
+        info = _encode(tokenizer_info(engine))
+
+        async def get_tokenizer_info(request: web.Request) -> web.Response:
+            return web.Response(body=info, content_type="application/json")
+
+        app.router.add_get("/tokenizer_info", get_tokenizer_info)
     spec = _encode(openapi_spec())
 
     async def openapi(request: web.Request) -> web.Response:

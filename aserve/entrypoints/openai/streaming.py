@@ -18,7 +18,6 @@ import logging
 import msgspec
 from aiohttp import web
 
-from aserve import envs
 from aserve.engine.async_engine import OutputSink, StreamGroup
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs
 from aserve.entrypoints.openai.responses import (
@@ -79,7 +78,7 @@ class EventStream(OutputSink):
     ended (True: finished, the last events written; False: cut off or failed)."""
 
     def __init__(self, request: web.Request, model: str, req, request_id: str, created: int,
-                 choices: list[ChoiceState], prompt_tokens: int, chat: bool, on_slow_client,
+                 choices: list[ChoiceState], prompt_tokens: int, chat: bool, on_slow_client, buffer_limit: int,
                  tools=None, echo: str = "", prompt_tokens_details: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.request, self.model, self.request_id, self.created = request, model, request_id, created
@@ -96,7 +95,7 @@ class EventStream(OutputSink):
         self.group: StreamGroup | None = None
         self.transport = None
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.buffer_limit = envs.ASERVE_STREAM_BUFFER
+        self.buffer_limit = buffer_limit  # bytes waiting for the client before it is cut off
 
     def chunk(self, choice: ChoiceState, **kw) -> bytes:
         role_only = kw.get("role_only", False)

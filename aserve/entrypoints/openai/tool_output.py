@@ -3,8 +3,8 @@ message) or as stream deltas.
 
 auto: the server's parser (--tool-call-parser) finds the calls; streaming sends text on until a call marker may be
 forming, then holds it and sends each call as the parser reads it (ToolParser.partial_calls): a first delta with the
-call's index, id, type and name once the name is written, then its arguments piece by piece (Hermes); parsers that
-read only complete calls send each whole.
+call's index, id, type and name once the name is written, then its arguments piece by piece (hermes, llama3_json,
+mistral: tool_parsers/partial_json.py); a parser that reads only complete calls sends each whole.
 named: the output is the named function's arguments (forced by its schema); streamed as argument pieces after a first
 delta with the call's id and name. required: the output is a JSON list of {"name", "parameters"} (forced); streamed
 as whole calls at the end. A choice with calls finishing on "stop" finishes on "tool_calls"."""

@@ -12,10 +12,8 @@ from aserve.sampling_params import ParamError, StructuredOutputsParams
 AUTO, REQUIRED, NAMED = "auto", "required", "named"
 
 
-def check_tools(tools: list | None, tool_choice, functions) -> None:
+def check_tools(tools: list | None, tool_choice) -> None:
     """The shapes OpenAI documents; a named tool_choice must name one of the tools."""
-    if functions is not None:
-        raise ParamError("functions", "functions (deprecated) are not supported; send tools")
     if tools is not None:
         for i, tool in enumerate(tools):
             function = tool.get("function") if isinstance(tool, dict) else None

@@ -9,31 +9,50 @@ triton   Triton (on CPU tensors too, through Triton's interpreter: tests)
 
 Deterministic mode (`deterministic`) takes a batch-invariant backend instead: triton_batch_invariant.py on a GPU (or
 with `triton`), batch_invariant.py on CPU (every query token on the C decode kernel).
+
+A quantised KV cache (`kv_cache_dtype` fp8: kv_cache_dtype.py) is read by the Triton backend and the torch reference
+(on CPU that one, instead of the C decode kernel, which reads 16/32-bit caches only; one log line says so);
+deterministic mode's backends cannot read it, and refuse it at start.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from aserve.kernels import cpu
 from aserve.layers.attention.backend import AttentionBackend
 from aserve.layers.attention.batch_invariant import BatchInvariantCPUAttentionBackend
+from aserve.layers.attention.kv_cache_dtype import AUTO, KVCacheDtype
 from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
+
+logger = logging.getLogger("aserve")
 
 
 def select_attention_backend(name: str, hf_config, dtype: torch.dtype, max_num_seqs: int, device: torch.device,
-                             deterministic: bool = False, max_model_len: int = 0) -> AttentionBackend:  # fmt: skip
+                             deterministic: bool = False, max_model_len: int = 0,
+                             kv_cache_dtype: KVCacheDtype = AUTO) -> AttentionBackend:  # fmt: skip
     """`deterministic` (deterministic mode): a batch-invariant backend, triton_batch_invariant.py on a GPU or with
-    `triton` (its split-KV segments sized from `max_model_len`), else batch_invariant.py on CPU."""
+    `triton` (its split-KV segments sized from `max_model_len`), else batch_invariant.py on CPU. `kv_cache_dtype`:
+    the KV cache's element type, which the backend reads and writes."""
     num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    if deterministic and kv_cache_dtype.quantized:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype.name!r} cannot run in deterministic mode: its "
+                         "batch-invariant attention reads only an unquantised KV cache (use auto)")  # fmt: skip
     if deterministic:
         return _batch_invariant_backend(name, num_heads, num_kv_heads, head_dim, dtype, max_num_seqs, device,
                                         max_model_len)  # fmt: skip
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from aserve.layers.attention.triton_backend import TritonAttentionBackend  # Triton: optional
 
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, max_num_seqs, device)
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, max_num_seqs, device, kv_cache_dtype)
+    if kv_cache_dtype.quantized:
+        if device.type == "cpu" and CPUAttentionBackend.supports(dtype, head_dim):
+            logger.info("%s KV cache on CPU: attention through the torch backend (the C decode kernel reads "
+                        "16/32-bit caches only)", kv_cache_dtype.name)  # fmt: skip
+        return TorchAttentionBackend(kv_cache_dtype)
     if device.type == "cpu" and CPUAttentionBackend.supports(dtype, head_dim):
         return CPUAttentionBackend()
     return TorchAttentionBackend()

@@ -31,11 +31,15 @@ import torch
 class AttentionParams:
     """One layer's attention. scale: of q . k (None: head_dim ** -0.5). sliding_window: a query at position p sees
     keys p - sliding_window < k <= p (transformers' convention), and blocks wholly before that are not read (None:
-    every k <= p). softcap: each scaled score s becomes softcap * tanh(s / softcap) (None: none)."""
+    every k <= p). softcap: each scaled score s becomes softcap * tanh(s / softcap) (None: none). k_scale / v_scale:
+    the per-tensor scales of the layer's keys and values in a quantised KV cache (kv_cache_dtype.py; unused by an
+    unquantised one)."""
 
     scale: float | None = None
     sliding_window: int | None = None
     softcap: float | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 FULL_ATTENTION = AttentionParams()
@@ -65,7 +69,7 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the paged cache and computes causal attention for every query token."""
 
-    # True: rotate_and_write(qkv, cos, sin, kv_cache, meta, num_heads, head_dim) -> (q, k_new, v_new) does rotary
+    # True: rotate_and_write(qkv, cos, sin, kv_cache, meta, num_heads, head_dim, params) -> (q, k_new, v_new): rotary
     # and the cache write in one pass (a Triton kernel: the model uses it where its element-wise ops are Triton's
     # too), and attend(q, k_new, v_new, kv_cache, meta, params) then computes attention.
     writes_rotated_kv = False

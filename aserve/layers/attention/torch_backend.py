@@ -13,6 +13,11 @@ soft-capping (written out as transformers' eager attention computes it, since SD
 CPUAttentionBackend: the same, with a step's decodes (one query token each) read in place from their cache blocks by
 the C kernel of aserve/kernels/cpu.py instead of gathered for SDPA. Chosen where that kernel compiles
 (ASERVE_CPU_KERNELS=0: not) and takes the model's dtype and head size.
+
+A quantised KV cache (kv_cache_dtype.py, handed to the backend when it is built): the cache write quantises, each
+gathered block is dequantised to the query's dtype, and a prompt without context attends to its fresh K/V rounded
+as the cache holds them. The C decode kernel reads 16/32-bit caches only, so such a cache takes
+TorchAttentionBackend.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels import cpu
-from aserve.kernels.reference import write_kv_cache
 from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionParams
+from aserve.layers.attention.kv_cache_dtype import AUTO, KVCacheDtype
 
 
 @dataclass(slots=True)
@@ -76,6 +81,9 @@ def attention(q, k, v, mask, params: AttentionParams) -> torch.Tensor:
 
 class TorchAttentionBackend(AttentionBackend):
     SHORT_QUERY = 8
+
+    def __init__(self, kv_cache_dtype: KVCacheDtype = AUTO) -> None:
+        self.kv = kv_cache_dtype
 
     def takes_decode_kernel(self, short_max_q: int) -> bool:
         """Whether this step's short requests go through a decode kernel (_decode_kernel) instead of SDPA."""
@@ -152,7 +160,8 @@ class TorchAttentionBackend(AttentionBackend):
         raise NotImplementedError
 
     def forward(self, q, k, v, kv_cache, meta, params: AttentionParams = FULL_ATTENTION):
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        kv = self.kv
+        kv.write(k, v, kv_cache, meta.slot_mapping, params.k_scale, params.v_scale)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
         out = torch.empty_like(q)
@@ -162,8 +171,10 @@ class TorchAttentionBackend(AttentionBackend):
             self._decode_kernel(q[:n], k_cache, v_cache, meta, out, params)
         elif n:
             blocks, length = state.short_blocks, state.short_len
-            ks = k_cache.index_select(0, blocks).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-            vs = v_cache.index_select(0, blocks).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            ks = kv.read(k_cache.index_select(0, blocks), params.k_scale, q.dtype)
+            vs = kv.read(v_cache.index_select(0, blocks), params.v_scale, q.dtype)
+            ks = ks.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            vs = vs.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
             rows = state.short_rows
             if state.short_max_q == 1:  # decodes only: the rows are the first n tokens
                 qs = q[:n].unsqueeze(2)
@@ -179,11 +190,13 @@ class TorchAttentionBackend(AttentionBackend):
         for start, end, blocks, mask in state.prefills:
             qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if blocks is None:
-                kp = k[start:end].transpose(0, 1).unsqueeze(0)
-                vp = v[start:end].transpose(0, 1).unsqueeze(0)
+                kp = kv.round_trip(k[start:end], params.k_scale).transpose(0, 1).unsqueeze(0)
+                vp = kv.round_trip(v[start:end], params.v_scale).transpose(0, 1).unsqueeze(0)
             else:
-                kp = k_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-                vp = v_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+                kp = kv.read(k_cache.index_select(0, blocks), params.k_scale, q.dtype)
+                vp = kv.read(v_cache.index_select(0, blocks), params.v_scale, q.dtype)
+                kp = kp.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+                vp = vp.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
             out[start:end] = attention(qp, kp, vp, mask, params)[0].transpose(0, 1)
         return out
 

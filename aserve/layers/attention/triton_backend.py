@@ -1,6 +1,7 @@
 """The GPU attention backend: Triton kernels for the cache write and for paged attention over the mixed batch.
 Nothing per step on the host, so a decode step can be captured in a CUDA graph. (Triton is optional:
-select_attention_backend imports this module once it is chosen.)"""
+select_attention_backend imports this module once it is chosen.) An FP8 KV cache (kv_cache_dtype.py) is written
+quantised by the cache-write kernels and read, every key of it, from the pages."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import rotary_split
 from aserve.kernels.paged_attention import paged_attention
 from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionParams
+from aserve.layers.attention.kv_cache_dtype import AUTO, KVCacheDtype
 
 _MAX_SEGMENTS = 16
 
@@ -41,12 +43,20 @@ def _reads_new_kv(meta: AttentionMetadata) -> bool:
     return meta.max_query_len > 1
 
 
+def _never(meta: AttentionMetadata) -> bool:
+    """A quantised cache: every step reads all of its K/V from the pages."""
+    return False
+
+
 class TritonAttentionBackend(AttentionBackend):
     writes_rotated_kv = True
     supports_cuda_graphs = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, device) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, device,
+                 kv_cache_dtype: KVCacheDtype = AUTO) -> None:  # fmt: skip
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.kv = kv_cache_dtype
+        self.reads_new_kv = _never if kv_cache_dtype.quantized else _reads_new_kv
         # (On CPU, for Triton's interpreter in tests, assume an H100/H200-sized GPU.)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self.head_dim_pad = 1 << (head_dim - 1).bit_length()
@@ -74,19 +84,22 @@ class TritonAttentionBackend(AttentionBackend):
             state.window_segments[window] = self.segments_for(meta.num_reqs, min(meta.max_seq_len, window))
         return state.window_segments[window]
 
-    def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int):
+    def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int,
+                         params: AttentionParams = FULL_ATTENTION):  # fmt: skip
         """Rotary on q and k, and k / v written into the cache, in one kernel (aserve/kernels/fused.py) -> (q [T, H, D],
         k_new, v_new) for attend(). Steps with multi-token queries also get the rotated k back in qkv, and
         k_new / v_new are views of qkv's columns (attention reads the step's own keys from there, faster than
         from the pages); decode steps get None (and keep to what a CUDA graph captures)."""
-        cache = (kv_cache[0], kv_cache[1], meta.slot_mapping)
-        if not _reads_new_kv(meta):
-            return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache), None, None
-        return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, keep_k=True)
+        cache, scales = (kv_cache[0], kv_cache[1], meta.slot_mapping), self.kv.scales(params)
+        if not self.reads_new_kv(meta):
+            q = rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, kv_scales=scales)
+            return q, None, None
+        return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, keep_k=True,
+                            kv_scales=scales)  # fmt: skip
 
     def forward(self, q, k, v, kv_cache, meta, params: AttentionParams = FULL_ATTENTION):
-        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        if _reads_new_kv(meta):
+        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, *self.kv.scales(params))
+        if self.reads_new_kv(meta):
             return self.attend(q, k, v, kv_cache, meta, params)
         return self.attend(q, None, None, kv_cache, meta, params)
 
@@ -94,6 +107,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Attention over the paged cache, which already holds the step's K/V; k_new / v_new (or None): the
         step's own K/V, read from there instead."""
         segments = self._num_segments(meta, params.sliding_window)
+        k_scale, v_scale = self.kv.scales(params)
         partials = None
         if segments > 1:
             n = q.shape[0] * self.num_heads * segments
@@ -105,5 +119,5 @@ class TritonAttentionBackend(AttentionBackend):
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, num_segments=segments, partials=partials, scale=params.scale,
             k_new=k_new if segments == 1 else None, v_new=v_new if segments == 1 else None,
-            sliding_window=params.sliding_window, softcap=params.softcap,
+            sliding_window=params.sliding_window, softcap=params.softcap, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip

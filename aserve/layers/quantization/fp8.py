@@ -14,10 +14,10 @@ largest value). What runs, chosen once the weights are in (use_fp8):
     elsewhere (CPU, older GPUs, float32 models): the weights dequantised to the model's dtype, computed with the
         unquantised kernels (weight-only, no memory saved); one log line says so.
 
-The lm_head and the embeddings stay unquantised. What the layer holds on the FP8 path: `weight` (e4m3),
-`weight_scale` (float32 [1, N]) and, for static activations, `input_scale` (float32 [1]) as parameters; `channel_scale`
-(weight_scale as [N]), `fp8_activations` (dynamic | static | None), `quantize_input`, `large_m_kernel` and the
-unquantised method's attributes (linear.py).
+The lm_head and the embeddings stay unquantised (`--quantize-lm-head` rounds the head with this method, weight-only:
+lm_head.py). What the layer holds on the FP8 path: `weight` (e4m3), `weight_scale` (float32 [1, N]) and, for static
+activations, `input_scale` (float32 [1]) as parameters; `channel_scale` (weight_scale as [N]), `fp8_activations`
+(dynamic | static | None), `quantize_input`, `large_m_kernel` and the unquantised method's attributes (linear.py).
 """
 
 from __future__ import annotations

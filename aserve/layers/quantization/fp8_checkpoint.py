@@ -42,8 +42,9 @@ logger = logging.getLogger("aserve")
 
 STRATEGIES = ("tensor", "channel", "block")
 ACTIVATIONS = ("dynamic", "static", None)
-# attention scales of FP8 KV caches (k_scale, v_scale; kv_scale in older writers) and of FP8 attention
-KV_CACHE_SCALES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
+# scales of FP8 attention's queries and probabilities, which aserve does not run (the KV cache's own k_scale /
+# v_scale load into the attention layers: aserve/layers/attention/kv_cache_dtype.py)
+ATTENTION_SCALES = (".q_scale", ".prob_scale")
 
 
 @dataclass(frozen=True)
@@ -81,18 +82,18 @@ def layer_is_quantized(checkpoint_names: Sequence[str], skipped: Sequence[str], 
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors as aserve's models take them: 0-dim scales as [1]; FP8 KV-cache scales dropped (the
-    KV cache stays in the model's dtype; one log line says so); an FP8 lm_head or embedding refused."""
+    """The checkpoint's tensors as aserve's models take them: 0-dim scales as [1]; FP8 attention's query and
+    probability scales dropped (one log line says so); an FP8 lm_head or embedding refused."""
     dropped = []
     for name, tensor in weights:
-        if name.endswith(KV_CACHE_SCALES):
+        if name.endswith(ATTENTION_SCALES):
             dropped.append(name)
             continue
         if tensor.dtype == FP8 and ("lm_head" in name or "embed_tokens" in name):
             raise ValueError(f"FP8 checkpoint with a quantised {name!r}: lm_head and embeddings stay 16-bit")
         yield name, tensor.reshape(1) if tensor.dim() == 0 else tensor
     if dropped:
-        logger.info("fp8: the checkpoint's %d KV-cache scales (%s, ...) are not used: the KV cache stays unquantised",
+        logger.info("fp8: the checkpoint's %d attention query / probability scales (%s, ...) are not used",
                     len(dropped), dropped[0])  # fmt: skip
 
 

@@ -17,9 +17,9 @@ half the weight bytes of bf16. The kernel is chosen once the weights are in (pro
     else    the CPU without the C kernels (or K > 16384): the many-row path at every M; other devices: the
             pure-torch reference (aserve/kernels/int8_reference.py)
 
-The lm_head and the embeddings stay unquantised. What the layer holds after processing: `weight` (int8) and
-`weight_scale` (float32 [N]) as parameters, and the unquantised method's attributes (linear.py), `kernel` among
-them.
+The lm_head and the embeddings stay unquantised (`--quantize-lm-head` gives the head this method: lm_head.py). What
+the layer holds after processing: `weight` (int8) and `weight_scale` (float32 [N]) as parameters, and the unquantised
+method's attributes (linear.py), `kernel` among them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,26 @@
 """Mistral: `[TOOL_CALLS]` followed by a JSON list of `{"name": ..., "arguments": {...}}` (text before it is
-content)."""
+content). Streamed, a call is reported once its name is written, then its arguments' JSON text as it grows."""
 
 from __future__ import annotations
 
-from aserve.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser, json_values
+from aserve.entrypoints.openai.tool_parsers.base import PartialCall, ToolCall, ToolParser, json_values
+from aserve.entrypoints.openai.tool_parsers.partial_json import partial_call, sequence_values
 
 _MARKER = "[TOOL_CALLS]"
+
+
+def _items(body: str) -> list[tuple[int, int | None]]:
+    """Where the calls written after the marker begin and end (None while unfinished): the objects of its lists, or
+    objects written bare, as extract reads them."""
+    items: list[tuple[int, int | None]] = []
+    for start, end in sequence_values(body):
+        if body[start] == "{":
+            items.append((start, end))
+            continue
+        items += sequence_values(body, start + 1)
+        if end is None:
+            break
+    return items
 
 
 class MistralToolParser(ToolParser):
@@ -26,3 +41,16 @@ class MistralToolParser(ToolParser):
         if not calls or None in calls:
             return text, []
         return (text[:start] + rest).strip(), calls
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """Each call object so far (partial_json.partial_call); stops at the first that is no call."""
+        start = text.find(_MARKER)
+        if start < 0:
+            return []
+        body, out = text[start + len(_MARKER) :], []
+        for item_start, end in _items(body):
+            item = body[item_start:end] if end is not None else body[item_start:]
+            if body[item_start] != "{" or (call := partial_call(item, end is not None)) is None:
+                break
+            out.append(call)
+        return out

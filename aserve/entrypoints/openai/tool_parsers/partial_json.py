@@ -1,11 +1,14 @@
-"""Reading a JSON object that may still be being written (a tool call as the model streams it): where its top-level
-members' values begin and, once written, end."""
+"""Reading JSON that may still be being written (tool calls as the model streams them): where the objects of a
+sequence and an object's top-level members begin and, once written, end; a call's name and arguments so far."""
 
 from __future__ import annotations
 
 import json
 
+from aserve.entrypoints.openai.tool_parsers.base import PartialCall, ToolCall
+
 _WHITESPACE = " \t\r\n"
+_SEPARATORS = _WHITESPACE + ",;"
 
 
 def _skip_whitespace(text: str, i: int) -> int:
@@ -89,3 +92,49 @@ def object_members(text: str) -> list[tuple[str, int, int | None]]:
         if end is None:
             return members
         i = end
+
+
+def sequence_values(text: str, i: int = 0) -> list[tuple[int, int | None]]:
+    """The JSON objects and arrays written one after another from `text[i]` (whitespace, `,` or `;` between them, as
+    base.json_values reads them), as far as written: (where each begins, where it ends or None while unfinished).
+    Stops at anything else (a closing `]`, text after the calls)."""
+    spans: list[tuple[int, int | None]] = []
+    while True:
+        while i < len(text) and text[i] in _SEPARATORS:
+            i += 1
+        if i >= len(text) or text[i] not in "{[":
+            return spans
+        end = _value_end(text, i)
+        spans.append((i, end))
+        if end is None:
+            return spans
+        i = end
+
+
+def partial_call(body: str, complete: bool, arguments_keys: tuple[str, ...] = ("arguments",)) -> PartialCall | None:
+    """A call's JSON object `body` as far as written ({"name": ..., KEY: {...}} with KEY the first of
+    `arguments_keys` it writes): its name once that string is complete, and its arguments' text so far when they
+    are written as an object (arguments given as a JSON string come whole, once the call is complete). A complete
+    body that is no call is still reported if its name was, so that what a stream sent keeps its place; else None."""
+    name, arguments, key_used = None, "", None
+    for key, start, end in object_members(body):
+        if key == "name" and end is not None and body[start] == '"':
+            try:
+                value = json.loads(body[start:end])
+            except ValueError:
+                value = None
+            name = value if isinstance(value, str) else None
+        elif key in arguments_keys and key_used in (None, key) and body[start] == "{":
+            arguments, key_used = (body[start:end] if end is not None else body[start:]), key
+    if not complete:
+        return PartialCall(name, arguments, False)
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        key_used = key_used or next((k for k in arguments_keys if k in obj), arguments_keys[-1])
+    call = ToolCall.from_json(obj, key_used)
+    if call is not None:
+        return PartialCall(call.name, arguments or call.arguments, True)
+    return PartialCall(name, arguments, True) if name is not None else None
