@@ -9,8 +9,10 @@ import os
 import random
 import shutil
 
+import openai
 import pytest
 import torch
+from aserve_server import running_server
 from tiny_models import EOS_ID, VOCAB_SIZE, hf_greedy
 
 from aserve import LLM, SamplingParams
@@ -180,3 +182,23 @@ def test_generation_config_eos_ids_end_sequences(tiny_model_factory, tmp_path):
     assert out.token_ids == expected and out.finish_reason == "stop"
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["gemma3", *(pytest.param(v, marks=pytest.mark.slow) for v in ("gemma2", "phi3", "mixtral", "qwen3_moe"))],
+)
+def test_families_over_http_match_transformers(tiny_model_factory, variant):
+    """`aserve serve --model DIR` on each newer family (float32), driven by the official openai client: a batch of
+    token-id prompts, greedy, gives transformers' tokens (return_token_ids)."""
+    path = tiny_model_factory(variant)
+    prompts = [random_prompt(n, seed=20 + n) for n in (5, 23, 41)]
+    expected = hf_greedy(path, prompts, 12)
+    with running_server(
+        "--model", path, "--dtype", "float32", "--max-model-len", "256", "--served-model-name", variant
+    ) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        resp = client.completions.create(model=variant, prompt=prompts, max_tokens=12, temperature=0,
+                                         extra_body={"return_token_ids": True})  # fmt: skip
+    got = [c.model_dump()["token_ids"] for c in sorted(resp.choices, key=lambda c: c.index)]
+    assert got == expected
