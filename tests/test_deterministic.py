@@ -1,16 +1,21 @@
 """Deterministic mode (`LLM(deterministic=True)`, `aserve serve --deterministic`): a request's token ids and logprobs
 are the same bits alone and beside random other requests, with any token budget (chunked prompts), with and without
 a prefix-cache hit, through forced preemption, with n-gram and layer-skip speculation and async scheduling, in float32
-and bf16, greedy and seeded; through the HTTP server with the openai client. The kernels themselves:
+and bf16, greedy and seeded; through the HTTP server with the openai client; for Gemma 2 / 3 and mixture-of-experts
+models too (their batch-invariant functions and routing row by row here). The kernels themselves:
 tests/test_batch_invariant_kernels.py."""
 
 import concurrent.futures
 import random
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from aserve import LLM, SamplingParams
 from aserve.kernels import cpu
+from aserve.kernels.reference import select_experts
+from aserve.layers import batch_invariant
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="deterministic mode on CPU needs the C kernels")
 
@@ -124,7 +129,8 @@ def test_draft_model_speculation(tiny_model, tiny_model_factory, reference):
     assert llm.engine.stats.spec_draft_tokens_total > 0
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "mistral_sliding", "phi3", "qwen2"])
+@pytest.mark.parametrize("variant", ["qwen3", "mistral_sliding", "phi3", "qwen2", "gemma2", "gemma3", "mixtral",
+                                     "qwen3_moe"])  # fmt: skip
 def test_other_families(tiny_model_factory, variant):
     model = tiny_model_factory(variant)
     llm = deterministic_llm(model, "bfloat16", max_num_batched_tokens=32)
@@ -132,10 +138,62 @@ def test_other_families(tiny_model_factory, variant):
     assert run_targets(llm, 9, seed=5) == expected
 
 
-@pytest.mark.parametrize("variant, kwargs", [("gemma2", {}), ("mixtral", {}), ("gqa", {"quantization": "int8"})])
-def test_unsupported_models_are_refused(tiny_model_factory, variant, kwargs):
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["budget-16", "budget-64", "budget-64-no-prefix-cache", "preemption"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3", "mixtral", "qwen3_moe"])
+def test_family_engines(tiny_model_factory, variant, dtype, engine):
+    """Gemma 2 / 3 (soft-capping, sliding windows, GeGLU, (1 + w) norms) and mixture-of-experts models (experts on
+    varying token subsets): alone, in its own engine, equals alone and beside 1-31 others in each engine."""
+    model = tiny_model_factory(variant)
+    llm = deterministic_llm(model, dtype, enable_prefix_caching=False)
+    expected = {kind: result(llm.generate([TARGET], params, use_tqdm=False)[0]) for kind, params in TARGETS.items()}
+    llm = check_engine(model, (dtype, expected), engine, batch_sizes=(1, 9, 31))
+    if engine == "preemption":
+        assert llm.engine.stats.num_preemptions_total > 0
+    elif "prefix-cache" not in engine:
+        assert llm.engine.stats.prefix_cache_hits_total > 0
+
+
+def test_gemma_functions_are_per_row():
+    """Gemma's batch-invariant GeGLU, soft-cap and norm give a row the same bits alone and among other rows, at
+    widths where torch splits a tensor between threads mid-row (where its GELU-tanh takes a scalar path for some
+    elements and a vectorised one for others, which round differently); tanh_rows is within a few ulps of tanh."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.linspace(-12, 12, 100001)
+    assert (batch_invariant.tanh_rows(x) - torch.tanh(x.double()).float()).abs().max() < 5e-7
+    w = torch.randn(2 * 2303, generator=gen) * 0.2
+    functions = (batch_invariant.gelu_tanh_and_mul, lambda t: batch_invariant.soft_cap(t, 10.0),
+                 lambda t: batch_invariant.gemma_rms_norm(t, w, 1e-6))  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(67, 2 * 2303, generator=gen) * 3).to(dtype)
+        for f in functions:
+            full = f(x)
+            for rows in (1, 2, 5, 30):
+                assert torch.equal(f(x[-rows:]), full[-rows:])
+            assert torch.equal(torch.cat([f(x[i : i + 1]) for i in range(0, 67, 11)]), full[0:67:11])
+    gate_up = torch.randn(5, 256, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(batch_invariant.gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up)
+
+
+def test_expert_routing_is_per_row():
+    """The routing of deterministic mode's expert blocks (softmax, top-k, renormalisation) gives a row the same
+    bits alone and among any number of other rows."""
+    gen = torch.Generator().manual_seed(0)
+    for experts, top_k, renormalize in ((4, 2, True), (8, 2, False), (128, 8, True)):
+        logits = torch.randn(513, experts, generator=gen) * 3
+        weights, ids = select_experts(logits, top_k, renormalize)
+        for rows in (1, 2, 7, 64, 300):
+            w, i = select_experts(logits[-rows:], top_k, renormalize)
+            assert torch.equal(w[-1], weights[-1]) and torch.equal(i[-1], ids[-1])
+
+
+def test_unsupported_models_are_refused(tiny_model_factory):
     with pytest.raises(ValueError, match="deterministic mode"):
-        LLM(tiny_model_factory(variant), deterministic=True, **kwargs)
+        LLM(tiny_model_factory("gqa"), deterministic=True, quantization="int8")
+    with pytest.raises(ValueError, match="deterministic mode supports .*GPT2LMHeadModel is not among them"):
+        batch_invariant.check_supported("GPT2LMHeadModel", None)
 
 
 def test_default_model_beside_other_requests():

@@ -16,10 +16,23 @@ SDPA too), deterministic mode chooses, once, when the model is built:
                     kernels, one program per row already
     attention       aserve/layers/attention/batch_invariant.py (CPU) and triton_batch_invariant.py (GPU), chosen by
                     select_attention_backend
+    experts         BatchInvariantMoEMethod (mixture-of-experts blocks, aserve/layers/moe.py; CPU only): the router
+                    is a linear layer above; routing is per row (float32 softmax over the experts, top-k,
+                    renormalisation over the k); each expert's two projections run gemm_rows over packed copies of
+                    its weights and SiLU·mul the C kernel, on whichever of the step's tokens chose it; every token's
+                    k weighted outputs are added in expert order
+    Gemma 2 / 3     (CPU only) models/gemma2.py's use_batch_invariant: the (1 + w) RMSNorms (also Gemma 3's q / k
+                    norms) through the C RMSNorm in float32 (gemma_rms_norm below); GeGLU and the final logits'
+                    soft-cap with tanh_rows, a tanh of +, * and / alone (torch's GELU-tanh rounds some elements
+                    differently on its vectorised and scalar paths, which an element takes by where it falls in a
+                    thread's share of the tensor, so by the number of rows): within a few float32 ulps of torch's
+                    tanh, so a Gemma's numbers differ from normal mode's by roundings;
+                    attention scores' soft-cap and sliding windows are the C attention kernel's
 
 RMSNorm, rotary and SiLU·mul are per-row kernels in both modes. Sampling is aserve/worker/batch_invariant_sampler.py.
-Families whose forward runs other batched torch ops (Gemma's soft-capping and GeGLU, mixture-of-experts blocks) and
-quantised checkpoints are refused (`check_supported`), rather than served with a guarantee that does not hold.
+Refused (`check_supported`, and when the model is built), rather than served with a guarantee that does not hold:
+Gemma and mixture-of-experts models on a GPU (torch's reductions and the fused Triton MoE kernels tile by the number
+of rows there), other families, quantised checkpoints.
 """
 
 from __future__ import annotations
@@ -27,12 +40,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aserve.kernels import cpu
+from aserve.kernels import cpu, reference
 from aserve.layers.elementwise import NativeCpuElementwiseOps, TritonElementwiseOps
 from aserve.layers.linear import Linear, UnquantizedLinearMethod
+from aserve.layers.moe import FusedMoE
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")  # fmt: skip
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen3MoeForCausalLM")  # fmt: skip
 
 
 def check_supported(architecture: str, quantization: str | None) -> None:
@@ -44,6 +59,50 @@ def check_supported(architecture: str, quantization: str | None) -> None:
     if quantization is not None:
         raise ValueError(f"deterministic mode runs unquantised weights only, not --quantization {quantization} "
                          "(turn deterministic off, or serve a 16/32-bit checkpoint)")  # fmt: skip
+
+
+# tanh(x) ~ x P(x^2) / Q(x^2) on [-TANH_CLAMP, TANH_CLAMP] (Eigen's float tanh, a few ulps), x itself near 0
+TANH_CLAMP = 7.90531110763549805
+TANH_P = (-2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11, 5.12229709037114e-08,
+          1.48572235717979e-05, 6.37261928875436e-04, 4.89352455891786e-03)  # fmt: skip
+TANH_Q = (1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03, 4.89352518554385e-03)
+
+
+def _horner(x2: torch.Tensor, coefficients: tuple) -> torch.Tensor:
+    acc = torch.full_like(x2, coefficients[0])
+    for c in coefficients[1:]:
+        acc = acc * x2 + c
+    return acc
+
+
+def tanh_rows(x: torch.Tensor) -> torch.Tensor:
+    """float32 tanh from +, * and / alone, each rounded as IEEE says on every path (torch's tanh and GELU-tanh have
+    a vectorised and a scalar path, taken by where an element falls in a thread's share of the tensor)."""
+    x = x.clamp(-TANH_CLAMP, TANH_CLAMP)
+    x2 = x * x
+    return torch.where(x.abs() < 0.0004, x, x * _horner(x2, TANH_P) / _horner(x2, TANH_Q))
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU, gelu_tanh(gate) * up, with tanh_rows; gelu in float32, rounded to the model's dtype, then *
+    up (as torch's F.gelu(approximate="tanh") and the product round it)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    g = gate.float()
+    inner = (g + g * g * g * 0.044715) * 0.7978845608028654  # sqrt(2 / pi)
+    return ((g * 0.5) * (tanh_rows(inner) + 1.0)).to(gate.dtype) * up
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's final logits) with tanh_rows, each step rounded to x's dtype."""
+    return tanh_rows((x / cap).float()).to(x.dtype) * cap
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (x / rms(x) * (1 + w) in float32, rounded to x's dtype once) by the C RMSNorm in float32
+    over rows of the last dimension (torch's mean could sum a row in another order by the number of rows)."""
+    n = x.shape[-1]
+    y = cpu.add_rms_norm(x.float().reshape(-1, n), None, 1.0 + weight.float(), eps)[0]
+    return y.view(x.shape).to(x.dtype)
 
 
 def _cpu_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -87,10 +146,52 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
         layer.rows_packed = w.dtype == torch.bfloat16
 
 
+def _cpu_experts(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """aserve/layers/moe.py per_expert_matmuls with gemm_rows and the C SiLU·mul: a token's result depends on its
+    own row and routing alone, not on which or how many other tokens chose the same experts."""
+    weights, ids = reference.select_experts(router_logits, layer.top_k, layer.renormalize)
+    slots = ids.flatten()
+    order = slots.argsort(stable=True)
+    counts = torch.bincount(slots, minlength=layer.num_experts).tolist()
+    out = torch.zeros_like(x)
+    hidden, inter2 = x.shape[1], 2 * layer.intermediate_size
+    for expert, expert_slots in enumerate(order.split(counts)):
+        if not counts[expert]:
+            continue
+        tokens = expert_slots // layer.top_k
+        h = cpu.silu_mul(cpu.gemm_rows(layer.packed_w13[expert], x[tokens], inter2))
+        h = cpu.gemm_rows(layer.packed_w2[expert], h, hidden)
+        out.index_add_(0, tokens, (h * weights.view(-1)[expert_slots, None]).to(out.dtype))
+    return out
+
+
+class BatchInvariantMoEMethod:
+    """Deterministic mode's kernel for a FusedMoE block (its `kernel_method`): _cpu_experts over per-expert
+    gemm_rows_prepare copies of w13 / w2 (`packed_w13`, `packed_w2`). A GPU is refused: the fused Triton kernels
+    choose their tiling by the number of tokens, and a per-expert loop would read the routing back to the host."""
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        if layer.w13.is_cuda:
+            raise ValueError("deterministic mode runs mixture-of-experts models on CPU only (turn deterministic off "
+                             "on a GPU)")  # fmt: skip
+        if not cpu.gemm_rows_supports(layer.w13[0]):
+            raise ValueError(f"deterministic mode on CPU needs aserve's C kernels (a C++ compiler and ninja; "
+                             f"ASERVE_CPU_KERNELS not 0) and float32 / bfloat16 experts, here "
+                             f"{layer.w13.dtype}")  # fmt: skip
+        layer.packed_w13 = [cpu.gemm_rows_prepare(w.detach()) for w in layer.w13]
+        layer.packed_w2 = [cpu.gemm_rows_prepare(w.detach()) for w in layer.w2]
+        layer.kernel = _cpu_experts
+
+
 def use_batch_invariant_linears(model: nn.Module) -> None:
     """Gives every linear layer of a model built on the meta device (before its weights load) the batch-invariant
-    method."""
+    method, every mixture-of-experts block BatchInvariantMoEMethod, and lets every module with a
+    `use_batch_invariant()` swap in the functions above."""
     for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            module.kernel_method = BatchInvariantMoEMethod()
+        if hasattr(module, "use_batch_invariant"):  # a family's own torch ops (models/gemma2.py)
+            module.use_batch_invariant()
         if isinstance(module, Linear):
             if type(module.quant_method) is not UnquantizedLinearMethod:
                 raise ValueError(f"deterministic mode runs unquantised linears only; {name} is "

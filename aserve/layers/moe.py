@@ -17,6 +17,9 @@ The kernel is chosen once, in process_weights_after_loading, by the weights' dev
                 GEMM per projection (SiLU·mul in the first one's epilogue, the routing weight in the second's)
     otherwise   per-expert matmuls: the tokens routed to each expert gathered, through its two projections, added
                 back weighted (in expert order, as transformers adds them)
+
+unless the block was given a `kernel_method` when the model was built (deterministic mode: aserve/layers/
+batch_invariant.py), whose process_weights_after_loading(layer) picks the kernel instead.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.kernel = per_expert_matmuls
         self.triton_moe = self.moe_config = None
+        self.kernel_method = None  # set on the meta-device model to pick the kernel in its place (module docstring)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, "
@@ -92,7 +96,9 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Picks the kernel for the weights' device (module docstring); the router's linear prepares its own."""
         self.kernel, self.triton_moe, self.moe_config = per_expert_matmuls, None, None
-        if self.w13.is_cuda:
+        if self.kernel_method is not None:
+            self.kernel_method.process_weights_after_loading(self)
+        elif self.w13.is_cuda:
             self.use_triton()
 
     def use_triton(self, config: dict | None = None) -> None:

@@ -10,7 +10,10 @@ differences, each as transformers computes it:
                        config.layer_types marks "sliding_attention" (every other one) see the last sliding_window keys
     logits             soft-capped at final_logit_softcapping; lm_head tied to the embeddings
 
-The scale, window and soft-cap are each layer's AttentionParams, which every attention backend takes.
+The scale, window and soft-cap are each layer's AttentionParams, which every attention backend takes. In deterministic
+mode, use_batch_invariant() (called by aserve/layers/batch_invariant.py use_batch_invariant_linears on the model
+built on the meta device) swaps the norms, GeGLU and logit soft-cap for that file's batch-invariant functions; a GPU
+is refused there (process_weights_after_loading).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aserve.layers import batch_invariant
 from aserve.layers.attention.backend import AttentionParams
 from aserve.models.llama import MLP, Attention, LlamaForCausalLM
 
@@ -30,25 +34,42 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
 class GemmaRMSNorm(nn.Module):
+    norm = staticmethod(gemma_rms_norm)  # (x, weight, eps) -> normed x; batch_invariant's in deterministic mode
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    def use_batch_invariant(self) -> None:
+        self.norm = batch_invariant.gemma_rms_norm
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """-> (norm(x + residual), x + residual), or (norm(x), x): RMSNorm's contract (compute_logits uses it)."""
         if residual is not None:
             x = x + residual
-        return gemma_rms_norm(x, self.weight, self.eps), x
+        return self.norm(x, self.weight, self.eps), x
 
 
 class GemmaMLP(MLP):
     hidden_act = "gelu_pytorch_tanh"
+    act_and_mul = staticmethod(gelu_tanh_and_mul)
+
+    def use_batch_invariant(self) -> None:
+        self.act_and_mul = batch_invariant.gelu_tanh_and_mul
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma2Attention(Attention):
@@ -81,6 +102,8 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma2DecoderLayer
     one_token_path = False  # the CPU one-token forward knows the Llama layer only
+    soft_cap = staticmethod(soft_cap)  # the final logits' (x, cap); batch_invariant's in deterministic mode
+    batch_invariant = False
 
     def __init__(self, cfg, backend, ops, quant_config, max_position: int) -> None:
         if getattr(cfg, "use_bidirectional_attention", False):
@@ -91,6 +114,16 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         dtype = self.embed_tokens.weight.dtype
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device="cpu"))
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
+
+    def use_batch_invariant(self) -> None:
+        self.soft_cap = batch_invariant.soft_cap
+        self.batch_invariant = True
+
+    def process_weights_after_loading(self) -> None:
+        if self.batch_invariant and self.embed_tokens.weight.is_cuda:
+            raise ValueError(f"deterministic mode runs {type(self).__name__} on CPU only (turn deterministic off on "
+                             "a GPU)")  # fmt: skip
+        super().process_weights_after_loading()
 
     def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta, num_layers: int | None = None):
         """As LlamaForCausalLM.forward: -> hidden [T, hidden] before the final norm."""
@@ -107,6 +140,5 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         logits = self.lm_head(self.norm(hidden)[0])
         if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
+            logits = self.soft_cap(logits, self.final_logit_softcapping)
         return logits if dtype is None else logits.to(dtype)

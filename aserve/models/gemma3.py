@@ -16,7 +16,7 @@ from torch import nn
 
 from aserve.layers.attention.backend import AttentionMetadata, AttentionParams
 from aserve.layers.elementwise import RotaryEmbedding
-from aserve.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm, gemma_rms_norm
+from aserve.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm
 from aserve.models.llama import head_dim_of, sliding_windows
 
 
@@ -55,8 +55,8 @@ class Gemma3Attention(Gemma2Attention):
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = gemma_rms_norm(q.view(-1, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps)
-        k = gemma_rms_norm(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps)
+        q = self.q_norm.norm(q.view(-1, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps)
+        k = self.k_norm.norm(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps)
         return self.attend(rotary_cos_sin, torch.cat([q.flatten(1), k.flatten(1), v], dim=-1), kv_cache, meta)
 
 
