@@ -8,7 +8,8 @@ For each shape (N x K) and number of rows M, in microseconds (do_bench medians, 
 quantisation (aserve/kernels/fp8.py) included and the GEMM alone, and the FP8 layer's choice at that M (the
 weight-only kernels up to fp8_gemv.MAX_ROWS rows, _scaled_mm beyond); each checked against the pure-torch reference
 first. M = 1 rows also give the GEMV's weight read rate (GB/s). --tune times a few launch configurations of the GEMV
-and of fp8_matmul and prints the fastest per shape (set them in aserve/kernels/fp8_gemv.py).
+and of fp8_matmul and prints the fastest per shape (set them in aserve/kernels/gemv.py SCALED_GEMV_CONFIG* and
+fp8_gemv.py).
 
 Without CUDA the script runs its CPU-side checks (the kernels against the reference at small shapes, in Triton's
 interpreter, float32 and fp16 activations) instead and exits with status 1, saying the timings need a GPU.

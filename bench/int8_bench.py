@@ -6,7 +6,7 @@ For each shape (N x K) and number of rows M: bf16 F.linear (cuBLAS), the int8 GE
 dequantise + cuBLAS, in microseconds (CUDA-graph-free do_bench medians), each checked against the pure-torch
 reference first; the int8_linear column is what a layer runs at that M (int8.py's thresholds). M = 1 rows also give
 the GEMV's weight read rate (GB/s). --tune times a few launch configurations of the GEMV and of the small-M
-matmul and prints the fastest per shape (set them in aserve/kernels/int8.py).
+matmul and prints the fastest per shape (set them in aserve/kernels/gemv.py SCALED_GEMV_CONFIG* and int8.py).
 """
 
 from __future__ import annotations

@@ -118,6 +118,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+# scaled_gemv over 8-bit weights (int8, float8), half the bytes of bf16: one set of launch configurations for both
+SCALED_GEMV_CONFIG_FEW_ROWS = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=3)
+SCALED_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)
+SCALED_GEMV_CONFIG_SILU_MUL = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)
+
+
+def scaled_gemv_config(n: int, k: int, config: dict | None = None, silu_mul: bool = False) -> dict | None:
+    """scaled_gemv's launch configuration for an [n, k] 8-bit weight (None where K is not a multiple of 64)."""
+    if not config:
+        few_rows = n <= FEW_ROWS
+        config = (
+            SCALED_GEMV_CONFIG_SILU_MUL if silu_mul else SCALED_GEMV_CONFIG_FEW_ROWS if few_rows else SCALED_GEMV_CONFIG
+        )
+    return gemv_config(n, k, config)
+
+
 @triton.jit
 def _scaled_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
@@ -137,7 +153,7 @@ def scaled_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
                 silu_mul: bool = False) -> torch.Tensor:  # fmt: skip
     """The GEMV over 8-bit weights (int8, float8) with one float32 scale per output row: x [1, K] -> (x w^T) *
     scale (+ bias) [1, N] in x's dtype, the weights widened in registers. silu_mul as in `gemv`; cfg from
-    `gemv_config` with the caller's defaults."""
+    `scaled_gemv_config`."""
     n, k = w.shape
     assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 if silu_mul else 1) * k
     assert x.stride(-1) == 1 and w.stride(-1) == 1 and scale.dtype == torch.float32

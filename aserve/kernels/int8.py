@@ -28,10 +28,6 @@ import triton.language as tl
 
 from aserve.kernels import gemv, pdl
 
-# int8_gemv: few output rows want more rows per program (enough work each), many rows fewer (more programs)
-GEMV_CONFIG_FEW_ROWS = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=3)
-GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)
-GEMV_CONFIG_SILU_MUL = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)
 # int8_matmul by rows: (most rows, configuration)
 MATMUL_CONFIGS = (
     (16, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4)),
@@ -41,10 +37,7 @@ MATMUL_CONFIGS = (
 DEQUANT_MIN_ROWS = None  # from this many rows: dequantise + cuBLAS (None: int8_matmul at every M)
 
 
-def gemv_config(n: int, k: int, config: dict | None = None, silu_mul: bool = False) -> dict | None:
-    """The int8 GEMV's launch configuration for an [n, k] weight (None where K is not a multiple of 64)."""
-    default = GEMV_CONFIG_SILU_MUL if silu_mul else GEMV_CONFIG_FEW_ROWS if n <= gemv.FEW_ROWS else GEMV_CONFIG
-    return gemv.gemv_config(n, k, config or default)
+gemv_config = gemv.scaled_gemv_config  # the launch configuration of the GEMV for an [n, k] weight
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
