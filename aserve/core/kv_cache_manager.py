@@ -8,7 +8,7 @@ K/V into the cache before any attention reads it.
 With `sliding_window` W (every attention layer slides by W: Mistral, Phi-3), a query at position p reads keys after
 p - W only; before each allocation a request gives back the blocks wholly before its next query's window (their K/V
 stay findable by the prefix cache until evicted), and its block table points those entries at the pool's null block.
-So a long sequence holds about W / bs + 1 blocks. Models with full-attention layers keep every block.
+So a long sequence holds about W / bs + 2 blocks. Models with full-attention layers keep every block.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.layers.batch_invariant import check_supported
-from aserve.layers.elementwise import rope_parameters
+from aserve.layers.elementwise import longrope_switch_length
 from aserve.models.model_path import resolve_model
 from aserve.models.registry import architecture_of
 from aserve.spec.config import SpeculativeConfig
@@ -79,7 +79,7 @@ class EngineConfig:
             max_chars_per_token=chars_per_token,
             max_prompt_chars=max_model_len * chars_per_token,
             extra_eos_token_ids=_extra_eos_token_ids(model_dir, hf_config, eos_token_id),
-            long_prompt_len=_longrope_original_len(hf_config),
+            long_prompt_len=longrope_switch_length(hf_config),
         )
 
 
@@ -102,14 +102,6 @@ def _extra_eos_token_ids(model_dir: str, hf_config, eos_token_id: int | None) ->
         ids = getattr(hf_config, "eos_token_id", None)
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     return tuple(i for i in dict.fromkeys(ids) if i != eos_token_id)
-
-
-def _longrope_original_len(hf_config) -> int | None:
-    """LongRoPE's switch length (original_max_position_embeddings), where the config uses it."""
-    _, scaling = rope_parameters(hf_config)
-    if scaling["rope_type"] not in ("longrope", "su"):
-        return None
-    return scaling.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
 
 
 def _eos_token_id(hf_config, tokenizer) -> int | None:

@@ -208,6 +208,15 @@ def rope_parameters(hf_config) -> tuple[float, dict]:
     return float(theta), merged
 
 
+def longrope_switch_length(hf_config) -> int | None:
+    """LongRoPE's original_max_position_embeddings (past it the long factors apply), where the config uses
+    LongRoPE; else None."""
+    _, scaling = rope_parameters(hf_config)
+    if scaling["rope_type"] not in ("longrope", "su"):
+        return None
+    return scaling.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = scaling["rope_type"]

@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from aserve.layers.attention.backend import AttentionMetadata
-from aserve.layers.elementwise import cos_sin_table, longrope_inv_freq, rope_attention_factor, rope_parameters
+from aserve.layers.elementwise import (
+    cos_sin_table,
+    longrope_inv_freq,
+    longrope_switch_length,
+    rope_attention_factor,
+    rope_parameters,
+)
 from aserve.models.llama import LlamaForCausalLM, head_dim_of
 
 
@@ -57,8 +63,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg, backend, ops, quant_config, max_position: int) -> None:
         super().__init__(cfg, backend, ops, quant_config, max_position)
         theta, scaling = rope_parameters(cfg)
-        if scaling["rope_type"] in ("longrope", "su"):
-            scaling.setdefault("original_max_position_embeddings", cfg.original_max_position_embeddings)
+        original = longrope_switch_length(cfg)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
             if scaling.get("partial_rotary_factor", 1.0) != 1.0:
                 raise ValueError("partial_rotary_factor other than 1 is not supported")
             scale = rope_attention_factor(scaling, cfg.max_position_embeddings)
