@@ -14,9 +14,9 @@ import typing
 from aiohttp import web
 
 from aserve.config import EngineArgs
-from aserve.core.stats import PeriodicLogger
+from aserve.core.metrics import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
-from aserve.engine.tokenizer_pool import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
+from aserve.engine.llm_engine import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits
 from aserve.entrypoints.openai.server import STATE_KEY, begin_drain, build_app, drain
 from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS

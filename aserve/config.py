@@ -16,7 +16,7 @@ _DTYPES = {
     "float": torch.float32,
     "fp32": torch.float32,
 }
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # aserve/layers/attention/kv_cache_dtype.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # aserve/layers/attention/backend.py
 
 
 @dataclass
@@ -54,7 +54,7 @@ class EngineArgs:
     deterministic: bool = False
     # Ranks the model is split across (one process, one GPU each; CPU processes on CPU): aserve/distributed
     tensor_parallel_size: int = 1
-    # The KV cache's element type: auto (the model's dtype) | fp8 / fp8_e4m3 (aserve/layers/attention/kv_cache_dtype.py)
+    # The KV cache's element type: auto (the model's dtype) | fp8 / fp8_e4m3 (aserve/layers/attention/backend.py)
     kv_cache_dtype: str = "auto"
 
     @classmethod

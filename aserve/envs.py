@@ -26,7 +26,7 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
                           (aserve/kernels/pdl.py). Default on.
     ASERVE_STREAM_BUFFER  the server: how many bytes of events may wait for a streaming client that stopped reading
                           (its TCP window full) before its requests are ended and its connection closed
-                          (aserve/entrypoints/openai/streaming.py). Default 4 MiB.
+                          (aserve/entrypoints/openai/responses.py). Default 4 MiB.
 """
 
 from __future__ import annotations

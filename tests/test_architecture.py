@@ -16,7 +16,7 @@ from setuptools import find_packages
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "aserve")
 RANKS = {"aserve.kernels": 0, "aserve.spec": 0, "aserve.layers": 1, "aserve.models": 2, "aserve.core": 3,
-         "aserve.distributed": 3, "aserve.worker": 4, "aserve.engine": 5, "aserve.metrics": 6, "aserve.entrypoints": 6,
+         "aserve.distributed": 3, "aserve.worker": 4, "aserve.engine": 5, "aserve.entrypoints": 6,
          "aserve.quantize": 7, "aserve.cli": 8}  # fmt: skip
 MAX_LINES = 500
 BASE = {"aserve.config", "aserve.envs", "aserve.sampling_params", "aserve.outputs"}

@@ -7,8 +7,7 @@ from attention_cases import poison_outside_window, random_batch
 
 from aserve.kernels import cpu
 from aserve.kernels.reference import paged_attention as reference_paged_attention
-from aserve.kernels.reference import write_kv_cache
-from aserve.layers.attention.backend import AttentionParams
+from aserve.layers.attention.backend import AttentionParams, write_kv_cache
 from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 
 BACKENDS = {"torch": TorchAttentionBackend, "cpu": CPUAttentionBackend}
@@ -90,3 +89,4 @@ def test_cuda_graphs_only_for_backends_that_need_no_host_work_per_step(tiny_mode
     assert not runner.backend.supports_cuda_graphs and TritonAttentionBackend.supports_cuda_graphs
     runner.capture_cuda_graphs()
     assert runner.graphs is None
+

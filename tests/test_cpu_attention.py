@@ -6,6 +6,7 @@ import torch
 from attention_cases import poison_outside_window, random_batch
 
 from aserve.kernels import cpu, reference
+from aserve.layers.attention.backend import write_kv_cache
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler")
 
@@ -28,7 +29,7 @@ def test_decode_kernel_matches_reference(dtype, generic, heads, head_dim, ctx_le
     num_blocks = sum(-(-(c + 1) // bs) for c in ctx_lens) + 3
     q, k, v, kv_cache, meta = random_batch([1] * len(ctx_lens), ctx_lens, num_heads, num_kv_heads, head_dim, bs,
                                            num_blocks, dtype)  # fmt: skip
-    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     ref = reference.paged_attention(q, kv_cache, meta, bs)
     out = torch.full_like(q, float("nan"))
     assert cpu.attention_supports(q, kv_cache[0])
@@ -53,7 +54,7 @@ def test_decode_kernel_sliding_window_and_softcap(dtype, generic, heads, head_di
     num_blocks = sum(-(-(c + 1) // block_size) for c in ctx_lens) + 3
     q, k, v, kv_cache, meta = random_batch([1] * len(ctx_lens), ctx_lens, *heads, head_dim, block_size, num_blocks,
                                            dtype)  # fmt: skip
-    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     ref = reference.paged_attention(q, kv_cache, meta, block_size, **layer)
     if layer.get("sliding_window"):
         kv_cache = poison_outside_window(kv_cache, meta, block_size, layer["sliding_window"])

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from aserve.engine import detokenizer
-from aserve.engine.detokenizer import TokenBytes
+from aserve.engine import output_processor
+from aserve.engine.output_processor import TokenBytes
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def way(request, tokenizer):
 
 
 def IncrementalDetokenizer(*args, **kwargs):  # noqa: N802  (the class under test, built the way `way` chose)
-    return detokenizer.IncrementalDetokenizer(*args, **kwargs, token_bytes=CHOSEN["token_bytes"])
+    return output_processor.IncrementalDetokenizer(*args, **kwargs, token_bytes=CHOSEN["token_bytes"])
 
 
 def stream(tokenizer, text, stops=(), include=False, prompt="The prompt."):
@@ -97,8 +97,8 @@ def assert_table_matches_decode(tokenizer, valid_texts, random_ids):
     prime = tokenizer.encode("The", add_special_tokens=False)[:1]
     for ids in valid_texts + random_ids:
         for skip in (True, False):
-            fast = detokenizer.IncrementalDetokenizer(tokenizer, prime, [], False, skip, token_bytes=table)
-            slow = detokenizer.IncrementalDetokenizer(tokenizer, prime, [], False, skip)
+            fast = output_processor.IncrementalDetokenizer(tokenizer, prime, [], False, skip, token_bytes=table)
+            slow = output_processor.IncrementalDetokenizer(tokenizer, prime, [], False, skip)
             for token_id in ids:
                 fast.add_token(token_id)
                 slow.add_token(token_id)

@@ -1,5 +1,5 @@
 """The FP8 KV cache (`--kv-cache-dtype fp8`): the attention backends and the Triton cache-write kernels against a
-pure-torch reference that quantises and dequantises the cache (aserve/layers/attention/kv_cache_dtype.py), the KV
+pure-torch reference that quantises and dequantises the cache (aserve/layers/attention/backend.py), the KV
 capacity, checkpoint scales and the refusals through LLM, one request over HTTP, and the embedded SmolLM2's greedy
 output against its 16-bit cache (slow)."""
 
@@ -18,9 +18,9 @@ from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import rotary_split
 from aserve.kernels.paged_attention import paged_attention
 from aserve.layers.attention import select_attention_backend
-from aserve.layers.attention.backend import AttentionParams
-from aserve.layers.attention.kv_cache_dtype import (
+from aserve.layers.attention.backend import (
     FP8,
+    AttentionParams,
     FP8KVCache,
     dequantize_fp8,
     kv_cache_dtype,

@@ -20,8 +20,8 @@ from aserve_server import start_server, stop_server
 
 from aserve.cli import main as cli_main
 from aserve.engine.errors import EngineOverloadedError
-from aserve.engine.tokenizer_pool import INLINE_CHARS, TokenizerPool
-from aserve.entrypoints.openai.request_body import LARGE_BODY_BYTES
+from aserve.engine.llm_engine import INLINE_CHARS, TokenizerPool
+from aserve.entrypoints.openai.connections import LARGE_BODY_BYTES
 from aserve.sampling_params import ParamError
 
 TIMEOUT_HEADERS, TIMEOUT_BODY, TIMEOUT_KEEP_ALIVE, LIMIT = 2.0, 2.0, 1.0, 48

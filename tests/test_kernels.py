@@ -9,6 +9,7 @@ from aserve.kernels import reference
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import qkv_kv_views
 from aserve.kernels.paged_attention import paged_attention
+from aserve.layers.attention.backend import write_kv_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,7 +29,7 @@ def run_case(case, heads, head_dim, dtype, num_segments=1, block_size=16, config
     q, k, v, kv_cache, meta = random_batch(
         q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, 64, dtype, device=DEVICE
     )
-    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     ref = reference.paged_attention(q, kv_cache, meta, block_size, **layer)
     out = paged_attention(
         q,
@@ -76,7 +77,7 @@ def test_paged_attention_new_kv_from_qkv_rows(case, heads, config, layer):
     num_heads, num_kv_heads = heads
     q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, num_heads, num_kv_heads, 32, 16, 64, torch.float32,
                                            device=DEVICE)  # fmt: skip
-    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     ref = reference.paged_attention(q, kv_cache, meta, 16, **layer)
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
     k_new, v_new = qkv_kv_views(qkv, num_heads, num_kv_heads, 32)
@@ -100,7 +101,7 @@ def test_paged_attention_reads_no_block_outside_the_window(case, new_kv):
     output is the reference's (the default tiles span 4 blocks of 16: the loop starts mid-tile)."""
     q_lens, ctx_lens = CASES[case]
     q, k, v, kv_cache, meta = random_batch(q_lens, ctx_lens, 8, 2, 32, 16, 64, torch.float32, device=DEVICE)
-    reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
     ref = reference.paged_attention(q, kv_cache, meta, 16, sliding_window=20)
     kv_cache = poison_outside_window(kv_cache, meta, 16, 20)
     k_new, v_new = (k, v) if new_kv and max(q_lens) > 1 else (None, None)
@@ -134,7 +135,7 @@ def test_cache_write_matches_reference_and_skips_padding():
     cache = torch.randn(2, 8, 16, 2, 32, generator=gen).to(DEVICE)
     slots = torch.tensor([5, 17, 40, 127, -1, 3], device=DEVICE)
     expected = cache.clone()
-    reference.write_kv_cache(k[[0, 1, 2, 3, 5]], v[[0, 1, 2, 3, 5]], expected, slots[[0, 1, 2, 3, 5]])
+    write_kv_cache(k[[0, 1, 2, 3, 5]], v[[0, 1, 2, 3, 5]], expected, slots[[0, 1, 2, 3, 5]])
     write_kv(k, v, cache[0], cache[1], slots)
     assert torch.equal(cache, expected)
 

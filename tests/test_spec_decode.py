@@ -330,7 +330,7 @@ def test_cost_model_learns_from_observed_steps():
 
 
 def test_spec_metrics_exported(tiny_model, tiny_model_factory):
-    from aserve.metrics import PrometheusMetrics
+    from aserve.core.metrics import PrometheusMetrics
 
     llm = LLM(tiny_model, dtype="float32", enforce_eager=True,
               speculative_config=spec_configs(tiny_model_factory)["draft_model_self"])  # fmt: skip

@@ -3,7 +3,7 @@
 import random
 
 from aserve import LLM, SamplingParams
-from aserve.core.stats import PeriodicLogger
+from aserve.core.metrics import PeriodicLogger
 
 
 def test_counters_and_periodic_log(tiny_model):

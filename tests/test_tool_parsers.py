@@ -336,7 +336,7 @@ def test_tools_and_earlier_calls_render_through_the_template(tmp_path):
 
     from tiny_models import build_tokenizer
 
-    from aserve.engine.tokenizer_pool import TokenizerPool
+    from aserve.engine.llm_engine import TokenizerPool
 
     tokenizer = build_tokenizer(str(tmp_path))
     tokenizer.chat_template = _TOOL_TEMPLATE

@@ -64,7 +64,3 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # With the first new token of a request asking for prompt logprobs: one entry per prompt token after the first.
     prompt_logprobs: list[SampledLogprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from aserve.core.kv_cache_manager import InvariantError, KVCacheManager
+from aserve.core.metrics import EngineStats
 from aserve.core.outputs import EngineCoreOutput, RunnerOutput
 from aserve.core.request import Request, RequestStatus
-from aserve.core.stats import EngineStats
 from aserve.spec.ngram import propose_ngram
 
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or infinity) for this request"

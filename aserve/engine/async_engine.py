@@ -24,8 +24,14 @@ from aserve.config import EngineArgs
 from aserve.core.structured_output import compile_error
 from aserve.engine.config import EngineConfig
 from aserve.engine.errors import EngineClosedError, EngineDeadError, EngineOverloadedError
-from aserve.engine.llm_engine import LLMEngine, PromptType, freeze_for_serving
-from aserve.engine.tokenizer_pool import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE, TokenizerPool
+from aserve.engine.llm_engine import (
+    DEFAULT_MAX_PENDING_CHARS,
+    DEFAULT_POOL_SIZE,
+    LLMEngine,
+    PromptType,
+    TokenizerPool,
+    freeze_for_serving,
+)
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError, SamplingParams
 

@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass
 
 from aserve.core.kv_cache_manager import KVCacheManager, cdiv
+from aserve.core.metrics import EngineStats
 from aserve.core.outputs import EngineCoreOutput, RunnerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler, SchedulerOutput
-from aserve.core.stats import EngineStats
 from aserve.core.structured_output import StructuredOutputManager
 from aserve.distributed.group import TensorParallelError, check_devices
 from aserve.distributed.sharding import check_shardable

@@ -1,17 +1,10 @@
 """Pure-torch references of the Triton kernels: the slowest, most obvious implementations. Kernel tests compare
-against these; the torch attention backend also writes its cache with write_kv_cache (through
-aserve/layers/attention/kv_cache_dtype.py; an FP8 cache quantises first)."""
+against these. (The cache write's reference is the torch backends' own: aserve/layers/attention/backend.py
+write_kv_cache.)"""
 
 from __future__ import annotations
 
 import torch
-
-
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache [2, num_blocks, block_size, Hkv, D]: kv_cache[:, slot] = (k, v) for every token."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(q, kv_cache, meta, block_size: int, scale: float | None = None, sliding_window: int | None = None,

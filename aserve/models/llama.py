@@ -16,8 +16,13 @@ import torch
 from torch import nn
 
 from aserve import envs
-from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata
-from aserve.layers.attention.kv_cache_dtype import kv_scale_of, scale_value
+from aserve.layers.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    kv_scale_of,
+    scale_value,
+)
 from aserve.layers.elementwise import ElementwiseOps, RMSNorm, RotaryEmbedding, rope_parameters
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
@@ -94,7 +99,7 @@ class Attention(nn.Module):
 
     def load_kv_scale(self, which: str, value: float) -> None:
         """A checkpoint's per-tensor scale of this layer's keys ("k"), values ("v") or both ("kv") in an FP8 KV
-        cache (aserve/layers/attention/kv_cache_dtype.py)."""
+        cache (aserve/layers/attention/backend.py)."""
         scales = {f"{part}_scale": value for part in which}
         self.attn_params = replace(self.attn_params, **scales)
 

@@ -20,7 +20,6 @@ its in-flight inputs from.
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import logging
 import time
@@ -35,11 +34,11 @@ from aserve.distributed.group import TensorParallelError, TensorParallelGroup
 from aserve.distributed.sharding import TensorParallelSharding, rank_attention_config
 from aserve.layers.attention import select_attention_backend
 from aserve.layers.attention.backend import AttentionMetadata
-from aserve.layers.attention.kv_cache_dtype import kv_cache_dtype as kv_cache_format
+from aserve.layers.attention.backend import kv_cache_dtype as kv_cache_format
 from aserve.models.loader import build_model
+from aserve.worker import profiling
 from aserve.worker.batch_invariant_sampler import BatchInvariantSampler
 from aserve.worker.cuda_graphs import DecodeGraphs
-from aserve.worker.input_buffers import InputBuffers
 from aserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logits_rows
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device
 from aserve.worker.step_plan import StepLayout, StepPlan
@@ -82,6 +81,50 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtyp
     attn = model.layers[0].self_attn
     shape = (len(model.layers), 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class InputBuffers:
+    """Host tensors for the largest step (max_num_batched_tokens tokens, max_num_seqs requests), filled by prefix each
+    step and copied to device tensors of stable addresses."""
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+
+        def host_set() -> dict[str, torch.Tensor]:
+            def host(*shape, dtype):
+                return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
+            return {
+                "input_ids": host(max_tokens, dtype=torch.int64),
+                "positions": host(max_tokens, dtype=torch.int64),
+                "slot_mapping": host(max_tokens, dtype=torch.int64),
+                "query_start_loc": host(max_reqs + 1, dtype=torch.int32),
+                "seq_lens": host(max_reqs, dtype=torch.int32),
+                "block_tables": host(max_reqs, max_blocks, dtype=torch.int32),
+                "logits_indices": host(max_tokens, dtype=torch.int64),
+            }
+
+        # Two host sets on a GPU (flip() between async steps); on the CPU the "device" tensors are the host ones.
+        self._sets = [host_set(), host_set()] if pin else [host_set()]
+        self._np = [{k: v.numpy() for k, v in hs.items()} for hs in self._sets]
+        self._current = 0
+        self.host, self.np = self._sets[0], self._np[0]
+        self.device = {k: v.to(device) for k, v in self.host.items()} if device.type != "cpu" else self.host
+
+    def flip(self) -> None:
+        """Switches to the other host set: the copies of the step just launched may still read this one."""
+        self._current = (self._current + 1) % len(self._sets)
+        self.host, self.np = self._sets[self._current], self._np[self._current]
+
+    def to_device(self, name: str, n: int, cols: int | None = None) -> torch.Tensor:
+        src, dst = self.host[name], self.device[name]
+        if cols is not None:
+            src, dst = src[:n, :cols], dst[:n, :cols]
+        else:
+            src, dst = src[:n], dst[:n]
+        if dst is not src:
+            dst.copy_(src, non_blocking=True)
+        return dst
 
 
 class ModelRunner:
@@ -170,108 +213,23 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
 
-    def _synthetic_step(self, q_lens: list[int]) -> torch.Tensor:
-        """Runs the model on made-up requests (query lengths `q_lens`, no context, decodes first) whose KV goes to
-        the first blocks of the cache. For profiling and warm-up only: those blocks hold garbage afterwards, which
-        is fine while no request owns them."""
-        bs, dev = self.block_size, self.device
-        num_decodes = sum(1 for n in q_lens if n == 1)
-        assert q_lens[:num_decodes] == [1] * num_decodes
-        tables, slots, qsl, first_block = [], [], [0], 0
-        for n in q_lens:
-            nb = cdiv(n, bs)
-            tables.append(list(range(first_block, first_block + nb)))
-            slots.extend(first_block * bs + i for i in range(n))
-            first_block += nb
-            qsl.append(qsl[-1] + n)
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            num_tokens=qsl[-1],
-            num_decodes=num_decodes,
-            slot_mapping=torch.tensor(slots, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=list(q_lens),
-            max_seq_len=max(q_lens),
-            max_query_len=max(q_lens),
-        )
-        self.backend.prepare(meta, bs)
-        # Inputs come from the same buffers as in execute(): compiled code is specialised on their kind.
-        self.buffers.np["input_ids"][: qsl[-1]] = 0
-        self.buffers.np["positions"][: qsl[-1]] = [i for n in q_lens for i in range(n)]
-        input_ids = self.buffers.to_device("input_ids", qsl[-1])
-        positions = self.buffers.to_device("positions", qsl[-1])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=dev) - 1])
-
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Triggers compilation (for steps of 32+ tokens, with and without a residual) so that the first requests
-        do not wait for it."""
+        """Triggers compilation so that the first requests do not wait for it (worker/profiling.py)."""
         self._on_every_rank("warmup")
-        n = self.model.ops.min_tokens
-        if n > min(self.max_num_batched_tokens, self.max_model_len):
-            return  # steps never get big enough to use the compiled code
-        t0 = time.perf_counter()
-        self._synthetic_step([n])
-        logger.info("Warm-up (compilation) took %.1f s", time.perf_counter() - t0)
+        profiling.warmup(self)
 
     @torch.inference_mode()
     def measure_step_times(self, reps: int = 3) -> dict[int, float]:
-        """Seconds per step by number of tokens (1, 2, 4, ... up to the budget): the seed of the speculation
-        policy's cost model (which then learns from real steps). A step of n tokens is timed as one n-token request;
-        the fastest of `reps` runs, after a warm-up run (kernel selection, compilation)."""
+        """Seconds per step by number of tokens (worker/profiling.py)."""
         self._on_every_rank("measure_step_times", reps)
-        sizes = [1 << i for i in range(12) if (1 << i) <= min(self.max_num_batched_tokens, self.max_model_len, 1024)]
-        out = {}
-        for n in sizes:
-            self._synthetic_step([n])
-            self._sync()
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                self._synthetic_step([n])
-                self._sync()
-                best = min(best, time.perf_counter() - t0)
-            out[n] = best
-        return out
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        return profiling.measure_step_times(self, reps)
 
     @torch.inference_mode()
     def profile_num_kv_blocks(self, utilization: float) -> int:
-        """GPU: run the largest step once (one prompt of max_num_batched_tokens tokens) to measure peak activation
-        memory, then give the KV cache what `utilization` of the device leaves. Tensor parallelism: every rank measures
-        its own device, and all take the smallest number of blocks."""
+        """The KV cache's number of blocks at `utilization` of the GPU's memory (worker/profiling.py)."""
         self._on_every_rank("profile_num_kv_blocks", utilization)
-        gc.collect()  # engines dropped earlier in this process (runner <-> CUDA graphs is a cycle) free their memory
-        n = min(self.max_num_batched_tokens, self.max_model_len)
-        self.allocate_kv_cache(cdiv(n, self.block_size))
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-        self._synthetic_step([n])
-        torch.cuda.synchronize()
-        activation_peak = torch.cuda.max_memory_allocated() - baseline
-        self.kv_caches = None
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        budget = int(total * utilization) - (total - free) - activation_peak
-        num_blocks = max(budget, 0) // self.kv_bytes_per_block
-        if self.tp is not None:
-            num_blocks = self.tp.min_int(num_blocks)
-        if num_blocks <= 0:
-            raise ValueError(
-                f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization} "
-                f"({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB, activations need "
-                f"{activation_peak / 2**30:.1f} GiB); raise it or lower max_num_batched_tokens"
-            )
-        return num_blocks
+        return profiling.profile_num_kv_blocks(self, utilization)
 
     # -- the step ---------------------------------------------------------------------------------------------
 

@@ -13,9 +13,10 @@ import msgspec
 from aiohttp import web
 
 from aserve import envs
+from aserve.core.metrics import PrometheusMetrics
 from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
-from aserve.entrypoints.openai.connections import ConnectionGuard
+from aserve.entrypoints.openai.connections import MAX_BODY_BYTES, BodyReader, ConnectionGuard
 from aserve.entrypoints.openai.openapi import openapi_spec
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs, make_echoes
 from aserve.entrypoints.openai.protocol import (
@@ -27,22 +28,22 @@ from aserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     _GenerationRequest,
 )
-from aserve.entrypoints.openai.request_body import MAX_BODY_BYTES, BodyReader
 from aserve.entrypoints.openai.responses import (
     ChoiceState,
+    EventStream,
+    absorb,
     add_token_ids,
     cached_tokens,
     chat_chunk,
     completion_chunk,
     error_body,
+    stream_response,
     usage,
 )
-from aserve.entrypoints.openai.streaming import EventStream, absorb, stream_response
 from aserve.entrypoints.openai.structured_request import structured_outputs_field
 from aserve.entrypoints.openai.tool_output import tool_call_output
 from aserve.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from aserve.entrypoints.openai.tool_request import forces_tool_call
-from aserve.metrics import PrometheusMetrics
 from aserve.sampling_params import ParamError
 from aserve.version import __version__
 

@@ -10,7 +10,7 @@ triton   Triton (on CPU tensors too, through Triton's interpreter: tests)
 Deterministic mode (`deterministic`) takes a batch-invariant backend instead: triton_batch_invariant.py on a GPU (or
 with `triton`), batch_invariant.py on CPU (every query token on the C decode kernel).
 
-A quantised KV cache (`kv_cache_dtype` fp8: kv_cache_dtype.py) is read by the Triton backend and the torch reference
+A quantised KV cache (`kv_cache_dtype` fp8: backend.py) is read by the Triton backend and the torch reference
 (on CPU that one, instead of the C decode kernel, which reads 16/32-bit caches only; one log line says so);
 deterministic mode's backends cannot read it, and refuse it at start.
 """
@@ -22,9 +22,8 @@ import logging
 import torch
 
 from aserve.kernels import cpu
-from aserve.layers.attention.backend import AttentionBackend
+from aserve.layers.attention.backend import AUTO, AttentionBackend, KVCacheDtype
 from aserve.layers.attention.batch_invariant import BatchInvariantCPUAttentionBackend
-from aserve.layers.attention.kv_cache_dtype import AUTO, KVCacheDtype
 from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 
 logger = logging.getLogger("aserve")

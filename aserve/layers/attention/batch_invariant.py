@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from aserve.kernels import cpu
-from aserve.kernels.reference import write_kv_cache
-from aserve.layers.attention.backend import FULL_ATTENTION, AttentionMetadata, AttentionParams
+from aserve.layers.attention.backend import FULL_ATTENTION, AttentionMetadata, AttentionParams, write_kv_cache
 from aserve.layers.attention.torch_backend import CPUAttentionBackend
 
 

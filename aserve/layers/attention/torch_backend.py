@@ -14,7 +14,7 @@ CPUAttentionBackend: the same, with a step's decodes (one query token each) read
 the C kernel of aserve/kernels/cpu.py instead of gathered for SDPA. Chosen where that kernel compiles
 (ASERVE_CPU_KERNELS=0: not) and takes the model's dtype and head size.
 
-A quantised KV cache (kv_cache_dtype.py, handed to the backend when it is built): the cache write quantises, each
+A quantised KV cache (KVCacheDtype, handed to the backend when it is built): the cache write quantises, each
 gathered block is dequantised to the query's dtype, and a prompt without context attends to its fresh K/V rounded
 as the cache holds them. The C decode kernel reads 16/32-bit caches only, so such a cache takes
 TorchAttentionBackend.
@@ -28,8 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels import cpu
-from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionParams
-from aserve.layers.attention.kv_cache_dtype import AUTO, KVCacheDtype
+from aserve.layers.attention.backend import (
+    AUTO,
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionParams,
+    KVCacheDtype,
+)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The GPU attention backend: Triton kernels for the cache write and for paged attention over the mixed batch.
 Nothing per step on the host, so a decode step can be captured in a CUDA graph. (Triton is optional:
-select_attention_backend imports this module once it is chosen.) An FP8 KV cache (kv_cache_dtype.py) is written
+select_attention_backend imports this module once it is chosen.) An FP8 KV cache (backend.py's KVCacheDtype) is written
 quantised by the cache-write kernels and read, every key of it, from the pages."""
 
 from __future__ import annotations
@@ -12,8 +12,14 @@ import torch
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import rotary_split
 from aserve.kernels.paged_attention import paged_attention
-from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionMetadata, AttentionParams
-from aserve.layers.attention.kv_cache_dtype import AUTO, KVCacheDtype
+from aserve.layers.attention.backend import (
+    AUTO,
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionParams,
+    KVCacheDtype,
+)
 
 _MAX_SEGMENTS = 16
 

@@ -43,7 +43,7 @@ logger = logging.getLogger("aserve")
 STRATEGIES = ("tensor", "channel", "block")
 ACTIVATIONS = ("dynamic", "static", None)
 # scales of FP8 attention's queries and probabilities, which aserve does not run (the KV cache's own k_scale /
-# v_scale load into the attention layers: aserve/layers/attention/kv_cache_dtype.py)
+# v_scale load into the attention layers: aserve/layers/attention/backend.py)
 ATTENTION_SCALES = (".q_scale", ".prob_scale")
 
 

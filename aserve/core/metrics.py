@@ -1,0 +1,274 @@
+"""What the engine did, and its exporters: the periodic log line, and Prometheus metrics with vLLM v1's names under
+the `aserve:` prefix.
+
+The engine fills a StepStats per step (latencies of the requests that advanced or finished, token counts) and keeps
+running totals and gauges in EngineStats; exporters registered with `add_listener` see every StepStats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import prometheus_client
+
+
+@dataclass(slots=True)
+class StepStats:
+    iteration_tokens: int = 0  # tokens computed in the step (prompt chunks + decodes)
+    prompt_tokens: int = 0  # prompts of requests that got their first token this step
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+    queue_time: list[float] = field(default_factory=list)
+    e2e_latency: list[float] = field(default_factory=list)
+    finished_reasons: list[str] = field(default_factory=list)
+    # Speculative decoding: draft runs verified, their tokens, accepted tokens by draft position.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_by_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    steps_total: int = 0
+    scheduled_tokens_total: int = 0
+    finished_total: Counter = field(default_factory=Counter)  # finish reason -> count
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    # Gauges, refreshed after every step.
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    listeners: list[Callable[[StepStats, EngineStats], None]] = field(default_factory=list)
+    _pending: StepStats = field(default_factory=StepStats)
+
+    def add_listener(self, listener: Callable[[StepStats, EngineStats], None]) -> None:
+        self.listeners.append(listener)
+
+    # -- events from the engine -------------------------------------------------------------------------------
+
+    def on_token(self, request, now: float) -> None:
+        step = self._pending
+        step.generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            step.prompt_tokens += request.num_prompt_tokens
+            step.time_to_first_token.append(now - request.arrival_time)
+            if request.scheduled_time is not None:
+                step.queue_time.append(request.scheduled_time - request.arrival_time)
+        else:
+            step.inter_token_latency.append(now - request.last_token_time)
+        request.last_token_time = now
+
+    def on_drafts(self, num_drafted: int, num_accepted: int) -> None:
+        step = self._pending
+        step.spec_drafts += 1
+        step.spec_draft_tokens += num_drafted
+        step.spec_accepted_tokens += num_accepted
+        if len(step.spec_accepted_by_position) < num_accepted:
+            step.spec_accepted_by_position += [0] * (num_accepted - len(step.spec_accepted_by_position))
+        for i in range(num_accepted):
+            step.spec_accepted_by_position[i] += 1
+
+    def on_request_finished(self, request, now: float) -> None:
+        reason = request.status.finish_reason
+        self._pending.finished_reasons.append(reason)
+        self._pending.e2e_latency.append(now - request.arrival_time)
+
+    def on_step(self, num_scheduled_tokens: int, scheduler, kv_manager) -> None:
+        self._pending.iteration_tokens = num_scheduled_tokens
+        self.flush(scheduler, kv_manager)
+
+    def flush(self, scheduler, kv_manager) -> None:
+        """Folds the pending events into the totals, refreshes gauges and hands the step to the listeners."""
+        step, self._pending = self._pending, StepStats()
+        step.num_preemptions = scheduler.num_preemptions - self.num_preemptions_total
+        if step.iteration_tokens:
+            self.steps_total += 1
+        self.scheduled_tokens_total += step.iteration_tokens
+        self.prompt_tokens_total += step.prompt_tokens
+        self.generation_tokens_total += step.generation_tokens
+        self.finished_total.update(step.finished_reasons)
+        self.spec_drafts_total += step.spec_drafts
+        self.spec_draft_tokens_total += step.spec_draft_tokens
+        self.spec_accepted_tokens_total += step.spec_accepted_tokens
+        self.num_preemptions_total = scheduler.num_preemptions
+        self.prefix_cache_queries_total = kv_manager.stats.queries
+        self.prefix_cache_hits_total = kv_manager.stats.hits
+        self.num_running = scheduler.num_running
+        self.num_waiting = scheduler.num_waiting
+        self.kv_cache_usage = kv_manager.usage
+        for listener in self.listeners:
+            listener(step, self)
+
+
+class PeriodicLogger:
+    """A log line every `interval` seconds while there is work: throughput, queue, KV usage, prefix hit rate."""
+
+    def __init__(self, log: Callable[[str], None], interval: float = 10.0) -> None:
+        self.log = log
+        self.interval = interval
+        self._last_time = time.monotonic()
+        self._last_prompt = self._last_gen = 0
+        self._last_queries = self._last_hits = 0
+        self._last_drafts = self._last_accepted = 0
+
+    def __call__(self, step: StepStats, stats: EngineStats) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_time
+        if elapsed < self.interval:
+            return
+        prompt = stats.prompt_tokens_total - self._last_prompt
+        gen = stats.generation_tokens_total - self._last_gen
+        queries = stats.prefix_cache_queries_total - self._last_queries
+        hits = stats.prefix_cache_hits_total - self._last_hits
+        drafts = stats.spec_drafts_total - self._last_drafts
+        accepted = stats.spec_accepted_tokens_total - self._last_accepted
+        if prompt or gen or stats.num_running or stats.num_waiting:
+            spec = f", Mean acceptance length: {1 + accepted / drafts:.2f}" if drafts else ""
+            self.log(
+                f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {gen / elapsed:.1f} tokens/s, "
+                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%{spec}"
+            )
+        self._last_time = now
+        self._last_prompt, self._last_gen = stats.prompt_tokens_total, stats.generation_tokens_total
+        self._last_queries, self._last_hits = stats.prefix_cache_queries_total, stats.prefix_cache_hits_total
+        self._last_drafts, self._last_accepted = stats.spec_drafts_total, stats.spec_accepted_tokens_total
+
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class PrometheusMetrics:
+    def __init__(self, model_name: str, registry: prometheus_client.CollectorRegistry | None = None) -> None:
+        # no `*_created` series beside every counter and histogram (as vLLM does)
+        prometheus_client.disable_created_metrics()
+        self.registry = registry or prometheus_client.CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return prometheus_client.Gauge(f"aserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return prometheus_client.Counter(f"aserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return prometheus_client.Histogram(f"aserve:{name}", doc, labels, buckets=buckets, registry=r).labels(
+                model_name
+            )
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.num_requests_open = gauge(
+            "num_requests_open", "Engine requests the server holds for clients (admitted, not yet released by their "
+            "handler): 0 when idle; above running + waiting, handlers that never let go of finished requests.",
+        )  # fmt: skip
+        self.num_preemptions = counter("num_preemptions", "Preemptions (requests recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self._success = prometheus_client.Counter(
+            "aserve:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.model_name = model_name
+        for reason in ("stop", "length", "abort", "error"):
+            self._success.labels(model_name, reason)
+        self._rejected = prometheus_client.Counter(
+            "aserve:request_rejected",
+            "Requests refused before reaching the engine, by reason (HTTP 429 / 503).",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        for reason in ("queue_full", "tokenizer_busy", "shutting_down"):
+            self._rejected.labels(model_name, reason)
+        self.http_connections = gauge(
+            "http_connections", "Open client connections (those refused for --limit-concurrency aside)."
+        )
+        self._connections_closed = prometheus_client.Counter(
+            "aserve:http_connections_closed",
+            "Client connections the server closed: before their request was read, a header or body read timeout "
+            "(HTTP 408) or over --limit-concurrency (HTTP 503); mid-stream, a client that stopped reading "
+            "(slow_client).",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        for reason in ("header_timeout", "body_timeout", "connection_limit", "slow_client"):
+            self._connections_closed.labels(model_name, reason)
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
+        )
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (requests x steps).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_by_position = prometheus_client.Counter(
+            "aserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft.",
+            ["model_name", "position"],
+            registry=r,
+        )
+        self._last_queries = self._last_hits = 0
+
+    def __call__(self, step: StepStats, stats: EngineStats) -> None:
+        """An EngineStats listener."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_preemptions.inc(step.num_preemptions)
+        self.prompt_tokens.inc(step.prompt_tokens)
+        self.generation_tokens.inc(step.generation_tokens)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries_total - self._last_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits_total - self._last_hits)
+        self._last_queries, self._last_hits = stats.prefix_cache_queries_total, stats.prefix_cache_hits_total
+        self.spec_drafts.inc(step.spec_drafts)
+        self.spec_draft_tokens.inc(step.spec_draft_tokens)
+        self.spec_accepted_tokens.inc(step.spec_accepted_tokens)
+        for position, count in enumerate(step.spec_accepted_by_position):
+            self._spec_by_position.labels(self.model_name, str(position)).inc(count)
+        for reason in step.finished_reasons:
+            self._success.labels(self.model_name, reason).inc()
+        for value in step.time_to_first_token:
+            self.time_to_first_token.observe(value)
+        for value in step.inter_token_latency:
+            self.inter_token_latency.observe(value)
+        for value in step.e2e_latency:
+            self.e2e_request_latency.observe(value)
+        for value in step.queue_time:
+            self.request_queue_time.observe(value)
+        if step.iteration_tokens:
+            self.iteration_tokens.observe(step.iteration_tokens)
+
+    def on_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def on_connection_closed(self, reason: str) -> None:
+        self._connections_closed.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
