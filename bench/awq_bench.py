@@ -23,7 +23,8 @@ m1_graph     M = 1 again, inside CUDA graphs over rotating weight copies with pr
 silu         SiLU·mul applied by the gate/up projection's kernel vs that GEMV + silu_and_mul (graphs, M = 1, 2,
              4), and AWQ decode with and without it
 decode       batch-1 decode, 128 prompt + 256 generated tokens, Llama-3-8B shape with random weights
-             (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights); target >= 3x bf16 speed
+             (load_format=dummy): bf16 vs AWQ int4 g128 (random packed weights), without and with the int4 lm_head
+             (--quantize-lm-head); target >= 3x bf16 speed
 
 Prints a table last; writes results.json under --out. The load-only ceilings of the weights' stream are
 bench/awq_load_ceilings.py.
@@ -417,10 +418,11 @@ def decode_profile(llm, name: str, steps: int = 64) -> None:
     record(f"decode_profile_{name}", round(total / steps, 1), "us GPU per step", f"(top: {rows[0][2][:60]})")
 
 
-def decode_ms_per_token(model_dir: str, profile: bool = False) -> float:
+def decode_ms_per_token(model_dir: str, profile: bool = False, quantize_lm_head: bool = False) -> float:
     from aserve import LLM
 
-    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
+              quantize_lm_head=quantize_lm_head)  # fmt: skip
     ms = batch1_decode_ms(llm)
     model = llm.engine.core.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -454,6 +456,8 @@ def decode(root: str) -> None:
     record("decode_b1_bf16", round(bf16, 3), "ms/token")
     int4 = decode_ms_per_token(awq_dir, profile=True)
     record("decode_b1_awq_int4", round(int4, 3), "ms/token", f"({bf16 / int4:.2f}x bf16; target >= 3x)")
+    head = decode_ms_per_token(awq_dir, quantize_lm_head=True)
+    record("decode_b1_awq_int4_int4_head", round(head, 3), "ms/token", f"({bf16 / head:.2f}x bf16; --quantize-lm-head)")
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ silu     the down projection's GEMV with SiLU·mul fused in: launch-config sweep
          GEMV_CONFIG_SILU_MUL).
 sample   the greedy pick (aserve/kernels/greedy.py) vs the sampler's torch path on [1 / 8 / 64, 128256] bf16 logits, and
          bf16 batch-1 decode with and without it
+fp8_attention  decode attention over an FP8 e4m3 cache (bf16 queries): dots in bf16 or fp16, tile widths, stages
 e2e      engines side by side (E2E_VARIANTS: Triton GEMV + PDL, the same with the SiLU·mul GEMV on the plain
          config, cuBLAS without PDL; ASERVE_GEMV / ASERVE_PDL), alternating batch-1 decode ms/token
          (gpu_bench.batch1_decode_ms), the captured forward's GPU time, the GPU kernels of one decode step, and the
@@ -39,7 +40,7 @@ import gpu_bench as gb  # noqa: E402
 
 from aserve.kernels import pdl  # noqa: E402
 from aserve.kernels.gemv import gemv, gemv_config  # noqa: E402
-from aserve.kernels.paged_attention import paged_attention  # noqa: E402
+from aserve.kernels.paged_attention import paged_attention, tile_config  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the weight
     "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
@@ -71,6 +72,7 @@ def graph_us(fn, weights, calls: int) -> float:
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / (5 * calls))
+    del graph
     return best
 
 
@@ -386,6 +388,39 @@ def section_sample(repeats: int) -> None:
     RESULTS["sample_decode_ms"] = ms
 
 
+def section_fp8_attention() -> None:
+    """Decode attention over an FP8 e4m3 cache (64 sequences x 4096 keys, bf16 queries): the dots in bf16 (tiles
+    converted to q's dtype) or in fp16 (FP16_DOT), by tile width and stages, vs the bf16 cache's default."""
+    H, Hkv, D, bs, B, ctx = 32, 8, 128, 16, 64, 4096
+    torch.manual_seed(0)
+    nblk = B * ctx // bs
+    k16, v16 = (torch.randn(nblk, bs, Hkv, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k8, v8 = (c.float().div(2.0).clamp(-448, 448).to(torch.float8_e4m3fn) for c in (k16, v16))
+    tables = torch.randperm(nblk, device="cuda").view(B, ctx // bs).int()
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
+    bw = gb.RESULTS.get("copy_bandwidth", {}).get("value", 4.27)
+    ms = triton.testing.do_bench(lambda: paged_attention(q, k16, v16, tables, seq_lens, qsl, 1), warmup=25, rep=100)
+    TABLE.append(("decode attn bf16 cache (default)", f"{2 * k16.nbytes / ms / 1e9:.2f} TB/s ({ms * 1e3:.0f} us)"))
+    ref = paged_attention(q, k8, v8, tables, seq_lens, qsl, 1, config=dict(tile_config(H, Hkv, 1), FP16_DOT=True),
+                          k_scale=2.0, v_scale=2.0).float()  # fmt: skip
+    for fp16, tile_n, stages in itertools.product((False, True), (32, 64, 128), (2, 3, 4)):
+        cfg = dict(tile_config(H, Hkv, 1), TILE_N=tile_n, num_stages=stages, FP16_DOT=fp16)
+        try:
+            out = paged_attention(q, k8, v8, tables, seq_lens, qsl, 1, config=cfg, k_scale=2.0, v_scale=2.0).float()
+            ms = triton.testing.do_bench(lambda cfg=cfg: paged_attention(q, k8, v8, tables, seq_lens, qsl, 1,
+                                         config=cfg, k_scale=2.0, v_scale=2.0), warmup=25, rep=100)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 (out of shared memory)
+            print("   fp8 config failed", cfg, type(e).__name__, flush=True)
+            continue
+        rate = 2 * k8.nbytes / ms / 1e9
+        err = ((out - ref).norm() / ref.norm()).item()
+        RESULTS[f"fp8 attn fp16={fp16} tile_n={tile_n} stages={stages}"] = dict(tb_s=rate, us=ms * 1e3, err=err)
+        note = f"{rate:.2f} TB/s = {100 * rate / bw:.0f}% of copy ({ms * 1e3:.0f} us), vs fp16 dot {err:.1e}"
+        TABLE.append((f"decode attn fp8 cache fp16_dot={fp16} TILE_N={tile_n} stages={stages}", note))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
@@ -400,7 +435,7 @@ def main() -> None:
         try:
             {"gemv": lambda: section_gemv(args.quick), "pdl": section_pdl, "prefill": section_prefill,
              "silu": section_silu, "sample": lambda: section_sample(args.repeats),
-             "e2e": lambda: section_e2e(args.repeats)}[section]()  # fmt: skip
+             "fp8_attention": section_fp8_attention, "e2e": lambda: section_e2e(args.repeats)}[section]()  # fmt: skip
         except Exception as e:  # noqa: BLE001
             import traceback
 

@@ -1,6 +1,6 @@
 """Triton kernel writing a step's new K/V into the paged cache by slot mapping (slot = block * block_size + offset;
 a negative slot marks a padding token, which writes nothing). An FP8 cache (float8_e4m3fn, `--kv-cache-dtype fp8`)
-gets x / scale clamped to +-448 and rounded (to_cache; reference: aserve/layers/attention/kv_cache_dtype.py)."""
+gets x / scale clamped to +-448 and rounded (to_cache; reference: aserve/layers/attention/backend.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import triton.language as tl
 
 from aserve.kernels import pdl
 
-FP8_MAX: tl.constexpr = 448.0
+FP8_MAX = tl.constexpr(448.0)  # a global a Triton kernel reads must be a constexpr object
 
 
 @triton.jit
