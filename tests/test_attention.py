@@ -90,3 +90,22 @@ def test_cuda_graphs_only_for_backends_that_need_no_host_work_per_step(tiny_mode
     runner.capture_cuda_graphs()
     assert runner.graphs is None
 
+
+def test_every_backend_takes_the_calls_the_model_makes():
+    """Each backend's methods take the arguments of the interface (the model calls them positionally, the layer's
+    AttentionParams last): a backend whose signature fell behind fails here, not first on a GPU."""
+    import inspect
+
+    from aserve.layers.attention import batch_invariant, torch_backend, triton_backend, triton_batch_invariant
+    from aserve.layers.attention.backend import AttentionBackend
+
+    modules = (batch_invariant, torch_backend, triton_backend, triton_batch_invariant)
+    classes = {c for m in modules for _, c in inspect.getmembers(m, inspect.isclass) if issubclass(c, AttentionBackend)}
+    assert len(classes) >= 4
+    names = ("rotate_and_write", "attend")
+    for cls in classes:
+        for name in ("forward", *(names if cls.writes_rotated_kv else ())):
+            params = list(inspect.signature(getattr(cls, name)).parameters)
+            assert params[-1] == "params", (cls.__name__, name, params)
+        if cls.writes_rotated_kv:
+            assert len(inspect.signature(cls.rotate_and_write).parameters) == 9, cls.__name__

@@ -8,8 +8,8 @@ import torch
 from attention_cases import random_batch
 
 from aserve.kernels import cpu
-from aserve.kernels.reference import paged_attention, write_kv_cache
-from aserve.layers.attention.backend import AttentionMetadata, AttentionParams
+from aserve.kernels.reference import paged_attention
+from aserve.layers.attention.backend import AttentionMetadata, AttentionParams, write_kv_cache
 from aserve.layers.attention.batch_invariant import BatchInvariantCPUAttentionBackend
 
 needs_cpu_kernels = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the CPU kernels")
@@ -107,6 +107,58 @@ def test_triton_matmul_is_row_invariant_and_close_to_torch(dtype, n, k, bias):
     for m in (1, 3, 64, 65):
         for start in (0, 70 - m):
             assert torch.equal(bi_matmul.matmul(x[start : start + m], w, b), y[start : start + m]), (m, start)
+
+
+# Small tiles and four K ranges of 64 so that the interpreter runs every launch mode quickly: "across" up to 32 rows
+# (3 output tiles, half of PROGRAMS), in-program from 33; K = 200 (K masked), 224 (last range short), 256 (even ranges).
+SPLIT_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, K_SPLIT=64, GROUP_M=8, num_warps=4, num_stages=2,
+                    PROGRAMS=6)  # fmt: skip
+FEW_BATCHES = (1, 2, 3, 4, 8, 16, 17, 32, 33, 64)
+SPLIT_CASES = [(torch.float32, True, 224, range(1, 65)), (torch.float16, False, 200, FEW_BATCHES),
+               (torch.float32, False, 256, FEW_BATCHES)]  # fmt: skip
+if DEVICE == "cuda":
+    SPLIT_CASES.append((torch.bfloat16, True, 224, range(1, 65)))
+
+
+@pytest.mark.parametrize("dtype, bias, k, batches", SPLIT_CASES)
+def test_triton_split_k_matmul_is_row_invariant(dtype, bias, k, batches):
+    """A target row alone and at a random place among 0..63 random others: the same bits in every launch mode (the
+    K ranges summed by separate programs and combined, or in one program by nested or by one flat loop); close to
+    the reference."""
+    n = 80
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    pool = torch.randn(64, k, generator=gen).to(dtype).to(DEVICE)
+    target = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+    alone = bi_matmul.matmul(target, w, b, SPLIT_CONFIG)
+    expected = target.float() @ w.float().T + (b.float() if bias else 0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+    flat = dict(SPLIT_CONFIG, FLAT=True)
+    for m in (1, 33, 64):
+        x = torch.cat([target, pool[: m - 1]])
+        y = bi_matmul.matmul(x, w, b, SPLIT_CONFIG, across=True)
+        assert torch.equal(y, bi_matmul.matmul(x, w, b, SPLIT_CONFIG, across=False)), m
+        assert torch.equal(y, bi_matmul.matmul(x, w, b, flat, across=False)), m
+        assert torch.equal(y[0], alone[0]), m
+    for m in batches:
+        place = int(torch.randint(0, m, (), generator=gen))
+        others = pool[torch.randperm(64, generator=gen)[: m - 1]]
+        x = torch.cat([others[:place], target, others[place:]])
+        assert torch.equal(bi_matmul.matmul(x, w, b, SPLIT_CONFIG)[place], alone[0]), (m, place)
+
+
+def test_split_configs_depend_on_the_weight_alone():
+    """Llama-3-8B's linears: K ranges of whole BLOCK_K steps covering K, none empty; enough programs for one row."""
+    for name, make in bi_matmul.CANDIDATES.items():
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (100, 72)):
+            cfg = make(n, k, torch.bfloat16)
+            assert cfg == make(n, k, torch.bfloat16) and cfg["K_SPLIT"] % cfg["BLOCK_K"] == 0, (name, n, k)
+            assert (cfg["SPLIT_K"] - 1) * cfg["K_SPLIT"] < k <= cfg["SPLIT_K"] * cfg["K_SPLIT"], (name, n, k)
+    assert bi_matmul.config_for(6144, 4096)["SPLIT_K"] == 8
+    assert bi_matmul.config_for(28672, 4096)["SPLIT_K"] == 2
+    assert bi_matmul.config_for(100, 72)["SPLIT_K"] == 1
 
 
 class PagedRequests:

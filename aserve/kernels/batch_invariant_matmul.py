@@ -3,14 +3,36 @@ row-major as nn.Linear keeps it, each output element summed in one order that do
 
 cuBLAS picks its kernel (tile shape, split-K, stream-K) by the problem's shape, M included, and the Triton GEMV runs
 one-row inputs; each sums a row's products in another order, so a request's logits changed with the batch around it.
-Here the tile shape (BLOCK_M x BLOCK_N, BLOCK_K steps, warps) is chosen once per weight from N and K alone
-(`config_for`), there is no split-K, and every program sums its tile over K in the same BLOCK_K steps into a float32
-accumulator: an output element's value depends on its row of x, the weight and the tile shape only. Rows past M are
-loaded as zeros and not stored; programs are ordered in groups of GROUP_M row blocks for L2 reuse (which changes
-nothing in any sum). Reference: torch.nn.functional.linear.
+
+Here every parameter that fixes an output element's order of summation comes from the weight's shape and dtype alone
+(`config_for`): the tile (BLOCK_M x BLOCK_N, BLOCK_K steps, warps) and SPLIT_K, the number of consecutive K ranges
+of K_SPLIT columns (a multiple of BLOCK_K). Each range is summed by tl.dot in BLOCK_K steps into a float32
+accumulator that starts at zero; the ranges' sums are then added in range order to a float32 total that starts at
+zero; the bias is added to the total, which is rounded to x's dtype once. That order is computed in one of two ways,
+chosen by M (which changes the speed, not the bits):
+
+    in-program   one program per output tile walks the ranges one after the other (the only way when SPLIT_K = 1):
+                 FLAT, in one loop over K that adds the range's sum to the total at each range's end, else in a
+                 loop per range; for many rows, whose tiles alone fill the GPU
+    across       SPLIT_K programs per output tile, one per range, write float32 partial sums [SPLIT_K, M, N];
+                 _combine_kernel adds them in range order (no atomics); for few rows, where the tiles alone would
+                 leave most of the GPU idle while the weight streams (batch-1 decode)
+
+K is masked in every step only where it is not a multiple of BLOCK_K (K_MASK). Rows past M are loaded as zeros and
+not stored; programs are ordered in groups of GROUP_M row blocks for L2 reuse (which changes nothing in any sum).
+An output element's value depends on its row of x, the weight and the configuration only, provided tl.dot's result
+for a row does not depend on where in the BLOCK_M rows of a tile the row sits (the premise of every row-blocked
+kernel here; bench/batch_invariant_matmul.py checks it on the GPU).
+
+CANDIDATES are the configurations bench/batch_invariant_matmul.py compares (DEFAULT is config_for's): "old" is the
+single-tile kernel without split-K; ROW_TILES entries (min_rows, BLOCK_M, num_warps) change BLOCK_M with M, which
+holds the guarantee only where tl.dot sums a row the same way at every BLOCK_M: measured per GPU by the bench, never
+the default without that. Reference: torch.nn.functional.linear.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -18,24 +40,100 @@ import triton.language as tl
 
 from aserve.kernels import pdl
 
-# Decode batches (a few rows) are bound by streaming W: small column blocks give enough programs to fill the GPU
-# from the weight alone; wide layers take wider blocks.
-_NARROW = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
-_WIDE = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
-_WIDE_N = 16384
+# Programs that keep an H200 (132 SMs, two tiles of the split configurations resident on each) streaming the weight:
+# SPLIT_K is the smallest power of two giving the [N / BLOCK_N] column blocks this many programs at one row block.
+TARGET_PROGRAMS = 256
+MIN_K_SPLIT = 512  # columns of K per range, at least
+MAX_SPLIT_K = 16
+ACROSS_MAX_ROWS = 64  # "across" only for batches of up to this many rows (use_across)
+ACROSS_MAX_TILES_FRACTION = 0.5  # ... and at most this fraction of PROGRAMS output tiles
+COMBINE_BLOCK = 1024
 
 
-def config_for(n: int, k: int) -> dict:
-    """The launch configuration of a [n, k] weight: from its shape alone, never from the rows of x."""
-    return dict(_WIDE if n >= _WIDE_N else _NARROW)
+def split_config(n: int, k: int, dtype: torch.dtype | None = None, block_n: int = 128,
+                 programs: int = TARGET_PROGRAMS, flat: bool = True, num_warps: int = 4) -> dict:  # fmt: skip
+    """A tile of BLOCK_M 64 x block_n (64 in float32; num_warps) over BLOCK_K 64 and the SPLIT_K giving about `programs`
+    programs for one row block: from n, k and the dtype alone. flat: the in-program mode's K ranges in one loop
+    (one software pipeline) rather than a loop per range; the same sums either way."""
+    block_k = 64
+    if dtype == torch.float32:
+        block_n = min(block_n, 64)  # two float32 accumulators of 64 x 128 spill registers
+    blocks_n = triton.cdiv(n, block_n)
+    split = 1
+    while blocks_n * split < programs and split < MAX_SPLIT_K and k // (2 * split) >= MIN_K_SPLIT:
+        split *= 2
+    k_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    split = triton.cdiv(k, k_split)  # no empty ranges
+    stages = 3 if dtype == torch.float32 else 4
+    return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, K_SPLIT=k_split, GROUP_M=8,
+                num_warps=num_warps, num_stages=stages, PROGRAMS=programs, FLAT=flat)  # fmt: skip
+
+
+def old_config(n: int, k: int, dtype: torch.dtype | None = None) -> dict:
+    """One tile shape (BLOCK_N 64, 128 from 16384 columns), no split-K, K masked in every step: few programs for few
+    rows (a baseline)."""
+    block_n = 128 if n >= 16384 else 64
+    k_split = triton.cdiv(k, 64) * 64
+    return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=1, K_SPLIT=k_split, GROUP_M=8, num_warps=4,
+                num_stages=4, PROGRAMS=0, K_MASK=True)  # fmt: skip
+
+
+def _with_row_tiles(base, row_tiles: tuple, n: int, k: int, dtype: torch.dtype | None = None) -> dict:
+    return dict(base(n, k, dtype), ROW_TILES=row_tiles)
+
+
+CANDIDATES = {
+    "old": old_config,
+    "split128_nested": functools.partial(split_config, flat=False),
+    "split128": split_config,
+    "split64": functools.partial(split_config, block_n=64),
+    "split128x2": functools.partial(split_config, programs=2 * TARGET_PROGRAMS),
+    "split256": functools.partial(split_config, block_n=256, num_warps=8),
+    # BLOCK_M by M: allowed only where the bench shows tl.dot's sums of a row independent of BLOCK_M
+    "split128_m16": functools.partial(_with_row_tiles, split_config, ((1, 16, 4), (17, 64, 4))),
+    "split128_m128": functools.partial(_with_row_tiles, split_config, ((128, 128, 8),)),
+}
+# H200, 2026-12-03 (bench/batch_invariant_matmul.py): the loop per K range ran 5 % faster than the flat loop from
+# 256 rows (the same at fewer)
+DEFAULT = "split128_nested"
+
+
+def config_for(n: int, k: int, dtype: torch.dtype | None = None) -> dict:
+    """The launch configuration of a [n, k] weight: from its shape and dtype alone, never from the rows of x."""
+    return CANDIDATES[DEFAULT](n, k, dtype)
 
 
 @triton.jit
+def _range_sum(x_ptrs, w_ptrs, m_ok, n_ok, rk, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, K_MASK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """float32 [BLOCK_M, BLOCK_N]: the tile's products over K columns k_lo..k_hi-1, in BLOCK_K steps from zero.
+    K_MASK: mask the K columns (K not a multiple of BLOCK_K); without it the masks are constant along K, so the
+    loads are 16-byte vectors that the compiler can pipeline (cp.async)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if K_MASK:
+            k_ok = rk + k0 < k_hi
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _matmul_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, M, N, K, SPLIT_K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, MULTI: tl.constexpr, ACROSS: tl.constexpr, FLAT: tl.constexpr, K_MASK: tl.constexpr,
+    IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """MULTI: SPLIT_K > 1 (a constexpr, so that one K range compiles to a single accumulator); M and SPLIT_K are
+    not specialised on (one compiled kernel for every number of rows)."""
     pdl.gdc_sync(USE_PDL)
     pid = tl.program_id(0)
     blocks_m = tl.cdiv(M, BLOCK_M)
@@ -52,36 +150,109 @@ def _matmul_kernel(
     n_ok = rn < N
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk + k0 < K
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+    if ACROSS:  # this program's range only; _combine_kernel adds the ranges
+        split = tl.program_id(1)
+        k_lo = split * K_SPLIT
+        acc = _range_sum(x_ptrs, w_ptrs, m_ok, n_ok, rk, k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_M, BLOCK_N,
+                         BLOCK_K, K_MASK, IEEE)  # fmt: skip
+        p_ptrs = p_ptr + (split.to(tl.int64) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        if not MULTI:
+            total = _range_sum(x_ptrs, w_ptrs, m_ok, n_ok, rk, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, K_MASK, IEEE)
+        elif FLAT:  # one loop over K (one software pipeline); the range's sum joins the total at its end
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+                if IEEE:
+                    acc = tl.dot(x, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, w, acc)
+                if (k0 + BLOCK_K) % K_SPLIT == 0:
+                    total += acc
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if K % K_SPLIT != 0:  # the last range, shorter
+                total += acc
         else:
-            acc = tl.dot(x, w, acc)
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in range(SPLIT_K):
+                k_lo = split * K_SPLIT
+                total += _range_sum(x_ptrs, w_ptrs, m_ok, n_ok, rk, k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_M,
+                                    BLOCK_N, BLOCK_K, K_MASK, IEEE)  # fmt: skip
+        if HAS_BIAS:
+            total = total + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["size", "SPLIT_K"])
+def _combine_kernel(p_ptr, b_ptr, y_ptr, size, N, SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):  # fmt: skip
+    """y (contiguous [M, N], size = M * N elements) = the SPLIT_K partial sums [SPLIT_K, M, N] added in range order
+    to a float32 zero (+ bias)."""
+    pdl.gdc_sync(USE_PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in range(SPLIT_K):
+        total += tl.load(p_ptr + split * size + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        total = total + tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None):
+def row_tile(cfg: dict, m: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) for m rows: the configuration's, or its last ROW_TILES entry with min_rows <= m."""
+    block_m, warps = cfg["BLOCK_M"], cfg["num_warps"]
+    for min_rows, bm, w in cfg.get("ROW_TILES", ()):
+        if m >= min_rows:
+            block_m, warps = bm, w
+    return block_m, warps
+
+
+def use_across(cfg: dict, m: int, n: int, block_m: int) -> bool:
+    """Whether m rows run "across" (one program per K range), a choice of speed with the same bits either way: for
+    up to ACROSS_MAX_ROWS rows whose output tiles alone are at most ACROSS_MAX_TILES_FRACTION of the configuration's
+    PROGRAMS. (H200, 2026-12-03, bench/batch_invariant_matmul.py: at 1-64 rows "across" ran 1.5-3x faster on
+    Llama-3-8B's qkv / o / down projections, 32-48 tiles, and 2-15 % slower on gate_up's 224.)"""
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg["BLOCK_N"])
+    return cfg["SPLIT_K"] > 1 and m <= ACROSS_MAX_ROWS and tiles <= cfg["PROGRAMS"] * ACROSS_MAX_TILES_FRACTION
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
+           across: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] (rows with unit stride), weight [N, K] contiguous, bias [N] or None -> x @ weight^T + bias [M, N] in
-    x's dtype. `config`: config_for(N, K) unless given (it must not depend on M for batch invariance)."""
+    x's dtype. `config`: config_for(N, K, dtype) unless given (it must not depend on M for batch invariance).
+    `across`: force the launch mode (None: chosen by M; either gives the same bits)."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.is_contiguous() and x.stride(1) == 1
-    cfg = config or config_for(n, k)
+    cfg = config or config_for(n, k, weight.dtype)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _matmul_kernel[grid](
-        x, weight, weight if bias is None else bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl.launch_kwargs(),
+    block_m, warps = row_tile(cfg, m)
+    split = cfg["SPLIT_K"]
+    if across is None:
+        across = use_across(cfg, m, n, block_m)
+    across = across and split > 1
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg["BLOCK_N"])
+    assert not across or split * m * n < 2**31
+    k_mask = cfg.get("K_MASK", False) or k % cfg["BLOCK_K"] != 0
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if across else y
+    _matmul_kernel[(tiles, split if across else 1)](
+        x, weight, weight if bias is None else bias, y, partial, m, n, k, split, cfg["K_SPLIT"], x.stride(0),
+        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None and not across, BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], MULTI=split > 1, ACROSS=across,
+        FLAT=cfg.get("FLAT", False) and split > 1 and not k_mask, K_MASK=k_mask,
+        IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED, num_warps=warps, num_stages=cfg["num_stages"],
+        **pdl.launch_kwargs(),
     )  # fmt: skip
+    if across:
+        _combine_kernel[(triton.cdiv(m * n, COMBINE_BLOCK),)](
+            partial, weight if bias is None else bias, y, m * n, n, split, HAS_BIAS=bias is not None,
+            BLOCK=COMBINE_BLOCK, USE_PDL=pdl.ENABLED, num_warps=4, **pdl.launch_kwargs(),
+        )  # fmt: skip
     return y

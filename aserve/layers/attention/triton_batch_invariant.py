@@ -38,9 +38,10 @@ class BatchInvariantTritonAttentionBackend(AttentionBackend):
         segments = min(triton.cdiv(meta.max_seq_len, self.seg_keys), self.max_segments)
         meta.state = segments if meta.max_query_len == 1 and segments > 1 else 0
 
-    def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int):
+    def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int,
+                         params: AttentionParams = FULL_ATTENTION):  # fmt: skip
         """Rotary on q and k, k / v written into the cache (aserve/kernels/fused.py) -> (q, None, None): attention
-        reads every key from the pages."""
+        reads every key from the pages. (Deterministic mode has no quantised cache: `params`' scales are unused.)"""
         cache = (kv_cache[0], kv_cache[1], meta.slot_mapping)
         return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache), None, None
 
