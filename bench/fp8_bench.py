@@ -1,15 +1,22 @@
 """FP8 weight-only kernels (aserve/kernels/fp8_gemv.py) against torch._scaled_mm and bf16 cuBLAS on a GPU with FP8
 tensor cores, at the Llama-3-8B linear shapes:
 
-    python bench/fp8_bench.py [--rows 1,2,4,8,16,32,64] [--tune]
+    python bench/fp8_bench.py [--rows 1,2,4,8,16,32,64] [--tune [--budget-s 200]]
 
 For each shape (N x K) and number of rows M, in microseconds (do_bench medians, no CUDA graphs): bf16 F.linear
 (cuBLAS), the FP8 GEMV (M = 1), fp8_matmul (tl.dot, M <= 64 here), torch._scaled_mm with the activations' per-token
 quantisation (aserve/kernels/fp8.py) included and the GEMM alone, and the FP8 layer's choice at that M (the
 weight-only kernels up to fp8_gemv.MAX_ROWS rows, _scaled_mm beyond); each checked against the pure-torch reference
-first. M = 1 rows also give the GEMV's weight read rate (GB/s). --tune times a few launch configurations of the GEMV
-and of fp8_matmul and prints the fastest per shape (set them in aserve/kernels/gemv.py SCALED_GEMV_CONFIG* and
-fp8_gemv.py).
+first. M = 1 rows also give the GEMV's weight read rate (GB/s).
+
+--tune (bench/fp8_tune.py) then sweeps, each candidate checked against the reference first (split-K ones also for
+bit-identical repeats): the GEMV's variants and launch configurations (BLOCK_N / BLOCK_K / warps / stages, K split
+2-8 ways with either reduction) at M = 1 on the four shapes and the down projection with SiLU·mul fused, and
+fp8_matmul's (with and without split K) at M = 2, 4, 8, 16, 32. It prints the fastest per shape with its GB/s, a
+short summary table and the entries for gemv.py's SCALED_GEMV_CONFIGS and fp8_gemv.py's MATMUL_CONFIGS (one
+configuration per M bucket: the smallest total over the four shapes; from the first bucket where the layer's
+torch._scaled_mm is faster in total, None). The sweep stops trying candidates when --budget-s runs out (slices in
+proportion to their candidate counts; skipped ones are counted in the output), and times with short do_bench runs.
 
 Without CUDA the script runs its CPU-side checks (the kernels against the reference at small shapes, in Triton's
 interpreter, float32 and fp16 activations) instead and exits with status 1, saying the timings need a GPU.
@@ -18,7 +25,6 @@ interpreter, float32 and fp16 activations) instead and exits with status 1, sayi
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 
@@ -28,6 +34,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # the CPU-side checks run the Triton kernels in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import fp8_tune  # noqa: E402  (bench/, the script's directory)
+from fp8_tune import bench_us, check  # noqa: E402
+
 from aserve.kernels import fp8_gemv  # noqa: E402
 from aserve.kernels.fp8 import quantize_per_token  # noqa: E402
 from aserve.kernels.fp8_reference import dequantize, fp8_weight_only_linear  # noqa: E402
@@ -35,12 +44,6 @@ from aserve.layers.quantization.fp8 import has_fp8_tensor_cores, quantize_per_ch
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MATMUL_MAX_ROWS = 64  # fp8_matmul is timed up to this many rows
-
-
-def check(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 2e-2) -> None:
-    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    if err > tol:
-        raise AssertionError(f"{what}: relative error {err:.3g} against the reference")
 
 
 def cpu_checks() -> None:
@@ -54,22 +57,21 @@ def cpu_checks() -> None:
             for m in (1, 3, fp8_gemv.MAX_ROWS):
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 want = fp8_weight_only_linear(x, w_fp8, scale, bias.to(dtype))
-                config = fp8_gemv.gemv_config(n, k, dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2))
-                got = fp8_gemv.fp8_small_m(x, w_fp8, scale, bias.to(dtype), config)
-                check(got, want, f"CPU check {n}x{k} M={m} {dtype}", tol=2e-3)
-    print("CPU checks passed: fp8_gemv and fp8_matmul (Triton's interpreter) match the pure-torch reference")
-
-
-def bench_us(fn) -> float:
-    import triton.testing
-
-    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                for split in ({}, dict(SPLIT_K=2, REDUCE="ticket"), dict(SPLIT_K=2, REDUCE="pass")):
+                    base = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
+                    config = fp8_gemv.gemv_config(n, k, {**base, **split})
+                    got = fp8_gemv.fp8_small_m(x, w_fp8, scale, bias.to(dtype), config)
+                    check(got, want, f"CPU check {n}x{k} M={m} {dtype} {split}", tol=2e-3)
+                    if m > 1:
+                        break
+    print("CPU checks passed: fp8_gemv (K unsplit and split) and fp8_matmul (Triton's interpreter) match the reference")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,2,4,8,16,32,64")
     p.add_argument("--tune", action="store_true")
+    p.add_argument("--budget-s", type=float, default=200.0, help="--tune: most seconds for the sweep")
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if not torch.cuda.is_available():
@@ -80,6 +82,7 @@ def main() -> None:
     torch.manual_seed(0)
     print("| shape | M | bf16 cuBLAS us | fp8 GEMV us | fp8_matmul us | _scaled_mm + quant us | _scaled_mm us | "
           "layer us | layer / bf16 |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    weights = {}
     for name, (n, k) in SHAPES.items():
         w_fp8, scale = quantize_per_channel(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
         wb, scale_b = dequantize(w_fp8, scale, torch.bfloat16), scale.view(1, -1)
@@ -103,37 +106,16 @@ def main() -> None:
             times = {}
             for key, fn in paths.items():
                 check(fn(), want, f"{name} M={m} {key}", tol=2e-2 if key in ("gemv", "matmul", "bf16") else 8e-2)
-                times[key] = bench_us(fn)
+                times[key] = bench_us(fn, *((5, 20) if args.tune else ()))
             layer = "scaled_quant" if m > fp8_gemv.MAX_ROWS else "gemv" if "gemv" in times else "matmul"
             times["layer"] = times[layer]
             gemv = f"{times['gemv']:.1f} ({n * k / times['gemv'] / 1e3:.0f} GB/s)" if "gemv" in times else "-"
             matmul = f"{times['matmul']:.1f}" if "matmul" in times else "-"
             print(f"| {name} {n}x{k} | {m} | {times['bf16']:.1f} | {gemv} | {matmul} | {times['scaled_quant']:.1f} | "
                   f"{times['scaled']:.1f} | {times['layer']:.1f} | {times['layer'] / times['bf16']:.2f} |")  # fmt: skip
-        if args.tune:
-            tune(name, n, k, w_fp8, scale)
-
-
-def tune(name: str, n: int, k: int, w_fp8: torch.Tensor, scale: torch.Tensor) -> None:
-    x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    gemv = []
-    for bn, bk, warps, stages in itertools.product((8, 16, 32), (1024, 2048), (4, 8), (2, 3)):
-        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        if k % bk == 0 and bn * bk <= 32768:
-            gemv.append((bench_us(lambda: fp8_gemv.fp8_gemv(x1, w_fp8, scale, None, cfg)), cfg))
-    best = min(gemv, key=lambda t: t[0])
-    print(f"tune {name} GEMV: {best[0]:.1f} us with {best[1]}")
-    for m in (4, 16):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        found = []
-        for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)):
-            cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-            try:
-                found.append((bench_us(lambda: fp8_gemv.fp8_matmul(x, w_fp8, scale, config=cfg)), cfg))
-            except Exception:  # shared memory exceeded: skip the configuration
-                continue
-        best = min(found, key=lambda t: t[0])
-        print(f"tune {name} fp8_matmul M={m}: {best[0]:.1f} us with {best[1]}")
+        weights[name] = (w_fp8, scale)
+    if args.tune:
+        fp8_tune.tune(SHAPES, weights, args.budget_s)
 
 
 if __name__ == "__main__":

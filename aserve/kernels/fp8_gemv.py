@@ -4,31 +4,47 @@ quantised (W8A16): at a few rows a linear is bound by its weight bytes, which e4
 (torch._scaled_mm) is far from that bound there (Llama-3-8B shape, H200: 3.77 ms of a 4.52 ms batch-1 step,
 docs/quantization.md). Reference: aserve/kernels/fp8_reference.py fp8_weight_only_linear.
 
-    fp8_gemv        one row: aserve/kernels/gemv.py's loop (BLOCK_N rows per program, an element-wise float32
-                    accumulator reduced once at the end) over e4m3 tiles widened to float32; silu_mul fuses a Llama
+    fp8_gemv        one row: aserve/kernels/gemv.py's scaled_gemv (BLOCK_N rows per program, an element-wise float32
+                    accumulator reduced once at the end, K split over SPLIT_K programs or not; the configuration per
+                    weight shape from SCALED_GEMV_CONFIGS) over e4m3 tiles widened to float32; silu_mul fuses a Llama
                     MLP's activation into the down projection's prologue, as there
-    fp8_matmul      2 .. MAX_ROWS rows: tl.dot of the [BLOCK_M, BLOCK_K] x tile and the weight tile widened to x's
-                    dtype (exact: every e4m3 value is a bf16 and an fp16 value), a float32 accumulator, scales and
-                    bias in the epilogue
+    fp8_matmul      2 .. MAX_ROWS rows: aserve/kernels/scaled_matmul.py's tl.dot kernel (weight tiles widened to x's
+                    dtype, exact: every e4m3 value is a bf16 and an fp16 value; a float32 accumulator, scales and
+                    bias in the epilogue; evict-first weight loads), its configuration by rows from MATMUL_CONFIGS
     fp8_small_m     the kernel for M <= MAX_ROWS rows
 
 The layer (aserve/layers/quantization/fp8.py) runs these up to MAX_ROWS rows and torch._scaled_mm beyond. Widening
 e4m3 is exact in Triton's interpreter too (the tests run there on CPU tensors), unlike the rounding casts to e4m3 of
 aserve/kernels/fp8.py; the interpreter's bf16 tl.dot is not exact on CPU, so those tests use float32 / fp16 x.
 The launch configurations and MAX_ROWS are starting points: bench/fp8_bench.py times them against bf16 cuBLAS and
-torch._scaled_mm at the Llama-3-8B shapes on a GPU.
+torch._scaled_mm at the Llama-3-8B shapes on a GPU, and --tune prints the table entries it finds fastest.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from aserve.kernels import gemv, pdl
+from aserve.kernels import gemv, scaled_matmul
 
-MAX_ROWS = 16  # more rows: the layer's large-M kernel (torch._scaled_mm)
-MATMUL_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+MATMUL_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, SPLIT_K=1, num_warps=4, num_stages=4)
+# fp8_matmul by rows: (most rows, configuration or None). None: from that bucket on the layer's large-M kernel
+# (torch._scaled_mm) runs instead; MAX_ROWS is the last bucket with a configuration. bench/fp8_bench.py --tune
+# times each bucket's configurations (SPLIT_K: aserve/kernels/scaled_matmul.py) at the Llama-3-8B shapes and prints
+# the entries with the smallest total time over the shapes.
+# H200, 2026-12-03 (us summed over the four shapes; torch._scaled_mm with the activations' quantisation beside):
+MATMUL_CONFIGS = (
+    # M <= 2: 133.9 us, _scaled_mm + quant 204.6 us
+    (2, dict(BLOCK_K=128, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, SPLIT_K=1, num_stages=4, num_warps=4)),
+    # M <= 4: 127.2 us, _scaled_mm + quant 150.5 us
+    (4, dict(BLOCK_K=128, BLOCK_M=16, BLOCK_N=64, GROUP_M=1, SPLIT_K=4, num_stages=4, num_warps=4)),
+    # M <= 8: 127.2 us, _scaled_mm + quant 143.4 us
+    (8, dict(BLOCK_K=128, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, SPLIT_K=4, num_stages=4, num_warps=4)),
+    # M <= 16: 141.3 us, _scaled_mm + quant 191.1 us
+    (16, dict(BLOCK_K=512, BLOCK_M=16, BLOCK_N=32, GROUP_M=1, SPLIT_K=1, num_stages=4, num_warps=4)),
+    # M <= 32: 193.5 us, _scaled_mm + quant 177.1 us: _scaled_mm from here on
+    (None, None),
+)
+MAX_ROWS = max((most for most, cfg in MATMUL_CONFIGS if cfg is not None and most is not None), default=1)
 
 
 gemv_config = gemv.scaled_gemv_config  # the launch configuration of the GEMV for an [n, k] weight
@@ -44,53 +60,18 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
     return gemv.scaled_gemv(x, w, scale, bias, cfg, silu_mul)
 
 
-@triton.jit
-def _fp8_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = tl.program_id(1), tl.program_id(0)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = rm < M, rn < N
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]: W^T's tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    pdl.gdc_sync(USE_PDL)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk + k0 < K
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
-        if IEEE:
-            acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
-    acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+def matmul_config(m: int) -> dict | None:
+    """fp8_matmul's launch configuration at m rows (None: more rows than MAX_ROWS)."""
+    return next(cfg for most, cfg in MATMUL_CONFIGS if most is None or m <= most)
 
 
 def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] -> (x w^T) * scale (+ bias) [M, N] in x's dtype, on the tensor cores (float32 x: full-precision
-    dot products)."""
-    m, k = x.shape
-    n = w.shape[0]
-    assert w.shape[1] == k and x.stride(-1) == 1 and w.stride(-1) == 1 and w.dtype == torch.float8_e4m3fn
-    cfg = {**MATMUL_CONFIG, **(config or {})}
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-    _fp8_matmul_kernel[grid](
-        x, w, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None,
-        IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    return out
+    dot products); config overrides matmul_config(M) (MATMUL_CONFIG where that is None)."""
+    assert w.dtype == torch.float8_e4m3fn
+    base = matmul_config(x.shape[0]) or MATMUL_CONFIG
+    return scaled_matmul.scaled_matmul(x, w, scale, bias, {**base, **(config or {})}, evict_first=True)
 
 
 def fp8_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -6,9 +6,9 @@ the mantissa of fp16 and bf16) and summed in float32. Reference: aserve/kernels/
     int8_gemv     one row (batch-1 decode): aserve/kernels/gemv.py's loop (BLOCK_N rows per program, an
                   element-wise float32 accumulator reduced once at the end) over int8 tiles, half the bytes of the
                   bf16 GEMV; silu_mul fuses a Llama MLP's activation into the down projection's prologue, as there
-    int8_matmul   more rows: tl.dot of [BLOCK_M, BLOCK_K] x tiles and [BLOCK_K, BLOCK_N] weight tiles widened to x's
-                  dtype, a float32 accumulator, scales and bias in the epilogue; programs walk the output in groups
-                  of GROUP_M row blocks, so the weight tiles they share are read from L2
+    int8_matmul   more rows: aserve/kernels/scaled_matmul.py's tl.dot kernel (weight tiles widened to x's dtype, a
+                  float32 accumulator, scales and bias in the epilogue, GROUP_M row blocks walking the output
+                  together) with the configurations of MATMUL_CONFIGS
     int8_linear   the kernel for M rows: the GEMV at M = 1, int8_matmul up to DEQUANT_MIN_ROWS rows, beyond that the
                   weight dequantised to x's dtype (one elementwise kernel) and cuBLAS, where the GEMM's arithmetic
                   dwarfs the extra pass over the weights
@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from aserve.kernels import gemv, pdl
+from aserve.kernels import gemv, scaled_matmul
 
 # int8_matmul by rows: (most rows, configuration)
 MATMUL_CONFIGS = (
@@ -50,43 +48,6 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     return gemv.scaled_gemv(x, q, scale, bias, cfg, silu_mul)
 
 
-@triton.jit
-def _int8_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    blocks_m, blocks_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    # GROUP_M row blocks walk the column blocks together: consecutive programs share weight tiles
-    group = pid // (GROUP_M * blocks_n)
-    first_m = group * GROUP_M
-    group_m = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * blocks_n)) % group_m
-    pid_n = (pid % (GROUP_M * blocks_n)) // group_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = rm < M, rn < N
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]: W^T's tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    pdl.gdc_sync(USE_PDL)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk + k0 < K
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0)
-        if IEEE:
-            acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
-    acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
 def matmul_config(m: int) -> dict:
     return next(cfg for most, cfg in MATMUL_CONFIGS if most is None or m <= most)
 
@@ -95,19 +56,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 config: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] -> (x q^T) * scale (+ bias) [M, N] in x's dtype, on the tensor cores (float32 x: full-precision
     dot products)."""
-    m, k = x.shape
-    n = q.shape[0]
-    assert q.shape[1] == k and x.stride(-1) == 1 and q.stride(-1) == 1 and q.dtype == torch.int8
-    cfg = {**matmul_config(m), **(config or {})}
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _int8_matmul_kernel[grid](
-        x, q, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), q.stride(0), out.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    return out
+    assert q.dtype == torch.int8
+    return scaled_matmul.scaled_matmul(x, q, scale, bias, {**matmul_config(x.shape[0]), **(config or {})})
 
 
 def dequantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
