@@ -6,8 +6,9 @@ prompts); the handler wakes once for all of them and sends them in one socket wr
 (one choice per chunk, as OpenAI and vLLM send them), coalescing several steps' tokens of a choice into one chunk when
 the client or the loop fell behind. Once the headers are out, the step coroutine writes each step's events itself
 (EventStream.put): one socket write per client per step, no task switch. A client that stops reading (its TCP window
-full) gets at most ASERVE_STREAM_BUFFER (envs.py) bytes buffered; then its requests are ended (their KV blocks freed)
-and its connection closed, and the loop never waits on it.
+full) gets at most ASERVE_STREAM_BUFFER (envs.py) bytes buffered, and its connection's kernel send buffer is bounded
+by the same; then its requests are ended (their KV blocks freed) and its connection closed, and the loop never waits
+on it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 
 import msgspec
 from aiohttp import web
@@ -371,8 +373,14 @@ class EventStream(OutputSink):
 
     def go_direct(self) -> None:
         """From now on put() writes (HTTP/1.1 chunked framing, straight to the transport: aiohttp has sent the
-        headers)."""
+        headers). The connection's kernel send buffer is bounded by the same buffer_limit: left to autotuning it
+        takes megabytes from a client that stopped reading (~2 MB on loopback against a 2 KiB receive window) before
+        anything waits in the transport."""
         self.transport = self.request.transport
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.buffer_limit)
 
     def put(self, item) -> None:
         if self.transport is None:
