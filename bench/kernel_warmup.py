@@ -1,0 +1,78 @@
+"""What the start-up kernel warm-up (ASERVE_KERNEL_WARMUP, aserve/worker/profiling.py) buys on a fresh install: each
+setting in its own process with an empty Triton cache, a Llama-3-8B-shaped model with random weights on the GPU.
+
+    python bench/kernel_warmup.py [--arch llama3-8b] [--num-requests 256] [--input-len 512] [--output-len 256]
+
+Per setting (warm-up on, off): seconds to build the engine (LLM(...) returning), then the offline workload (random
+token prompts, greedy, EOS ignored) twice: the first run's output tok/s pays whatever Triton compiles on the way, the
+second is the steady state. Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def one_setting(args) -> dict:
+    import torch
+
+    sys.path.insert(0, HERE)
+    from gpu_bench import dummy_model_dir
+
+    from aserve import LLM, SamplingParams
+
+    model_dir = dummy_model_dir(tempfile.mkdtemp(), args.arch)
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
+    out = {"start_s": round(time.perf_counter() - t0, 1)}
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    for run in ("first", "second"):
+        prompts = [{"prompt_token_ids": torch.randint(100, 100000, (args.input_len,), generator=gen).tolist()}
+                   for _ in range(args.num_requests)]  # fmt: skip
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        out[f"{run}_tok_s"] = round(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, 1)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="llama3-8b")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one setting
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one_setting(args)))
+        return
+    rows = {}
+    for setting, value in (("warm-up on", "1"), ("warm-up off", "0")):
+        env = dict(os.environ, ASERVE_KERNEL_WARMUP=value, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton-"))
+        cmd = [sys.executable, __file__, "--one", "--arch", args.arch, "--num-requests", str(args.num_requests),
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len)]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{setting}: the child process failed ({proc.returncode})")
+        rows[setting] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(setting, rows[setting], flush=True)
+    print("\n| setting | engine start s | first run out tok/s | second run out tok/s | first / second |")
+    print("|---|---|---|---|---|")
+    for setting, r in rows.items():
+        print(f"| {setting} | {r['start_s']} | {r['first_tok_s']} | {r['second_tok_s']} | "
+              f"{r['first_tok_s'] / r['second_tok_s']:.3f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
