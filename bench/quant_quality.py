@@ -25,12 +25,15 @@ Columns: perplexity on aserve/quantize/data/heldout.txt (aserve/quantize/perplex
 --window tokens, through each model's own forward) and its change against the baseline; greedy agreement with the
 baseline over --prompts prompts (the first --prompt-len tokens of evenly spaced held-out windows, --max-tokens
 greedy tokens each, EOS ignored): "prefix" is the mean share of a continuation's tokens before its first difference
-from the baseline's, "identical" the share of continuations equal to the baseline's. Prints a markdown table last.
+from the baseline's, "identical" the share of continuations equal to the baseline's; multiple choice: the 20
+questions of bench/lm_eval_task scored as lm-evaluation-harness scores them (acc, acc_norm) and how many of each
+model's picks equal the baseline's. Prints a markdown table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import tempfile
@@ -41,6 +44,7 @@ from aserve.layers.quantization.lm_head import int4_group_size
 from aserve.quantize.perplexity import model_nll, window_ids
 from aserve.quantize.quantize import data_path, quantize_model
 
+MC_QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_task", "questions.jsonl")
 SMOLLM2_HIDDEN = 576  # the int4 head's group: 128 where it divides the hidden size (not SmolLM2's), else --group-size
 ONLINE = {"int8": "int8", "fp8": "fp8"}  # row -> --quantization
 CHECKPOINTS = {"awq": ("awq", "awq"), "gptq": ("gptq", "gptq")}  # row -> (aserve quantize --method, --format)
@@ -73,7 +77,36 @@ def evaluate(model: str | None, dtype: str, quantization: str | None, text: str,
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return {"ppl": math.exp(total / count), "tokens": count, "outputs": [o.outputs[0].token_ids for o in outs],
-            "seconds": time.perf_counter() - t0}  # fmt: skip
+            "choices": multiple_choice(llm), "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def multiple_choice(llm: LLM) -> list[tuple[int, int, int]]:
+    """bench/lm_eval_task's questions as lm-evaluation-harness scores them (the task's prompt, each choice's
+    log-likelihood after it; acc: the largest sum, acc_norm: the largest per character) -> per question (answer,
+    acc's pick, acc_norm's pick). The log-likelihoods are the prompt logprobs of context + choice."""
+    tok = llm.get_tokenizer()
+    with open(MC_QUESTIONS, encoding="utf-8") as f:
+        questions = [json.loads(line) for line in f if line.strip()]
+    requests, spans = [], []
+    for q in questions:
+        context = f"Question: {q['question']}\nAnswer:"
+        ctx = tok(context, add_special_tokens=False)["input_ids"]
+        for choice in q["choices"]:
+            ids = tok(f"{context} {choice}", add_special_tokens=False)["input_ids"]
+            requests.append({"prompt_token_ids": ids})
+            spans.append(len(ctx))
+    outs = llm.generate(requests, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    scores = []
+    for out, start in zip(outs, spans, strict=True):
+        ids = out.prompt_token_ids
+        scores.append(sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))))
+    picks, i = [], 0
+    for q in questions:
+        ll = scores[i : i + len(q["choices"])]
+        norm = [v / len(c) for v, c in zip(ll, q["choices"], strict=True)]
+        picks.append((q["answer"], ll.index(max(ll)), norm.index(max(norm))))
+        i += len(q["choices"])
+    return picks
 
 
 def agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
@@ -150,14 +183,21 @@ def main() -> None:
 
     print(f"\nheld-out tokens scored: {base['tokens']} (windows of {args.window}); greedy agreement: {args.prompts} "
           f"prompts of {args.prompt_len} tokens, {args.max_tokens} tokens each\n")  # fmt: skip
-    print("| model | perplexity | vs baseline | greedy prefix agreement | identical continuations | quantise s |")
-    print("|---|---|---|---|---|---|")
+    n = len(base["choices"])
+    print(f"multiple choice: bench/lm_eval_task's {n} questions, acc / acc_norm as lm-evaluation-harness scores them; "
+          "same picks: questions where both picks equal the baseline's\n")  # fmt: skip
+    print("| model | perplexity | vs baseline | greedy prefix agreement | identical continuations | MC acc / acc_norm "
+          "| same picks as baseline | quantise s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for label, result, seconds in rows:
         prefix, identical = agreement(base["outputs"], result["outputs"])
         change = "-" if result is base else f"{100 * (result['ppl'] / base['ppl'] - 1):+.2f} %"
         quant = "-" if seconds is None else f"{seconds:.0f}"
+        acc = sum(a == p for a, p, _ in result["choices"]) / n
+        acc_norm = sum(a == p for a, _, p in result["choices"]) / n
+        same = sum(b[1:] == r[1:] for b, r in zip(base["choices"], result["choices"], strict=True))
         print(f"| {label} | {result['ppl']:.3f} | {change} | {100 * prefix:.1f} % | {100 * identical:.0f} % | "
-              f"{quant} |")  # fmt: skip
+              f"{acc:.2f} / {acc_norm:.2f} | {same} / {n} | {quant} |")  # fmt: skip
 
 
 if __name__ == "__main__":
