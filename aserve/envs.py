@@ -24,13 +24,9 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
                           (aserve/kernels/gemv.py) instead of cuBLAS. Default on.
     ASERVE_PDL            GPU (Hopper and newer): programmatic dependent launch of aserve's Triton kernels
                           (aserve/kernels/pdl.py). Default on.
-    ASERVE_KERNEL_WARMUP  GPU: compile the Triton kernels' specialisations that steps meet (prompt chunks, mixed
-                          steps, the greedy pick) at engine start, not in the first requests
-                          (aserve/worker/profiling.py). Default on.
     ASERVE_STREAM_BUFFER  the server: how many bytes of events may wait for a streaming client that stopped reading
-                          (its TCP window full) before its requests are ended and its connection closed; also
-                          the SO_SNDBUF of a streaming connection (aserve/entrypoints/openai/responses.py).
-                          Default 4 MiB.
+                          (its TCP window full) before its requests are ended and its connection closed
+                          (aserve/entrypoints/openai/responses.py). Default 4 MiB.
 """
 
 from __future__ import annotations
@@ -49,7 +45,6 @@ if TYPE_CHECKING:
     ASERVE_CPU_MALLOC: bool
     ASERVE_GEMV: bool
     ASERVE_PDL: bool
-    ASERVE_KERNEL_WARMUP: bool
     ASERVE_STREAM_BUFFER: int
 
 
@@ -69,7 +64,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "ASERVE_CPU_MALLOC": _switch("ASERVE_CPU_MALLOC"),
     "ASERVE_GEMV": _switch("ASERVE_GEMV"),
     "ASERVE_PDL": _switch("ASERVE_PDL"),
-    "ASERVE_KERNEL_WARMUP": _switch("ASERVE_KERNEL_WARMUP"),
     "ASERVE_STREAM_BUFFER": lambda: int(os.environ.get("ASERVE_STREAM_BUFFER", str(4 << 20))),
 }
 

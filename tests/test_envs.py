@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-from aserve import LLM, SamplingParams, envs
+from aserve import LLM, envs
 from aserve.kernels import cpu, cpu_build
 from aserve.layers.linear import Linear
 from aserve.models import model_path
-from aserve.worker import host_memory, profiling
+from aserve.worker import host_memory
 
 SWITCHES = ["ASERVE_CPU_KERNELS", "ASERVE_CPU_AMX", "ASERVE_CPU_MV", "ASERVE_CPU_ONE_TOKEN", "ASERVE_CPU_MALLOC",
-            "ASERVE_GEMV", "ASERVE_PDL", "ASERVE_KERNEL_WARMUP"]  # fmt: skip
+            "ASERVE_GEMV", "ASERVE_PDL"]  # fmt: skip
 HAS_C_GEMV = cpu.gemv_supports(torch.empty(1, 32, dtype=torch.bfloat16))
 
 
@@ -147,32 +147,3 @@ def test_gemv_and_pdl_switches(clean_env, tiny_model, on):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert any(m.gemv_config is not None for m in linears) == on
     assert pdl.ENABLED == (on and torch.cuda.get_device_capability()[0] >= 9)
-
-
-def test_kernel_warmup_steps_are_steps_a_runner_takes(tiny_model):
-    """The made-up steps of the start-up kernel warm-up fit the engine's limits and run (on CPU, where the warm-up
-    itself is off: nothing to compile), and requests afterwards get the tokens of an engine that never ran them."""
-    prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
-    params = SamplingParams(max_tokens=8, temperature=0)
-    llm = LLM(tiny_model, max_num_batched_tokens=128, max_num_seqs=8, enable_prefix_caching=False)
-    want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    steps = profiling.kernel_warmup_steps(128, 8)
-    assert [128] in steps and any(q[0] == 1 and q[-1] > 1 for q in steps)
-    runner = llm.engine.core.runner
-    for q_lens in steps:
-        assert sum(q_lens) <= 128 and len(q_lens) <= 8
-        logits = profiling.synthetic_step(runner, q_lens)
-        assert logits.shape[0] == len(q_lens)
-        runner.sampler.warm_up(logits)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    assert got == want
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel warm-up runs on GPUs")
-@pytest.mark.parametrize("on", [True, False])
-def test_kernel_warmup_switch(clean_env, tiny_model, on, caplog):
-    if not on:
-        clean_env.setenv("ASERVE_KERNEL_WARMUP", "0")
-    with caplog.at_level("INFO", logger="aserve"):
-        LLM(tiny_model, dtype="bfloat16")
-    assert ("Kernel warm-up" in caplog.text) == on

@@ -132,7 +132,6 @@ class EngineCore:
             self.runner.warmup()
         if config.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_cuda_graphs()
-        self.runner.warm_up_kernels()
         self.spec_policy = self._spec_policy()
         self.stats = EngineStats()
         self.structured_output = StructuredOutputManager(config.tokenizer, config.vocab_size, config.eos_token_id)

@@ -220,12 +220,6 @@ class ModelRunner:
         profiling.warmup(self)
 
     @torch.inference_mode()
-    def warm_up_kernels(self) -> None:
-        """GPU: compiles the Triton specialisations that steps meet beyond CUDA graphs (worker/profiling.py)."""
-        self._on_every_rank("warm_up_kernels")
-        profiling.warm_up_kernels(self)
-
-    @torch.inference_mode()
     def measure_step_times(self, reps: int = 3) -> dict[int, float]:
         """Seconds per step by number of tokens (worker/profiling.py)."""
         self._on_every_rank("measure_step_times", reps)

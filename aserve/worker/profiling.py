@@ -1,7 +1,6 @@
-"""What the model runner does at start-up on made-up requests: a warm-up step (torch.compile), the time of steps by
-size (the speculation policy's cost model), on a GPU the peak activation memory that sizes the KV cache, and the
-compilation of the Triton kernels' specialisations the steps will meet (warm_up_kernels). Tensor parallelism: the
-runner's methods of the same names have the other ranks run these too."""
+"""What the model runner measures at start-up, on made-up requests: a warm-up step (compilation), the time of steps
+by size (the speculation policy's cost model) and, on a GPU, the peak activation memory that sizes the KV cache.
+Tensor parallelism: the runner's methods of the same names have the other ranks run these too."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import time
 
 import torch
 
-from aserve import envs
 from aserve.core.kv_cache_manager import cdiv
 from aserve.layers.attention.backend import AttentionMetadata
 
@@ -64,32 +62,6 @@ def warmup(runner) -> None:
     t0 = time.perf_counter()
     synthetic_step(runner, [n])
     logger.info("Warm-up (compilation) took %.1f s", time.perf_counter() - t0)
-
-
-def kernel_warmup_steps(max_tokens: int, max_seqs: int) -> list[list[int]]:
-    """Query lengths of the made-up steps that compile what real steps launch beyond the decode-only steps that CUDA
-    graph capture compiles: prompt chunks (one request, and after decodes: mixed steps) of token counts that are and
-    are not multiples of 16 (Triton specialises integer arguments on that), a short chunk, and the longest one."""
-    steps = [[17], [32], [1, 1, 1, 29], [1] * min(8, max_seqs - 1) + [40], [max_tokens]]
-    if max_seqs > 1 and max_tokens > 64:
-        steps.append([1] * min(max_seqs - 1, max_tokens // 2) + [max_tokens - min(max_seqs - 1, max_tokens // 2)])
-    return [q for q in steps if sum(q) <= max_tokens and len(q) <= max_seqs]
-
-
-def warm_up_kernels(runner) -> None:
-    """GPU: runs the steps of kernel_warmup_steps and the greedy pick at a few batch sizes, so that a fresh install's
-    first traffic does not wait for Triton's compilation of their specialisations (cached on disk afterwards).
-    ASERVE_KERNEL_WARMUP=0: not."""
-    if runner.device.type != "cuda" or not envs.ASERVE_KERNEL_WARMUP:
-        return
-    t0 = time.perf_counter()
-    n = min(runner.max_num_batched_tokens, runner.max_model_len)
-    for q_lens in kernel_warmup_steps(n, runner.max_num_seqs):
-        logits = synthetic_step(runner, q_lens)
-        for rows in {1, min(len(q_lens), 4), len(q_lens)}:
-            runner.sampler.warm_up(logits[:rows])
-    _sync(runner)
-    logger.info("Kernel warm-up (Triton compilation) took %.1f s", time.perf_counter() - t0)
 
 
 def measure_step_times(runner, reps: int = 3) -> dict[int, float]:

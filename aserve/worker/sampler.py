@@ -324,11 +324,6 @@ class Sampler:
         supports, pick = self._greedy_kernel
         return pick(logits) if supports(logits) else None
 
-    def warm_up(self, logits: torch.Tensor) -> None:
-        """Start-up: compiles the greedy kernel for logits of this shape (worker/profiling.py warm_up_kernels)."""
-        if self._greedy_kernel is not None and self._greedy_kernel[0](logits):
-            self._greedy_kernel[1](logits)
-
     def _first_max(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum (the greedy kernel where it applies)."""
         if self._greedy_kernel is not None and self._greedy_kernel[0](logits):

@@ -1,11 +1,13 @@
-"""What the start-up kernel warm-up (ASERVE_KERNEL_WARMUP, aserve/worker/profiling.py) buys on a fresh install: each
-setting in its own process with an empty Triton cache, a Llama-3-8B-shaped model with random weights on the GPU.
+"""The first traffic of a fresh engine against its steady state, on a GPU, a Llama-3-8B-shaped model with random
+weights: how much of the first run's cost is Triton compiling (an empty cache) and how much is not (the cache that
+run filled, reused by a new process).
 
-    python bench/kernel_warmup.py [--arch llama3-8b] [--num-requests 256] [--input-len 512] [--output-len 256]
+    python bench/first_run.py [--arch llama3-8b] [--num-requests 64] [--input-len 512] [--output-len 64]
 
-Per setting (warm-up on, off): seconds to build the engine (LLM(...) returning), then the offline workload (random
-token prompts, greedy, EOS ignored) twice: the first run's output tok/s pays whatever Triton compiles on the way, the
-second is the steady state. Prints a table.
+Each setting in its own process: "fresh" with an empty TRITON_CACHE_DIR, then "cached" with the directory the fresh
+process filled. Per setting: seconds to build the engine (LLM(...) returning), then the offline workload (random
+token prompts, greedy, EOS ignored) twice: output tok/s of the first run and of the second (the steady state).
+Prints a table.
 """
 
 from __future__ import annotations
@@ -48,17 +50,18 @@ def one_setting(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="llama3-8b")
-    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one setting
     args = p.parse_args()
     if args.one:
         print(json.dumps(one_setting(args)))
         return
+    cache = tempfile.mkdtemp(prefix="triton-")
     rows = {}
-    for setting, value in (("warm-up on", "1"), ("warm-up off", "0")):
-        env = dict(os.environ, ASERVE_KERNEL_WARMUP=value, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton-"))
+    for setting in ("fresh Triton cache", "cached (the same directory, a new process)"):
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
         cmd = [sys.executable, __file__, "--one", "--arch", args.arch, "--num-requests", str(args.num_requests),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len)]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
