@@ -11,9 +11,9 @@ accumulator that starts at zero; the ranges' sums are then added in range order 
 zero; the bias is added to the total, which is rounded to x's dtype once. That order is computed in one of two ways,
 chosen by M (which changes the speed, not the bits):
 
-    in-program   one program per output tile walks the ranges one after the other (the only way when SPLIT_K = 1):
-                 FLAT, in one loop over K that adds the range's sum to the total at each range's end, else in a
-                 loop per range; for many rows, whose tiles alone fill the GPU
+    in-program   one program per output tile walks the ranges one after the other, a loop per range (the only
+                 way when SPLIT_K = 1); for many rows, whose tiles alone fill the GPU. (One loop over K adding each
+                 range's sum at its end gives the same bits and ran up to 5 % slower from 256 rows on the H200.)
     across       SPLIT_K programs per output tile, one per range, write float32 partial sums [SPLIT_K, M, N];
                  _combine_kernel adds them in range order (no atomics); for few rows, where the tiles alone would
                  leave most of the GPU idle while the weight streams (batch-1 decode)
@@ -51,10 +51,9 @@ COMBINE_BLOCK = 1024
 
 
 def split_config(n: int, k: int, dtype: torch.dtype | None = None, block_n: int = 128,
-                 programs: int = TARGET_PROGRAMS, flat: bool = True, num_warps: int = 4) -> dict:  # fmt: skip
+                 programs: int = TARGET_PROGRAMS, num_warps: int = 4) -> dict:  # fmt: skip
     """A tile of BLOCK_M 64 x block_n (64 in float32; num_warps) over BLOCK_K 64 and the SPLIT_K giving about `programs`
-    programs for one row block: from n, k and the dtype alone. flat: the in-program mode's K ranges in one loop
-    (one software pipeline) rather than a loop per range; the same sums either way."""
+    programs for one row block: from n, k and the dtype alone."""
     block_k = 64
     if dtype == torch.float32:
         block_n = min(block_n, 64)  # two float32 accumulators of 64 x 128 spill registers
@@ -66,7 +65,7 @@ def split_config(n: int, k: int, dtype: torch.dtype | None = None, block_n: int 
     split = triton.cdiv(k, k_split)  # no empty ranges
     stages = 3 if dtype == torch.float32 else 4
     return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, K_SPLIT=k_split, GROUP_M=8,
-                num_warps=num_warps, num_stages=stages, PROGRAMS=programs, FLAT=flat)  # fmt: skip
+                num_warps=num_warps, num_stages=stages, PROGRAMS=programs)  # fmt: skip
 
 
 def old_config(n: int, k: int, dtype: torch.dtype | None = None) -> dict:
@@ -84,7 +83,6 @@ def _with_row_tiles(base, row_tiles: tuple, n: int, k: int, dtype: torch.dtype |
 
 CANDIDATES = {
     "old": old_config,
-    "split128_nested": functools.partial(split_config, flat=False),
     "split128": split_config,
     "split64": functools.partial(split_config, block_n=64),
     "split128x2": functools.partial(split_config, programs=2 * TARGET_PROGRAMS),
@@ -93,9 +91,7 @@ CANDIDATES = {
     "split128_m16": functools.partial(_with_row_tiles, split_config, ((1, 16, 4), (17, 64, 4))),
     "split128_m128": functools.partial(_with_row_tiles, split_config, ((128, 128, 8),)),
 }
-# H200, 2026-12-03 (bench/batch_invariant_matmul.py): the loop per K range ran 5 % faster than the flat loop from
-# 256 rows (the same at fewer)
-DEFAULT = "split128_nested"
+DEFAULT = "split128"
 
 
 def config_for(n: int, k: int, dtype: torch.dtype | None = None) -> dict:
@@ -129,7 +125,7 @@ def _range_sum(x_ptrs, w_ptrs, m_ok, n_ok, rk, k_lo, k_hi, BLOCK_M: tl.constexpr
 def _matmul_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, M, N, K, SPLIT_K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, MULTI: tl.constexpr, ACROSS: tl.constexpr, FLAT: tl.constexpr, K_MASK: tl.constexpr,
+    GROUP_M: tl.constexpr, MULTI: tl.constexpr, ACROSS: tl.constexpr, K_MASK: tl.constexpr,
     IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """MULTI: SPLIT_K > 1 (a constexpr, so that one K range compiles to a single accumulator); M and SPLIT_K are
@@ -160,21 +156,6 @@ def _matmul_kernel(
     else:
         if not MULTI:
             total = _range_sum(x_ptrs, w_ptrs, m_ok, n_ok, rk, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, K_MASK, IEEE)
-        elif FLAT:  # one loop over K (one software pipeline); the range's sum joins the total at its end
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
-                if IEEE:
-                    acc = tl.dot(x, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, w, acc)
-                if (k0 + BLOCK_K) % K_SPLIT == 0:
-                    total += acc
-                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if K % K_SPLIT != 0:  # the last range, shorter
-                total += acc
         else:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for split in range(SPLIT_K):
@@ -246,9 +227,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x, weight, weight if bias is None else bias, y, partial, m, n, k, split, cfg["K_SPLIT"], x.stride(0),
         weight.stride(0), y.stride(0), HAS_BIAS=bias is not None and not across, BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], MULTI=split > 1, ACROSS=across,
-        FLAT=cfg.get("FLAT", False) and split > 1 and not k_mask, K_MASK=k_mask,
-        IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED, num_warps=warps, num_stages=cfg["num_stages"],
-        **pdl.launch_kwargs(),
+        K_MASK=k_mask, IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED, num_warps=warps,
+        num_stages=cfg["num_stages"], **pdl.launch_kwargs(),
     )  # fmt: skip
     if across:
         _combine_kernel[(triton.cdiv(m * n, COMBINE_BLOCK),)](
