@@ -170,6 +170,13 @@ class PrometheusMetrics:
         def counter(name, doc):
             return prometheus_client.Counter(f"aserve:{name}", doc, labels, registry=r).labels(model_name)
 
+        def counter_by(name, doc, label, values=()):
+            """A counter with a second label beside model_name; `values`' series exist (at 0) from the start."""
+            family = prometheus_client.Counter(f"aserve:{name}", doc, [*labels, label], registry=r)
+            for value in values:
+                family.labels(model_name, value)
+            return family
+
         def histogram(name, doc, buckets):
             return prometheus_client.Histogram(f"aserve:{name}", doc, labels, buckets=buckets, registry=r).labels(
                 model_name
@@ -187,36 +194,25 @@ class PrometheusMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
-        self._success = prometheus_client.Counter(
-            "aserve:request_success",
-            "Finished requests by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=r,
-        )
         self.model_name = model_name
-        for reason in ("stop", "length", "abort", "error"):
-            self._success.labels(model_name, reason)
-        self._rejected = prometheus_client.Counter(
-            "aserve:request_rejected",
-            "Requests refused before reaching the engine, by reason (HTTP 429 / 503).",
-            ["model_name", "reason"],
-            registry=r,
-        )
-        for reason in ("queue_full", "tokenizer_busy", "shutting_down"):
-            self._rejected.labels(model_name, reason)
+        self._success = counter_by(
+            "request_success", "Finished requests by finish reason.", "finished_reason",
+            ("stop", "length", "abort", "error"),
+        )  # fmt: skip
+        self._rejected = counter_by(
+            "request_rejected", "Requests refused before reaching the engine, by reason (HTTP 429 / 503).", "reason",
+            ("queue_full", "tokenizer_busy", "shutting_down"),
+        )  # fmt: skip
         self.http_connections = gauge(
             "http_connections", "Open client connections (those refused for --limit-concurrency aside)."
         )
-        self._connections_closed = prometheus_client.Counter(
-            "aserve:http_connections_closed",
+        self._connections_closed = counter_by(
+            "http_connections_closed",
             "Client connections the server closed: before their request was read, a header or body read timeout "
             "(HTTP 408) or over --limit-concurrency (HTTP 503); mid-stream, a client that stopped reading "
             "(slow_client).",
-            ["model_name", "reason"],
-            registry=r,
-        )
-        for reason in ("header_timeout", "body_timeout", "connection_limit", "slow_client"):
-            self._connections_closed.labels(model_name, reason)
+            "reason", ("header_timeout", "body_timeout", "connection_limit", "slow_client"),
+        )  # fmt: skip
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
@@ -227,11 +223,8 @@ class PrometheusMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (requests x steps).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self._spec_by_position = prometheus_client.Counter(
-            "aserve:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted draft tokens by position in the draft.",
-            ["model_name", "position"],
-            registry=r,
+        self._spec_by_position = counter_by(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft.", "position"
         )
         self._last_queries = self._last_hits = 0
 
