@@ -1,5 +1,5 @@
 """The launch-configuration sweep of `python bench/fp8_bench.py --tune` (its docstring says what is swept and
-printed): FP8 weight-only GEMV variants at M = 1 and fp8_matmul at a few rows, each candidate checked against the
+printed): the FP8 weight-only GEMV at M = 1 and fp8_matmul at a few rows, each candidate checked against the
 pure-torch reference before it is timed, under a time budget. Also the shared helpers of fp8_bench.py (check,
 bench_us)."""
 
@@ -19,14 +19,10 @@ from aserve.kernels.fp8 import quantize_per_token
 from aserve.kernels.fp8_reference import dequantize, fp8_weight_only_linear
 from aserve.kernels.fused import silu_and_mul
 
-# GEMV: (BLOCK_N, BLOCK_K, num_warps), 16-64 weights per thread and row tile; each at every stage count, unsplit and
-# K split GEMV_SPLITS ways (while row blocks x splits <= 16 per SM), with the "ticket" reduction; the best few split
-# ones are timed again with the "pass" reduction.
+# GEMV: (BLOCK_N, BLOCK_K, num_warps), 16-64 weights per thread and row tile; each at every stage count.
 GEMV_TILES = ((4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 512, 4), (4, 2048, 8), (8, 1024, 8), (16, 1024, 8),
               (16, 512, 8), (32, 512, 8), (8, 2048, 8))  # fmt: skip
 GEMV_STAGES = (2, 3)
-GEMV_SPLITS = (2, 4, 8)
-PASS_RETRIES = 3
 # fp8_matmul by rows: the rows timed and, per BLOCK_M, (BLOCK_N values, BLOCK_K values, stages, SPLIT_K values)
 MATMUL_ROWS = (2, 4, 8, 16, 32)
 MATMUL_SPACE = {16: ((16, 32, 64), (128, 256, 512), (3, 4), (1, 2, 4)), 32: ((32, 64, 128), (128, 256), (3, 4), (1, 2))}
@@ -45,17 +41,10 @@ def bench_us(fn, warmup: int = 25, rep: int = 100) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def gemv_candidates(n: int, k: int, num_sms: int) -> list[dict]:
-    """The GEMV configurations swept for an [n, k] weight (split ones with the "ticket" reduction)."""
-    found = []
-    for (bn, bk, warps), stages in itertools.product(GEMV_TILES, GEMV_STAGES):
-        if k % bk:
-            continue
-        base = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        found.append(base)
-        found += [{**base, "SPLIT_K": s, "REDUCE": "ticket"} for s in GEMV_SPLITS
-                  if k // bk >= s and triton.cdiv(n, bn) * s <= 16 * num_sms]  # fmt: skip
-    return found
+def gemv_candidates(k: int) -> list[dict]:
+    """The GEMV configurations swept for an [n, k] weight (those whose BLOCK_K divides k)."""
+    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            for (bn, bk, warps), stages in itertools.product(GEMV_TILES, GEMV_STAGES) if k % bk == 0]  # fmt: skip
 
 
 def matmul_candidates(m: int) -> list[dict]:
@@ -90,8 +79,8 @@ class Budget:
 
 
 def sweep(fn_of, candidates: list[dict], want: torch.Tensor, what: str, budget: Budget, index: int) -> dict:
-    """{config key: (us, config)} for the candidates that match the reference (split-K ones also repeat bit for
-    bit), timed until the slice's budget runs out; a candidate that fails a check is reported and left out."""
+    """{config key: (us, config)} for the candidates that match the reference (split-K fp8_matmul ones also repeat
+    bit for bit), timed until the slice's budget runs out; a candidate that fails a check is reported and left out."""
     timed = {}
     for cfg in candidates:
         if budget.over(index):
@@ -115,11 +104,6 @@ def sweep(fn_of, candidates: list[dict], want: torch.Tensor, what: str, budget: 
     return timed
 
 
-def table_entry(cfg: dict) -> str:
-    """A configuration as a config table holds it (REDUCE only where K is split)."""
-    return fmt({k: v for k, v in cfg.items() if k != "REDUCE" or cfg.get("SPLIT_K", 1) > 1})
-
-
 def tune_gemv(name: str, n: int, k: int, w: torch.Tensor, scale: torch.Tensor, silu: bool, candidates: list[dict],
               budget: Budget, index: int) -> tuple | None:  # fmt: skip
     """The GEMV sweep of one shape -> (summary row, SCALED_GEMV_CONFIGS entry), None where nothing was timed."""
@@ -133,9 +117,6 @@ def tune_gemv(name: str, n: int, k: int, w: torch.Tensor, scale: torch.Tensor, s
         return lambda: fp8_gemv.fp8_gemv(x, w, scale, None, cfg, silu_mul=silu)
 
     timed = sweep(fn_of, [current] + [c for c in candidates if c != current], want, what, budget, index)
-    split = sorted((t for t in timed.values() if t[1].get("SPLIT_K", 1) > 1), key=lambda t: t[0])
-    timed.update(sweep(fn_of, [{**cfg, "REDUCE": "pass"} for _, cfg in split[:PASS_RETRIES]], want, what, budget,
-                       index))  # fmt: skip
     if not timed:
         print(f"tune {what}: nothing timed")
         return None
@@ -146,7 +127,7 @@ def tune_gemv(name: str, n: int, k: int, w: torch.Tensor, scale: torch.Tensor, s
     print(f"tune {what} {n}x{k}: {best_us:.1f} us ({gbs:.0f} GB/s) with {fmt(best)}; table {now_us:.1f} us; "
           f"bf16{' (+ silu_and_mul)' if silu else ''} {bf16:.1f} us; {len(timed)} timed")  # fmt: skip
     row = (f"{name}{' +silu' if silu else ''}", 1, bf16, now_us, best_us, gbs)
-    return row, f"    # {row[0]}: {best_us:.1f} us, {gbs:.0f} GB/s\n    ({n}, {k}, {silu}): {table_entry(best)},"
+    return row, f"    # {row[0]}: {best_us:.1f} us, {gbs:.0f} GB/s\n    ({n}, {k}, {silu}): {fmt(best)},"
 
 
 def tune_matmul(name: str, n: int, k: int, w: torch.Tensor, scale: torch.Tensor, m: int, budget: Budget,
@@ -204,7 +185,7 @@ def matmul_table(shapes: dict, per_m: dict, alt: dict, summary: list) -> list[st
             if us > 1.1 * own_best:
                 print(f"  M={m} {name}: the bucket's configuration {us:.1f} us, this shape's best {own_best:.1f} us")
         cut = cut or scaled_total < total
-        entry = "None" if cut else table_entry(dict(best_key))
+        entry = "None" if cut else fmt(dict(best_key))
         entries.append(
             f"    # M <= {m}: {total:.1f} us summed over the shapes, _scaled_mm + quant {scaled_total:.1f} us"
         )
@@ -222,8 +203,7 @@ def compile_all(shapes: dict, weights: dict, gemv_cases: list, gemv_lists: list,
         k, (w, scale) = shapes[name][1], weights[name]
         x = torch.randn(1, 2 * k if silu else k, device=DEVICE, dtype=DTYPE)
         for cfg in candidates:
-            kernel = ("gemv", silu, *(cfg.get(p) for p in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")),
-                      cfg.get("SPLIT_K", 1) > 1, cfg.get("REDUCE"))  # fmt: skip
+            kernel = ("gemv", silu, *(cfg[p] for p in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")))
             runs.append((kernel, lambda x=x, w=w, scale=scale, cfg=cfg, silu=silu: fp8_gemv.fp8_gemv(
                 x, w, scale, None, cfg, silu_mul=silu)))  # fmt: skip
     name = next(iter(shapes))
@@ -248,13 +228,13 @@ def compile_all(shapes: dict, weights: dict, gemv_cases: list, gemv_lists: list,
 
 def tune(shapes: dict, weights: dict, budget_s: float) -> None:
     """The sweep (bench/fp8_bench.py's docstring); weights: shape name -> (e4m3 weight, float32 scale), on the GPU."""
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 4
     gemv_cases = [(name, silu) for name in shapes for silu in ((False, True) if name == "down" else (False,))]
-    gemv_lists = [gemv_candidates(*shapes[name], num_sms) for name, _ in gemv_cases]
+    gemv_lists = [gemv_candidates(shapes[name][1]) for name, _ in gemv_cases]
+    gemv_sizes = [len(c) + 1 for c in gemv_lists]  # + 1: the table's configuration, swept first
     matmul_sizes = [len(matmul_candidates(m)) + 1 for _ in shapes for m in MATMUL_ROWS]
     start = time.monotonic()
     compile_all(shapes, weights, gemv_cases, gemv_lists, COMPILE_SHARE * budget_s)
-    budget = Budget(budget_s - (time.monotonic() - start), [len(c) + PASS_RETRIES for c in gemv_lists] + matmul_sizes)
+    budget = Budget(budget_s - (time.monotonic() - start), gemv_sizes + matmul_sizes)
     summary, gemv_entries = [], []
     for index, ((name, silu), candidates) in enumerate(zip(gemv_cases, gemv_lists)):
         found = tune_gemv(name, *shapes[name], *weights[name], silu, candidates, budget, index)

@@ -1,8 +1,8 @@
 """The 8-bit weight-only GPU kernels' variants against the pure-torch reference (Triton's interpreter on CPU: float32
-and fp16 activations, its bf16 tl.dot is not exact there): the split-K scaled GEMV (both reductions, SiLU·mul fused,
-bias, row tails, uneven K slices; bit-identical repeats), the launch configuration chosen per weight shape through
-the FP8 layer, fp8_matmul's configuration by rows, the shared 8-bit matmul with split K for e4m3 and int8 weights,
-and bench/fp8_tune.py's sweep (run on CPU tensors with stand-in timings) printing table entries that load."""
+and fp16 activations, its bf16 tl.dot is not exact there): the scaled GEMV's launch configuration chosen per weight
+shape through the FP8 layer, fp8_matmul's configuration by rows, the shared 8-bit matmul with split K for e4m3 and
+int8 weights, and bench/fp8_tune.py's sweep (run on CPU tensors with stand-in timings) printing table entries that
+load."""
 
 import ast
 import importlib.util
@@ -30,53 +30,26 @@ def e4m3_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
     return w.to(DEVICE), scale.to(DEVICE), torch.randn(n, generator=gen)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("split_k, reduce", [(2, "ticket"), (3, "ticket"), (4, "pass"), (8, "ticket")])
-def test_split_k_gemv_matches_the_reference_and_repeats_bit_for_bit(split_k, reduce, dtype):
-    n, k = 37, 512  # 37: a row tail in every block size; 8 K tiles of 64: split 3 ways unevenly (3, 3, 2)
-    w, scale, bias = e4m3_weight(n, k, split_k)
-    gen = torch.Generator().manual_seed(1)
-    x, gate_up = torch.randn(1, k, generator=gen).to(dtype), torch.randn(1, 2 * k, generator=gen).to(dtype)
-    cfg = gemv.scaled_gemv_config(n, k, dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT_K=split_k,
-                                             REDUCE=reduce))  # fmt: skip
-    assert cfg["SPLIT_K"] == split_k
-    got = fp8_gemv.fp8_gemv(x.to(DEVICE), w, scale, bias.to(dtype).to(DEVICE), cfg)
-    want = fp8_weight_only_linear(x, w.cpu(), scale.cpu(), bias.to(dtype))
-    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
-    assert torch.equal(fp8_gemv.fp8_gemv(x.to(DEVICE), w, scale, bias.to(dtype).to(DEVICE), cfg), got)
-    fused = fp8_gemv.fp8_gemv(gate_up.to(DEVICE), w, scale, None, cfg, silu_mul=True)
-    want = fp8_weight_only_linear(silu_and_mul(gate_up), w.cpu(), scale.cpu())
-    torch.testing.assert_close(fused.cpu(), want, **TOL[dtype])
-    if reduce == "ticket":  # every launch leaves its counters at zero for the next
-        assert not gemv.scaled_gemv_counters(n, DEVICE).any()
-
-
-def test_split_k_is_capped_by_k_and_bad_reductions_are_refused():
-    assert gemv.scaled_gemv_config(64, 256, dict(BLOCK_N=8, BLOCK_K=128, num_warps=4, num_stages=2,
-                                                 SPLIT_K=8))["SPLIT_K"] == 2  # fmt: skip
-    assert gemv.scaled_gemv_config(64, 256, dict(BLOCK_N=8, BLOCK_K=128, num_warps=4, num_stages=2))["SPLIT_K"] == 1
-    with pytest.raises(AssertionError, match="REDUCE must be one of"):
-        gemv.scaled_gemv_config(64, 256, dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT_K=2,
-                                              REDUCE="atomic"))  # fmt: skip
-
-
 def test_the_fp8_layer_takes_its_shapes_gemv_configuration(monkeypatch):
     """SCALED_GEMV_CONFIGS' entries for a layer's shape (96 x 64: q/k/v-like; with SiLU·mul fused) are what the
-    layer runs at one row, chosen when it loads; its split-K counters are made then too."""
-    split = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2, SPLIT_K=2, REDUCE="ticket")
-    monkeypatch.setitem(gemv.SCALED_GEMV_CONFIGS, (96, 64, False), split)
-    monkeypatch.setitem(gemv.SCALED_GEMV_CONFIGS, (96, 64, True), {**split, "REDUCE": "pass"})
-    monkeypatch.setattr(gemv, "_COUNTERS", {})
+    layer runs at one row, chosen when it loads."""
+    row = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
+    silu = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=2)
+    monkeypatch.setitem(gemv.SCALED_GEMV_CONFIGS, (96, 64, False), row)
+    monkeypatch.setitem(gemv.SCALED_GEMV_CONFIGS, (96, 64, True), silu)
     monkeypatch.setattr(fp8_method, "has_fp8_tensor_cores", lambda device: True)
+    used = []
+    real = gemv.scaled_gemv
+    monkeypatch.setattr(gemv, "scaled_gemv", lambda *a, **kw: used.append(a[4]) or real(*a, **kw))
     layer, weight, scale = fused_fp8_layer(Fp8Config.from_config({"quant_method": "fp8"}))
     layer.process_weights_after_loading()
-    assert layer.gemv_config == split and layer.gemv_silu_config == {**split, "REDUCE": "pass"}
-    assert list(gemv._COUNTERS) == [("cpu", None, 96)]
+    assert layer.gemv_config == row and layer.gemv_silu_config == silu
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2)).half()
     torch.testing.assert_close(layer(x), fp8_weight_only_linear(x, weight, scale, layer.bias), **TOL[torch.float16])
     gate_up = torch.randn(1, 128, generator=torch.Generator().manual_seed(3)).half()
     want = fp8_weight_only_linear(silu_and_mul(gate_up), weight, scale, layer.bias)
     torch.testing.assert_close(layer.forward_silu_mul_in(gate_up), want, **TOL[torch.float16])
+    assert used == [row, silu]
 
 
 def test_fp8_matmul_takes_its_configuration_by_rows(monkeypatch):
@@ -124,7 +97,6 @@ def test_the_tuning_sweep_prints_config_table_entries_that_load(monkeypatch, cap
     monkeypatch.setattr(tune, "DTYPE", torch.float16)
     monkeypatch.setattr(tune, "GEMV_TILES", ((8, 128, 4),))
     monkeypatch.setattr(tune, "GEMV_STAGES", (2,))
-    monkeypatch.setattr(tune, "GEMV_SPLITS", (2,))
     monkeypatch.setattr(tune, "MATMUL_ROWS", (2, 32))
     monkeypatch.setattr(tune, "MATMUL_SPACE", {16: ((32,), (64,), (2,), (1, 2)), 32: ((32,), (64,), (2,), (1,))})
     shapes = {"qkv": (48, 256), "o": (32, 256), "gate_up": (64, 256), "down": (32, 512)}
@@ -135,8 +107,8 @@ def test_the_tuning_sweep_prints_config_table_entries_that_load(monkeypatch, cap
     gemv_table = out[out.index("SCALED_GEMV_CONFIGS") :].split("= ", 1)[1].split("\n}\n")[0] + "\n}"
     entries = eval(gemv_table, {"dict": dict})  # the text to paste into gemv.py
     assert set(entries) == {(48, 256, False), (32, 256, False), (64, 256, False), (32, 512, False), (32, 512, True)}
-    # the last candidate swept (a split one timed again with the other reduction) has the fastest stand-in timing
-    best = dict(BLOCK_N=8, BLOCK_K=128, num_warps=4, num_stages=2, SPLIT_K=2, REDUCE="pass")
+    # the last candidate swept (after the table's configuration) has the fastest stand-in timing
+    best = dict(BLOCK_N=8, BLOCK_K=128, num_warps=4, num_stages=2)
     assert entries[(32, 512, True)] == best
     for (n, k, silu), cfg in entries.items():
         assert gemv.scaled_gemv_config(n, k, cfg, silu) == cfg

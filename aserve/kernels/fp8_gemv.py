@@ -4,10 +4,10 @@ quantised (W8A16): at a few rows a linear is bound by its weight bytes, which e4
 (torch._scaled_mm) is far from that bound there (Llama-3-8B shape, H200: 3.77 ms of a 4.52 ms batch-1 step,
 docs/quantization.md). Reference: aserve/kernels/fp8_reference.py fp8_weight_only_linear.
 
-    fp8_gemv        one row: aserve/kernels/gemv.py's scaled_gemv (BLOCK_N rows per program, an element-wise float32
-                    accumulator reduced once at the end, K split over SPLIT_K programs or not; the configuration per
-                    weight shape from SCALED_GEMV_CONFIGS) over e4m3 tiles widened to float32; silu_mul fuses a Llama
-                    MLP's activation into the down projection's prologue, as there
+    fp8_gemv        one row: aserve/kernels/gemv.py's scaled_gemv (BLOCK_N rows per program over all of K, an
+                    element-wise float32 accumulator reduced once at the end; the configuration per weight shape
+                    from SCALED_GEMV_CONFIGS) over e4m3 tiles widened to float32; silu_mul fuses a Llama MLP's
+                    activation into the down projection's prologue, as there
     fp8_matmul      2 .. MAX_ROWS rows: aserve/kernels/scaled_matmul.py's tl.dot kernel (weight tiles widened to x's
                     dtype, exact: every e4m3 value is a bf16 and an fp16 value; a float32 accumulator, scales and
                     bias in the epilogue; evict-first weight loads), its configuration by rows from MATMUL_CONFIGS

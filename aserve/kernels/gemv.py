@@ -12,9 +12,7 @@ K slice of silu(gate) * up is computed in the loop (one kernel less per layer); 
 overlaps the previous kernel's tail.
 
 scaled_gemv is the same loop over 8-bit weights (int8, e4m3; one float32 scale per output row, applied after the
-sum), with its launch configuration per weight shape (SCALED_GEMV_CONFIGS). Shapes with few row blocks (fewer
-programs than the SMs can keep in flight) can split K: SPLIT_K programs per row block, each over one K slice,
-writing float32 partials; the partials are summed in slice order, so results are the same at every run.
+sum), with its launch configuration per weight shape (SCALED_GEMV_CONFIGS).
 
 Not fused here, because each measured slower on the H200 (docs/benchmarks.md, "GPU batch-1 decode"): the add +
 RMSNorm before q/k/v and gate/up (as a pre-pass over the row in every program, as a last-program step (atomic ticket)
@@ -57,18 +55,11 @@ def _x_tile(x_ptr, k, K, SILU_MUL: tl.constexpr):
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, rows, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr):
     """float32 [BLOCK_N]: x . W[rows] (rows int64, all in range). The caller has passed its gdc_sync."""
-    return _gemv_rows_slice(x_ptr, w_ptr, rows, 0, K, K, stride_w, BLOCK_N, BLOCK_K, SILU_MUL)
-
-
-@triton.jit
-def _gemv_rows_slice(x_ptr, w_ptr, rows, k_start, k_end, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SILU_MUL: tl.constexpr):  # fmt: skip
-    """float32 [BLOCK_N]: x[k_start:k_end] . W[rows, k_start:k_end] (both ends multiples of BLOCK_K)."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_w + rk[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k_tile in range(k_start, k_end, BLOCK_K):
-        k0 = tl.multiple_of(k_tile, BLOCK_K)  # slices start on whole tiles: aligned (16-byte) loads
+    for k_tile in range(0, K, BLOCK_K):
+        k0 = tl.multiple_of(k_tile, BLOCK_K)  # whole tiles: aligned (16-byte) loads
         w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * _x_tile(x_ptr, k0 + rk, K, SILU_MUL)[None, :]
     return tl.sum(acc, 1)
@@ -136,9 +127,7 @@ SCALED_GEMV_CONFIG_FEW_ROWS = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_st
 SCALED_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)
 SCALED_GEMV_CONFIG_SILU_MUL = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)
 # Per weight shape: (N, K, silu_mul) -> launch configuration (bench/fp8_bench.py --tune prints these entries); shapes
-# not listed take the defaults above. SPLIT_K > 1 splits K over that many programs per row block, each writing
-# float32 partials, summed in a fixed order (the same result at every run) by the last program of the row block
-# (REDUCE "ticket": a per-block counter) or by a second kernel (REDUCE "pass").
+# not listed take the defaults above.
 # H200, 2026-12-03, bench/fp8_bench.py --tune (e4m3 weights, M = 1, us and weight GB/s; Llama-3-8B's shapes):
 SCALED_GEMV_CONFIGS: dict[tuple[int, int, bool], dict] = {
     (6144, 4096, False): dict(BLOCK_N=16, BLOCK_K=512, num_warps=8, num_stages=3),  # qkv: 12.7 us, 1976 GB/s
@@ -147,59 +136,18 @@ SCALED_GEMV_CONFIGS: dict[tuple[int, int, bool], dict] = {
     (4096, 14336, False): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3),  # down: 21.4 us, 2743 GB/s
     (4096, 14336, True): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3),  # down + SiLU: 23.1 us, 2538 GB/s
 }
-REDUCES = ("ticket", "pass")
-
-_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 def scaled_gemv_config(n: int, k: int, config: dict | None = None, silu_mul: bool = False) -> dict | None:
     """scaled_gemv's launch configuration for an [n, k] 8-bit weight (None where K is not a multiple of 64): `config`,
-    else SCALED_GEMV_CONFIGS' entry for the shape, else the defaults. SPLIT_K is capped at K's number of tiles."""
+    else SCALED_GEMV_CONFIGS' entry for the shape, else the defaults."""
     if not config:
         few_rows = n <= FEW_ROWS
         default = (
             SCALED_GEMV_CONFIG_SILU_MUL if silu_mul else SCALED_GEMV_CONFIG_FEW_ROWS if few_rows else SCALED_GEMV_CONFIG
         )
         config = SCALED_GEMV_CONFIGS.get((n, k, silu_mul), default)
-    cfg = gemv_config(n, k, config)
-    if cfg is None:
-        return None
-    cfg.setdefault("SPLIT_K", 1)
-    cfg["SPLIT_K"] = max(1, min(cfg["SPLIT_K"], k // cfg["BLOCK_K"]))
-    if cfg["SPLIT_K"] > 1:
-        cfg.setdefault("REDUCE", "ticket")
-        assert cfg["REDUCE"] in REDUCES, f"REDUCE must be one of {REDUCES}, not {cfg['REDUCE']!r}"
-    return cfg
-
-
-def scaled_gemv_counters(n: int, device) -> torch.Tensor:
-    """The zeroed int32 counters of the "ticket" reduction for an [n, .] weight: one per row block at any BLOCK_N
-    (every launch leaves them at zero), shared by all launches on the device for that n (launches on one stream
-    do not overlap: a kernel passes gdc_sync before its counter). Made outside CUDA graph capture (a layer whose
-    configuration uses them makes them when it loads): graph memory would hold them."""
-    device = torch.device(device)
-    key = (device.type, device.index, n)
-    if key not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("scaled_gemv: split-K counters are made before CUDA graph capture (run it once first)")
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
-def prepare_scaled_gemv(n: int, device, *configs: dict | None) -> None:
-    """At load, for an [n, .] weight that runs scaled_gemv with `configs`: makes the counters a "ticket" reduction
-    among them needs (outside CUDA graph capture)."""
-    if any(cfg and cfg.get("REDUCE") == "ticket" for cfg in configs):
-        scaled_gemv_counters(n, device)
-
-
-@triton.jit
-def _scaled_epilogue(y, rn, n_ok, scale_ptr, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
-    """out[rn] = y * scale[rn] (+ bias[rn]), rows past N (n_ok false) not stored."""
-    y *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    return gemv_config(n, k, config)
 
 
 @triton.jit
@@ -217,78 +165,18 @@ def _scaled_gemv_kernel(
     tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-@triton.jit
-def _scaled_gemv_split_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, N, K, stride_w, tiles_per_split, split_k,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    TICKET: tl.constexpr, SPLIT_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (row block pid_n, K slice pid_k): its float32 partial sums -> part [split_k, N]; TICKET: the row
-    block's last program (its counter) sums the partials in slice order and writes the output."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    rows = tl.minimum(rn, N - 1).to(tl.int64)
-    k_start = pid_k * tiles_per_split * BLOCK_K
-    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
-    pdl.gdc_sync(USE_PDL)
-    y = _gemv_rows_slice(x_ptr, w_ptr, rows, k_start, k_end, K, stride_w, BLOCK_N, BLOCK_K, SILU_MUL)
-    tl.store(part_ptr + pid_k * N + rn, y, mask=n_ok)
-    if TICKET:
-        tl.debug_barrier()  # every thread's partial is stored before the (one-thread) release below
-        cnt = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if cnt == split_k - 1:  # the row block's last program
-            rs = tl.arange(0, SPLIT_PAD)
-            p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :],
-                        other=0.0, cache_modifier=".cg")  # fmt: skip
-            _scaled_epilogue(tl.sum(p, 0), rn, n_ok, scale_ptr, bias_ptr, out_ptr, HAS_BIAS)
-            tl.store(cnt_ptr + pid_n, 0)  # ready for the next launch
-
-
-@triton.jit
-def _scaled_gemv_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, N, split_k, HAS_BIAS: tl.constexpr,
-                               SPLIT_PAD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """REDUCE "pass": out = (the split_k partials [split_k, N] summed in slice order) * scale (+ bias)."""
-    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    n_ok = rn < N
-    rs = tl.arange(0, SPLIT_PAD)
-    pdl.gdc_sync(USE_PDL)
-    p = tl.load(part_ptr + rs[:, None] * N + rn[None, :], mask=(rs < split_k)[:, None] & n_ok[None, :], other=0.0)
-    _scaled_epilogue(tl.sum(p, 0), rn, n_ok, scale_ptr, bias_ptr, out_ptr, HAS_BIAS)
-
-
 def scaled_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, cfg: dict,
                 silu_mul: bool = False) -> torch.Tensor:  # fmt: skip
     """The GEMV over 8-bit weights (int8, float8) with one float32 scale per output row: x [1, K] -> (x w^T) *
     scale (+ bias) [1, N] in x's dtype, the weights widened in registers. silu_mul as in `gemv`; cfg from
-    `scaled_gemv_config` (SPLIT_K > 1: the split-K kernel and its REDUCE)."""
+    `scaled_gemv_config`."""
     n, k = w.shape
     assert x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == (2 if silu_mul else 1) * k
     assert x.stride(-1) == 1 and w.stride(-1) == 1 and scale.dtype == torch.float32
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    bias_arg = bias if bias is not None else scale
-    common = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-                  USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])  # fmt: skip
-    blocks_n = triton.cdiv(n, cfg["BLOCK_N"])
-    if cfg.get("SPLIT_K", 1) == 1:
-        _scaled_gemv_kernel[(blocks_n,)](x, w, scale, bias_arg, out, n, k, w.stride(0), **common)
-        return out
-    tiles = k // cfg["BLOCK_K"]
-    tiles_per_split = triton.cdiv(tiles, cfg["SPLIT_K"])
-    split_k = triton.cdiv(tiles, tiles_per_split)  # no empty slice
-    ticket = cfg["REDUCE"] == "ticket"
-    pad = max(8, triton.next_power_of_2(split_k))  # one compiled kernel for every split up to 8
-    partials = torch.empty(split_k, n, dtype=torch.float32, device=x.device)
-    counters = scaled_gemv_counters(n, x.device) if ticket else partials
-    _scaled_gemv_split_kernel[(blocks_n, split_k)](
-        x, w, scale, bias_arg, out, partials, counters, n, k, w.stride(0), tiles_per_split, split_k, TICKET=ticket,
-        SPLIT_PAD=pad, **common,
+    _scaled_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, w, scale, bias if bias is not None else scale, out, n, k, w.stride(0),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if not ticket:
-        block = 256
-        _scaled_gemv_reduce_kernel[(triton.cdiv(n, block),)](
-            partials, scale, bias_arg, out, n, split_k, HAS_BIAS=bias is not None, SPLIT_PAD=pad, BLOCK=block,
-            USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(), num_warps=4,
-        )  # fmt: skip
     return out

@@ -123,7 +123,6 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         layer.fp8_max_rows = fp8_gemv.MAX_ROWS
         layer.gemv_config = fp8_gemv.gemv_config(n, k)
         layer.gemv_silu_config = fp8_gemv.gemv_config(n, k, silu_mul=True)
-        fp8_gemv.gemv.prepare_scaled_gemv(n, device, layer.gemv_config, layer.gemv_silu_config)
         layer.silu_mul_in_max_rows = 1 if layer.gemv_silu_config is not None else 0
         layer.kernel = _few_rows_weight_only
 

@@ -100,7 +100,6 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         layer.int8_linear, layer.int8_gemv = int8.int8_linear, int8.int8_gemv
         layer.gemv_config = int8.gemv_config(n, k)
         layer.gemv_silu_config = int8.gemv_config(n, k, silu_mul=True)
-        int8.gemv.prepare_scaled_gemv(n, layer.weight.device, layer.gemv_config, layer.gemv_silu_config)
         layer.silu_mul_in_max_rows = 1 if layer.gemv_silu_config is not None else 0
         layer.kernel = _cuda
 
