@@ -317,10 +317,10 @@ def section_e2e(repeats: int) -> None:
         outs[name] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
                                   use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
         graphs = llm.engine.core.runner.graphs
-        fwd = gb.bench_ms(graphs.graphs[1][0].replay) if graphs is not None else float("nan")
+        fwd = gb.bench_ms(graphs.graphs[(1, 1)][0].replay) if graphs is not None else float("nan")
         gb.RESULTS.clear()
         if graphs is not None:
-            gb.top_kernels(lambda: graphs.graphs[1][0].replay(), "k", n=20)
+            gb.top_kernels(lambda: graphs.graphs[(1, 1)][0].replay(), "k", n=20)
         idle = idle_between_kernels(llm)
         RESULTS[f"e2e_{name}"] = dict(ms_per_token=ms[name], graph_forward_ms=fwd, idle=idle,
                                       kernels=gb.RESULTS.get("k"))  # fmt: skip

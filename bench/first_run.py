@@ -7,12 +7,15 @@ run filled, reused by a new process).
 Each setting in its own process: "fresh" with an empty TRITON_CACHE_DIR, then "cached" with the directory the fresh
 process filled. Per setting: seconds to build the engine (LLM(...) returning), then the offline workload (random
 token prompts, greedy, EOS ignored) twice: output tok/s of the first run and of the second (the steady state).
-Prints a table.
+Prints a table, then the Triton kernel variants compiled in each phase of the fresh process (what a start-up
+warm-up would have to cover).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
 import os
 import subprocess
@@ -32,9 +35,11 @@ def one_setting(args) -> dict:
     from aserve import LLM, SamplingParams
 
     model_dir = dummy_model_dir(tempfile.mkdtemp(), args.arch)
+    seen = compiled_kernels()
     t0 = time.perf_counter()
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256)
     out = {"start_s": round(time.perf_counter() - t0, 1)}
+    seen = note_compiled(out, "start", seen)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for run in ("first", "second"):
@@ -44,7 +49,27 @@ def one_setting(args) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         out[f"{run}_tok_s"] = round(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, 1)
+        seen = note_compiled(out, run, seen)
     return out
+
+
+def compiled_kernels() -> collections.Counter:
+    """Kernel name -> compiled variants in the Triton cache (each variant's metadata is <name>.json in its own
+    directory)."""
+    root = os.environ.get("TRITON_CACHE_DIR", "")
+    names = collections.Counter()
+    for path in glob.glob(os.path.join(root, "*", "*.json")) if root else ():
+        name = os.path.basename(path)[: -len(".json")]
+        if not name.startswith("__grp__"):
+            names[name] += 1
+    return names
+
+
+def note_compiled(out: dict, phase: str, before: collections.Counter) -> collections.Counter:
+    """Records the kernel variants `phase` added to the Triton cache -> the cache's contents now."""
+    now = compiled_kernels()
+    out[f"compiled_{phase}"] = dict(now - before)
+    return now
 
 
 def main() -> None:
@@ -75,6 +100,10 @@ def main() -> None:
     for setting, r in rows.items():
         print(f"| {setting} | {r['start_s']} | {r['first_tok_s']} | {r['second_tok_s']} | "
               f"{r['first_tok_s'] / r['second_tok_s']:.3f} |")  # fmt: skip
+    print("\nTriton kernel variants compiled (fresh cache): during start-up / the first run / the second run")
+    fresh = rows["fresh Triton cache"]
+    for phase in ("start", "first", "second"):
+        print(f"  {phase}: {fresh[f'compiled_{phase}']}")
 
 
 if __name__ == "__main__":

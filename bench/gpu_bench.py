@@ -319,11 +319,11 @@ def decode(model_dir: str) -> None:
     ms = batch1_decode_ms(llm)
     graphs = engine.core.runner.graphs
     if graphs is not None:
-        graph, _ = graphs.graphs[1]
+        graph, _ = graphs.graphs[(1, 1)]
         fwd = bench_ms(graph.replay)
         note = f"(GPU time of the captured forward; {100 * floor_ms / fwd:.0f}% of floor)"
         record("decode_b1_graph_forward", round(fwd, 3), "ms", note)
-        top_kernels(lambda: graphs.graphs[1][0].replay(), "decode_b1_kernels")
+        top_kernels(lambda: graphs.graphs[(1, 1)][0].replay(), "decode_b1_kernels")
     note = f"(floor {floor_ms:.2f} ms = {weight_bytes / 1e9:.2f} GB / {bw} TB/s; {100 * floor_ms / ms:.0f}% of floor)"
     record("decode_b1_ms_per_token", round(ms, 3), "ms", note)
     record("kv_capacity_tokens", engine.core.kv_capacity_tokens)
@@ -368,7 +368,7 @@ def throughput(model_dir: str, llm=None) -> None:
         delattr(core, name)  # back to the class's methods
     graphs = engine.core.runner.graphs
     if graphs is not None:
-        top_kernels(lambda: graphs.graphs[256][0].replay(), "decode_b256_kernels")
+        top_kernels(lambda: graphs.graphs[(256, 256)][0].replay(), "decode_b256_kernels")
     decode_steps = [i for i, (_, n) in enumerate(phases["execute"]) if n == 256]
     prefill_steps = [i for i, (_, n) in enumerate(phases["execute"]) if n > 256]
     for name, values in phases.items():

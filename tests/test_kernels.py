@@ -122,7 +122,7 @@ def test_paged_attention_head_dims_fp16(head_dim):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("case", ["decode-only", "mixed-with-context"])
+@pytest.mark.parametrize("case", ["decode-only", "spec-verify-k+1", "mixed-with-context"])
 def test_split_kv_segments_match(case):
     out, ref = run_case(case, (8, 2), 32, torch.float32, num_segments=4)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

@@ -406,3 +406,26 @@ async def test_server_streams_with_speculation(tiny_model, tiny_model_factory, g
         assert text.endswith("data: [DONE]\n\n") and tokens
     finally:
         await client.close()
+
+
+def test_graph_keys_cover_decode_and_verification_steps():
+    """Which CUDA graph (requests, tokens) a step replays: decodes the smallest request bucket; verification steps
+    (queries of up to k + 1 tokens, any mix of draft counts) the smallest bucket whose tokens hold them; longer
+    queries, more requests than the verification buckets, or more tokens than the buffers run eagerly."""
+    from types import SimpleNamespace
+
+    from aserve.worker.cuda_graphs import VERIFY_MAX_REQUESTS, StepGraphs
+
+    runner = SimpleNamespace(max_num_batched_tokens=256)
+    graphs = StepGraphs(runner, None, None, max_requests=128, max_query_len=5)
+    assert graphs.key_for(1, 1, 1) == (1, 1) and graphs.key_for(3, 3, 1) == (4, 4)
+    assert graphs.key_for(128, 128, 1) == (128, 128) and graphs.key_for(129, 129, 1) is None
+    assert graphs.key_for(1, 5, 5) == (1, 5)  # one request, 4 drafts
+    assert graphs.key_for(3, 3 + 4, 5) == (4, 8)  # three requests, one with 4 drafts: 7 tokens in 4 x 2
+    assert graphs.key_for(16, 80, 5) == (16, 80)
+    assert graphs.key_for(2, 7, 6) is None  # a longer query than verification graphs take (a prompt chunk)
+    assert graphs.key_for(VERIFY_MAX_REQUESTS + 1, VERIFY_MAX_REQUESTS + 2, 2) is None
+    assert graphs.key_for(64, 320, 5) is None  # 64 x 5 tokens: more than the buffers hold
+    assert all(t <= 256 and b <= t <= 5 * b for b, t in graphs.keys)
+    decode_only = StepGraphs(runner, None, None, max_requests=128)
+    assert decode_only.key_for(1, 2, 2) is None and decode_only.key_for(8, 8, 1) == (8, 8)

@@ -131,7 +131,8 @@ class EngineCore:
         if self.runner.compiled:
             self.runner.warmup()
         if config.device.type == "cuda" and not args.enforce_eager:
-            self.runner.capture_cuda_graphs()
+            # Speculative decoding: verification steps (each request's last token and up to k drafts) too
+            self.runner.capture_cuda_graphs(1 + spec.num_speculative_tokens if spec is not None else 1)
         self.spec_policy = self._spec_policy()
         self.stats = EngineStats()
         self.structured_output = StructuredOutputManager(config.tokenizer, config.vocab_size, config.eos_token_id)

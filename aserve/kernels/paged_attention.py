@@ -40,6 +40,10 @@ import triton.language as tl
 
 from aserve.kernels import pdl
 
+# Queries up to this long (decodes, speculative verification) get decode-sized tiles (tile_config); the attention
+# backend splits their keys (split-KV) as it does a decode's.
+SHORT_QUERY_LEN = 8
+
 # FP8 KV cache with bf16 queries: the dots in fp16 (see above; H200, 2026-12-03: decode 1.28x faster, 128-key tiles)
 FP8_FP16_DOT = True
 
@@ -383,17 +387,22 @@ _NO_WINDOW = 1 << 30  # the window of full attention: longer than any sequence
 
 def tile_config(num_heads: int, num_kv_heads: int, max_query_len: int, head_dim: int = 128,
                 fp8_cache: bool = False) -> dict:  # fmt: skip
-    """Launch configuration: decode-only batches get the smallest tile that holds the G heads of one token;
-    batches with longer queries get bigger tiles. Heads over 128 wide (Gemma's 256) get narrower KV tiles and one
+    """Launch configuration: decode-only batches get the smallest tile that holds the G heads of one token, and
+    batches of short queries (verification) the smallest that holds one query's tokens; longer queries get bigger
+    tiles. Heads over 128 wide (Gemma's 256) get narrower KV tiles and one
     stage less, so that the K and V tiles in flight fit in shared memory (227 KiB on Hopper). Decodes over an FP8
     cache read 128-key tiles in 3 stages (H200, 2026-12-03, bench/decode_kernels.py --sections fp8_attention: 2.46
     TB/s of cache bytes against 1.39 with the 16-bit cache's tile)."""
     g = num_heads // num_kv_heads
     wide = head_dim > 128
-    if max_query_len <= 1:
+    if max_query_len <= SHORT_QUERY_LEN:
+        # Decodes and speculative verification (k + 1 tokens): tiles of one request's tokens x G heads, read
+        # like a decode's (H200, 2026-12-03: a 5-token verification at batch 1 took 31 us per layer in the
+        # prompt tiles, against 5 us for a decode).
+        rows = max(16, triton.next_power_of_2(g * max(max_query_len, 1)))
         if fp8_cache and not wide:
-            return dict(BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=128, num_warps=4, num_stages=3)
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=64, num_warps=4, num_stages=2)
+            return dict(BLOCK_M=rows, TILE_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=rows, TILE_N=64, num_warps=4, num_stages=2)
     return dict(
         BLOCK_M=max(64 if wide else 128, triton.next_power_of_2(g)),
         TILE_N=64 if wide else 128,

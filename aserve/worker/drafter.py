@@ -24,6 +24,7 @@ from aserve.layers.attention.backend import AttentionMetadata
 from aserve.models.loader import build_model
 from aserve.models.model_path import resolve_model
 from aserve.spec.config import SpeculativeConfig
+from aserve.worker.cuda_graphs import StepGraphs
 from aserve.worker.model_runner import allocate_kv_cache, kv_bytes_per_block
 from aserve.worker.sampler import SampleRow
 
@@ -64,6 +65,7 @@ class ModelDrafter:
             target_params = sum(p.numel() for p in target.parameters())
             self.cost_fraction = sum(p.numel() for p in self.model.parameters()) / target_params
         self._own_kv: torch.Tensor | None = None
+        self.graphs: StepGraphs | None = None  # CUDA graphs of the drafting steps (capture_cuda_graphs)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.needs_mirror:
@@ -74,81 +76,129 @@ class ModelDrafter:
     def kv_caches(self) -> torch.Tensor:
         return self._own_kv if self.needs_mirror else self.runner.kv_caches
 
+    def mirror_graph(self, key: tuple[int, int]) -> bool:
+        """Mirrors a step the target ran as the CUDA graph `key` (its padded inputs still in the device buffers) by
+        replaying the draft model's graph of the same shape. -> False where there is none."""
+        if self.graphs is None or key not in self.graphs.graphs:
+            return False
+        self.graphs.run(key)
+        return True
+
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         meta = dataclasses.replace(meta, state=None)  # the draft model's backend builds its own
         self.backend.prepare(meta, self.runner.block_size)
         self.model(input_ids, positions, self.kv_caches, meta)
 
+    def capture_cuda_graphs(self, pool) -> None:
+        """Graphs of the drafter's one-token steps at every decode batch size, in the target's pool."""
+        r = self.runner
+        if self.needs_mirror and not self.backend.supports_cuda_graphs:
+            return
+
+        def forward(input_ids, positions, meta):
+            return self.model(input_ids, positions, self.kv_caches, meta, num_layers=self.num_layers)
+
+        # A draft model also mirrors the target's steps: its graphs cover the target's verification shapes too.
+        max_query_len = r.graphs.max_query_len if self.needs_mirror else 1
+        self.graphs = StepGraphs(r, forward, self.backend, r.max_num_seqs, max_query_len)
+        self.graphs.capture(pool)
+
     @torch.inference_mode()
     def propose(self, sampled, emitted: list[list[int]]):
-        """-> (drafts, draft distributions) per sampled request (None where none are wanted)."""
-        active = [i for i, s in enumerate(sampled) if s.num_draft_next > 0]
+        """-> (drafts, draft distributions) per sampled request (None where none are wanted).
+
+        The active requests draft together, most drafts first, for as many one-token steps as the most any of
+        them wants; a request past its own count keeps drafting at its last draft position without writing KV
+        (slot -1) and that output is dropped. So every step has the same rows, its inputs (positions, slots,
+        lengths) are staged for all steps at once, each step's tokens feed the next on the device, and the drafts
+        reach the host in one copy at the end."""
+        active = sorted((i for i, s in enumerate(sampled) if s.num_draft_next > 0),
+                        key=lambda i: -sampled[i].num_draft_next)  # fmt: skip
         drafts: list[list[int] | None] = [None] * len(sampled)
         probs: list[torch.Tensor | None] = [None] * len(sampled)
         if not active:
             return drafts, probs
-        sampler = self.runner.sampler
-        for i in active:
-            drafts[i] = []
-        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        r, n = self.runner, len(active)
+        counts = np.fromiter((sampled[i].num_draft_next for i in active), np.int64, n)
+        k_max = int(counts[0])
+        key = self.graphs.key_for(n, n, 1) if self.graphs is not None else None
+        rows = n if key is None else key[0]  # the graph's rows: n, then padding
         # The last emitted token sits at position N + accepted, N = known tokens before the step.
-        last_token = {i: emitted[i][-1] for i in active}
-        position = {
-            i: sampled[i].num_computed_tokens + sampled[i].num_new_tokens - len(sampled[i].spec_token_ids)
-            + len(emitted[i]) - 1
-            for i in active
-        }  # fmt: skip
-        k_max = max(sampled[i].num_draft_next for i in active)
+        start = np.fromiter(
+            (sampled[i].num_computed_tokens + sampled[i].num_new_tokens - len(sampled[i].spec_token_ids)
+             + len(emitted[i]) - 1 for i in active), np.int64, n,
+        )  # fmt: skip
+        steps = np.arange(k_max)[:, None]
+        positions = start[None, :] + np.minimum(steps, counts[None, :] - 1)  # [k_max, n]
+        buf = r.buffers.np
+        width = max(len(sampled[i].block_ids) for i in active)
+        for row, i in enumerate(active):
+            blocks = sampled[i].block_ids
+            buf["block_tables"][row, : len(blocks)] = blocks
+        bs = r.block_size
+        blocks_of = buf["block_tables"][np.arange(n)[None, :], positions // bs].astype(np.int64)
+        slots = np.where(steps < counts[None, :], blocks_of * bs + positions % bs, -1)
+        # Per step: positions, slots, sequence lengths (padding rows: position 0, slot -1, length 0)
+        stage = np.zeros((k_max, 3, rows), dtype=np.int64)
+        stage[:, 1, n:] = -1
+        stage[:, 0, :n], stage[:, 1, :n], stage[:, 2, :n] = positions, slots, positions + 1
+        buf["input_ids"][:n] = [emitted[i][-1] for i in active]
+        buf["input_ids"][n:rows] = 0
+        buf["query_start_loc"][: rows + 1] = np.minimum(np.arange(rows + 1), n)
+        dev = r.buffers.device
+        r.buffers.to_device("input_ids", rows)
+        r.buffers.to_device("query_start_loc", rows + 1)
+        r.buffers.to_device("block_tables", n, width)
+        stage_dev = torch.from_numpy(stage).to(r.device, non_blocking=True)
+
+        requests = [sampled[i].request for i in active]
+        greedy = [q.sampling_params.greedy for q in requests]
+        sample_rows = [SampleRow(q, []) for q in requests]
+        greedy_t = None if all(greedy) else torch.tensor(greedy, device=r.device)
+        sampler = r.sampler
+        chosen = torch.empty(k_max, n, dtype=torch.int64, device=r.device)
+        step_probs = []
         for j in range(k_max):
-            batch = [i for i in active if j < sampled[i].num_draft_next]
-            tokens = [last_token[i] if j == 0 else drafts[i][-1] for i in batch]
-            pos = [position[i] + j for i in batch]
-            logits = self._forward(tokens, pos, [sampled[i].block_ids for i in batch])
-            rows = [SampleRow(sampled[i].request, []) for i in batch]
-            greedy = torch.tensor([row.params.greedy for row in rows], device=logits.device)
-            p = sampler.probs(logits, rows)
-            u = torch.rand(len(batch), generator=sampler.generator, device=logits.device)
-            chosen = torch.where(greedy, logits.argmax(dim=-1), sampler.draw(p, u)).tolist()
-            for n, i in enumerate(batch):
-                drafts[i].append(chosen[n])
-                if not rows[n].params.greedy:
-                    q_rows[i].append(p[n])
-        for i in active:
-            if q_rows[i]:
-                probs[i] = torch.stack(q_rows[i])
+            dev["positions"][:rows].copy_(stage_dev[j, 0])
+            dev["slot_mapping"][:rows].copy_(stage_dev[j, 1])
+            dev["seq_lens"][:rows].copy_(stage_dev[j, 2])
+            if j:
+                dev["input_ids"][:n].copy_(chosen[j - 1])
+            if key is not None:
+                hidden = self.graphs.run(key)[:n]
+            else:
+                hidden = self._forward_eager(n, width, stage[j, 2, :n])
+            if greedy_t is None:
+                chosen[j] = self.model.compute_logits(hidden, None).argmax(dim=-1)
+                continue
+            logits = self.model.compute_logits(hidden)
+            p = sampler.probs(logits, sample_rows)
+            u = torch.rand(n, generator=sampler.generator, device=logits.device)
+            chosen[j] = torch.where(greedy_t, logits.argmax(dim=-1), sampler.draw(p, u))
+            step_probs.append(p)
+        host = chosen.T.tolist()  # the one wait for the device
+        q_all = torch.stack(step_probs, dim=1) if step_probs else None  # [n, k_max, vocab]
+        for row, i in enumerate(active):
+            drafts[i] = host[row][: counts[row]]
+            if not greedy[row]:
+                probs[i] = q_all[row, : counts[row]]
         return drafts, probs
 
-    def _forward(self, tokens: list[int], positions: list[int], block_lists: list[list[int]]) -> torch.Tensor:
-        """One token per request at the given positions -> logits [n, vocab]."""
+    def _forward_eager(self, n: int, width: int, seq_lens: np.ndarray) -> torch.Tensor:
+        """One token per request over the device buffers as staged -> hidden [n, hidden]."""
         r = self.runner
-        buf = r.buffers.np
-        bs = r.block_size
-        n = len(tokens)
-        pos = np.asarray(positions, dtype=np.int64)
-        width = max(len(b) for b in block_lists)
-        for row, blocks in enumerate(block_lists):
-            buf["block_tables"][row, : len(blocks)] = blocks
-        block_of = buf["block_tables"][np.arange(n), pos // bs].astype(np.int64)
-        buf["input_ids"][:n] = tokens
-        buf["positions"][:n] = pos
-        buf["slot_mapping"][:n] = block_of * bs + pos % bs
-        buf["query_start_loc"][: n + 1] = np.arange(n + 1)
-        buf["seq_lens"][:n] = pos + 1
+        dev = r.buffers.device
         meta = AttentionMetadata(
             num_tokens=n,
             num_decodes=n,
-            slot_mapping=r.buffers.to_device("slot_mapping", n),
-            query_start_loc=r.buffers.to_device("query_start_loc", n + 1),
-            seq_lens=r.buffers.to_device("seq_lens", n),
-            block_tables=r.buffers.to_device("block_tables", n, width),
+            slot_mapping=dev["slot_mapping"][:n],
+            query_start_loc=dev["query_start_loc"][: n + 1],
+            seq_lens=dev["seq_lens"][:n],
+            block_tables=dev["block_tables"][:n, :width],
             query_start_loc_cpu=list(range(n + 1)),
-            seq_lens_cpu=(pos + 1).tolist(),
-            max_seq_len=int(pos.max()) + 1,
+            seq_lens_cpu=seq_lens.tolist(),
+            max_seq_len=int(seq_lens.max()),
             max_query_len=1,
         )
-        self.backend.prepare(meta, bs)
-        hidden = self.model(
-            r.buffers.to_device("input_ids", n), r.buffers.to_device("positions", n), self.kv_caches, meta,
-            num_layers=self.num_layers,
-        )  # fmt: skip
-        return self.model.compute_logits(hidden)
+        self.backend.prepare(meta, r.block_size)
+        return self.model(dev["input_ids"][:n], dev["positions"][:n], self.kv_caches, meta, num_layers=self.num_layers)

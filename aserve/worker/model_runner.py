@@ -38,7 +38,7 @@ from aserve.layers.attention.backend import kv_cache_dtype as kv_cache_format
 from aserve.models.loader import build_model
 from aserve.worker import profiling
 from aserve.worker.batch_invariant_sampler import BatchInvariantSampler
-from aserve.worker.cuda_graphs import DecodeGraphs
+from aserve.worker.cuda_graphs import StepGraphs
 from aserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logits_rows
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device
 from aserve.worker.step_plan import StepLayout, StepPlan
@@ -170,7 +170,7 @@ class ModelRunner:
         # GPU: every step runs on a dedicated stream (its host sync, reading the sampled tokens, happens in the
         # engine's worker thread, never on the event loop).
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.drafter = None  # a model-based speculative proposer (aserve.worker.drafter), set by the engine
 
         t0 = time.perf_counter()
@@ -192,13 +192,21 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.call(method, *args)
 
-    def capture_cuda_graphs(self) -> None:
-        self._on_every_rank("capture_cuda_graphs")
+    def capture_cuda_graphs(self, max_query_len: int = 1) -> None:
+        """Graphs of decode steps and, with max_query_len > 1 (speculative decoding: 1 + the most drafts), of
+        verification steps; a model drafter's one-token steps join them (aserve/worker/cuda_graphs.py)."""
+        self._on_every_rank("capture_cuda_graphs", max_query_len)
         if not self.backend.supports_cuda_graphs:
             logger.info("No CUDA graphs: the %s prepares every step on the host", type(self.backend).__name__)
             return
-        self.graphs = DecodeGraphs(self, self.max_num_seqs)
-        self.graphs.capture()
+
+        def forward(input_ids, positions, meta):
+            return self.model(input_ids, positions, self.kv_caches, meta)
+
+        self.graphs = StepGraphs(self, forward, self.backend, self.max_num_seqs, max_query_len)
+        pool = self.graphs.capture()
+        if self.drafter is not None:
+            self.drafter.capture_cuda_graphs(pool)
 
     # -- KV cache ---------------------------------------------------------------------------------------------
 
@@ -263,14 +271,9 @@ class ModelRunner:
             self.workers.call("replay_step", plan.with_host(self.buffers.np))
         with self._stream():
             try:
-                hidden, meta = self._forward(plan, prev.tokens if prev is not None else None)
+                hidden, meta, key = self._forward(plan, prev.tokens if prev is not None else None)
                 if self.drafter is not None and self.drafter.needs_mirror:
-                    # A draft model computes its own KV for every token the target just computed.
-                    if meta is None:
-                        meta = self._device_meta(layout)
-                    n = layout.num_tokens
-                    input_ids, positions = self.buffers.device["input_ids"][:n], self.buffers.device["positions"][:n]
-                    self.drafter.mirror(input_ids, positions, meta)
+                    self._mirror(layout, meta, key)
                 # Requests asking for prompt logprobs run without overlap (the engine makes sure): scored here.
                 scores = []
                 if sched.scores_prompt:
@@ -316,7 +319,7 @@ class ModelRunner:
         for name, values in plan.host.items():
             self.buffers.np[name][tuple(slice(0, n) for n in values.shape)] = values
         with self._stream():
-            hidden, _ = self._forward(plan, self._shared_tokens)
+            hidden, _, _ = self._forward(plan, self._shared_tokens)
             for row, n in plan.prompt_logits_rows:
                 self.model.compute_logits(hidden[row : row + n])
             if plan.num_logits_rows:
@@ -327,21 +330,34 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan, prev_tokens: torch.Tensor | None):
         """Host buffers -> device, in-flight inputs patched from `prev_tokens`, the model (a CUDA graph's replay for
-        decode steps it covers). -> (hidden states, the attention metadata of an eager forward or None)."""
+        decode and verification steps it covers). -> (hidden states, the attention metadata of an eager forward or
+        None, the graph's key or None)."""
         layout = plan.layout
-        bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+        key = None
+        if self.graphs is not None:
+            key = self.graphs.key_for(layout.num_reqs, layout.num_tokens, layout.max_query_len)
         patch = None
         if plan.inflight_dst:
             patch = lambda: self._patch_inflight(plan.inflight_dst, plan.inflight_src, prev_tokens)  # noqa: E731
-        if bucket is not None:
-            return self.graphs.replay(layout, bucket, patch), None
+        if key is not None:
+            return self.graphs.replay(layout, key, patch), None, key
         meta = self._device_meta(layout)
         self.backend.prepare(meta, self.block_size)
         input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
         positions = self.buffers.to_device("positions", layout.num_tokens)
         if patch is not None:
             patch()
-        return self.model(input_ids, positions, self.kv_caches, meta), meta
+        return self.model(input_ids, positions, self.kv_caches, meta), meta, None
+
+    def _mirror(self, layout: StepLayout, meta: AttentionMetadata | None, key: tuple[int, int] | None) -> None:
+        """A draft model computes its own KV for every token the target just computed: the same CUDA graph shape
+        where the target replayed one (its padded inputs are still in the device buffers), else eagerly."""
+        if key is not None and self.drafter.mirror_graph(key):
+            return
+        if meta is None:
+            meta = self._device_meta(layout)
+        n = layout.num_tokens
+        self.drafter.mirror(self.buffers.device["input_ids"][:n], self.buffers.device["positions"][:n], meta)
 
     @staticmethod
     def _inflight_rows(inflight: list[tuple[int, ScheduledRequest]], prev: PendingStep | None):

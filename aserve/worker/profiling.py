@@ -67,20 +67,45 @@ def warmup(runner) -> None:
 def measure_step_times(runner, reps: int = 3) -> dict[int, float]:
     """Seconds per step by number of tokens (1, 2, 4, ... up to the budget): the seed of the speculation
     policy's cost model (which then learns from real steps). A step of n tokens is timed as one n-token request;
-    the fastest of `reps` runs, after a warm-up run (kernel selection, compilation)."""
+    the fastest of `reps` runs, after a warm-up run (kernel selection, compilation). Sizes that CUDA graphs cover
+    are timed as the steps run them: a decode graph's replay and the logits of its rows."""
     sizes = [1 << i for i in range(12) if (1 << i) <= min(runner.max_num_batched_tokens, runner.max_model_len, 1024)]
+    graphs = runner.graphs
+    if graphs is not None:
+        _idle_graph_inputs(runner, graphs.buckets[-1])
     out = {}
     for n in sizes:
-        synthetic_step(runner, [n])
+        key = graphs.key_for(n, n, 1) if graphs is not None else None
+        if key is not None:
+            step = lambda key=key, n=n: runner.model.compute_logits(graphs.run(key)[:n])  # noqa: E731
+        else:
+            step = lambda n=n: synthetic_step(runner, [n])  # noqa: E731
+        step()
         _sync(runner)
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
-            synthetic_step(runner, [n])
+            step()
             _sync(runner)
             best = min(best, time.perf_counter() - t0)
         out[n] = best
     return out
+
+
+def _idle_graph_inputs(runner, rows: int) -> None:
+    """Device buffers for replaying decode graphs of up to `rows` requests with nothing written: every request one
+    token at position 0 of block 0, slot -1."""
+    host = runner.buffers.np
+    host["input_ids"][:rows] = 0
+    host["positions"][:rows] = 0
+    host["slot_mapping"][:rows] = -1
+    host["seq_lens"][:rows] = 1
+    host["query_start_loc"][: rows + 1] = range(rows + 1)
+    host["block_tables"][:rows] = 0
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        runner.buffers.to_device(name, rows)
+    runner.buffers.to_device("query_start_loc", rows + 1)
+    runner.buffers.to_device("block_tables", rows, runner.max_blocks_per_seq)
 
 
 def _sync(runner) -> None:

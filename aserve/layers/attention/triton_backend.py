@@ -11,7 +11,7 @@ import torch
 
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import rotary_split
-from aserve.kernels.paged_attention import paged_attention
+from aserve.kernels.paged_attention import SHORT_QUERY_LEN, paged_attention
 from aserve.layers.attention.backend import (
     AUTO,
     FULL_ATTENTION,
@@ -68,26 +68,29 @@ class TritonAttentionBackend(AttentionBackend):
         self.head_dim_pad = 1 << (head_dim - 1).bit_length()
         # Split-KV partials for decode batches, preallocated flat (CUDA graphs need fixed addresses) and viewed as
         # contiguous [num_tokens, H, segments, D] / [..., 2] for each launch.
-        n = max_num_seqs * num_heads * _MAX_SEGMENTS
+        self._partial_rows = n = max_num_seqs * num_heads * _MAX_SEGMENTS
         self.part_acc = torch.empty(n * self.head_dim_pad, dtype=torch.float32, device=device)
         self.part_stats = torch.empty(n * 2, dtype=torch.float32, device=device)
 
-    def segments_for(self, num_seqs: int, max_seq_len: int) -> int:
-        return num_kv_segments(num_seqs, self.num_kv_heads, max_seq_len, self.num_sms)
+    def segments_for(self, meta: AttentionMetadata, max_seq_len: int) -> int:
+        segments = num_kv_segments(meta.num_reqs, self.num_kv_heads, max_seq_len, self.num_sms)
+        while segments > 1 and meta.num_tokens * self.num_heads * segments > self._partial_rows:
+            segments //= 2  # the preallocated partials hold max_num_seqs tokens' worth of segments
+        return segments
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Decode-only steps: split-KV segments for their number of requests and longest context. A CUDA graph's
-        metadata has the longest context a replay can see (max_model_len), so each graph keeps a count that fits
-        every step it replays (segments past a sequence's end contribute nothing)."""
-        decode_only = meta.max_query_len == 1
-        meta.state = TritonAttentionState(self.segments_for(meta.num_reqs, meta.max_seq_len) if decode_only else 1, {})
+        """Steps of short queries (decodes, verification): split-KV segments for their number of requests and
+        longest context. A CUDA graph's metadata has the longest context a replay can see (max_model_len), so each
+        graph keeps a count that fits every step it replays (segments past a sequence's end contribute nothing)."""
+        short = meta.max_query_len <= SHORT_QUERY_LEN
+        meta.state = TritonAttentionState(self.segments_for(meta, meta.max_seq_len) if short else 1, {})
 
     def _num_segments(self, meta: AttentionMetadata, window: int | None) -> int:
         state: TritonAttentionState = meta.state
         if window is None or state.num_segments == 1:
             return state.num_segments
         if window not in state.window_segments:
-            state.window_segments[window] = self.segments_for(meta.num_reqs, min(meta.max_seq_len, window))
+            state.window_segments[window] = self.segments_for(meta, min(meta.max_seq_len, window))
         return state.window_segments[window]
 
     def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int,
