@@ -45,6 +45,8 @@ _HELP = {
     "kernels; seeded sampling keyed by output position)",
     "kv_cache_dtype": "auto (the model's dtype) | fp8 / fp8_e4m3: KV cache in FP8 e4m3, twice the tokens in the same "
     "memory (per-layer k/v scales from the checkpoint, else 1.0)",
+    "long_prefill_token_threshold": "at most this many of a prompt's tokens per step (0: what the token budget "
+    "leaves): a long prompt joining running decodes lengthens their steps, and so their inter-token latency, less",
     "tensor_parallel_size": "split the model across this many GPUs (processes on CPU), Megatron-style; also -tp",
     "quantization": "awq / gptq / compressed-tensors / fp8: require a checkpoint so quantised (detected from the "
     "checkpoint either way); fp8 / int8 on a 16-bit checkpoint: quantise its linear weights at load to FP8 e4m3 / int8 "

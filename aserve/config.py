@@ -29,6 +29,9 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 8192 on GPU, 2048 on CPU
+    # A prompt longer than this computes at most this many tokens per step (0: as many as the budget leaves), so a
+    # long prompt joining running decodes lengthens their steps less (vLLM's flag)
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float | None = None  # KV budget; default on CPU: 2 GiB (capped to what can be used)
@@ -72,6 +75,8 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "dummy"):

@@ -1,7 +1,8 @@
 """What the OpenAI server costs over the offline engine on the same workload, in one command:
 
     python bench/online_vs_offline.py [--model M] [--load-format dummy] [--dtype D] [--streams 64] [--requests 256]
-        [--input-len 256] [--output-len 128] [--max-num-seqs 256] [--profile] [--json PATH] [--server-arg '...']
+        [--input-len 256] [--output-len 128] [--max-num-seqs 256] [--long-prefill-token-threshold N] [--profile]
+        [--json PATH] [--server-arg '...']
 
 Offline: `LLM.generate` of --requests random token-id prompts (seeded; ids in [100, vocab_size - 100)), max_tokens
 --output-len with EOS ignored, temperature 0, after a warm-up of the whole batch at max_tokens 4 (other prompts of
@@ -60,6 +61,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
               enforce_eager=ns.enforce_eager)  # fmt: skip
     if ns.kv_cache_memory_gb is not None:
         kw["kv_cache_memory_gb"] = ns.kv_cache_memory_gb
+    if ns.long_prefill_token_threshold:
+        kw["long_prefill_token_threshold"] = ns.long_prefill_token_threshold
     return kw
 
 
@@ -252,6 +255,7 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
         "--kv-cache-memory-gb", repr(kv_gb), "--max-num-seqs", str(ns.max_num_seqs), "--no-debug-invariants",
     ]  # fmt: skip
     flags += ["--enforce-eager"] if ns.enforce_eager else []
+    flags += ["--long-prefill-token-threshold", str(ns.long_prefill_token_threshold)]
     flags += [x for arg in ns.server_arg for x in shlex.split(arg)]
     log_path = os.path.join(tmp, "server.log")
     try:
@@ -328,6 +332,8 @@ def main() -> None:
     kv_help = "both engines' KV budget (default: the offline engine's own; the server gets the same)"
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help=kv_help)
     p.add_argument("--enforce-eager", action="store_true", help="both engines: no CUDA graphs / CPU compile")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="both engines: at most this many prompt tokens of a request per step (0: no cap)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="sample the server with py-spy during the timed pass")
     p.add_argument("--json", default=None, help="write the results here")

@@ -50,6 +50,43 @@ def test_chunked_prefill_and_mixed_decode_in_one_budget():
     assert sched.requests["a"].num_tokens == 12 and sched.requests["b"].num_tokens == 5
 
 
+def test_long_prefill_token_threshold_caps_a_prompt_per_step():
+    """With long_prefill_token_threshold a long prompt computes at most that many tokens per step even where the
+    budget leaves more, beside running decodes; prompts within it are not chunked."""
+    kv = KVCacheManager(32, BS)
+    sched = Scheduler(kv, 8, 64, 64, long_prefill_token_threshold=6)
+    sched.add_request(req("short", range(5)))
+    assert summary(run_step(sched)) == [("short", 0, 5, [0, 1])]
+    sched.add_request(req("long", range(100, 114)))
+    assert summary(run_step(sched)) == [("short", 5, 1, [0, 1]), ("long", 0, 6, [2, 3])]
+    assert summary(run_step(sched)) == [("short", 6, 1, [0, 1]), ("long", 6, 6, [2, 3, 4])]
+    assert summary(run_step(sched)) == [("short", 7, 1, [0, 1]), ("long", 12, 2, [2, 3, 4, 5])]
+
+
+def test_long_prefill_token_threshold_through_the_engine(tiny_model):
+    """The flag as a user sets it (offline API): outputs as without it, a 60-token prompt over ceil(60 / 16) steps
+    (the first token comes after them), and a negative value refused."""
+    import pytest
+
+    from aserve import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(3, 63))}, {"prompt_token_ids": [5, 6, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    plain = LLM(tiny_model, dtype="float32", enforce_eager=True)
+    capped = LLM(tiny_model, dtype="float32", enforce_eager=True, long_prefill_token_threshold=16)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in capped.generate(prompts, params)] == want
+    fresh = [{"prompt_token_ids": list(range(100, 160))}]  # no prefix-cache hit
+    steps = []
+    for llm in (plain, capped):
+        before = llm.engine.stats.steps_total
+        llm.generate(fresh, SamplingParams(temperature=0, max_tokens=1))
+        steps.append(llm.engine.stats.steps_total - before)
+    assert steps == [1, 4]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        LLM(tiny_model, long_prefill_token_threshold=-1)
+
+
 def test_running_before_waiting_and_max_num_seqs():
     sched = make_scheduler(max_num_seqs=2, budget=100)
     for i in range(3):

@@ -2,8 +2,9 @@
 
 Each step: running requests first (in arrival order), then waiting ones FCFS, each given up to
 `num_tokens - num_computed_tokens` tokens from the shared budget (plus, with async scheduling, the token a step still
-running will sample: see `Request.num_inflight`). A prompt longer than what is left is chunked; the
-rest comes in later steps, mixed with other requests' decodes. When the pool runs out of blocks, the newest running
+running will sample: see `Request.num_inflight`). A prompt longer than what is left (or than
+`long_prefill_token_threshold`, when set) is chunked; the rest comes in later steps, mixed with other requests'
+decodes. When the pool runs out of blocks, the newest running
 request is preempted: its blocks are freed and it is recomputed later (prefix caching usually makes that cheap).
 A waiting request with structured output is skipped until its grammar is compiled (vLLM's WAITING_FOR_FSM); one
 whose grammar failed to compile ends with an error (its output waits in `take_outputs()`).
@@ -76,8 +77,11 @@ class Scheduler:
         spec_policy=None,
         vocab_size: int | None = None,
         stats: EngineStats | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.kv = kv_cache_manager
+        # A request computes at most this many tokens per step (0: no limit but the budget)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.spec_policy = spec_policy  # None: no speculative decoding
         self.vocab_size = vocab_size  # sampled ids at or past it end their request with an error
         self.stats = stats if stats is not None else EngineStats()
@@ -143,7 +147,7 @@ class Scheduler:
             num_new = (
                 request.num_tokens + request.num_inflight + len(request.spec_token_ids) - request.num_computed_tokens
             )
-            num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
+            num_new = min(self._chunk(num_new), budget, self.max_model_len - request.num_computed_tokens)
             assert num_new > 0, f"{request} has nothing to compute"
             k_next, lookahead = self._drafts_next(request, num_new)
             while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
@@ -175,7 +179,7 @@ class Scheduler:
             # Prompt logprobs need the logits of every prompt position: no prefix-cache hits for those requests.
             if request.num_computed_tokens == 0 and request.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit, budget)
+            num_new = min(self._chunk(request.num_tokens - request.num_computed_tokens - num_hit), budget)
             k_next, lookahead = self._drafts_next(request, num_hit + num_new)
             if self.kv.allocate_slots(request, num_new, hit_blocks, num_lookahead_tokens=lookahead) is None:
                 break
@@ -191,6 +195,11 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
         return out
+
+    def _chunk(self, num_new: int) -> int:
+        """A long prompt's share of one step: at most long_prefill_token_threshold tokens (when set)."""
+        threshold = self.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new else num_new
 
     def take_outputs(self) -> list[EngineCoreOutput]:
         """Endings found by schedule() rather than by a step (a request whose grammar did not compile)."""

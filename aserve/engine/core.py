@@ -133,6 +133,8 @@ class EngineCore:
         if config.device.type == "cuda" and not args.enforce_eager:
             # Speculative decoding: verification steps (each request's last token and up to k drafts) too
             self.runner.capture_cuda_graphs(1 + spec.num_speculative_tokens if spec is not None else 1)
+        if config.device.type == "cuda":
+            self.runner.warm_up_sampler()
         self.spec_policy = self._spec_policy()
         self.stats = EngineStats()
         self.structured_output = StructuredOutputManager(config.tokenizer, config.vocab_size, config.eos_token_id)
@@ -145,6 +147,7 @@ class EngineCore:
             self.spec_policy,
             config.vocab_size,
             self.stats,
+            args.long_prefill_token_threshold,
         )
         self.async_scheduling = config.async_scheduling
         self.inflight: tuple[SchedulerOutput, PendingStep] | None = None  # the launched step not yet updated from
