@@ -79,3 +79,20 @@ def test_sampler_greedy_batch_on_gpu_same_tokens():
     assert sampler.launch(logits[:2], reqs[:2]).result().token_ids == want
     reqs[0].sampling_params.min_tokens = 4
     assert sampler._greedy_pick(logits, [SampleRow(reqs[0], [])]) is None
+
+
+def test_engine_warms_up_the_greedy_pick(tiny_model):
+    """The runner's start-up sampler warm-up (run by the engine on a GPU) picks from a made-up row of the model's
+    logits and leaves the engine's output as it was."""
+    from aserve import LLM, SamplingParams
+
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    before = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids
+    calls = []
+    sampler = llm.engine.core.runner.sampler
+    supports, pick = sampler._greedy_kernel
+    sampler._greedy_kernel = (supports, lambda logits: calls.append(logits.shape) or pick(logits))
+    llm.engine.core.runner.warm_up_sampler()
+    assert calls == [(1, llm.engine.core.runner.model.config.vocab_size)]
+    assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids == before

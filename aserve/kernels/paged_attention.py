@@ -211,7 +211,9 @@ def _tile_bounds(p0, p1, num_keys, window, TILE_N: tl.constexpr, ALIGN: tl.const
     return key0, wlo, mid, hi
 
 
-@triton.jit
+# The number of sequences changes with every step: one compiled variant for all (Triton would otherwise compile
+# separate ones for 1 and for multiples of 16, the latter first met in live traffic).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -344,7 +346,7 @@ def _paged_attention_kernel(
         tl.store(part_stats_ptr + base * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _combine_segments_kernel(
     out_ptr,
     part_acc_ptr,

@@ -228,6 +228,17 @@ class ModelRunner:
         profiling.warmup(self)
 
     @torch.inference_mode()
+    def warm_up_sampler(self) -> None:
+        """Compiles what sampling launches (a GPU: the greedy pick's Triton kernels) on the logits of a made-up
+        row, so that the first request does not wait for it."""
+        self._on_every_rank("warm_up_sampler")
+        hidden = torch.zeros(1, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        with self._stream():
+            logits = self.model.compute_logits(hidden, None)
+            if self.tp is None or self.tp.rank == 0:
+                self.sampler.warm_up(logits)
+
+    @torch.inference_mode()
     def measure_step_times(self, reps: int = 3) -> dict[int, float]:
         """Seconds per step by number of tokens (worker/profiling.py)."""
         self._on_every_rank("measure_step_times", reps)
