@@ -11,7 +11,7 @@ import torch
 from aserve import LLM, SamplingParams
 from aserve.spec.config import SpeculativeConfig
 from aserve.spec.ngram import propose_ngram
-from aserve.spec.policy import PROBE_EVERY, SpecPolicy, StepCostModel, expected_tokens
+from aserve.spec.policy import MAX_PROBE_EVERY, PROBE_EVERY, SpecPolicy, StepCostModel, expected_tokens
 from aserve.worker.sampler import Sampler
 
 MAX_NEW = 40
@@ -263,13 +263,14 @@ def test_adaptive_policy_drafts_only_where_it_pays():
     assert policy.num_drafts(bad, 1) == 0  # never accepted: not worth even a small cost
     assert policy.num_drafts(good, 128) == 0  # compute-bound batch: k+1 tokens cost k+1 times as much
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    SpecPolicy.observe(bad, 4, 4)
+    policy.observe(bad, 4, 4)
     assert bad.spec_accepted == pytest.approx(4)
 
 
 def test_adaptive_policy_prices_the_lost_overlap_and_probes():
     """With async scheduling a drafting step costs the overlap (sync_overhead) and an empty proposal counts as a
-    rejection; requests held at k = 0 draft one token together every PROBE_EVERY steps."""
+    rejection; requests held at k = 0 draft one token together, first after PROBE_EVERY steps, then at doubling
+    intervals while nothing is accepted (up to MAX_PROBE_EVERY), and every PROBE_EVERY steps again once a draft is."""
     cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto"})
     cost = StepCostModel({1: 1.0, 2: 1.0, 8: 1.0})  # verification free in step time
     policy = SpecPolicy(cfg, cost, overlap=True)
@@ -282,11 +283,21 @@ def test_adaptive_policy_prices_the_lost_overlap_and_probes():
         cost.observe_sync_overhead(0.5)  # a step without overlap costs half a step more
     assert cost.sync_overhead == pytest.approx(0.5, rel=0.02)
     assert policy.num_drafts(weak, 1) == 0 and policy.num_drafts(low, 1) == 0
+    policy = SpecPolicy(cfg, cost, overlap=True)
     probes = []
-    for _ in range(3 * PROBE_EVERY):
+    for _ in range(PROBE_EVERY * (1 + 2 + 4 + 8 + 16 + 16)):
         policy.begin_step()
         probes.append(policy.num_drafts(low, 1))
-    assert sum(probes) == 3 and set(probes) == {0, 1}  # one probe of one token per PROBE_EVERY steps
+    assert set(probes) == {0, 1}  # one token per probe
+    probed_at = [i + 1 for i, k in enumerate(probes) if k]
+    assert probed_at == [PROBE_EVERY * n for n in (1, 3, 7, 15, 31, 47)]  # the interval doubles up to 512 steps
+    assert MAX_PROBE_EVERY == 16 * PROBE_EVERY
+    policy.observe(low, 1, 1)  # a probe's draft accepted: the next probe within PROBE_EVERY steps
+    probes = []
+    for _ in range(PROBE_EVERY):
+        policy.begin_step()
+        probes.append(policy.num_drafts(low, 1))
+    assert probes[-1] == 1 and sum(probes) == 1
     assert policy.num_drafts(_Req(90, 100), 1) == cfg.num_speculative_tokens  # high acceptance still pays
 
 

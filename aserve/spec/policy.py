@@ -11,8 +11,13 @@ drafts or verifies: the drafts follow its sampled token. Drafting then also cost
 that the overlap would have hidden (`StepCostModel.sync_overhead`, measured by the engine), and a request for
 drafts that comes back empty (no n-gram match) costs it too, so it counts as a rejected draft.
 
-A request at k = 0 is never observed, so its estimate could never rise again: every PROBE_EVERY-th step, all such
-requests draft one token together (one step without overlap for the batch, not one per request).
+A request at k = 0 is never observed, so its estimate could never rise again: now and then all such requests draft
+one token together (one step without overlap for the batch, not one per request). The first probe comes after
+PROBE_EVERY steps; while no draft is accepted anywhere the interval doubles (up to MAX_PROBE_EVERY), so that at an
+acceptance near 0 probing costs next to nothing, and an accepted draft brings it back to PROBE_EVERY.
+
+R(B, k) is the same for every request of a step: it is computed once per batch size until the cost model
+changes.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from aserve.spec.config import SpeculativeConfig
 
 _PRIOR_ACCEPTED, _PRIOR_TRIALS = 1.0, 2.0  # acceptance 0.5 until observed
 _DECAY = 0.9  # older observations fade: acceptance drifts within a request
-PROBE_EVERY = 32  # steps between probes of the requests the adaptive policy holds at k = 0
+PROBE_EVERY = 32  # steps before a probe of the requests the adaptive policy holds at k = 0, at first
+MAX_PROBE_EVERY = 512  # the most steps between probes (after probes that found nothing)
 
 
 def _interpolate(sizes: list[int], times: list[float], num_tokens: int) -> float:
@@ -60,6 +66,7 @@ class StepCostModel:
         # Seconds a step without overlap adds (async scheduling: host work the overlap hides otherwise); 0 when
         # steps never overlap.
         self.sync_overhead = 0.0
+        self.version = 0  # counts changes: what a consumer computed from the model is stale when it moves
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -72,6 +79,7 @@ class StepCostModel:
             points.update({n: t * scale for n, t in self.seed.items() if n > top})
         else:
             points = dict(self.seed)
+        self.version += 1
         self.sizes = sorted(points)
         times, running = [], 0.0
         for n in self.sizes:
@@ -90,6 +98,7 @@ class StepCostModel:
 
     def observe_sync_overhead(self, seconds: float) -> None:
         self.sync_overhead += self.alpha * (seconds - self.sync_overhead)
+        self.version += 1
 
     def time(self, num_tokens: int) -> float:
         return _interpolate(self.sizes, self.times, num_tokens)
@@ -113,11 +122,19 @@ class SpecPolicy:
         assert not config.adaptive or cost is not None, "the adaptive policy needs a cost model"
         self._steps = 0
         self._probe = False
+        self._interval = PROBE_EVERY  # steps from the last probe (or the start) to the next
+        self._next_probe = PROBE_EVERY
+        # batch size -> R(B, k) for k = 1..k_max, for the cost model's version _costs_version
+        self._costs: dict[int, list[float]] = {}
+        self._costs_version = -1
 
     def begin_step(self) -> None:
-        """The scheduler starts a step: every PROBE_EVERY-th one probes the requests held at k = 0."""
+        """The scheduler starts a step; it may probe the requests held at k = 0 (module docstring)."""
         self._steps += 1
-        self._probe = self._steps % PROBE_EVERY == 0
+        self._probe = self._steps >= self._next_probe
+        if self._probe:
+            self._interval = min(2 * self._interval, MAX_PROBE_EVERY)
+            self._next_probe = self._steps + self._interval
 
     @property
     def empty_is_rejection(self) -> bool:
@@ -128,20 +145,30 @@ class SpecPolicy:
         k_max = self.config.num_speculative_tokens
         if not self.config.adaptive:
             return k_max
+        if self._costs_version != self.cost.version:  # the cost model learnt something
+            self._costs.clear()
+            self._costs_version = self.cost.version
+        costs = self._costs.get(batch_size)
+        if costs is None:
+            b = max(batch_size, 1)
+            costs = self._costs[batch_size] = [self.cost.relative_cost(b, k) for k in range(1, k_max + 1)]
         a = acceptance(request)
         best_k, best = 0, 1.0  # k = 0: one token per step at relative cost 1
         for k in range(1, k_max + 1):
-            value = expected_tokens(a, k) / self.cost.relative_cost(max(batch_size, 1), k)
+            value = expected_tokens(a, k) / costs[k - 1]
             if value > best * 1.02:  # demand a margin: measurement noise should not buy speculation
                 best_k, best = k, value
         return 1 if best_k == 0 and self._probe else best_k
 
-    @staticmethod
-    def observe(request, num_drafted: int, num_accepted: int) -> None:
-        """Acceptance is per position: `num_accepted` successes in a run ended by a rejection (if any)."""
+    def observe(self, request, num_drafted: int, num_accepted: int) -> None:
+        """Acceptance is per position: `num_accepted` successes in a run ended by a rejection (if any). An accepted
+        draft also brings probing back to every PROBE_EVERY steps."""
         trials = num_accepted + (1 if num_accepted < num_drafted else 0)
         request.spec_accepted = request.spec_accepted * _DECAY + num_accepted
         request.spec_trials = request.spec_trials * _DECAY + trials
+        if num_accepted and self._interval > PROBE_EVERY:
+            self._interval = PROBE_EVERY
+            self._next_probe = min(self._next_probe, self._steps + PROBE_EVERY)
 
 
 def acceptance(request) -> float:
