@@ -7,6 +7,7 @@ from torch import nn
 
 from aserve import LLM, SamplingParams
 from aserve.kernels import cpu
+from aserve.layers.attention.backend import FP8
 from aserve.layers.linear import Linear
 from aserve.models.cpu_one_token import OneTokenForward
 
@@ -51,6 +52,22 @@ def test_one_token_forward_matches_module_forward(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     llm.generate([{"prompt_token_ids": PROMPT}], params)
     assert len(diffs) == 9 and max(diffs) < 2**-5
+
+
+@needs_c_gemv
+def test_one_token_forward_matches_module_forward_over_an_fp8_cache(tiny_model):
+    """--kv-cache-dtype fp8: the one-token forward quantises k / v into the slot (the bytes the module forward's
+    cache write then writes again) and attends over the e4m3 pages; the same tokens as with it turned off."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = LLM(tiny_model, dtype="bfloat16", enforce_eager=True, device="cpu", kv_cache_dtype="fp8")
+    model = llm.engine.core.runner.model
+    assert isinstance(model.cpu_one_token, OneTokenForward) and llm.engine.core.runner.kv_caches.dtype == FP8
+    diffs = compare_every_step(model)
+    got = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
+    assert len(diffs) == 9 and max(diffs) < 2**-5
+    model.cpu_one_token = None
+    llm.engine.reset_prefix_cache()
+    assert llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids == got
 
 
 @needs_c_gemv

@@ -1,7 +1,7 @@
-"""The FP8 KV cache (`--kv-cache-dtype fp8`): the attention backends and the Triton cache-write kernels against a
-pure-torch reference that quantises and dequantises the cache (aserve/layers/attention/backend.py), the KV
-capacity, checkpoint scales and the refusals through LLM, one request over HTTP, and the embedded SmolLM2's greedy
-output against its 16-bit cache (slow)."""
+"""The FP8 KV cache (`--kv-cache-dtype fp8`): the attention backends, the CPU decode kernel and the Triton cache-write
+kernels against a pure-torch reference that quantises and dequantises the cache (aserve/layers/attention/backend.py),
+the KV capacity, checkpoint scales, CPU decodes on the C kernel and the refusals through LLM, one request over HTTP,
+and the embedded SmolLM2's greedy output against its 16-bit cache (slow)."""
 
 import os
 import subprocess
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
-from attention_cases import random_batch
+from attention_cases import poison_outside_window, random_batch
 from safetensors.torch import load_file, save_file
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import reference
+from aserve.kernels import cpu, reference
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import rotary_split
 from aserve.kernels.paged_attention import paged_attention, tile_config
@@ -26,7 +26,7 @@ from aserve.layers.attention.backend import (
     kv_cache_dtype,
     quantize_fp8,
 )
-from aserve.layers.attention.torch_backend import TorchAttentionBackend
+from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 from aserve.layers.attention.triton_backend import TritonAttentionBackend
 from aserve.layers.elementwise import RotaryEmbedding
 
@@ -44,6 +44,7 @@ LAYERS = {
 BLOCK = 16
 ENGINE = dict(enforce_eager=True, max_model_len=256, max_num_seqs=8)
 PROMPTS = [[5, 9, 13, 17, 21], list(range(30, 70)), [7] * 3 + list(range(100, 130))]
+needs_cpu_kernels = pytest.mark.skipif(not cpu.available(), reason="no working C compiler")
 
 
 def fp8_batch(case, heads, dtype, params):
@@ -76,11 +77,14 @@ def test_quantise_rounds_clamps_and_round_trips():
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("layer", list(LAYERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_reads_the_dequantised_cache(case, layer, dtype):
+@pytest.mark.parametrize("backend_class", [TorchAttentionBackend,
+                                           pytest.param(CPUAttentionBackend, marks=needs_cpu_kernels)])  # fmt: skip
+def test_torch_backend_reads_the_dequantised_cache(case, layer, dtype, backend_class):
+    """The torch reference, and the CPU backend (its decodes on the C kernel, the rest on the torch reference)."""
     params = LAYERS[layer]
     q, k, v, cache, meta = fp8_batch(case, (8, 2), dtype, params)
     want_cache, ref = reference_attention(q, k, v, cache, meta, params)
-    backend = TorchAttentionBackend(kv_cache_dtype("fp8"))
+    backend = backend_class(kv_cache_dtype("fp8"))
     backend.prepare(meta, BLOCK)
     out = backend.forward(q, k, v, cache, meta, params)
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
@@ -128,6 +132,82 @@ def test_paged_attention_kernel_bf16_queries_over_fp8_pages_in_fp16():
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@needs_cpu_kernels
+@pytest.mark.parametrize("generic", [True, False], ids=["generic", "simd"])  # simd: the AVX-512 path where it exists
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "head_dim", "ctx_lens", "layer"), [
+    ((4, 4), 16, [0, 5, 31, 47, 90], "plain"),  # MHA; a request with no context (only the new token)
+    ((9, 3), 64, [3, 200, 16, 15], "scaled"),  # SmolLM2's GQA; block-boundary lengths
+    ((32, 8), 128, [600, 1], "scaled"),
+    ((12, 2), 32, [40, 7], "plain"),  # G 6, D 32: no loops of their own
+    ((6, 3), 96, [33, 64], "odd-scales-window-softcap"),
+    ((8, 2), 64, [0, 4, 19, 33, 70, 130], "odd-scales-window-softcap"),
+    ((24, 2), 64, [50, 9], "scaled"),  # G 12: the portable loops only
+])  # fmt: skip
+def test_cpu_decode_kernel_reads_fp8_pages(generic, dtype, heads, head_dim, ctx_lens, layer):
+    """The C decode kernel over e4m3 pages (k_scale / v_scale, sliding window, softcap) against the reference over the
+    dequantised pages; blocks wholly before a window (NaN there) are not read."""
+    params = LAYERS[layer]
+    num_blocks = sum(-(-(c + 1) // BLOCK) for c in ctx_lens) + 3
+    q, k, v, cache, meta = random_batch([1] * len(ctx_lens), ctx_lens, *heads, head_dim, BLOCK, num_blocks, dtype)
+    fp8 = torch.stack([quantize_fp8(cache[0], params.k_scale), quantize_fp8(cache[1], params.v_scale)])
+    FP8KVCache().write(k, v, fp8, meta.slot_mapping, params.k_scale, params.v_scale)
+    values = torch.stack([dequantize_fp8(fp8[0], params.k_scale, torch.float32),
+                          dequantize_fp8(fp8[1], params.v_scale, torch.float32)])  # fmt: skip
+    ref = reference.paged_attention(q.float(), values, meta, BLOCK, params.scale, params.sliding_window, params.softcap)
+    if params.sliding_window:
+        fp8 = poison_outside_window(fp8, meta, BLOCK, params.sliding_window)
+    out = torch.full_like(q, float("nan"))
+    assert cpu.attention_supports(q, fp8[0])
+    cpu.paged_decode_attention(q, fp8[0], fp8[1], meta.block_tables, meta.seq_lens, out, params.scale, generic,
+                               params.sliding_window, params.softcap, params.k_scale, params.v_scale)  # fmt: skip
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    else:  # float32 arithmetic, the output rounded to bf16 once
+        torch.testing.assert_close(out.float(), ref.to(dtype).float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("generic", [True, False], ids=["generic", "simd"])
+def test_cpu_decode_kernel_reads_every_e4m3_value(generic):
+    """Every byte (subnormals, +-448, NaN) as torch's cast reads it: one key per request, so the output is its value
+    row (times v_scale)."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8).view(16, 1, 16)  # 16 rows of 16 bytes
+    v_cache = values.view(16, 1, 1, 16)  # 16 blocks of one token
+    tables = torch.arange(16, dtype=torch.int32).view(16, 1)
+    q, out = torch.randn(16, 1, 16), torch.empty(16, 1, 16)
+    k_cache = torch.zeros(16, 1, 1, 16).to(FP8)
+    cpu.paged_decode_attention(q, k_cache, v_cache, tables, torch.ones(16, dtype=torch.int32), out, generic=generic,
+                               k_scale=0.5, v_scale=0.25)  # fmt: skip
+    assert torch.equal(out.nan_to_num(nan=7.0), (values.float() * 0.25).nan_to_num(nan=7.0))
+
+
+@needs_cpu_kernels
+def test_cpu_decode_kernel_refuses_scales_for_unquantised_caches():
+    q, k, v, cache, meta = random_batch([1], [5], 2, 2, 16, BLOCK, 4)
+    with pytest.raises(RuntimeError, match="k_scale / v_scale apply to a float8_e4m3fn cache only"):
+        cpu.paged_decode_attention(q, cache[0], cache[1], meta.block_tables, meta.seq_lens, q.clone(), k_scale=2.0)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_cache_write_quantises_as_the_reference(dtype):
+    """The one-token path's C cache write (fp8_write_kv) = FP8KVCache.write's bytes: every e4m3 value and every
+    midpoint between two (ties to even), each side of the subnormal range, clamping at +-448, NaN, scales."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].sort().values
+    x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([500.0, -1e4, 449.0, float("nan"), 1e-9])])
+    x = torch.cat([x, torch.randn(4000, generator=torch.Generator().manual_seed(5)) * 40]).to(dtype)
+    lib = cpu.library()
+    for k_scale, v_scale in ((1.0, 1.0), (0.37, 2.0)):
+        k, v = x.contiguous(), x.flip(0).contiguous()
+        got = torch.empty(2, x.numel(), dtype=torch.uint8)
+        lib.fp8_write_kv(k.data_ptr(), v.data_ptr(), got[0].data_ptr(), got[1].data_ptr(), x.numel(), k_scale, v_scale,
+                         int(dtype == torch.bfloat16))  # fmt: skip
+        want = torch.stack([quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)]).view(torch.uint8)
+        assert torch.equal(got, want)
+
+
 def test_triton_cache_writes_quantise_as_the_reference():
     """write_kv and the fused rotary + cache write into FP8 pages = the reference's quantisation (x / scale,
     clamped to +-448, rounded to nearest even); padding slots write nothing."""
@@ -159,8 +239,10 @@ def test_backend_selection_and_refusals():
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     fp8 = kv_cache_dtype("fp8_e4m3")
-    backend = select_attention_backend("auto", cfg, torch.bfloat16, 4, torch.device("cpu"), kv_cache_dtype=fp8)
-    assert type(backend) is TorchAttentionBackend and backend.kv.quantized  # not the C decode kernel's
+    on_cpu = CPUAttentionBackend if cpu.available() else TorchAttentionBackend  # the C decode kernel's where it builds
+    for name in ("auto", "torch"):
+        backend = select_attention_backend(name, cfg, torch.bfloat16, 4, torch.device("cpu"), kv_cache_dtype=fp8)
+        assert type(backend) is on_cpu and backend.kv.quantized
     with pytest.raises(ValueError, match="cannot run in deterministic mode"):
         select_attention_backend("auto", cfg, torch.bfloat16, 4, torch.device("cpu"), True, 256, fp8)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3"):
@@ -185,6 +267,28 @@ def test_llm_doubles_the_kv_capacity_and_generates(tiny_model):
             assert all(len(o) == 12 for o in outs)
     assert capacity["bfloat16", "fp8"] == 2 * capacity["bfloat16", "auto"]
     assert capacity["float32", "fp8"] == 4 * capacity["float32", "auto"]
+
+
+@needs_cpu_kernels
+def test_llm_on_cpu_decodes_fp8_pages_on_the_c_kernel(tiny_model, monkeypatch):
+    """LLM(kv_cache_dtype="fp8") on CPU: CPUAttentionBackend, whose C decode kernel reads the FP8 pages at every decode
+    step, gives the greedy tokens of the same engine with its decodes on the torch reference's dequantised gather
+    (float32; a bf16 model's tokens may differ where the reference's bf16 SDPA rounds and the kernel's float32 sums do
+    not)."""
+    calls = []
+    kernel = cpu.paged_decode_attention
+    monkeypatch.setattr(cpu, "paged_decode_attention", lambda q, k_cache, *a, **kw: calls.append(k_cache.dtype) or
+                        kernel(q, k_cache, *a, **kw))  # fmt: skip
+    engine = {**ENGINE, "dtype": "float32", "kv_cache_dtype": "fp8"}
+    llm = LLM(tiny_model, **engine)
+    assert type(llm.engine.core.runner.backend) is CPUAttentionBackend and llm.engine.core.runner.backend.kv.quantized
+    calls.clear()
+    got = greedy(llm)
+    assert len(calls) >= 11 * 2 and set(calls) == {FP8}  # 11 decode steps, every layer
+    monkeypatch.setattr(CPUAttentionBackend, "takes_decode_kernel", lambda self, short_max_q: False)
+    calls.clear()
+    assert greedy(LLM(tiny_model, **engine)) == got
+    assert not calls
 
 
 def test_prefix_caching_chunked_prefill_and_preemption_keep_the_tokens(tiny_model):

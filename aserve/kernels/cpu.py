@@ -67,6 +67,17 @@ CPU kernel is slow at one query token). Reference: aserve/kernels/reference.py p
   the cache in DRAM, the engine's case). On the 2-core development VM, 30 layer caches of 64 requests x 320 tokens
   (SmolLM2 heads): 1.07-1.18 ms per call with AMX, 1.35 without (docs/benchmarks.md).
 
+  FP8 caches (`--kv-cache-dtype fp8`, csrc/attention_fp8.cpp): float8_e4m3fn pages with per-tensor k_scale / v_scale,
+  float32 or bfloat16 queries, the same work items, window and softcap; k_scale folds into the softmax scale, v_scale
+  into the output, and all arithmetic is float32 (no bf16 rounding of P). Portable loops widen each row through a
+  256-entry table of the e4m3 values; with AVX-512 (F, BW, VL) a byte becomes float16 bits in three integer
+  instructions (sign-extend, shift, mask; e4m3's bias is float16's - 8, the 2**8 folded into the scales) and
+  vcvtph2ps widens 16 at a time, exactly; pass 1 widens 16 tokens' K rows and takes each query head's dot products
+  with FMAs, pass 3 walks the V rows one 64-dimension cache line at a time into G x 4 accumulators. Reference:
+  paged_attention over the dequantised cache (x.float() * scale). The one-token forward writes a token's K/V into its
+  FP8 slot with fp8_write_kv (raw entry point only): x / scale clamped to +-448, rounded as torch's cast rounds (c10's
+  bit manipulation), so the cache holds the bytes FP8KVCache.write would.
+
 Greedy pick (csrc/sample.cpp): per logits row in the model's dtype, the index of the first maximum and whether the row
 holds a NaN or an infinity; what the sampler needs of a greedy batch, where torch's way (widen bf16 to float32, a sum
 for the finite check, max(dim).indices) took ~4-5 ms per decode step of [64, 49152] rows on the development VM. Same
@@ -203,11 +214,12 @@ def gemm_int8(weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, generi
 
 
 def attention_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention takes these tensors (CPU, float32 / bfloat16, contiguous rows)."""
+    """Whether paged_decode_attention takes these tensors (CPU, float32 / bfloat16 queries over a cache of their dtype
+    or float8_e4m3fn, contiguous rows)."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
-        and k_cache.dtype == q.dtype
+        and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
         and k_cache.is_contiguous()
         and q.stride(-1) == 1
         and q.stride(-2) == q.shape[-1]
@@ -227,15 +239,18 @@ def paged_decode_attention(
     generic: bool = False,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per request: q [n, H, D], caches [num_blocks, block_size, Hkv, D], block_tables [>= n, max]
     int32, seq_lens [>= n] int32 (tokens in the cache, the new one included) -> out[:n] = attention (out [>= n, H,
     D], rows contiguous; scale: D**-0.5 if None). `sliding_window`: the query sees only that many most recent keys,
     and blocks wholly before them are not read; `softcap`: scaled scores s -> softcap * tanh(s / softcap).
+    float8_e4m3fn caches: keys read as k_scale * their value, values as v_scale * theirs (other caches: 1.0 only).
     `attention_supports` must hold; ValueError for head shapes the kernel does not take. `generic`: the portable C
-    loops even where the AVX512-BF16 path applies (tests, benchmarks)."""
+    loops even where the AVX-512 path applies (tests, benchmarks)."""
     torch.ops.aserve.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, generic,
-                                            sliding_window or 0, softcap or 0.0)  # fmt: skip
+                                            sliding_window or 0, softcap or 0.0, k_scale, v_scale)  # fmt: skip
     return out
 
 

@@ -3,9 +3,10 @@ once per machine, and loads it. `load_all()` compiles and loads everything at on
 that no request waits for a compile. The kernels' Python API, and what each kernel does, is aserve/kernels/cpu.py.
 
     csrc/cpu_common.h, cpu_kernels.h    bf16 <-> float32, AVX-512 sums and exp2; the kernels' C entry points
+    csrc/attention_common.h             what the two decode attention kernels share (exp2, sliding window, softcap)
     csrc/elementwise.cpp, gemv.cpp,     the kernels, raw pointers in (aserve/kernels/cpu.py describes them)
         gemm_rows.cpp, gemm_int8.cpp,
-        attention.cpp,
+        attention.cpp, attention_fp8.cpp,
         sample.cpp
     csrc/ops.cpp                        typed ops, torch.ops.aserve.*: tensors in and out, arguments checked; the
                                         Python functions of aserve/kernels/cpu.py call these
@@ -48,8 +49,8 @@ from aserve import envs
 logger = logging.getLogger("aserve")
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("elementwise.cpp", "gemv.cpp", "gemm_rows.cpp", "gemm_int8.cpp", "attention.cpp", "sample.cpp", "ops.cpp",
-           "raw.cpp")  # fmt: skip
+SOURCES = ("elementwise.cpp", "gemv.cpp", "gemm_rows.cpp", "gemm_int8.cpp", "attention.cpp", "attention_fp8.cpp",
+           "sample.cpp", "ops.cpp", "raw.cpp")  # fmt: skip
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)
 

@@ -44,6 +44,19 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            int64_t q_stride, int64_t out_stride, float scale, int is_bf16, int num_threads,
                            int force_generic, int64_t window, float softcap);
 
+// The same over float8_e4m3fn caches, keys read as k_scale * their value and values as v_scale * theirs; q and out
+// float32 or bfloat16 (is_bf16). attention_fp8.cpp
+int paged_decode_attention_fp8(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                               const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t bt_stride,
+                               int64_t q_stride, int64_t out_stride, float scale, float k_scale, float v_scale,
+                               int is_bf16, int num_threads, int force_generic, int64_t window, float softcap);
+
+// One token's k and v [n] (bf16 or float32) -> x / scale clamped to +-448, as e4m3 (round to nearest even: torch's
+// cast), into k_out / v_out (a cache slot). attention_fp8.cpp
+void fp8_write_kv(const void *k, const void *v, void *k_out, void *v_out, int64_t n, float k_scale, float v_scale,
+                  int is_bf16);
+
 // logits [rows, vocab] (row stride `stride`) -> idx [rows] (first maximum), nonfinite [rows]. sample.cpp
 void greedy_pick(const void *logits, int64_t rows, int64_t vocab, int64_t stride, int bf16, int64_t *idx,
                  int64_t *nonfinite, int num_threads);

@@ -144,7 +144,8 @@ at::Tensor gemm_int8(const at::Tensor &weight, const at::Tensor &scale, const at
 
 void paged_decode_attention(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
                             const at::Tensor &block_tables, const at::Tensor &seq_lens, at::Tensor &out,
-                            std::optional<double> scale, bool generic, int64_t window, double softcap) {
+                            std::optional<double> scale, bool generic, int64_t window, double softcap, double k_scale,
+                            double v_scale) {
     check_float(q, "paged_decode_attention");
     TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
                 "paged_decode_attention: q [n, H, D] with contiguous heads expected");
@@ -152,8 +153,18 @@ void paged_decode_attention(const at::Tensor &q, const at::Tensor &k_cache, cons
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == head_dim,
                 "paged_decode_attention: contiguous caches [num_blocks, block_size, Hkv, D] expected");
-    check_like(k_cache, q, "paged_decode_attention k_cache");
-    check_like(v_cache, q, "paged_decode_attention v_cache");
+    // an FP8 (e4m3) cache with its per-tensor scales, or one of q's dtype
+    const bool fp8 = k_cache.scalar_type() == at::ScalarType::Float8_e4m3fn;
+    if (fp8) {
+        TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                        v_cache.scalar_type() == k_cache.scalar_type(),
+                    "paged_decode_attention: CPU float8_e4m3fn caches expected");
+    } else {
+        check_like(k_cache, q, "paged_decode_attention k_cache");
+        check_like(v_cache, q, "paged_decode_attention v_cache");
+        TORCH_CHECK(k_scale == 1.0 && v_scale == 1.0,
+                    "paged_decode_attention: k_scale / v_scale apply to a float8_e4m3fn cache only");
+    }
     check_like(out, q, "paged_decode_attention out");
     const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
     TORCH_CHECK(block_tables.device().is_cpu() && seq_lens.device().is_cpu() && block_tables.scalar_type() == at::kInt &&
@@ -164,11 +175,17 @@ void paged_decode_attention(const at::Tensor &q, const at::Tensor &k_cache, cons
                     out.stride(2) == 1 && out.stride(1) == head_dim,
                 "paged_decode_attention: out [>= n, H, D] with contiguous heads expected");
     TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_decode_attention: H % Hkv != 0");
-    const int rc = ::paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
-        seq_lens.data_ptr<int32_t>(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim, block_size,
-        block_tables.stride(0), q.stride(0), out.stride(0), (float)scale.value_or(std::pow((double)head_dim, -0.5)),
-        is_bf16(q), at::get_num_threads(), generic, window, (float)softcap);
+    const float sm_scale = (float)scale.value_or(std::pow((double)head_dim, -0.5));
+    const int rc = fp8 ? ::paged_decode_attention_fp8(
+                             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                             seq_lens.data_ptr<int32_t>(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim,
+                             block_size, block_tables.stride(0), q.stride(0), out.stride(0), sm_scale, (float)k_scale,
+                             (float)v_scale, is_bf16(q), at::get_num_threads(), generic, window, (float)softcap)
+                       : ::paged_decode_attention(
+                             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                             seq_lens.data_ptr<int32_t>(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim,
+                             block_size, block_tables.stride(0), q.stride(0), out.stride(0), sm_scale, is_bf16(q),
+                             at::get_num_threads(), generic, window, (float)softcap);
     TORCH_CHECK_VALUE(rc == 0, "paged_decode_attention: unsupported shape (heads ", num_heads, "/", num_kv_heads,
                       ", D ", head_dim, ")");
 }
@@ -204,7 +221,8 @@ void register_ops() {
     lib->def("gemm_rows(Tensor prepared, Tensor x, int n) -> Tensor");
     lib->def("gemm_int8(Tensor weight, Tensor scale, Tensor x, bool generic=False) -> Tensor");
     lib->def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-             "Tensor(a!) out, float? scale=None, bool generic=False, int window=0, float softcap=0.0) -> ()");
+             "Tensor(a!) out, float? scale=None, bool generic=False, int window=0, float softcap=0.0, "
+             "float k_scale=1.0, float v_scale=1.0) -> ()");
     lib->def("greedy_pick(Tensor logits) -> (Tensor, Tensor)");
     auto *cpu = new torch::Library(torch::Library::IMPL, "aserve", c10::DispatchKey::CPU, __FILE__, __LINE__);
     cpu->impl("add_rms_norm", TORCH_FN(typed::add_rms_norm));

@@ -77,6 +77,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         nogil);
     m.def(
+        "paged_decode_attention_fp8",
+        [](uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t seq_lens,
+           uintptr_t out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+           int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, float k_scale,
+           float v_scale, int is_bf16, int num_threads, int force_generic, int64_t window, float softcap) {
+            return ::paged_decode_attention_fp8(ptr(q), ptr(k_cache), ptr(v_cache), ptr<int32_t>(block_tables),
+                                                ptr<int32_t>(seq_lens), ptr(out), num_seqs, num_heads, num_kv_heads,
+                                                head_dim, block_size, bt_stride, q_stride, out_stride, scale, k_scale,
+                                                v_scale, is_bf16, num_threads, force_generic, window, softcap);
+        },
+        nogil);
+    m.def(
+        "fp8_write_kv",
+        [](uintptr_t k, uintptr_t v, uintptr_t k_out, uintptr_t v_out, int64_t n, float k_scale, float v_scale,
+           int is_bf16) { ::fp8_write_kv(ptr(k), ptr(v), ptr(k_out), ptr(v_out), n, k_scale, v_scale, is_bf16); },
+        nogil);
+    m.def(
         "greedy_pick",
         [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t stride, int bf16, uintptr_t idx,
            uintptr_t nonfinite, int num_threads) {

@@ -10,9 +10,9 @@ triton   Triton (on CPU tensors too, through Triton's interpreter: tests)
 Deterministic mode (`deterministic`) takes a batch-invariant backend instead: triton_batch_invariant.py on a GPU (or
 with `triton`), batch_invariant.py on CPU (every query token on the C decode kernel).
 
-A quantised KV cache (`kv_cache_dtype` fp8: backend.py) is read by the Triton backend and the torch reference
-(on CPU that one, instead of the C decode kernel, which reads 16/32-bit caches only; one log line says so);
-deterministic mode's backends cannot read it, and refuse it at start.
+A quantised KV cache (`kv_cache_dtype` fp8: backend.py) is read by every backend above: on CPU the C decode kernel
+reads FP8 pages in place, and prompts dequantise the blocks they gather (one log line says so); deterministic mode's
+backends cannot read it, and refuse it at start.
 """
 
 from __future__ import annotations
@@ -47,14 +47,12 @@ def select_attention_backend(name: str, hf_config, dtype: torch.dtype, max_num_s
         from aserve.layers.attention.triton_backend import TritonAttentionBackend  # Triton: optional
 
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, max_num_seqs, device, kv_cache_dtype)
-    if kv_cache_dtype.quantized:
-        if device.type == "cpu" and CPUAttentionBackend.supports(dtype, head_dim):
-            logger.info("%s KV cache on CPU: attention through the torch backend (the C decode kernel reads "
-                        "16/32-bit caches only)", kv_cache_dtype.name)  # fmt: skip
-        return TorchAttentionBackend(kv_cache_dtype)
     if device.type == "cpu" and CPUAttentionBackend.supports(dtype, head_dim):
-        return CPUAttentionBackend()
-    return TorchAttentionBackend()
+        if kv_cache_dtype.quantized:
+            logger.info("%s KV cache on CPU: decodes read it in place on the C decode kernel, prompts through the "
+                        "torch backend's dequantised gather", kv_cache_dtype.name)  # fmt: skip
+        return CPUAttentionBackend(kv_cache_dtype)
+    return TorchAttentionBackend(kv_cache_dtype)
 
 
 def _batch_invariant_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

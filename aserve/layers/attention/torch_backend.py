@@ -16,8 +16,8 @@ the C kernel of aserve/kernels/cpu.py instead of gathered for SDPA. Chosen where
 
 A quantised KV cache (KVCacheDtype, handed to the backend when it is built): the cache write quantises, each
 gathered block is dequantised to the query's dtype, and a prompt without context attends to its fresh K/V rounded
-as the cache holds them. The C decode kernel reads 16/32-bit caches only, so such a cache takes
-TorchAttentionBackend.
+as the cache holds them. CPUAttentionBackend's decode kernel reads FP8 pages in place with the layer's k_scale /
+v_scale (the KVCacheDtype's scales(params)); its other requests take the dequantising gather above.
 """
 
 from __future__ import annotations
@@ -219,5 +219,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
 
     def _decode_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata, out, params: AttentionParams) -> None:
         # q rows are contiguous: every split_rotate_qkv implementation returns a fresh [T, H, D]
+        k_scale, v_scale = self.kv.scales(params)
         cpu.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, params.scale,
-                                   sliding_window=params.sliding_window, softcap=params.softcap)  # fmt: skip
+                                   sliding_window=params.sliding_window, softcap=params.softcap, k_scale=k_scale,
+                                   v_scale=v_scale)  # fmt: skip
