@@ -3,7 +3,8 @@ once per machine, and loads it. `load_all()` compiles and loads everything at on
 that no request waits for a compile. The kernels' Python API, and what each kernel does, is aserve/kernels/cpu.py.
 
     csrc/cpu_common.h, cpu_kernels.h    bf16 <-> float32, AVX-512 sums and exp2; the kernels' C entry points
-    csrc/attention_common.h             what the two decode attention kernels share (exp2, sliding window, softcap)
+    csrc/attention_common.h             what the two decode attention kernels share (exp2, sliding window, softcap,
+                                        the portable per-head loops over rows widened to float32)
     csrc/elementwise.cpp, gemv.cpp,     the kernels, raw pointers in (aserve/kernels/cpu.py describes them)
         gemm_rows.cpp, gemm_int8.cpp,
         attention.cpp, attention_fp8.cpp,

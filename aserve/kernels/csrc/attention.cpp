@@ -283,83 +283,15 @@ static inline __attribute__((always_inline)) void load_row(const void *cache, in
     }
 }
 
-/* One (request, KV head) work item; D is a compile-time constant at the common call sites (fixed-length inner
-   loops vectorise without remainder handling). */
+/* One (request, KV head) work item over a float32 / bfloat16 cache (attention_common.h's portable loops). */
 static inline __attribute__((always_inline)) void attend_item(
         const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
         const int32_t *seq_lens, void *out, int64_t item, int64_t num_kv_heads, int64_t G, const int64_t D,
         int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int is_bf16,
         int64_t window, float cap) {
-    const int64_t row = num_kv_heads * D;  /* elements between consecutive tokens of one head */
-    const float log2e = 1.4426950408889634f;
-    const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-    const window_span span = span_of(block_tables + s * bt_stride, seq_lens[s], window, block_size);
-    const int64_t len = span.len, skip = span.skip;
-    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], kv[MAX_D], l[MAX_G];
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t off = s * q_stride + (h * G + g) * D;
-        for (int64_t d = 0; d < D; d++) {
-            float x = is_bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d];
-            qf[g][d] = x * scale * log2e;  /* scores in log2 units: exp2 below */
-            acc[g][d] = 0.0f;
-        }
-    }
-    float *scores = (float *)malloc(sizeof(float) * (len > 0 ? len : 1) * G);  /* [G][len] */
-    /* pass 1: scores (walking the block table block by block: no division per token) */
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-      const int64_t blk = span.bt[b];
-      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
-      for (int64_t t = t0; t < t_end; t++) {
-        const int64_t base = (blk * block_size + (t - t0)) * row + h * D;
-        load_row(k_cache, base, is_bf16, D, kv);
-        for (int64_t g = 0; g < G; g++) {
-            float dot = 0.0f;
-            #pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < D; d++) dot += qf[g][d] * kv[d];
-            scores[g * len + t] = dot;
-        }
-      }
-    }
-    /* pass 2: softmax weights, in place (0 before the window) */
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * len;
-        float mx = -INFINITY, sum = 0.0f;
-        softcap_scores(sg, skip, len, cap);
-        for (int64_t t = 0; t < skip; t++) sg[t] = 0.0f;
-        #pragma omp simd reduction(max:mx)
-        for (int64_t t = skip; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t t = skip; t < len; t++) {
-            float p = exp2_neg(sg[t] - mx);
-            sg[t] = p;
-            sum += p;
-        }
-        l[g] = sum;
-    }
-    /* pass 3: weighted sum of V */
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-      const int64_t blk = span.bt[b];
-      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
-      for (int64_t t = t0; t < t_end; t++) {
-        const int64_t base = (blk * block_size + (t - t0)) * row + h * D;
-        load_row(v_cache, base, is_bf16, D, kv);
-        for (int64_t g = 0; g < G; g++) {
-            const float p = scores[g * len + t];
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[g][d] += p * kv[d];
-        }
-      }
-    }
-    free(scores);
-    for (int64_t g = 0; g < G; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        const int64_t off = s * out_stride + (h * G + g) * D;
-        for (int64_t d = 0; d < D; d++) {
-            float x = acc[g][d] * inv;
-            if (is_bf16) ((uint16_t *)out)[off + d] = f32_to_bf16(x);
-            else ((float *)out)[off + d] = x;
-        }
-    }
+    attend_item_rows(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, D, block_size, bt_stride,
+                     q_stride, out_stride, scale, 1.4426950408889634f, 1.0f, is_bf16, window, cap,
+                     [=](const void *cache, int64_t base, float *kv) { load_row(cache, base, is_bf16, D, kv); });
 }
 
 /* q [num_seqs, H, D] (token stride q_stride), out likewise (out_stride); caches [num_blocks, block_size, Hkv, D]

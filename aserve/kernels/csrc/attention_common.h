@@ -1,10 +1,13 @@
 // Shared by the decode attention kernels (attention.cpp: float32 / bfloat16 caches, attention_fp8.cpp: FP8 e4m3
-// caches): the exp2 polynomial, the sliding window's span of a request, soft-capping.
+// caches): the exp2 polynomial, the sliding window's span of a request, soft-capping, the portable loops over rows.
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
+
+#include "cpu_common.h"
 
 /* 2**x for x <= 0 (x >= -126 after clamping): integer part into the exponent, a degree-6 polynomial for the
    fraction (relative error ~2e-7). Plain arithmetic, so loops over it vectorise. */
@@ -62,3 +65,84 @@ static inline __mmask16 lanes_between(int64_t t0, int64_t from, int64_t to) {
     return (__mmask16)(below_to & ~below_from);
 }
 #endif
+
+/* One (request, KV head) work item in portable loops, each K/V row of one head widened to float32 by
+   load(cache, base, kv) (base: the row's first element): both decode kernels' general path. Queries are scaled by
+   q_mul1 * q_mul2 (the softmax scale and log2(e): scores in log2 units), outputs by out_scale. D is a compile-time
+   constant at the common call sites (fixed-length inner loops vectorise without remainder handling). */
+template <typename Cache, typename LoadRow>
+static inline __attribute__((always_inline)) void attend_item_rows(
+        const void *q, const Cache *k_cache, const Cache *v_cache, const int32_t *block_tables,
+        const int32_t *seq_lens, void *out, int64_t item, int64_t num_kv_heads, int64_t G, const int64_t D,
+        int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float q_mul1, float q_mul2,
+        float out_scale, int is_bf16, int64_t window, float cap, LoadRow load) {
+    const int64_t row = num_kv_heads * D;  /* elements between consecutive tokens of one head */
+    const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+    const window_span span = span_of(block_tables + s * bt_stride, seq_lens[s], window, block_size);
+    const int64_t len = span.len, skip = span.skip;
+    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], kv[MAX_D], l[MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t off = s * q_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; d++) {
+            float x = is_bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d];
+            qf[g][d] = x * q_mul1 * q_mul2;  /* scores in log2 units: exp2 below */
+            acc[g][d] = 0.0f;
+        }
+    }
+    float *scores = (float *)malloc(sizeof(float) * (len > 0 ? len : 1) * G);  /* [G][len] */
+    /* pass 1: scores (walking the block table block by block: no division per token) */
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
+      const int64_t blk = span.bt[b];
+      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
+      for (int64_t t = t0; t < t_end; t++) {
+        const int64_t base = (blk * block_size + (t - t0)) * row + h * D;
+        load(k_cache, base, kv);
+        for (int64_t g = 0; g < G; g++) {
+            float dot = 0.0f;
+            #pragma omp simd reduction(+:dot)
+            for (int64_t d = 0; d < D; d++) dot += qf[g][d] * kv[d];
+            scores[g * len + t] = dot;
+        }
+      }
+    }
+    /* pass 2: softmax weights, in place (0 before the window) */
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * len;
+        float mx = -INFINITY, sum = 0.0f;
+        softcap_scores(sg, skip, len, cap);
+        for (int64_t t = 0; t < skip; t++) sg[t] = 0.0f;
+        #pragma omp simd reduction(max:mx)
+        for (int64_t t = skip; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = skip; t < len; t++) {
+            float p = exp2_neg(sg[t] - mx);
+            sg[t] = p;
+            sum += p;
+        }
+        l[g] = sum;
+    }
+    /* pass 3: weighted sum of V */
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
+      const int64_t blk = span.bt[b];
+      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
+      for (int64_t t = t0; t < t_end; t++) {
+        const int64_t base = (blk * block_size + (t - t0)) * row + h * D;
+        load(v_cache, base, kv);
+        for (int64_t g = 0; g < G; g++) {
+            const float p = scores[g * len + t];
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[g][d] += p * kv[d];
+        }
+      }
+    }
+    free(scores);
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = l[g] > 0.0f ? out_scale / l[g] : 0.0f;
+        const int64_t off = s * out_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; d++) {
+            float x = acc[g][d] * inv;
+            if (is_bf16) ((uint16_t *)out)[off + d] = f32_to_bf16(x);
+            else ((float *)out)[off + d] = x;
+        }
+    }
+}

@@ -67,83 +67,19 @@ void fp8_write_kv(const void *k, const void *v, void *k_out, void *v_out, int64_
     }
 }
 
-/* One (request, KV head) work item, portable loops: attention.cpp's attend_item with each K/V row widened through
-   the table `lut`. qk_scale: the softmax scale times k_scale (and log2(e): scores in log2 units); out_scale: v_scale.
-   D is a compile-time constant at the common call sites. */
+/* One (request, KV head) work item in attention_common.h's portable loops, each K/V row widened through the table
+   `lut`. qk_scale: the softmax scale times k_scale (and log2(e): scores in log2 units); out_scale: v_scale. */
 static inline __attribute__((always_inline)) void attend_item_fp8(
         const void *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *block_tables,
         const int32_t *seq_lens, void *out, int64_t item, int64_t num_kv_heads, int64_t G, const int64_t D,
         int64_t block_size, int64_t bt_stride, int64_t q_stride, int64_t out_stride, float qk_scale, float out_scale,
         int is_bf16, int64_t window, float cap, const float *lut) {
-    const int64_t row = num_kv_heads * D;  /* elements (bytes) between consecutive tokens of one head */
-    const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-    const window_span span = span_of(block_tables + s * bt_stride, seq_lens[s], window, block_size);
-    const int64_t len = span.len, skip = span.skip;
-    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], kv[MAX_D], l[MAX_G];
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t off = s * q_stride + (h * G + g) * D;
-        for (int64_t d = 0; d < D; d++) {
-            float x = is_bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d];
-            qf[g][d] = x * qk_scale;
-            acc[g][d] = 0.0f;
-        }
-    }
-    float *scores = (float *)malloc(sizeof(float) * (len > 0 ? len : 1) * G);  /* [G][len] */
-    /* pass 1: scores (walking the block table block by block) */
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-      const int64_t blk = span.bt[b];
-      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
-      for (int64_t t = t0; t < t_end; t++) {
-        const uint8_t *p = k_cache + (blk * block_size + (t - t0)) * row + h * D;
-        for (int64_t d = 0; d < D; d++) kv[d] = lut[p[d]];
-        for (int64_t g = 0; g < G; g++) {
-            float dot = 0.0f;
-            #pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < D; d++) dot += qf[g][d] * kv[d];
-            scores[g * len + t] = dot;
-        }
-      }
-    }
-    /* pass 2: softmax weights, in place (0 before the window) */
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * len;
-        float mx = -INFINITY, sum = 0.0f;
-        softcap_scores(sg, skip, len, cap);
-        for (int64_t t = 0; t < skip; t++) sg[t] = 0.0f;
-        #pragma omp simd reduction(max:mx)
-        for (int64_t t = skip; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t t = skip; t < len; t++) {
-            float p = exp2_neg(sg[t] - mx);
-            sg[t] = p;
-            sum += p;
-        }
-        l[g] = sum;
-    }
-    /* pass 3: weighted sum of V */
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-      const int64_t blk = span.bt[b];
-      const int64_t t_end = t0 + block_size < len ? t0 + block_size : len;
-      for (int64_t t = t0; t < t_end; t++) {
-        const uint8_t *p = v_cache + (blk * block_size + (t - t0)) * row + h * D;
-        for (int64_t d = 0; d < D; d++) kv[d] = lut[p[d]];
-        for (int64_t g = 0; g < G; g++) {
-            const float w = scores[g * len + t];
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[g][d] += w * kv[d];
-        }
-      }
-    }
-    free(scores);
-    for (int64_t g = 0; g < G; g++) {
-        const float inv = l[g] > 0.0f ? out_scale / l[g] : 0.0f;
-        const int64_t off = s * out_stride + (h * G + g) * D;
-        for (int64_t d = 0; d < D; d++) {
-            float x = acc[g][d] * inv;
-            if (is_bf16) ((uint16_t *)out)[off + d] = f32_to_bf16(x);
-            else ((float *)out)[off + d] = x;
-        }
-    }
+    attend_item_rows(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, D, block_size, bt_stride,
+                     q_stride, out_stride, qk_scale, 1.0f, out_scale, is_bf16, window, cap,
+                     [=](const uint8_t *cache, int64_t base, float *kv) {
+                         const uint8_t *p = cache + base;
+                         for (int64_t d = 0; d < D; d++) kv[d] = lut[p[d]];
+                     });
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
