@@ -91,23 +91,11 @@ class StepGraphs:
         """Captures every graph (into `pool` if given) -> the pool."""
         r = self.runner
         t0 = time.perf_counter()
-        host, dev = r.buffers.np, r.buffers.device
+        dev = r.buffers.device
         self.pool = pool
         with torch.cuda.stream(r.stream):
             for b, t in sorted(self.keys, key=lambda key: (-key[1], -key[0])):
-                # Capture inputs: every request a q-token sequence in block 0 that writes nothing.
-                q = t // b
-                host["input_ids"][:t] = 0
-                host["positions"][:t] = [i % q for i in range(t)]
-                host["slot_mapping"][:t] = -1
-                host["seq_lens"][:b] = q
-                host["query_start_loc"][: b + 1] = range(0, t + 1, q)
-                host["block_tables"][:b] = 0
-                for name in ("input_ids", "positions", "slot_mapping"):
-                    r.buffers.to_device(name, t)
-                r.buffers.to_device("seq_lens", b)
-                r.buffers.to_device("query_start_loc", b + 1)
-                r.buffers.to_device("block_tables", b, r.max_blocks_per_seq)
+                self.idle_inputs((b, t))
                 meta = self._meta((b, t))
                 self.backend.prepare(meta, r.block_size)
                 args = (dev["input_ids"][:t], dev["positions"][:t], meta)
@@ -124,6 +112,25 @@ class StepGraphs:
                     f" and verification (requests, tokens) {verify}" if verify else "",
                     time.perf_counter() - t0)  # fmt: skip
         return self.pool
+
+    def idle_inputs(self, key: tuple[int, int]) -> None:
+        """Device buffers for graph `key` that write nothing: every request a (tokens / requests)-token sequence in
+        block 0 with slot -1 (what capture runs, and what a replay for timing only may read)."""
+        r = self.runner
+        host = r.buffers.np
+        b, t = key
+        q = t // b
+        host["input_ids"][:t] = 0
+        host["positions"][:t] = [i % q for i in range(t)]
+        host["slot_mapping"][:t] = -1
+        host["seq_lens"][:b] = q
+        host["query_start_loc"][: b + 1] = range(0, t + 1, q)
+        host["block_tables"][:b] = 0
+        for name in ("input_ids", "positions", "slot_mapping"):
+            r.buffers.to_device(name, t)
+        r.buffers.to_device("seq_lens", b)
+        r.buffers.to_device("query_start_loc", b + 1)
+        r.buffers.to_device("block_tables", b, r.max_blocks_per_seq)
 
     def pad(self, num_reqs: int, num_tokens: int, key: tuple[int, int]) -> None:
         """Pads the step in the host buffers to the graph's requests and tokens and copies it to the device."""

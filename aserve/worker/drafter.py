@@ -67,6 +67,15 @@ class ModelDrafter:
             self.cost_fraction = sum(p.numel() for p in self.model.parameters()) / target_params
         self._own_kv: torch.Tensor | None = None
         self.graphs: StepGraphs | None = None  # CUDA graphs of the drafting steps (capture_cuda_graphs)
+        # Host tensors the drafting inputs are copied from (pinned on a GPU): the model runner's own host buffers
+        # may still be read by the step's copies, which drafting does not wait for. Per request: known tokens, drafts
+        # wanted, first sampler row, drafts verified; and its block table row.
+        pin = runner.device.type == "cuda"
+        self._host = {
+            "info": torch.zeros(4, runner.max_num_seqs, dtype=torch.int64, pin_memory=pin),
+            "blocks": torch.zeros(runner.max_num_seqs, runner.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin),
+        }
+        self._host_np = {name: t.numpy() for name, t in self._host.items()}
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.needs_mirror:
@@ -126,8 +135,7 @@ class ModelDrafter:
         np.cumsum([len(d) + 1 for d in verified], out=first_row[1:])
         # Per active request: known tokens before the step (the last emitted token sits at that position plus the
         # accepted drafts), drafts wanted, its first sampler row, drafts verified; and its block table row.
-        host = self._staging(n)
-        host_np = {name: t.numpy() for name, t in host.items()}
+        host, host_np = self._host, self._host_np
         host_np["info"][:, :n] = np.array(
             [(s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids), s.num_draft_next, first_row[i],
               len(verified[i])) for i, s in ((i, sampled[i]) for i in active)], dtype=np.int64,
@@ -184,18 +192,6 @@ class ModelDrafter:
             step_probs.append(p)
         return PendingDrafts(len(sampled), active, [sampled[i].num_draft_next for i in active], greedy, chosen,
                              step_probs)  # fmt: skip
-
-    def _staging(self, n: int) -> dict[str, torch.Tensor]:
-        """Host tensors the drafting inputs are copied from (pinned on a GPU): the model runner's own host buffers
-        may still be read by the step's copies, which drafting does not wait for."""
-        r = self.runner
-        if getattr(self, "_host", None) is None:
-            pin = r.device.type == "cuda"
-            self._host = {
-                "info": torch.zeros(4, r.max_num_seqs, dtype=torch.int64, pin_memory=pin),
-                "blocks": torch.zeros(r.max_num_seqs, r.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin),
-            }
-        return self._host
 
     def _forward_eager(self, n: int, width: int, seq_lens: torch.Tensor) -> torch.Tensor:
         """One token per request over the device buffers as set -> hidden [n, hidden]. (The host needs the lengths:

@@ -72,7 +72,7 @@ def measure_step_times(runner, reps: int = 3) -> dict[int, float]:
     sizes = [1 << i for i in range(12) if (1 << i) <= min(runner.max_num_batched_tokens, runner.max_model_len, 1024)]
     graphs = runner.graphs
     if graphs is not None:
-        _idle_graph_inputs(runner, graphs.buckets[-1])
+        graphs.idle_inputs((graphs.buckets[-1], graphs.buckets[-1]))  # decode rows that write nothing
     out = {}
     for n in sizes:
         key = graphs.key_for(n, n, 1) if graphs is not None else None
@@ -90,22 +90,6 @@ def measure_step_times(runner, reps: int = 3) -> dict[int, float]:
             best = min(best, time.perf_counter() - t0)
         out[n] = best
     return out
-
-
-def _idle_graph_inputs(runner, rows: int) -> None:
-    """Device buffers for replaying decode graphs of up to `rows` requests with nothing written: every request one
-    token at position 0 of block 0, slot -1."""
-    host = runner.buffers.np
-    host["input_ids"][:rows] = 0
-    host["positions"][:rows] = 0
-    host["slot_mapping"][:rows] = -1
-    host["seq_lens"][:rows] = 1
-    host["query_start_loc"][: rows + 1] = range(rows + 1)
-    host["block_tables"][:rows] = 0
-    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
-        runner.buffers.to_device(name, rows)
-    runner.buffers.to_device("query_start_loc", rows + 1)
-    runner.buffers.to_device("block_tables", rows, runner.max_blocks_per_seq)
 
 
 def _sync(runner) -> None:

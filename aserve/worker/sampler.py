@@ -111,8 +111,7 @@ class Sampler:
     def warm_up(self, logits: torch.Tensor) -> None:
         """Runs the greedy pick once on logits of the kind steps produce (the model's dtype): its Triton kernels
         compile at start-up rather than on the first request."""
-        if self._greedy_kernel is not None and self._greedy_kernel[0](logits):
-            self._greedy_kernel[1](logits)
+        self._first_max(logits)
 
     def __call__(
         self,
