@@ -1,13 +1,15 @@
 """The fused MoE kernel (aserve/kernels/moe.py) on the GPU, bf16, random weights and router logits:
 
-    python bench/moe_kernel.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--tokens 2048] [--tune]
+    python bench/moe_kernel.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--tokens 2048] [--tune] [--fp8]
 
 For `--tokens` tokens: the two grouped GEMMs (gate/up with SiLU·mul, down with the routing weights) against cuBLAS
 doing the same FLOPs as two dense bf16 matmuls (every routed row through one weight: [T k, H] x [H, 2 I] and
 [T k, I] x [I, H]); the ratio is the grouped GEMMs' share of the dense rate (issue 27's target: >= 60 % at 2,048
 tokens). Also the routing (route_and_align), the whole layer (fused_moe: routing, GEMMs, the sum over top_k), its
 error against the per-expert torch path, and batch-1 decode (one token: its top_k experts' weights read, against
-copy bandwidth). `--tune` times a grid of launch configurations at both sizes first and uses the best.
+copy bandwidth). `--tune` times a grid of launch configurations at both sizes first and uses the best. `--fp8`: the
+experts in e4m3 with row scales (`--quantization fp8`'s experts: aserve/layers/quantization/fp8_moe.py), activations
+bf16; the error is then against the per-expert path on the dequantised experts.
 Prints a table.
 """
 
@@ -22,6 +24,7 @@ from triton.testing import do_bench_cudagraph
 
 from aserve.kernels import moe
 from aserve.layers.moe import FusedMoE, per_expert_matmuls
+from aserve.layers.quantization.fp8_moe import dequantize_rows, quantize_rows
 
 SHAPES = {  # experts, top_k, hidden, expert intermediate, renormalise
     "qwen3-30b-a3b": (128, 8, 2048, 768, True),
@@ -29,16 +32,17 @@ SHAPES = {  # experts, top_k, hidden, expert intermediate, renormalise
 }
 
 
-def routed(x, logits, w13, w2, top_k, renormalize, block_m):
+def routed(x, logits, w13, w2, top_k, renormalize, block_m, w13_scale=None, w2_scale=None):
     """The routing done once, and the two grouped GEMMs on it as functions of their tiles."""
     weights, _, sorted_slots, block_experts = moe.route_and_align(logits, top_k, renormalize, block_m)
     n = x.shape[0] * top_k
     act = torch.empty(n, w2.shape[2], dtype=x.dtype, device=x.device)
     out = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
     return {
-        "gate_up": lambda cfg: moe.grouped_gemm(x, w13, act, sorted_slots, block_experts, block_m, cfg, top_k, True),
+        "gate_up": lambda cfg: moe.grouped_gemm(x, w13, act, sorted_slots, block_experts, block_m, cfg, top_k, True,
+                                                b_scale=w13_scale),
         "down": lambda cfg: moe.grouped_gemm(act, w2, out, sorted_slots, block_experts, block_m, cfg, 1, False,
-                                             weights),
+                                             weights, w2_scale),
     }  # fmt: skip
 
 
@@ -81,12 +85,19 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--tune", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="e4m3 experts with row scales")
     args = p.parse_args()
+    if args.fp8 and args.tune:
+        p.error("--tune times 16-bit experts; run it without --fp8")
     experts, top_k, hidden, inter, renormalize = SHAPES[args.shape]
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dt) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, device=dev, dtype=dt) * inter**-0.5
+    scales = (None, None)
+    if args.fp8:
+        (w13, s13), (w2, s2) = quantize_rows(w13), quantize_rows(w2)
+        scales = (s13, s2)
     rows = {}
     print(f"{torch.cuda.get_device_name()}, {args.shape}: E={experts} top_k={top_k} H={hidden} I={inter}", flush=True)
 
@@ -97,14 +108,16 @@ def main() -> None:
         if args.tune:
             print(f"== tuning at {tokens} tokens", flush=True)
             cfg = tune(x, w13, w2, logits, top_k, renormalize)
-        gemms = routed(x, logits, w13, w2, top_k, renormalize, cfg["BLOCK_M"])
+        gemms = routed(x, logits, w13, w2, top_k, renormalize, cfg["BLOCK_M"], *scales)
         up_ms, down_ms = (bench_ms(lambda: gemms[w](cfg[w])) for w in ("gate_up", "down"))
         route_ms = do_bench_cudagraph(lambda: moe.route_and_align(logits, top_k, renormalize, cfg["BLOCK_M"]))
-        layer_ms = do_bench_cudagraph(lambda: moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg))
+        layer_ms = do_bench_cudagraph(lambda: moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg, *scales))
         layer = FusedMoE(experts, top_k, hidden, inter, renormalize).to(dev, dt)
         layer.w13.data, layer.w2.data = w13, w2
+        if args.fp8:
+            layer.w13.data, layer.w2.data = dequantize_rows(w13, scales[0], dt), dequantize_rows(w2, scales[1], dt)
         ref = per_expert_matmuls(layer, x, logits).float()
-        got = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg).float()
+        got = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg, *scales).float()
         err = ((got - ref).norm() / ref.norm()).item()
         rows[f"{tokens} tok: config"] = str(cfg)
         rows[f"{tokens} tok: route_and_align (CUDA graph)"] = f"{route_ms * 1e3:.1f} us"
@@ -126,7 +139,7 @@ def main() -> None:
             src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
             bw = 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e9  # TB/s, bytes read + written
-            active = top_k * (w13[0].numel() + w2[0].numel()) * 2
+            active = top_k * (w13[0].numel() + w2[0].numel()) * w13.element_size()
             gemm_ms = up_ms + down_ms
             rows["1 tok: grouped GEMMs"] = (f"{gemm_ms * 1e3:.1f} us, {active / gemm_ms / 1e9:.2f} TB/s of the "
                                             f"{top_k} experts' weights (copy {bw:.2f} TB/s)")  # fmt: skip

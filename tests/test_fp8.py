@@ -28,14 +28,14 @@ def fp8_rounding(t: torch.Tensor) -> torch.Tensor:
     return dequantize(*quantize_per_channel(t), t.dtype)
 
 
-def rounded_copy(src: str, dst: str, rounding=fp8_rounding) -> str:
-    """The checkpoint with every decoder linear's weight replaced by `rounding(weight)` (default: its FP8 rounding;
-    lm_head and embeddings kept)."""
+def rounded_copy(src: str, dst: str, rounding=fp8_rounding, linears=LINEARS) -> str:
+    """The checkpoint with the weight of every decoder linear named in `linears` replaced by `rounding(weight)`
+    (default: its FP8 rounding; lm_head and embeddings kept)."""
     shutil.copytree(src, dst)
     path = os.path.join(dst, "model.safetensors")
     tensors = load_file(path)
     for name, t in tensors.items():
-        if any(f".{p}.weight" in name for p in LINEARS):
+        if any(f".{p}.weight" in name for p in linears):
             tensors[name] = rounding(t).contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
     return dst

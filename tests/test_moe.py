@@ -1,7 +1,7 @@
 """Mixture-of-experts: the fused Triton kernels (Triton's interpreter on CPU) and the CPU per-expert path against the
 pure-torch references, and the MoE families (Mixtral, Qwen3-MoE) against transformers beyond greedy parity (that is
 in tests/test_parity.py): logprobs, prefix-cache hits, the Triton path inside the engine, transformers' stacked expert
-names, quantisation refused."""
+names. FP8 experts: tests/test_moe_fp8.py."""
 
 import os
 import random
@@ -193,11 +193,6 @@ def test_stacked_expert_tensors_load(tiny_model_factory, tmp_path):
     ps = [{"prompt_token_ids": p} for p in prompts()]
     got = [o.outputs[0].token_ids for o in LLM(dst, dtype="float32", enforce_eager=True).generate(ps, params)]
     assert got == [o.outputs[0].token_ids for o in LLM(src, dtype="float32", enforce_eager=True).generate(ps, params)]
-
-
-def test_quantised_experts_are_refused(tiny_model_factory):
-    with pytest.raises(ValueError, match="fp8 quantisation of mixture-of-experts layers is not supported"):
-        LLM(tiny_model_factory("qwen3_moe"), dtype="float32", enforce_eager=True, quantization="fp8")
 
 
 def test_a_missing_expert_tensor_is_reported(tiny_model_factory, tmp_path):

@@ -13,6 +13,10 @@ expert and a GEMM tile reads one expert's weights:
     x [T, H] ─GEMM 1: rows x[slot // k] · w13[e]^T, SiLU·mul in the epilogue─▶ act [T * k, I]
     act      ─GEMM 2: rows act[slot] · w2[e]^T, times the slot's routing weight─▶ out [T * k, H] ─sum over k─▶ [T, H]
 
+FP8 experts (w13 / w2 in e4m3 with one float32 scale per row): the GEMMs convert the weight tiles to the
+activations' dtype as they load and scale each output column before the epilogue (weight-only: half the bytes of
+16-bit experts, the activations unquantised).
+
 The three routing kernels need no host synchronisation (the number of blocks is the bound T * k + min(E, T * k) *
 (BLOCK_M - 1) rounded up, and blocks past the last expert return at once), so a decode step captures in a CUDA graph.
 A slot's rank within its expert comes from an atomic counter: the order of slots inside an expert's rows varies
@@ -135,14 +139,17 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_experts_ptr, num_slots, N, K,
-                         num_blocks, stride_a, stride_be, stride_bn, stride_c, NUM_EXPERTS: tl.constexpr,
-                         ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
-                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, sorted_slots_ptr, block_experts_ptr,
+                         num_slots, N, K, num_blocks, stride_a, stride_be, stride_bn, stride_c, stride_se,
+                         NUM_EXPERTS: tl.constexpr, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                         WEIGHTED: tl.constexpr, B_SCALED: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):  # fmt: skip
     """c[slot, n] = a[slot // ROW_DIV] . b[expert, n] for the BLOCK_M slots of one block (one expert) and BLOCK_N
     outputs. GATED: b holds [gate (N rows) | up (N rows)] and c is silu(gate) * up; WEIGHTED: c times the slot's
-    routing weight. Float32 accumulators; padding rows read row 0 and are never stored."""
+    routing weight; B_SCALED: b is e4m3, its tiles converted to a's dtype as they load, and each accumulator column
+    times its row's scale b_scale[expert, n] (float32, [E, rows of b]) before the epilogue. Float32 accumulators;
+    padding rows read row 0 and are never stored."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n  # consecutive programs share a column of the same expert's weights (L2 reuse)
@@ -170,6 +177,8 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, blo
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+        if B_SCALED:
+            b = b.to(a.dtype)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -179,6 +188,8 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, blo
                 u = tl.load(up_ptrs)
             else:
                 u = tl.load(up_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+            if B_SCALED:
+                u = u.to(a.dtype)
             if IEEE:
                 acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
             else:
@@ -186,6 +197,11 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, blo
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if B_SCALED:
+        scale_row = b_scale_ptr + expert.to(tl.int64) * stride_se
+        acc = acc * tl.load(scale_row + offs_n)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_row + N + offs_n)[None, :]
     dtype = c_ptr.dtype.element_ty
     if GATED:  # the projections rounded to the model's dtype, as separate GEMMs then silu_and_mul would round
         out = silu_mul_rounded(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
@@ -199,37 +215,45 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, blo
 
 
 def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: dict, row_div: int, gated: bool,
-                 weights=None) -> torch.Tensor:  # fmt: skip
+                 weights=None, b_scale=None) -> torch.Tensor:  # fmt: skip
     """out[slot] = a[slot // row_div] @ b[expert]^T for every routed slot (GATED: b is [E, 2N, K] and out is
     silu(gate) * up [slots, N]; weights: each row times its slot's routing weight), the slots grouped in blocks of
-    block_m by route_and_align; `config`: the GEMM's tiles (moe_config's "gate_up" / "down"). Returns out."""
+    block_m by route_and_align; `config`: the GEMM's tiles (moe_config's "gate_up" / "down"); b_scale: b is e4m3
+    with one float32 scale per row, [E, rows of b] (None: b has a's dtype). Returns out."""
     cfg = dict(config)
     num_experts, n_rows, k = b.shape
     n = n_rows // 2 if gated else n_rows
     assert a.stride(-1) == 1 and b.stride(-1) == 1 and out.stride(-1) == 1 and out.shape[1] == n
+    if b_scale is not None:
+        assert b.dtype == torch.float8_e4m3fn and b_scale.shape == b.shape[:2] and b_scale.stride(-1) == 1
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(n)))  # small shapes (tests): no idle tiles
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
     num_blocks = block_experts.numel()
     assert sorted_slots.numel() == num_blocks * block_m, "route_and_align ran with another BLOCK_M"
     grid = (num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
-        a, b, out, weights if weights is not None else out, sorted_slots, block_experts, out.shape[0], n, k,
-        num_blocks, a.stride(0), b.stride(0), b.stride(1), out.stride(0), NUM_EXPERTS=num_experts, ROW_DIV=row_div,
-        GATED=gated, WEIGHTED=weights is not None, IEEE=a.dtype == torch.float32, EVEN_K=k % cfg["BLOCK_K"] == 0,
-        BLOCK_M=block_m, **cfg,
+        a, b, out, weights if weights is not None else out, b_scale if b_scale is not None else out, sorted_slots,
+        block_experts, out.shape[0], n, k, num_blocks, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        b_scale.stride(0) if b_scale is not None else 0, NUM_EXPERTS=num_experts, ROW_DIV=row_div, GATED=gated,
+        WEIGHTED=weights is not None, B_SCALED=b_scale is not None, IEEE=a.dtype == torch.float32,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
     )  # fmt: skip
     return out
 
 
-def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict | None = None) -> torch.Tensor:
+def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict | None = None, w13_scale=None,
+              w2_scale=None) -> torch.Tensor:  # fmt: skip
     """x [T, H], router logits [T, E], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] -> [T, H]: each
-    token's top_k experts' outputs weighted by their routing weights and summed (module docstring)."""
+    token's top_k experts' outputs weighted by their routing weights and summed (module docstring). FP8 experts:
+    w13 / w2 e4m3 with float32 scales per row, w13_scale [E, 2I] and w2_scale [E, H] (activations stay in x's
+    dtype)."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     cfg = config or moe_config(t * top_k, num_experts)
     weights, _, sorted_slots, block_experts = route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"])
     act = torch.empty(t * top_k, two_i // 2, dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w13, act, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["gate_up"], top_k, gated=True)
+    grouped_gemm(x, w13, act, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["gate_up"], top_k, gated=True,
+                 b_scale=w13_scale)  # fmt: skip
     out = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)
-    grouped_gemm(act, w2, out, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["down"], 1, False, weights)
+    grouped_gemm(act, w2, out, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["down"], 1, False, weights, w2_scale)
     return out.view(t, top_k, h).sum(1)

@@ -51,21 +51,32 @@ def per_expert_matmuls(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Te
 
 
 def triton_fused(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-    """The GPU kernel (aserve/kernels/moe.py, set on the layer by use_triton)."""
-    return layer.triton_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, layer.moe_config)
+    """The GPU kernel (aserve/kernels/moe.py, set on the layer by use_triton); FP8 experts with their row scales."""
+    return layer.triton_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, layer.moe_config,
+                            layer.w13_scale, layer.w2_scale)  # fmt: skip
+
+
+class UnquantizedMoEMethod:
+    """16-bit (or float32) experts: used as loaded."""
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        pass
 
 
 class FusedMoE(nn.Module):
     """The router `gate` (a linear layer, E outputs, unquantised) and the stacked experts w13, w2 (module docstring).
-    `quant_config`: the checkpoint's quantisation; quantised experts are refused."""
+    `quant_config`: the checkpoint's quantisation, whose experts' method (get_moe_method) prepares w13 / w2 after
+    loading: FP8 experts (aserve/layers/quantization/fp8_moe.py) also hold w13_scale / w2_scale; quantisations
+    without a method for experts are refused."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  quant_config: QuantizationConfig | None = None) -> None:  # fmt: skip
         super().__init__()
-        if quant_config is not None:
+        self.quant_method = UnquantizedMoEMethod() if quant_config is None else quant_config.get_moe_method()
+        if self.quant_method is None:
             raise ValueError(
                 f"{quant_config.name} quantisation of mixture-of-experts layers is not supported; "
-                "serve the 16-bit checkpoint (without --quantization)"
+                "serve the 16-bit checkpoint (without --quantization, or with --quantization fp8)"
             )
         if top_k > num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} > the number of experts {num_experts}")
@@ -74,6 +85,7 @@ class FusedMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_scale = self.w2_scale = None  # FP8 experts: float32 row scales [E, 2 I], [E, H]
         self.kernel = per_expert_matmuls
         self.triton_moe = self.moe_config = None
         self.kernel_method = None  # set on the meta-device model to pick the kernel in its place (module docstring)
@@ -94,8 +106,10 @@ class FusedMoE(nn.Module):
         target.copy_(tensor)
 
     def process_weights_after_loading(self) -> None:
-        """Picks the kernel for the weights' device (module docstring); the router's linear prepares its own."""
+        """The experts' quantisation method prepares w13 / w2, then the kernel is picked for the weights' device
+        (module docstring); the router's linear prepares its own."""
         self.kernel, self.triton_moe, self.moe_config = per_expert_matmuls, None, None
+        self.quant_method.process_weights_after_loading(self)
         if self.kernel_method is not None:
             self.kernel_method.process_weights_after_loading(self)
         elif self.w13.is_cuda:

@@ -48,3 +48,9 @@ class QuantizationConfig(ABC):
     def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:
         """The method of a linear layer that holds the checkpoint's linears `checkpoint_names` (one, or the parts
         of a fused layer, e.g. model.layers.0.self_attn.{q,k,v}_proj), called at model construction."""
+
+    def get_moe_method(self) -> Any | None:
+        """The method of a mixture-of-experts block's experts (aserve/layers/moe.py: process_weights_after_loading
+        (layer) turns the loaded experts into what the block's kernels run), or None where this quantisation of
+        experts is not supported (the block refuses it). None by default."""
+        return None

@@ -27,6 +27,7 @@ from aserve.layers.quantization.fp8_checkpoint import (
     checkpoint_tensors,
     layer_is_quantized,
 )
+from aserve.layers.quantization.fp8_moe import Fp8MoEMethod
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class Fp8Config(QuantizationConfig):
         if not layer_is_quantized(checkpoint_names, self.ignored, "FP8 ignored_layers"):
             return UnquantizedLinearMethod()
         return Fp8CheckpointLinearMethod(self.scheme, fused=len(checkpoint_names) > 1)
+
+    def get_moe_method(self) -> Fp8MoEMethod | None:
+        """Experts quantised at load (fp8_moe.py); a pre-quantised checkpoint's experts: None (refused)."""
+        return Fp8MoEMethod() if self.scheme is None else None
 
     def checkpoint_weights(self, weights: Iterable) -> Iterable:
         return weights if self.scheme is None else checkpoint_tensors(weights)
