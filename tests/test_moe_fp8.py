@@ -1,9 +1,16 @@
-"""FP8 experts (`quantization="fp8"` on a 16-bit mixture-of-experts checkpoint): the fused kernels over e4m3 experts
-with row scales (Triton's interpreter on CPU) against the reference on the dequantised experts, the CPU engine equal
-to transformers on the rounded checkpoint, e4m3 experts kept where FP8 runs, and the quantisations experts refuse."""
+"""FP8 experts: the fused kernels over e4m3 experts with row scales (Triton's interpreter on CPU) against the
+reference on the dequantised experts; `quantization="fp8"` on a 16-bit mixture-of-experts checkpoint (the CPU engine
+equal to transformers on the rounded checkpoint, e4m3 experts kept where FP8 runs); pre-quantised FP8 checkpoints of
+MoE models as tests/test_fp8_checkpoints.py writes them (per-tensor with static input scales, block-wise,
+compressed-tensors per-channel; the CPU engine equal to transformers on the dequantised checkpoint); and the
+quantisations experts refuse."""
+
+import logging
 
 import pytest
+import test_fp8_checkpoints
 import torch
+from safetensors.torch import load_file
 from test_fp8 import LINEARS, rounded_copy
 from test_moe import DEVICE, MOE_VARIANTS, prompts, random_moe
 from tiny_models import hf_greedy
@@ -14,7 +21,7 @@ from aserve.layers.moe import FusedMoE
 from aserve.layers.quantization import fp8_moe
 from aserve.layers.quantization.fp8 import FP8, has_fp8_tensor_cores
 from aserve.layers.quantization.fp8_config import Fp8Config
-from aserve.layers.quantization.fp8_moe import dequantize_rows, quantize_rows
+from aserve.layers.quantization.fp8_moe import Fp8CheckpointMoEMethod, dequantize_rows, quantize_rows
 
 MIXTRAL_EXPERTS = ("w1", "w2", "w3")  # Mixtral's expert projections (Qwen3-MoE's are LINEARS' gate/up/down_proj)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=1e-2)}
@@ -97,6 +104,65 @@ def test_fp8_moe_on_gpu_keeps_e4m3_experts_and_agrees_with_the_rounded_model(tin
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
     # The dense linears quantise their activations too (per token): the first tokens agree, later ones may drift.
     assert [g[:2] for g in got] == [w[:2] for w in want]
+
+
+@pytest.mark.parametrize("variant, layout", [("qwen3_moe", "fp8-block"), ("qwen3_moe", "ct-channel"),
+                                             ("mixtral", "fp8-static")])  # fmt: skip
+def test_fp8_moe_checkpoint_matches_transformers_on_dequantized_weights(tiny_model_factory, tmp_path, monkeypatch,
+                                                                        caplog, variant, layout):  # fmt: skip
+    """The experts' gate and up projections carry different per-tensor scales (the writer scales up_proj up), so
+    the fused w13 rows keep each part's own; with chunked prefill."""
+    monkeypatch.setattr(test_fp8_checkpoints, "LINEARS", LINEARS + MIXTRAL_EXPERTS)
+    monkeypatch.setattr(fp8_moe, "_logged", set())  # (each reason is logged once per process)
+    fp8_dir, deq_dir = test_fp8_checkpoints.fp8_checkpoint(tiny_model_factory(variant), str(tmp_path / "fp8"), layout)
+    with caplog.at_level(logging.INFO, logger="aserve"):
+        llm = LLM(fp8_dir, dtype="float32", enforce_eager=True, max_num_batched_tokens=16)
+    blocks = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert blocks and all(type(b.quant_method) is Fp8CheckpointMoEMethod for b in blocks)
+    assert blocks[0].w13.dtype == torch.float32  # dequantised on this CPU (one log line says so)
+    assert [r for r in caplog.records if "experts dequantised" in r.message]
+    ps = prompts(5, (5, 21, 40))
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(deq_dir, ps, 12)
+
+
+def test_fp8_checkpoint_experts_stay_e4m3_with_each_parts_scales(tiny_model_factory, tmp_path, monkeypatch):
+    """Per-tensor scales where FP8 runs: the e4m3 experts as stored, one scale per row taken from its part's
+    tensor (gate rows and up rows differ), and the block's output equal to the dequantised reference."""
+    monkeypatch.setattr(fp8_moe, "has_fp8_tensor_cores", lambda device: True)
+    fp8_dir, deq_dir = test_fp8_checkpoints.fp8_checkpoint(tiny_model_factory("qwen3_moe"), str(tmp_path / "fp8"),
+                                                           "fp8-tensor")  # fmt: skip
+    llm = LLM(fp8_dir, dtype="float16", enforce_eager=True)
+    block = llm.engine.core.runner.model.layers[0].mlp
+    assert block.w13.dtype == block.w2.dtype == FP8
+    inter = block.intermediate_size
+    gate, up = block.w13_scale[0, :inter], block.w13_scale[0, inter:]
+    assert (gate == gate[0]).all() and (up == up[0]).all() and not torch.equal(gate[0], up[0])
+    deq = load_file(f"{deq_dir}/model.safetensors")
+    w13 = torch.cat([deq[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] for e in range(block.num_experts)
+                     for p in ("gate", "up")]).view(block.num_experts, 2 * inter, -1)  # fmt: skip
+    torch.testing.assert_close(dequantize_rows(block.w13.data, block.w13_scale, torch.float32), w13)
+    block.use_triton()  # (the GPU's kernel, Triton's interpreter here)
+    x = torch.randn(5, w13.shape[-1], generator=torch.Generator().manual_seed(1)).half()
+    w2 = torch.stack([deq[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(block.num_experts)])
+    with torch.no_grad():
+        logits = block.gate(x)
+        routing = reference.select_experts(logits, block.top_k, False)
+        ref = reference.fused_moe(x.float(), w13, w2, *routing)  # float32; the kernel rounds to float16 as it goes
+        err = (block(x).float() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-2, err
+
+
+def test_random_weights_for_an_fp8_moe_checkpoint(tiny_model_factory, tmp_path):
+    """`--load-format dummy` (benchmarks at a real FP8 checkpoint's shapes): e4m3 experts and scales are made up,
+    and the model generates."""
+    fp8_dir, _ = test_fp8_checkpoints.fp8_checkpoint(tiny_model_factory("qwen3_moe"), str(tmp_path / "fp8"),
+                                                     "fp8-block")  # fmt: skip
+    llm = LLM(fp8_dir, dtype="float32", enforce_eager=True, load_format="dummy")
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    block = llm.engine.core.runner.model.layers[0].mlp
+    assert block.w13.abs().max() > 0 and torch.isfinite(block.w13).all()
 
 
 def test_int8_experts_are_refused(tiny_model_factory):

@@ -24,6 +24,8 @@ batch_invariant.py), whose process_weights_after_loading(layer) picks the kernel
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +33,9 @@ from torch import nn
 from aserve.kernels import reference
 from aserve.layers.elementwise import silu_and_mul
 from aserve.layers.linear import Linear
-from aserve.layers.quantization.base import QuantizationConfig
+
+if TYPE_CHECKING:  # (the quantisation configs import this module's UnquantizedMoEMethod)
+    from aserve.layers.quantization.base import QuantizationConfig
 
 
 def per_expert_matmuls(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -59,20 +63,32 @@ def triton_fused(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) 
 class UnquantizedMoEMethod:
     """16-bit (or float32) experts: used as loaded."""
 
+    def create_weights(self, layer: FusedMoE, hidden_size: int) -> None:
+        e, i = layer.num_experts, layer.intermediate_size
+        layer.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
+        layer.w2 = nn.Parameter(torch.empty(e, hidden_size, i))
+
+    def load_scale(self, layer: FusedMoE, param_name: str, expert: int, shard: int | None, tensor) -> None:
+        raise ValueError(f"the checkpoint has a {param_name} scale for expert {expert}, whose weights its "
+                         "quantization_config leaves unquantised")  # fmt: skip
+
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         pass
 
 
 class FusedMoE(nn.Module):
     """The router `gate` (a linear layer, E outputs, unquantised) and the stacked experts w13, w2 (module docstring).
-    `quant_config`: the checkpoint's quantisation, whose experts' method (get_moe_method) prepares w13 / w2 after
+    `quant_config`: the checkpoint's quantisation, whose experts' method (get_moe_method, given `expert_names`: the
+    checkpoint's module names of one expert's gate, up and down projections) makes w13 / w2 and prepares them after
     loading: FP8 experts (aserve/layers/quantization/fp8_moe.py) also hold w13_scale / w2_scale; quantisations
     without a method for experts are refused."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 quant_config: QuantizationConfig | None = None) -> None:  # fmt: skip
+                 quant_config: QuantizationConfig | None = None,
+                 expert_names: tuple[str, ...] = ()) -> None:  # fmt: skip
         super().__init__()
-        self.quant_method = UnquantizedMoEMethod() if quant_config is None else quant_config.get_moe_method()
+        self.quant_method = (UnquantizedMoEMethod() if quant_config is None
+                             else quant_config.get_moe_method(expert_names))  # fmt: skip
         if self.quant_method is None:
             raise ValueError(
                 f"{quant_config.name} quantisation of mixture-of-experts layers is not supported; "
@@ -83,9 +99,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
         self.gate = Linear(hidden_size, num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.w13_scale = self.w2_scale = None  # FP8 experts: float32 row scales [E, 2 I], [E, H]
+        self.quant_method.create_weights(self, hidden_size)
         self.kernel = per_expert_matmuls
         self.triton_moe = self.moe_config = None
         self.kernel_method = None  # set on the meta-device model to pick the kernel in its place (module docstring)
@@ -104,6 +119,12 @@ class FusedMoE(nn.Module):
         if target.shape != tensor.shape:
             raise ValueError(f"expert {expert}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         target.copy_(tensor)
+
+    def load_expert_scale(self, param_name: str, expert: int, shard: int | None, tensor: torch.Tensor) -> None:
+        """One expert's checkpoint weight scale for w13 (shard 0 / 1) or w2, as its quantisation method stores it."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_experts} experts")
+        self.quant_method.load_scale(self, param_name, expert, shard, tensor)
 
     def process_weights_after_loading(self) -> None:
         """The experts' quantisation method prepares w13 / w2, then the kernel is picked for the weights' device

@@ -158,7 +158,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(torch.arange(k, device=param.device) // (k // groups))
         elif param.dtype == torch.float8_e4m3fn:  # FP8 checkpoints: e4m3 values ~N(0, 64), scales 1/3200 below
             param.copy_(torch.randn(param.shape, generator=gen, device=param.device).mul_(64).clamp_(-448, 448))
-        elif name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+        elif name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale", ".w13_scale", ".w2_scale")):
             param.fill_(1.0 if name.endswith(".input_scale") else 0.02 / 64)
         elif not param.is_floating_point():  # packed int4 (AWQ / GPTQ qweight, qzeros): random nibbles
             param.random_(-(2**31), 2**31, generator=gen)

@@ -11,7 +11,9 @@ transformers' save_pretrained writes one tensor per expert and projection:
                 model.layers.{i}.mlp.gate.weight
 
 and transformers' own stacked names (model.layers.{i}.mlp.experts.gate_up_proj [E, 2 I, H], .down_proj [E, H, I])
-load as they are.
+load as they are. FP8 checkpoints add each projection's weight_scale (or weight_scale_inv) and, with static
+activations, input_scale beside its weight: the block's quantisation method takes them (aserve/layers/quantization/
+fp8_moe.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import torch
 from aserve.layers.moe import FusedMoE
 from aserve.models.llama import DecoderLayer, LlamaForCausalLM
 
-_PER_EXPERT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight")
+_PER_EXPERT = re.compile(
+    r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale|weight_scale_inv|input_scale)"
+)
 _STACKED_EXPERTS = re.compile(r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)")
 # checkpoint projection -> (FusedMoE parameter, shard of w13)
 _PROJECTIONS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
@@ -56,14 +61,21 @@ class SparseMoeWeights:
             if match is None:
                 yield name, tensor
                 continue
-            block, *expert, projection = match.groups()
+            block, *expert, projection, kind = match.groups() if match.re is _PER_EXPERT else (*match.groups(), None)
             param_name, shard = _PROJECTIONS[projection]
             target = f"{block}.{param_name}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__} (a dense layer?)")
             moe = self.get_submodule(block)
             whole = moe.num_experts * (2 if param_name == "w13" else 1)  # gate and up of each expert, or down
-            if expert:  # one expert's projection
+            if kind == "input_scale":
+                moe.load_expert_scale("input_scale", int(expert[0]), shard, tensor)
+                continue
+            if kind in ("weight_scale", "weight_scale_inv"):  # FP8: scales for the rows of the projection
+                moe.load_expert_scale(param_name, int(expert[0]), shard, tensor)
+                target = f"{target}_scale"
+                pieces[target] += 1
+            elif expert:  # one expert's projection
                 moe.load_expert(params[target], int(expert[0]), shard, tensor)
                 pieces[target] += 1
             else:  # all experts stacked
@@ -83,8 +95,10 @@ class SparseMoeWeights:
 
 class MixtralDecoderLayer(DecoderLayer):
     def make_mlp(self, cfg, ops, quant_config, prefix: str) -> FusedMoE:
+        experts = prefix.replace(".mlp", ".block_sparse_moe") + ".experts.0"  # the checkpoint's names
         return FusedMoE(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size,
-                        renormalize=True, quant_config=quant_config)  # fmt: skip
+                        renormalize=True, quant_config=quant_config,
+                        expert_names=tuple(f"{experts}.{p}" for p in ("w1", "w3", "w2")))  # fmt: skip
 
 
 class MixtralForCausalLM(SparseMoeWeights, LlamaForCausalLM):

@@ -24,7 +24,8 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         if not is_sparse_layer(cfg, index):
             return super().make_mlp(cfg, ops, quant_config, prefix)
         return FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                        renormalize=cfg.norm_topk_prob, quant_config=quant_config)  # fmt: skip
+                        renormalize=cfg.norm_topk_prob, quant_config=quant_config,
+                        expert_names=tuple(f"{prefix}.experts.0.{p}_proj" for p in ("gate", "up", "down")))  # fmt: skip
 
 
 class Qwen3MoeForCausalLM(SparseMoeWeights, Qwen3ForCausalLM):

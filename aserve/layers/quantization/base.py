@@ -49,8 +49,9 @@ class QuantizationConfig(ABC):
         """The method of a linear layer that holds the checkpoint's linears `checkpoint_names` (one, or the parts
         of a fused layer, e.g. model.layers.0.self_attn.{q,k,v}_proj), called at model construction."""
 
-    def get_moe_method(self) -> Any | None:
-        """The method of a mixture-of-experts block's experts (aserve/layers/moe.py: process_weights_after_loading
-        (layer) turns the loaded experts into what the block's kernels run), or None where this quantisation of
-        experts is not supported (the block refuses it). None by default."""
+    def get_moe_method(self, expert_names: Sequence[str]) -> Any | None:
+        """The method of a mixture-of-experts block's experts (aserve/layers/moe.py: it makes the block's w13 / w2,
+        loads their scales and, in process_weights_after_loading(layer), turns them into what the block's kernels
+        run), or None where this quantisation of experts is not supported (the block refuses it). `expert_names`:
+        the checkpoint's modules of one expert's gate, up and down projections. None by default."""
         return None

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from aserve.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from aserve.layers.moe import UnquantizedMoEMethod
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.layers.quantization.fp8_checkpoint import (
     Fp8CheckpointLinearMethod,
@@ -33,6 +34,7 @@ from aserve.layers.quantization.fp8_checkpoint import (
     layer_is_quantized,
     matches,
 )
+from aserve.layers.quantization.fp8_moe import Fp8CheckpointMoEMethod
 
 FORMATS = ("float-quantized", "naive-quantized")
 DYNAMIC_ACTIVATION_STRATEGIES = ("token", "tensor", "group")
@@ -130,6 +132,18 @@ class CompressedTensorsConfig(QuantizationConfig):
         if scheme is None:
             return UnquantizedLinearMethod()
         return Fp8CheckpointLinearMethod(scheme, fused=len(checkpoint_names) > 1)
+
+    def get_moe_method(self, expert_names: Sequence[str]) -> UnquantizedMoEMethod:
+        """The checkpoint's FP8 experts (fp8_moe.py), by the scheme of their projections; 16-bit where ignored or
+        no group names them."""
+        if not layer_is_quantized(expert_names, self.ignore, "compressed-tensors ignore"):
+            return UnquantizedMoEMethod()
+        schemes = {self.scheme_of(name) for name in expert_names}
+        if len(schemes) > 1:
+            raise ValueError(f"compressed-tensors: an expert's projections ({list(expert_names)}) have different "
+                             "schemes: not supported")  # fmt: skip
+        scheme = schemes.pop() if schemes else None
+        return UnquantizedMoEMethod() if scheme is None else Fp8CheckpointMoEMethod(scheme)
 
     def checkpoint_weights(self, weights: Iterable) -> Iterator:
         """fp8_checkpoint.checkpoint_tensors, and symmetric weights' zero points (all 0) dropped."""

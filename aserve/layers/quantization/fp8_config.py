@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from aserve.layers.moe import UnquantizedMoEMethod
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.layers.quantization.fp8 import Fp8LinearMethod
 from aserve.layers.quantization.fp8_checkpoint import (
@@ -27,7 +28,7 @@ from aserve.layers.quantization.fp8_checkpoint import (
     checkpoint_tensors,
     layer_is_quantized,
 )
-from aserve.layers.quantization.fp8_moe import Fp8MoEMethod
+from aserve.layers.quantization.fp8_moe import Fp8CheckpointMoEMethod, Fp8MoEMethod
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,13 @@ class Fp8Config(QuantizationConfig):
             return UnquantizedLinearMethod()
         return Fp8CheckpointLinearMethod(self.scheme, fused=len(checkpoint_names) > 1)
 
-    def get_moe_method(self) -> Fp8MoEMethod | None:
-        """Experts quantised at load (fp8_moe.py); a pre-quantised checkpoint's experts: None (refused)."""
-        return Fp8MoEMethod() if self.scheme is None else None
+    def get_moe_method(self, expert_names: Sequence[str]) -> UnquantizedMoEMethod:
+        """Experts quantised at load, or the checkpoint's FP8 experts (fp8_moe.py); 16-bit where ignored."""
+        if self.scheme is None:
+            return Fp8MoEMethod()
+        if not layer_is_quantized(expert_names, self.ignored, "FP8 ignored_layers"):
+            return UnquantizedMoEMethod()
+        return Fp8CheckpointMoEMethod(self.scheme)
 
     def checkpoint_weights(self, weights: Iterable) -> Iterable:
         return weights if self.scheme is None else checkpoint_tensors(weights)
