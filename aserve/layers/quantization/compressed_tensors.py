@@ -121,28 +121,26 @@ class CompressedTensorsConfig(QuantizationConfig):
                     return scheme
         return next((scheme for targets, scheme in self.groups if "Linear" in targets), None)
 
-    def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:
-        if not layer_is_quantized(checkpoint_names, self.ignore, "compressed-tensors ignore"):
-            return UnquantizedLinearMethod()
-        schemes = {self.scheme_of(name) for name in checkpoint_names}
+    def scheme_of_parts(self, names: Sequence[str]) -> Fp8Scheme | None:
+        """The one scheme of the checkpoint modules `names` that aserve runs as one (a fused layer's parts, an
+        expert's projections); None where they are ignored or no group names them."""
+        if not layer_is_quantized(names, self.ignore, "compressed-tensors ignore"):
+            return None
+        schemes = {self.scheme_of(name) for name in names}
         if len(schemes) > 1:
-            raise ValueError(f"compressed-tensors: the parts of a fused layer ({list(checkpoint_names)}) have "
-                             "different schemes: not supported")  # fmt: skip
-        scheme = schemes.pop() if schemes else None
+            raise ValueError(f"compressed-tensors: {list(names)} are run as one but have different schemes: "
+                             "not supported")  # fmt: skip
+        return schemes.pop() if schemes else None
+
+    def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:
+        scheme = self.scheme_of_parts(checkpoint_names)
         if scheme is None:
             return UnquantizedLinearMethod()
         return Fp8CheckpointLinearMethod(scheme, fused=len(checkpoint_names) > 1)
 
     def get_moe_method(self, expert_names: Sequence[str]) -> UnquantizedMoEMethod:
-        """The checkpoint's FP8 experts (fp8_moe.py), by the scheme of their projections; 16-bit where ignored or
-        no group names them."""
-        if not layer_is_quantized(expert_names, self.ignore, "compressed-tensors ignore"):
-            return UnquantizedMoEMethod()
-        schemes = {self.scheme_of(name) for name in expert_names}
-        if len(schemes) > 1:
-            raise ValueError(f"compressed-tensors: an expert's projections ({list(expert_names)}) have different "
-                             "schemes: not supported")  # fmt: skip
-        scheme = schemes.pop() if schemes else None
+        """The checkpoint's FP8 experts (fp8_moe.py); 16-bit where ignored or no group names them."""
+        scheme = self.scheme_of_parts(expert_names)
         return UnquantizedMoEMethod() if scheme is None else Fp8CheckpointMoEMethod(scheme)
 
     def checkpoint_weights(self, weights: Iterable) -> Iterator:
