@@ -157,31 +157,49 @@ def silu_mul_rounded(g, u, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def gelu_tanh_mul_rounded(g, u, dtype: tl.constexpr):
+    """The same for Gemma's GeGLU: gelu_tanh(g) = g / 2 (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), tanh
+    from exp(-2 |z|) (no overflow)."""
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    e = tl.exp(-2.0 * tl.abs(z))
+    t = (1.0 - e) / (1.0 + e)
+    act = (0.5 * g * (1.0 + tl.where(z < 0, -t, t))).to(dtype).to(tl.float32)
+    return (act * u).to(dtype)
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr):  # fmt: skip
     pdl.gdc_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, silu_mul_rounded(g, u, out_ptr.dtype.element_ty), mask=ok)
+    if GELU_TANH:
+        out = gelu_tanh_mul_rounded(g, u, out_ptr.dtype.element_ty)
+    else:
+        out = silu_mul_rounded(g, u, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=ok)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+    """gate_up [T, 2 I] -> act(gate) * up [T, I]: SiLU, or with gelu_tanh Gemma's GELU (aserve/kernels/gemma.py)."""
     rows, n2 = gate_up.shape
     n = n2 // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs()
-    )
+    _act_and_mul_kernel[(rows, triton.cdiv(n, block))](
+        gate_up, out, n, gate_up.stride(0), out.stride(0), GELU_TANH=gelu_tanh, BLOCK=block, USE_PDL=pdl.ENABLED,
+        **pdl.launch_kwargs(),
+    )  # fmt: skip
     return out
 
 
 @triton.jit
 def _qk_norm_kernel(
     qkv_ptr, qw_ptr, kw_ptr, eps, stride_t, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ONE_PLUS_W: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.gdc_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -191,20 +209,27 @@ def _qk_norm_kernel(
     ptr = qkv_ptr + row * stride_t + head * HEAD_DIM + d
     x = tl.load(ptr, mask=ok, other=0.0)
     xf = x.to(tl.float32)
-    y = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)).to(x.dtype).to(tl.float32)
+    y = xf * tl.rsqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)
     if head < NUM_HEADS:
         w = tl.load(qw_ptr + d, mask=ok, other=0.0).to(tl.float32)
     else:
         w = tl.load(kw_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    tl.store(ptr, (y * w).to(x.dtype), mask=ok)
+    if ONE_PLUS_W:  # Gemma: (1 + w) in float32, one rounding at the end
+        y = y * (1.0 + w)
+    else:  # rounded to the model's dtype, then times w
+        y = y.to(x.dtype).to(tl.float32) * w
+    tl.store(ptr, y.to(x.dtype), mask=ok)
 
 
-def qk_norm_(qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+def qk_norm_(qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
+             one_plus_weight: bool = False) -> torch.Tensor:  # fmt: skip
     """qkv [T, (H + 2 Hkv) D]: each head of q (weight q_weight [D]) and of k (k_weight) RMS-normalised in place,
-    v untouched -> qkv. One program per (token, head)."""
+    v untouched -> qkv. One program per (token, head). one_plus_weight: Gemma's norm, x / rms(x) * (1 + w) in float32
+    (aserve/kernels/gemma.py)."""
     assert qkv.stride(-1) == 1
     _qk_norm_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
         qkv, q_weight, k_weight, eps, qkv.stride(0), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
+        BLOCK_D=triton.next_power_of_2(head_dim), ONE_PLUS_W=one_plus_weight, USE_PDL=pdl.ENABLED,
+        **pdl.launch_kwargs(),
     )  # fmt: skip
     return qkv

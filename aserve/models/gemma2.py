@@ -10,10 +10,13 @@ differences, each as transformers computes it:
                        config.layer_types marks "sliding_attention" (every other one) see the last sliding_window keys
     logits             soft-capped at final_logit_softcapping; lm_head tied to the embeddings
 
-The scale, window and soft-cap are each layer's AttentionParams, which every attention backend takes. In deterministic
-mode, use_batch_invariant() (called by aserve/layers/batch_invariant.py use_batch_invariant_linears on the model
-built on the meta device) swaps the norms, GeGLU and logit soft-cap for that file's batch-invariant functions; a GPU
-is refused there (process_weights_after_loading).
+The scale, window and soft-cap are each layer's AttentionParams, which every attention backend takes. The norms and
+GeGLU run through Gemma ops chosen once with the model's element-wise ops (gemma_ops): on a GPU the Triton kernels of
+aserve/kernels/gemma.py (a layer's post-attention norm, residual add and pre-feed-forward norm in one launch, the
+post-feed-forward norm and residual add in another), elsewhere the torch functions below. In deterministic mode,
+use_batch_invariant() (called by aserve/layers/batch_invariant.py use_batch_invariant_linears on the model built on
+the meta device) swaps them and the logit soft-cap for that file's batch-invariant functions; a GPU is refused there
+(process_weights_after_loading).
 """
 
 from __future__ import annotations
@@ -43,6 +46,45 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+class GemmaTorchOps:
+    """Gemma's norms and GeGLU in torch, from `norm` (x, weight, eps) and `act_and_mul` (gate_up): the functions
+    above, or batch_invariant's in deterministic mode. The reference of aserve/kernels/gemma.py."""
+
+    def __init__(self, norm=gemma_rms_norm, act_and_mul=gelu_tanh_and_mul) -> None:
+        self.norm, self.gelu_and_mul = norm, act_and_mul
+
+    def add_norm(self, h, x, w_post, eps: float, w_pre=None):
+        """x' = x + norm(h; w_post) -> x', or with w_pre (norm(x'; w_pre), x')."""
+        x = x + self.norm(h, w_post, eps)
+        return x if w_pre is None else (self.norm(x, w_pre, eps), x)
+
+    def head_norm(self, qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+        """The norm over each head of q and of k in a fused qkv row -> the row (v as it was)."""
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = self.norm(q.reshape(-1, num_heads, head_dim), q_weight, eps)
+        k = self.norm(k.reshape(-1, num_kv_heads, head_dim), k_weight, eps)
+        return torch.cat([q.flatten(1), k.flatten(1), v], dim=-1)
+
+
+class GemmaTritonOps:
+    """The same in one Triton launch each (aserve/kernels/gemma.py)."""
+
+    def __init__(self) -> None:
+        from aserve.kernels import gemma  # Triton: optional, imported once it is chosen
+
+        self.norm, self.add_norm, self.gelu_and_mul = gemma.gemma_norm, gemma.gemma_add_norm, gemma.gelu_tanh_and_mul
+        self.head_norm = gemma.gemma_head_norm_
+
+
+def gemma_ops(ops) -> GemmaTorchOps | GemmaTritonOps:
+    """Gemma's ops to go with the model's element-wise ops (aserve/layers/elementwise.py): Triton with Triton's."""
+    return GemmaTritonOps() if ops.kind == "triton" else GemmaTorchOps()
+
+
+def batch_invariant_gemma_ops() -> GemmaTorchOps:
+    return GemmaTorchOps(batch_invariant.gemma_rms_norm, batch_invariant.gelu_tanh_and_mul)
+
+
 class GemmaRMSNorm(nn.Module):
     norm = staticmethod(gemma_rms_norm)  # (x, weight, eps) -> normed x; batch_invariant's in deterministic mode
 
@@ -63,7 +105,10 @@ class GemmaRMSNorm(nn.Module):
 
 class GemmaMLP(MLP):
     hidden_act = "gelu_pytorch_tanh"
-    act_and_mul = staticmethod(gelu_tanh_and_mul)
+
+    def __init__(self, cfg, ops, quant_config, prefix: str) -> None:
+        super().__init__(cfg, ops, quant_config, prefix)
+        self.act_and_mul = gemma_ops(ops).gelu_and_mul
 
     def use_batch_invariant(self) -> None:
         self.act_and_mul = batch_invariant.gelu_tanh_and_mul
@@ -91,12 +136,16 @@ class Gemma2DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gemma_ops, self.eps = gemma_ops(ops), cfg.rms_norm_eps
+
+    def use_batch_invariant(self) -> None:
+        self.gemma_ops = batch_invariant_gemma_ops()
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta) -> torch.Tensor:
-        h = self.self_attn(rotary_cos_sin, self.input_layernorm(x)[0], kv_cache, meta)
-        x = x + self.post_attention_layernorm(h)[0]
-        h = self.mlp(self.pre_feedforward_layernorm(x)[0])
-        return x + self.post_feedforward_layernorm(h)[0]
+        g, eps = self.gemma_ops, self.eps
+        h = self.self_attn(rotary_cos_sin, g.norm(x, self.input_layernorm.weight, eps), kv_cache, meta)
+        y, x = g.add_norm(h, x, self.post_attention_layernorm.weight, eps, self.pre_feedforward_layernorm.weight)
+        return g.add_norm(self.mlp(y), x, self.post_feedforward_layernorm.weight, eps)
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

@@ -16,7 +16,14 @@ from torch import nn
 
 from aserve.layers.attention.backend import AttentionMetadata, AttentionParams
 from aserve.layers.elementwise import RotaryEmbedding
-from aserve.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm
+from aserve.models.gemma2 import (
+    Gemma2Attention,
+    Gemma2DecoderLayer,
+    Gemma2ForCausalLM,
+    GemmaRMSNorm,
+    batch_invariant_gemma_ops,
+    gemma_ops,
+)
 from aserve.models.llama import head_dim_of, sliding_windows
 
 
@@ -52,12 +59,15 @@ class Gemma3Attention(Gemma2Attention):
         self.attn_params = AttentionParams(scale=cfg.query_pre_attn_scalar**-0.5)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.gemma_ops = gemma_ops(ops)
+
+    def use_batch_invariant(self) -> None:
+        self.gemma_ops = batch_invariant_gemma_ops()
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm.norm(q.view(-1, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps)
-        k = self.k_norm.norm(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps)
-        return self.attend(rotary_cos_sin, torch.cat([q.flatten(1), k.flatten(1), v], dim=-1), kv_cache, meta)
+        qkv = self.gemma_ops.head_norm(self.qkv_proj(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                       self.num_heads, self.num_kv_heads, self.head_dim)  # fmt: skip
+        return self.attend(rotary_cos_sin, qkv, kv_cache, meta)
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
