@@ -8,8 +8,7 @@ draft_model  a separate small model with its own KV cache tensor, indexed by the
              complete.
 
 Drafting k tokens for a request takes k one-token forward passes, batched over requests, at the positions after
-the step's last emitted token; the KV slots were allocated as lookahead by the scheduler. They are launched from the
-step's sampling on the device, before its results reach the host (ModelDrafter.launch). Drafts of sampling
+the step's last emitted token; the KV slots were allocated as lookahead by the scheduler. Drafts of sampling
 requests are drawn from the draft's distribution q (kept for the rejection test); greedy requests take its argmax.
 """
 
@@ -67,15 +66,6 @@ class ModelDrafter:
             self.cost_fraction = sum(p.numel() for p in self.model.parameters()) / target_params
         self._own_kv: torch.Tensor | None = None
         self.graphs: StepGraphs | None = None  # CUDA graphs of the drafting steps (capture_cuda_graphs)
-        # Host tensors the drafting inputs are copied from (pinned on a GPU): the model runner's own host buffers
-        # may still be read by the step's copies, which drafting does not wait for. Per request: known tokens, drafts
-        # wanted, first sampler row, drafts verified; and its block table row.
-        pin = runner.device.type == "cuda"
-        self._host = {
-            "info": torch.zeros(4, runner.max_num_seqs, dtype=torch.int64, pin_memory=pin),
-            "blocks": torch.zeros(runner.max_num_seqs, runner.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin),
-        }
-        self._host_np = {name: t.numpy() for name, t in self._host.items()}
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.needs_mirror:
@@ -114,59 +104,52 @@ class ModelDrafter:
         self.graphs.capture(pool)
 
     @torch.inference_mode()
-    def launch(self, sampled, verified: list[list[int]], candidates: torch.Tensor, accepted: torch.Tensor | None):
-        """Launches the drafting of the sampled requests that want drafts, from the step's sampling as it stands on
-        the device (the sampler's rows: each request's verified drafts, then its bonus row; `candidates` the token
-        each row emits if the run stops there, `accepted` whether each row's draft is accepted, None without
-        drafts), before the host has its results. -> PendingDrafts.
+    def propose(self, sampled, emitted: list[list[int]]):
+        """-> (drafts, draft distributions) per sampled request (None where none are wanted).
 
         The active requests draft together, most drafts first, for as many one-token steps as the most any of
         them wants; a request past its own count keeps drafting at its last draft position without writing KV
-        (slot -1) and that output is dropped. So every step has the same rows; their inputs (the last emitted
-        token, positions after the accepted run, slots, lengths) are computed on the device, each step's tokens
-        feed the next there, and the drafts reach the host with the step's own results, in the same wait."""
+        (slot -1) and that output is dropped. So every step has the same rows, its inputs (positions, slots,
+        lengths) are staged for all steps at once, each step's tokens feed the next on the device, and the drafts
+        reach the host in one copy at the end."""
         active = sorted((i for i, s in enumerate(sampled) if s.num_draft_next > 0),
                         key=lambda i: -sampled[i].num_draft_next)  # fmt: skip
+        drafts: list[list[int] | None] = [None] * len(sampled)
+        probs: list[torch.Tensor | None] = [None] * len(sampled)
         if not active:
-            return PendingDrafts(len(sampled), [], [], [], None, [])
+            return drafts, probs
         r, n = self.runner, len(active)
-        dev = r.buffers.device
-        first_row = np.zeros(len(sampled) + 1, dtype=np.int64)
-        np.cumsum([len(d) + 1 for d in verified], out=first_row[1:])
-        # Per active request: known tokens before the step (the last emitted token sits at that position plus the
-        # accepted drafts), drafts wanted, its first sampler row, drafts verified; and its block table row.
-        host, host_np = self._host, self._host_np
-        host_np["info"][:, :n] = np.array(
-            [(s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids), s.num_draft_next, first_row[i],
-              len(verified[i])) for i, s in ((i, sampled[i]) for i in active)], dtype=np.int64,
-        ).T  # fmt: skip
-        for row, i in enumerate(active):
-            block_ids = sampled[i].block_ids
-            host_np["blocks"][row, : len(block_ids)] = block_ids
-        width = max(len(sampled[i].block_ids) for i in active)
-        info = host["info"][:, :n].to(r.device, non_blocking=True)
-        dev["block_tables"][:n, :width].copy_(host["blocks"][:n, :width], non_blocking=True)
-        known, counts, first, num_verified = info
-        k_max = sampled[active[0]].num_draft_next
-        run = torch.zeros(n, dtype=torch.int64, device=r.device)
-        kv_max = max(len(verified[i]) for i in active)
-        if accepted is not None and kv_max:
-            j = torch.arange(kv_max, device=r.device)
-            rows_of = (first[:, None] + j[None, :]).clamp_(max=accepted.shape[0] - 1)
-            ok = accepted[rows_of] & (j[None, :] < num_verified[:, None])
-            run = ok.long().cumprod(dim=1).sum(dim=1)  # accepted drafts before the first rejection
-        steps = torch.arange(k_max, device=r.device)[:, None]
-        positions = (known + run)[None, :] + torch.minimum(steps, counts[None, :] - 1)  # [k_max, n]
-        bs = r.block_size
-        blocks = dev["block_tables"][:n].long().gather(1, (positions // bs).T).T
-        slots = torch.where(steps < counts[None, :], blocks * bs + positions % bs, -1)
-
+        counts = np.fromiter((sampled[i].num_draft_next for i in active), np.int64, n)
+        k_max = int(counts[0])
         key = self.graphs.key_for(n, n, 1) if self.graphs is not None else None
         rows = n if key is None else key[0]  # the graph's rows: n, then padding
-        dev["input_ids"][:n].copy_(candidates[first + run])
-        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0)):
-            dev[name][n:rows].fill_(value)
-        dev["query_start_loc"][: rows + 1].copy_(torch.arange(rows + 1, device=r.device).clamp_(max=n))
+        # The last emitted token sits at position N + accepted, N = known tokens before the step.
+        start = np.fromiter(
+            (sampled[i].num_computed_tokens + sampled[i].num_new_tokens - len(sampled[i].spec_token_ids)
+             + len(emitted[i]) - 1 for i in active), np.int64, n,
+        )  # fmt: skip
+        steps = np.arange(k_max)[:, None]
+        positions = start[None, :] + np.minimum(steps, counts[None, :] - 1)  # [k_max, n]
+        buf = r.buffers.np
+        width = max(len(sampled[i].block_ids) for i in active)
+        for row, i in enumerate(active):
+            blocks = sampled[i].block_ids
+            buf["block_tables"][row, : len(blocks)] = blocks
+        bs = r.block_size
+        blocks_of = buf["block_tables"][np.arange(n)[None, :], positions // bs].astype(np.int64)
+        slots = np.where(steps < counts[None, :], blocks_of * bs + positions % bs, -1)
+        # Per step: positions, slots, sequence lengths (padding rows: position 0, slot -1, length 0)
+        stage = np.zeros((k_max, 3, rows), dtype=np.int64)
+        stage[:, 1, n:] = -1
+        stage[:, 0, :n], stage[:, 1, :n], stage[:, 2, :n] = positions, slots, positions + 1
+        buf["input_ids"][:n] = [emitted[i][-1] for i in active]
+        buf["input_ids"][n:rows] = 0
+        buf["query_start_loc"][: rows + 1] = np.minimum(np.arange(rows + 1), n)
+        dev = r.buffers.device
+        r.buffers.to_device("input_ids", rows)
+        r.buffers.to_device("query_start_loc", rows + 1)
+        r.buffers.to_device("block_tables", n, width)
+        stage_dev = torch.from_numpy(stage).to(r.device, non_blocking=True)
 
         requests = [sampled[i].request for i in active]
         greedy = [q.sampling_params.greedy for q in requests]
@@ -176,12 +159,15 @@ class ModelDrafter:
         chosen = torch.empty(k_max, n, dtype=torch.int64, device=r.device)
         step_probs = []
         for j in range(k_max):
-            dev["positions"][:n].copy_(positions[j])
-            dev["slot_mapping"][:n].copy_(slots[j])
-            dev["seq_lens"][:n].copy_(positions[j] + 1)
+            dev["positions"][:rows].copy_(stage_dev[j, 0])
+            dev["slot_mapping"][:rows].copy_(stage_dev[j, 1])
+            dev["seq_lens"][:rows].copy_(stage_dev[j, 2])
             if j:
                 dev["input_ids"][:n].copy_(chosen[j - 1])
-            hidden = self.graphs.run(key)[:n] if key is not None else self._forward_eager(n, width, positions[j] + 1)
+            if key is not None:
+                hidden = self.graphs.run(key)[:n]
+            else:
+                hidden = self._forward_eager(n, width, stage[j, 2, :n])
             if greedy_t is None:
                 chosen[j] = self.model.compute_logits(hidden, None).argmax(dim=-1)
                 continue
@@ -190,15 +176,18 @@ class ModelDrafter:
             u = torch.rand(n, generator=sampler.generator, device=logits.device)
             chosen[j] = torch.where(greedy_t, logits.argmax(dim=-1), sampler.draw(p, u))
             step_probs.append(p)
-        return PendingDrafts(len(sampled), active, [sampled[i].num_draft_next for i in active], greedy, chosen,
-                             step_probs)  # fmt: skip
+        host = chosen.T.tolist()  # the one wait for the device
+        q_all = torch.stack(step_probs, dim=1) if step_probs else None  # [n, k_max, vocab]
+        for row, i in enumerate(active):
+            drafts[i] = host[row][: counts[row]]
+            if not greedy[row]:
+                probs[i] = q_all[row, : counts[row]]
+        return drafts, probs
 
-    def _forward_eager(self, n: int, width: int, seq_lens: torch.Tensor) -> torch.Tensor:
-        """One token per request over the device buffers as set -> hidden [n, hidden]. (The host needs the lengths:
-        on a GPU, a wait; the graphs, which need none, cover every batch they can.)"""
+    def _forward_eager(self, n: int, width: int, seq_lens: np.ndarray) -> torch.Tensor:
+        """One token per request over the device buffers as staged -> hidden [n, hidden]."""
         r = self.runner
         dev = r.buffers.device
-        lengths = seq_lens.tolist()
         meta = AttentionMetadata(
             num_tokens=n,
             num_decodes=n,
@@ -207,32 +196,9 @@ class ModelDrafter:
             seq_lens=dev["seq_lens"][:n],
             block_tables=dev["block_tables"][:n, :width],
             query_start_loc_cpu=list(range(n + 1)),
-            seq_lens_cpu=lengths,
-            max_seq_len=max(lengths),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_seq_len=int(seq_lens.max()),
             max_query_len=1,
         )
         self.backend.prepare(meta, r.block_size)
         return self.model(dev["input_ids"][:n], dev["positions"][:n], self.kv_caches, meta, num_layers=self.num_layers)
-
-
-class PendingDrafts:
-    """Drafts launched on the device; result() -> (drafts, draft distributions) per sampled request (None where
-    none are wanted), in one copy to the host."""
-
-    def __init__(self, num_sampled: int, active: list[int], counts: list[int], greedy: list[bool], chosen,
-                 step_probs: list[torch.Tensor]) -> None:  # fmt: skip
-        self.num_sampled, self.active, self.counts, self.greedy = num_sampled, active, counts, greedy
-        self.chosen, self.step_probs = chosen, step_probs
-
-    def result(self):
-        drafts: list[list[int] | None] = [None] * self.num_sampled
-        probs: list[torch.Tensor | None] = [None] * self.num_sampled
-        if not self.active:
-            return drafts, probs
-        host = self.chosen.T.tolist()
-        q_all = torch.stack(self.step_probs, dim=1) if self.step_probs else None  # [n, k_max, vocab]
-        for row, i in enumerate(self.active):
-            drafts[i] = host[row][: self.counts[row]]
-            if not self.greedy[row]:
-                probs[i] = q_all[row, : self.counts[row]]
-        return drafts, probs

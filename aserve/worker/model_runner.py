@@ -315,16 +315,10 @@ class ModelRunner:
                     None if s.request.spec_draft_probs is None else s.request.spec_draft_probs[: len(s.spec_token_ids)]
                     for s in sampled
                 ]
-            launched = []  # a model drafter starts from the sampling on the device, before the sampler's wait
-            hook = None
-            if self.drafter is not None:
-                hook = lambda candidates, accepted: launched.append(  # noqa: E731
-                    self.drafter.launch(sampled, drafts, candidates, accepted)
-                )
-            out = self.sampler(logits, requests, drafts if any(drafts) else None, draft_probs, before_wait=hook)
+            out = self.sampler(logits, requests, drafts if any(drafts) else None, draft_probs)
             result = RunnerOutput(sampled, out, prompt_logprobs=scores)
-            if launched:
-                result.next_drafts, result.next_draft_probs = launched[0].result()
+            if self.drafter is not None:
+                result.next_drafts, result.next_draft_probs = self.drafter.propose(sampled, out.token_ids)
         return PendingStep(sampled, result=result)
 
     @torch.inference_mode()

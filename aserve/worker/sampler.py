@@ -119,13 +119,9 @@ class Sampler:
         requests: list[Request],
         drafts: list[list[int]] | None = None,
         draft_probs: list[torch.Tensor | None] | None = None,
-        before_wait=None,
     ) -> SamplerOutput:
         """logits: len(drafts[i]) + 1 rows per request, in request order. draft_probs[i] (optional) holds the draft
-        distributions [k, vocab] the drafts were sampled from; None means one-hot (n-gram). `before_wait(candidates,
-        accepted)`, if given, runs once the rows' tokens are decided on the device and before the host waits for
-        them (device tensors per row: the token emitted if the run stops there; whether its draft is accepted, None
-        without drafts)."""
+        distributions [k, vocab] the drafts were sampled from; None means one-hot (n-gram)."""
         drafts = drafts or [[] for _ in requests]
         rows = [SampleRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
@@ -153,8 +149,6 @@ class Sampler:
         # One sync: per row, the token to emit if the run stops there, whether its logits were finite, and whether
         # its draft is accepted.
         packed = [candidates, nonfinite.long()] + ([accepted.long()] if accepted is not None else [])
-        if before_wait is not None:
-            before_wait(candidates, accepted)
         host = torch.stack(packed).tolist()
         candidate_list, nonfinite_list = host[0], host[1]
         accepted_list = host[2] if accepted is not None else None
