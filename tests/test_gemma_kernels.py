@@ -64,3 +64,16 @@ def test_gemma_on_the_triton_ops_equals_transformers(tiny_model_factory, monkeyp
     assert isinstance(layer.gemma_ops, GemmaTritonOps)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 8)
+
+
+def test_a_row_gets_the_same_bits_in_any_batch():
+    """What deterministic mode relies on to keep these kernels on a GPU: one program per row (or element)."""
+    h, x = rand(9, 200, dtype=torch.float32, seed=11, scale=3.0), rand(9, 200, dtype=torch.float32, seed=12)
+    w_post, w_pre = rand(200, dtype=torch.float32, seed=13), rand(200, dtype=torch.float32, seed=14)
+    full = gemma.gemma_add_norm(h, x, w_post, 1e-6, w_pre)
+    gate_up = rand(9, 2 * 300, dtype=torch.float32, seed=15)
+    act = gemma.gelu_tanh_and_mul(gate_up)
+    for rows in (slice(8, 9), slice(3, 9), slice(0, 1)):
+        y, x_new = gemma.gemma_add_norm(h[rows], x[rows], w_post, 1e-6, w_pre)
+        assert torch.equal(y, full[0][rows]) and torch.equal(x_new, full[1][rows])
+        assert torch.equal(gemma.gelu_tanh_and_mul(gate_up[rows]), act[rows])

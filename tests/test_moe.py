@@ -207,3 +207,15 @@ def test_a_missing_expert_tensor_is_reported(tiny_model_factory, tmp_path):
     save_file(state, path)
     with pytest.raises(ValueError, match=r"lacks weights for: \['layers.2.mlp.w13'\]"):
         LLM(dst, dtype="float32", enforce_eager=True)
+
+
+def test_fixed_configuration_gives_a_token_the_same_bits_in_any_batch():
+    """Deterministic mode's GPU experts (one launch configuration, each token's k outputs added in a fixed order):
+    a token's output alone equals its output among other tokens, bit for bit."""
+    x, w13, w2, logits = random_moe(37, 8, 64, 48, seed=9)
+    run = lambda rows: moe.fused_moe(x[rows], logits[rows], w13, w2, 2, True, moe.SMALL_CONFIG,  # noqa: E731
+                                     fixed_order_sum=True)  # fmt: skip
+    full = run(slice(None))
+    for rows in (slice(36, 37), slice(30, 37), slice(0, 1)):
+        assert torch.equal(run(rows), full[rows])
+    torch.testing.assert_close(full, moe.fused_moe(x, logits, w13, w2, 2, True, moe.SMALL_CONFIG), atol=1e-5, rtol=1e-5)

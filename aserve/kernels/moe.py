@@ -242,11 +242,13 @@ def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: d
 
 
 def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict | None = None, w13_scale=None,
-              w2_scale=None) -> torch.Tensor:  # fmt: skip
+              w2_scale=None, fixed_order_sum: bool = False) -> torch.Tensor:  # fmt: skip
     """x [T, H], router logits [T, E], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] -> [T, H]: each
     token's top_k experts' outputs weighted by their routing weights and summed (module docstring). FP8 experts:
     w13 / w2 e4m3 with float32 scales per row, w13_scale [E, 2I] and w2_scale [E, H] (activations stay in x's
-    dtype)."""
+    dtype). fixed_order_sum: a token's k outputs added one after the other in float32, in an order that depends on
+    nothing but the token (deterministic mode, with a fixed `config`: then each token's result is the same bits
+    whatever else the step holds)."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     cfg = config or moe_config(t * top_k, num_experts)
@@ -256,4 +258,10 @@ def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: 
                  b_scale=w13_scale)  # fmt: skip
     out = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)
     grouped_gemm(act, w2, out, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["down"], 1, False, weights, w2_scale)
-    return out.view(t, top_k, h).sum(1)
+    out = out.view(t, top_k, h)
+    if not fixed_order_sum:
+        return out.sum(1)
+    total = out[:, 0].float()
+    for j in range(1, top_k):
+        total += out[:, j]
+    return total.to(x.dtype)

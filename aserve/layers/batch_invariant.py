@@ -16,23 +16,26 @@ SDPA too), deterministic mode chooses, once, when the model is built:
                     kernels, one program per row already
     attention       aserve/layers/attention/batch_invariant.py (CPU) and triton_batch_invariant.py (GPU), chosen by
                     select_attention_backend
-    experts         BatchInvariantMoEMethod (mixture-of-experts blocks, aserve/layers/moe.py; CPU only): the router
-                    is a linear layer above; routing is per row (float32 softmax over the experts, top-k,
-                    renormalisation over the k); each expert's two projections run gemm_rows over packed copies of
-                    its weights and SiLU·mul the C kernel, on whichever of the step's tokens chose it; every token's
-                    k weighted outputs are added in expert order
-    Gemma 2 / 3     (CPU only) models/gemma2.py's use_batch_invariant: the (1 + w) RMSNorms (also Gemma 3's q / k
+    experts         BatchInvariantMoEMethod (mixture-of-experts blocks, aserve/layers/moe.py): the router is a
+                    linear layer above; routing is per row (float32 softmax over the experts, top-k,
+                    renormalisation over the k). CPU: each expert's two projections run gemm_rows over packed
+                    copies of its weights and SiLU·mul the C kernel, on whichever of the step's tokens chose it;
+                    every token's k weighted outputs are added in expert order. GPU: the fused Triton kernels with
+                    one launch configuration for every number of tokens (a row's sums do not depend on the rows
+                    that share its tile) and each token's k outputs added in slot order
+    Gemma 2 / 3     models/gemma2.py's use_batch_invariant. CPU: the (1 + w) RMSNorms (also Gemma 3's q / k
                     norms) through the C RMSNorm in float32 (gemma_rms_norm below); GeGLU and the final logits'
                     soft-cap with tanh_rows, a tanh of +, * and / alone (torch's GELU-tanh rounds some elements
                     differently on its vectorised and scalar paths, which an element takes by where it falls in a
                     thread's share of the tensor, so by the number of rows): within a few float32 ulps of torch's
-                    tanh, so a Gemma's numbers differ from normal mode's by roundings;
-                    attention scores' soft-cap and sliding windows are the C attention kernel's
+                    tanh, so a Gemma's numbers differ from normal mode's by roundings; attention scores' soft-cap
+                    and sliding windows are the C attention kernel's. GPU: normal mode's Triton kernels for the
+                    norms and GeGLU (aserve/kernels/gemma.py: one program per row or element), tanh_rows for the
+                    soft-cap
 
 RMSNorm, rotary and SiLU·mul are per-row kernels in both modes. Sampling is aserve/worker/batch_invariant_sampler.py.
 Refused (`check_supported`, and when the model is built), rather than served with a guarantee that does not hold:
-Gemma and mixture-of-experts models on a GPU (torch's reductions and the fused Triton MoE kernels tile by the number
-of rows there), other families, quantised checkpoints.
+other families, quantised checkpoints.
 """
 
 from __future__ import annotations
@@ -167,14 +170,18 @@ def _cpu_experts(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) 
 
 
 class BatchInvariantMoEMethod:
-    """Deterministic mode's kernel for a FusedMoE block (its `kernel_method`): _cpu_experts over per-expert
-    gemm_rows_prepare copies of w13 / w2 (`packed_w13`, `packed_w2`). A GPU is refused: the fused Triton kernels
-    choose their tiling by the number of tokens, and a per-expert loop would read the routing back to the host."""
+    """Deterministic mode's kernel for a FusedMoE block (its `kernel_method`). CPU: _cpu_experts over per-expert
+    gemm_rows_prepare copies of w13 / w2 (`packed_w13`, `packed_w2`). GPU: the fused Triton kernels with one launch
+    configuration for every number of tokens (normal mode picks the tiles by it) and each token's k outputs added in
+    a fixed order: a row's routing, its two GEMMs' sums and its total depend on nothing but the row, and nothing
+    reads the routing back to the host (CUDA graphs capture it)."""
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         if layer.w13.is_cuda:
-            raise ValueError("deterministic mode runs mixture-of-experts models on CPU only (turn deterministic off "
-                             "on a GPU)")  # fmt: skip
+            from aserve.kernels import moe  # Triton: imported where a GPU runs it
+
+            layer.use_triton(moe.SMALL_CONFIG, fixed_order_sum=True)
+            return
         if not cpu.gemm_rows_supports(layer.w13[0]):
             raise ValueError(f"deterministic mode on CPU needs aserve's C kernels (a C++ compiler and ninja; "
                              f"ASERVE_CPU_KERNELS not 0) and float32 / bfloat16 experts, here "

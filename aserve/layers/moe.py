@@ -24,6 +24,7 @@ batch_invariant.py), whose process_weights_after_loading(layer) picks the kernel
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -136,12 +137,13 @@ class FusedMoE(nn.Module):
         elif self.w13.is_cuda:
             self.use_triton()
 
-    def use_triton(self, config: dict | None = None) -> None:
+    def use_triton(self, config: dict | None = None, fixed_order_sum: bool = False) -> None:
         """The fused Triton kernels (on a CPU: Triton's interpreter, for tests); `config`: their launch
-        configuration instead of the one chosen per call."""
+        configuration instead of the one chosen per call; fixed_order_sum: as fused_moe's (deterministic mode)."""
         from aserve.kernels import moe  # Triton: optional (CPU installs may lack it), imported once it is chosen
 
-        self.kernel, self.triton_moe, self.moe_config = triton_fused, moe.fused_moe, config
+        fused = functools.partial(moe.fused_moe, fixed_order_sum=True) if fixed_order_sum else moe.fused_moe
+        self.kernel, self.triton_moe, self.moe_config = triton_fused, fused, config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(self, x, self.gate(x))

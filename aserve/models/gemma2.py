@@ -15,8 +15,8 @@ GeGLU run through Gemma ops chosen once with the model's element-wise ops (gemma
 aserve/kernels/gemma.py (a layer's post-attention norm, residual add and pre-feed-forward norm in one launch, the
 post-feed-forward norm and residual add in another), elsewhere the torch functions below. In deterministic mode,
 use_batch_invariant() (called by aserve/layers/batch_invariant.py use_batch_invariant_linears on the model built on
-the meta device) swaps them and the logit soft-cap for that file's batch-invariant functions; a GPU is refused there
-(process_weights_after_loading).
+the meta device) swaps the torch ones and the logit soft-cap for that file's batch-invariant functions; the Triton
+ones stay (one program per row, or per element: nothing depends on the other rows).
 """
 
 from __future__ import annotations
@@ -81,26 +81,21 @@ def gemma_ops(ops) -> GemmaTorchOps | GemmaTritonOps:
     return GemmaTritonOps() if ops.kind == "triton" else GemmaTorchOps()
 
 
-def batch_invariant_gemma_ops() -> GemmaTorchOps:
+def batch_invariant_gemma_ops(current: GemmaTorchOps | GemmaTritonOps) -> GemmaTorchOps | GemmaTritonOps:
+    """Deterministic mode's Gemma ops in place of `current`: Triton's as they are (one program per row, or per
+    element: nothing depends on the other rows), batch_invariant's functions in place of torch's."""
+    if isinstance(current, GemmaTritonOps):
+        return current
     return GemmaTorchOps(batch_invariant.gemma_rms_norm, batch_invariant.gelu_tanh_and_mul)
 
 
 class GemmaRMSNorm(nn.Module):
-    norm = staticmethod(gemma_rms_norm)  # (x, weight, eps) -> normed x; batch_invariant's in deterministic mode
+    """A Gemma norm's weight and epsilon; the Gemma ops of the module that holds it apply it."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
-
-    def use_batch_invariant(self) -> None:
-        self.norm = batch_invariant.gemma_rms_norm
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """-> (norm(x + residual), x + residual), or (norm(x), x): RMSNorm's contract (compute_logits uses it)."""
-        if residual is not None:
-            x = x + residual
-        return self.norm(x, self.weight, self.eps), x
 
 
 class GemmaMLP(MLP):
@@ -108,13 +103,13 @@ class GemmaMLP(MLP):
 
     def __init__(self, cfg, ops, quant_config, prefix: str) -> None:
         super().__init__(cfg, ops, quant_config, prefix)
-        self.act_and_mul = gemma_ops(ops).gelu_and_mul
+        self.gemma_ops = gemma_ops(ops)
 
     def use_batch_invariant(self) -> None:
-        self.act_and_mul = batch_invariant.gelu_tanh_and_mul
+        self.gemma_ops = batch_invariant_gemma_ops(self.gemma_ops)
 
     def forward(self, x):
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gemma_ops.gelu_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma2Attention(Attention):
@@ -139,7 +134,7 @@ class Gemma2DecoderLayer(nn.Module):
         self.gemma_ops, self.eps = gemma_ops(ops), cfg.rms_norm_eps
 
     def use_batch_invariant(self) -> None:
-        self.gemma_ops = batch_invariant_gemma_ops()
+        self.gemma_ops = batch_invariant_gemma_ops(self.gemma_ops)
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta) -> torch.Tensor:
         g, eps = self.gemma_ops, self.eps
@@ -152,7 +147,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma2DecoderLayer
     one_token_path = False  # the CPU one-token forward knows the Llama layer only
     soft_cap = staticmethod(soft_cap)  # the final logits' (x, cap); batch_invariant's in deterministic mode
-    batch_invariant = False
 
     def __init__(self, cfg, backend, ops, quant_config, max_position: int) -> None:
         if getattr(cfg, "use_bidirectional_attention", False):
@@ -163,16 +157,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         dtype = self.embed_tokens.weight.dtype
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device="cpu"))
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
+        self.gemma_ops = gemma_ops(ops)  # the final norm's
 
     def use_batch_invariant(self) -> None:
         self.soft_cap = batch_invariant.soft_cap
-        self.batch_invariant = True
-
-    def process_weights_after_loading(self) -> None:
-        if self.batch_invariant and self.embed_tokens.weight.is_cuda:
-            raise ValueError(f"deterministic mode runs {type(self).__name__} on CPU only (turn deterministic off on "
-                             "a GPU)")  # fmt: skip
-        super().process_weights_after_loading()
+        self.gemma_ops = batch_invariant_gemma_ops(self.gemma_ops)
 
     def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta, num_layers: int | None = None):
         """As LlamaForCausalLM.forward: -> hidden [T, hidden] before the final norm."""
@@ -187,7 +176,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return (self.rotary(positions, dtype),)
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        logits = self.lm_head(self.norm(hidden)[0])
+        logits = self.lm_head(self.gemma_ops.norm(hidden, self.norm.weight, self.norm.eps))
         if self.final_logit_softcapping is not None:
             logits = self.soft_cap(logits, self.final_logit_softcapping)
         return logits if dtype is None else logits.to(dtype)

@@ -62,7 +62,7 @@ class Gemma3Attention(Gemma2Attention):
         self.gemma_ops = gemma_ops(ops)
 
     def use_batch_invariant(self) -> None:
-        self.gemma_ops = batch_invariant_gemma_ops()
+        self.gemma_ops = batch_invariant_gemma_ops(self.gemma_ops)
 
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
         qkv = self.gemma_ops.head_norm(self.qkv_proj(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
