@@ -21,6 +21,9 @@ logger = logging.getLogger("aserve")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# What convert_gguf writes; part of the cache key, so that a directory an earlier version wrote is converted again
+# (2: the tokenizer's class names the generic fast tokenizer)
+_CONVERSION = 2
 
 
 class ModelNotFoundError(ValueError):
@@ -43,9 +46,10 @@ def default_model_path() -> str:
 
 def gguf_cache_dir(gguf_path: str) -> str:
     """Where convert_gguf puts the HF directory of this GGUF file (under ASERVE_CACHE, keyed by the file's path, size
-    and modification time)."""
+    and modification time, and the conversion's version)."""
     stat = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
     name = os.path.basename(gguf_path).removesuffix(".gguf")
     return os.path.join(envs.ASERVE_CACHE, "gguf", f"{name}-{key}")
 
@@ -101,6 +105,7 @@ def convert_gguf(gguf_path: str) -> str:
             del config.quantization_config
         config.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
+        _load_tokenizer_json_as_is(tmp_dir)
         save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp_dir, "aserve_source.json"), "w") as f:
             json.dump({"gguf": os.path.abspath(gguf_path)}, f)
@@ -113,3 +118,18 @@ def convert_gguf(gguf_path: str) -> str:
         raise
     logger.info("Converted GGUF in %.1f s -> %s", time.perf_counter() - t0, out_dir)
     return out_dir
+
+
+def _load_tokenizer_json_as_is(tokenizer_dir: str) -> None:
+    """Names the generic tokenizers-backed class in tokenizer_config.json. transformers builds a GGUF's tokenizer
+    (vocabulary, merges, the pre-tokenizer split its `tokenizer.ggml.pre` names) under its architecture's class
+    (Qwen2Tokenizer, GemmaTokenizer, ...); loaded back under that class, the tokenizer.json it saved is replaced by the
+    pipeline the class builds for itself: Qwen2's digit-by-digit split on a vocabulary that was not learned with it, or
+    GemmaTokenizer failing on a byte-level vocabulary without an unknown token. The generic class loads tokenizer.json
+    as saved, so the converted directory encodes as transformers' GGUF tokenizer does."""
+    path = os.path.join(tokenizer_dir, "tokenizer_config.json")
+    with open(path) as f:
+        tokenizer_config = json.load(f)
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 5 loads it as TokenizersBackend
+    with open(path, "w") as f:
+        json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
