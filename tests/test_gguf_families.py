@@ -1,26 +1,37 @@
 """GGUF files of the newer model families (Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3) load and generate what
-transformers generates.
+transformers generates on the original checkpoint.
 
 Each test writes a tiny random model as llama.cpp's convert_hf_to_gguf.py would (the architecture's metadata keys,
-gguf's tensor names, Gemma's norms stored as 1 + w, a byte-level BPE tokenizer section), in F32 holding values
-rounded to bfloat16: the directory aserve converts a GGUF to is bf16, so those values round-trip exactly. Greedy
-tokens of `LLM(file.gguf)` must equal transformers' greedy generate on the same file, and transformers' on the
-original checkpoint with its weights rounded to bf16 (so the file says what the checkpoint says).
+gguf's tensor names, Gemma's norms stored as 1 + w, Phi-3's LongRoPE factors as tensors, a byte-level BPE tokenizer
+section), in F32 holding values rounded to bfloat16: the directory aserve converts a GGUF to is bf16, so those values
+round-trip exactly. Greedy tokens of `LLM(file.gguf)` must equal transformers' greedy generate on the original
+checkpoint with its weights rounded to bf16 (so the file says what the checkpoint says), and the converted config
+must hold the checkpoint's values of the fields below.
 
-The tiny configs keep only what transformers' GGUF loader reads back (integrations/ggml.py GGUF_CONFIG_MAPPING);
-every other field is left at the config class's default, which the loader fills in:
-  Qwen3       head_dim 128 (the mapping has no attention.key_length for qwen3: Qwen3Config's default 128 applies)
-  Qwen3-MoE   4 experts, top-2; moe_intermediate_size 768 (expert_feed_forward_length is not read), every layer
-              sparse (no mlp_only_layers in GGUF), norm_topk_prob on (the loader's default for qwen3moe, as
-              llama.cpp runs it)
-  Gemma 2     soft-capping 50 / 30 and query_pre_attn_scalar 256 (written by llama.cpp, not read)
-  Gemma 3     query_pre_attn_scalar 256, sliding layers 5 of every 6, default rotary (no linear scaling)
-  Phi-3       default rotary (LongRoPE factors are tensors transformers does not load)
+The tiny configs set, apart from the defaults, the fields that transformers' GGUF loader does not read back
+(integrations/ggml.py GGUF_CONFIG_MAPPING) and aserve reads from the file's metadata (aserve/models/gguf_config.py):
+  Qwen3       head_dim 32 (attention.key_length)
+  Qwen3-MoE   moe_intermediate_size 48 (expert_feed_forward_length)
+  Gemma 2     soft-capping 5 / 10 (attn_logit_softcapping, final_logit_softcapping)
+  Gemma 3     linear rotary scaling 8 on the global layers, local base 100 (rope.scaling.*, rope.freq_base_swa)
+              logit soft-capping 10 (final_logit_softcapping)
+  Phi-3       LongRoPE factors (the tensors rope_factors_short / rope_factors_long, rope.scaling.attn_factor and
+              original_context_length)
+transformers' own reading of these files (`from_pretrained(gguf_file=...)`) therefore differs from the checkpoint
+(a shape mismatch for Qwen3 and Qwen3-MoE, other soft-caps or rotary otherwise) and is not compared.
+Fields GGUF does not carry keep the value transformers and llama.cpp assume:
+  Qwen3-MoE   every layer sparse (no mlp_only_layers), norm_topk_prob on (llama.cpp renormalises the top-k weights)
+  Gemma 2/3   query_pre_attn_scalar = head_dim (llama.cpp scales by head_dim except on the 27B models, where it
+              takes hidden_size / num_heads; aserve/models/gguf_config.py does the same)
+  Gemma 3     sliding layers 5 of every 6 (llama.cpp's fixed pattern)
+  Phi-3       LongRoPE without `factor` (as in the released configs): llama.cpp writes the attention factor of the
+              context extension max_position_embeddings / original_max_position_embeddings (1024 / 256)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
@@ -29,9 +40,10 @@ import numpy as np
 import pytest
 import torch
 from tiny_models import BOS_ID, EOS_ID, build_tokenizer, hf_greedy, make_config
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, Gemma2Config, Gemma3TextConfig
 
 from aserve import LLM, SamplingParams, envs
+from aserve.models.gguf_config import _gemma_query_pre_attn_scalar
 from aserve.models.model_path import gguf_cache_dir
 
 MAX_NEW = 12
@@ -48,26 +60,35 @@ GGUF_ARCH = {
 
 
 def gguf_config(variant: str):
-    """The tiny config of `variant` with the fields GGUF cannot carry set to what transformers' loader assumes."""
+    """The tiny config of `variant` with the fields GGUF cannot carry set to what transformers and llama.cpp assume."""
     config = make_config(variant)
-    if variant == "qwen3":
-        config.head_dim = 128
-    elif variant == "qwen3_moe":
-        config.moe_intermediate_size = 768
+    if variant == "qwen3_moe":
         config.num_experts = 4
         config.mlp_only_layers = []
         config.norm_topk_prob = True
     elif variant == "gemma2":
-        config.attn_logit_softcapping, config.final_logit_softcapping = 50.0, 30.0
-        config.query_pre_attn_scalar = 256
+        config.query_pre_attn_scalar = config.head_dim
     elif variant == "gemma3":
-        fields = dict(num_hidden_layers=6, query_pre_attn_scalar=256, sliding_window_pattern=6, layer_types=None,
-                      rope_parameters=None)  # fmt: skip
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}  # fmt: skip
+        fields = dict(num_hidden_layers=6, query_pre_attn_scalar=config.head_dim, sliding_window_pattern=6,
+                      layer_types=None,
+                      rope_parameters=rope, final_logit_softcapping=10.0)  # fmt: skip
         config = type(config)(**{**config.to_dict(), **fields})
-    elif variant == "phi3":
-        fields = dict(rope_parameters=None, original_max_position_embeddings=4096)
-        config = type(config)(**{**config.to_dict(), **fields})
+    elif variant == "phi3":  # as released configs: no `factor`, the context grows by max / original positions
+        rope = {k: v for k, v in config.rope_parameters.items() if k != "factor"}
+        config = type(config)(**{**config.to_dict(), "max_position_embeddings": 1024, "rope_parameters": rope})
     return config
+
+
+# what aserve reads from the file's metadata: model_type -> config fields the converted directory must hold
+READ_FIELDS = {
+    "qwen3": ("head_dim",),
+    "qwen3_moe": ("head_dim", "moe_intermediate_size"),
+    "gemma2": ("head_dim", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window"),
+    "gemma3_text": ("head_dim", "sliding_window", "rope_parameters", "final_logit_softcapping"),
+    "phi3": ("original_max_position_embeddings",),
+}
 
 
 def make_bf16_model(path: str, variant: str, seed: int = 0) -> str:
@@ -123,7 +144,13 @@ def _hparams(writer: gguf.GGUFWriter, config) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters.get("full_attention", config.rope_parameters)["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if "sliding_attention" in config.rope_parameters:
+        writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -134,10 +161,16 @@ def _hparams(writer: gguf.GGUFWriter, config) -> None:
     if config.model_type == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.model_type == "gemma3_text" and config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if config.model_type.startswith("gemma"):
         writer.add_sliding_window(config.sliding_window)
     if config.model_type == "phi3":
         writer.add_rope_dimension_count(head_dim)
+        original = config.original_max_position_embeddings
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_rope_scaling_orig_ctx_len(original)
 
 
 def _gguf_tensors(model, arch) -> dict[str, np.ndarray]:
@@ -145,6 +178,12 @@ def _gguf_tensors(model, arch) -> dict[str, np.ndarray]:
     config = model.config
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     out = {}
+    if config.rope_parameters.get("rope_type") == "longrope":
+        for kind, tensor in (
+            ("short", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT),
+            ("long", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+        ):
+            out[f"{gguf.TENSOR_NAMES[tensor]}.weight"] = np.array(config.rope_parameters[f"{kind}_factor"], np.float32)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp writes no output tensor for a tied head
@@ -185,34 +224,6 @@ def write_gguf(hf_dir: str, gguf_path: str) -> str:
     return gguf_path
 
 
-def hf_gguf_greedy(gguf_path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy generate on the GGUF file itself: its config and weights as transformers' GGUF loader reads
-    them (`from_pretrained(gguf_file=...)` calls the same `load_gguf_checkpoint` for these architectures, but needs
-    accelerate, which aserve does not depend on)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    model.tie_weights()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )[0, len(ids) :].tolist()
-            if EOS_ID in gen:
-                gen = gen[: gen.index(EOS_ID) + 1]
-            outs.append(gen)
-    return outs
-
-
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """ASERVE_CACHE in tmp_path, so that conversions stay in the test; the compiled CPU kernels are shared with the
@@ -241,7 +252,6 @@ def test_gguf_family_matches_transformers(tmp_path, cache, variant):
     prompts = prompts_for()
 
     expected = hf_greedy(hf_dir, prompts, MAX_NEW)
-    assert hf_gguf_greedy(gguf_path, prompts, MAX_NEW) == expected
 
     llm = LLM(gguf_path, dtype="float32", enforce_eager=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW))
@@ -253,3 +263,22 @@ def test_gguf_family_matches_transformers(tmp_path, cache, variant):
     assert llm.get_tokenizer().encode(text) == ids
     converted = gguf_cache_dir(gguf_path)
     assert converted.startswith(str(cache)) and os.path.exists(os.path.join(converted, "model.safetensors"))
+    # the fields transformers' GGUF loader leaves at defaults hold the checkpoint's values
+    original, got = (AutoConfig.from_pretrained(d) for d in (hf_dir, converted))
+    for field in READ_FIELDS[original.model_type]:
+        assert getattr(got, field) == getattr(original, field), field
+    if original.model_type == "phi3":
+        for kind in ("short_factor", "long_factor"):
+            assert got.rope_parameters[kind] == pytest.approx(original.rope_parameters[kind], rel=1e-6)
+        assert got.rope_parameters["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))
+
+
+def test_gemma_attention_scale_is_llama_cpps():
+    """GGUF has no key for query_pre_attn_scalar: the 27B models (by llama.cpp's layer counts) scale by
+    hidden_size / num_heads, the others by head_dim, as llama.cpp runs them."""
+    gemma2_27b = Gemma2Config(num_hidden_layers=46, hidden_size=4608, num_attention_heads=32, head_dim=128)
+    gemma3_27b = Gemma3TextConfig(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32, head_dim=128)
+    gemma3_12b = Gemma3TextConfig(num_hidden_layers=48, hidden_size=3840, num_attention_heads=16, head_dim=256)
+    assert _gemma_query_pre_attn_scalar(gemma2_27b, "gemma2") == 144
+    assert _gemma_query_pre_attn_scalar(gemma3_27b, "gemma3_text") == 168
+    assert _gemma_query_pre_attn_scalar(gemma3_12b, "gemma3_text") == 256

@@ -22,8 +22,9 @@ logger = logging.getLogger("aserve")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What convert_gguf writes; part of the cache key, so that a directory an earlier version wrote is converted again
-# (2: the tokenizer's class names the generic fast tokenizer)
-_CONVERSION = 2
+# (2: the tokenizer's class names the generic fast tokenizer; 3: the config fields read from the file's metadata by
+# aserve/models/gguf_config.py)
+_CONVERSION = 3
 
 
 class ModelNotFoundError(ValueError):
@@ -84,10 +85,13 @@ def convert_gguf(gguf_path: str) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from aserve.models.gguf_config import apply_gguf_metadata
+
     t0 = time.perf_counter()
     logger.info("Converting %s to a cached HF directory (first start only)...", gguf_path)
     src_dir, file_name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     config = AutoConfig.from_pretrained(src_dir, gguf_file=file_name)
+    apply_gguf_metadata(config, gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=file_name)
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
