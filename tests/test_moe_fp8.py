@@ -11,7 +11,7 @@ import pytest
 import test_fp8_checkpoints
 import torch
 from safetensors.torch import load_file
-from test_fp8 import LINEARS, rounded_copy
+from test_fp8 import LINEARS, fp8_rounding, rounded_copy
 from test_moe import DEVICE, MOE_VARIANTS, prompts, random_moe
 from tiny_models import hf_greedy
 
@@ -92,18 +92,25 @@ def test_fp8_moe_on_cpu_equals_transformers_on_the_rounded_weights(tiny_model_fa
 @pytest.mark.skipif(not torch.cuda.is_available() or not has_fp8_tensor_cores(torch.device("cuda")),
                     reason="needs FP8 support")  # fmt: skip
 def test_fp8_moe_on_gpu_keeps_e4m3_experts_and_agrees_with_the_rounded_model(tiny_model_factory, tmp_path):
+    """Steps of at most 16 tokens keep the dense linears on their weight-only kernels too (more rows quantise the
+    activations per token), so the model computes what the rounded checkpoint says, up to bf16 roundings: the
+    first-token logprobs agree closely, and the greedy tokens where no near-tie decides them."""
     path = tiny_model_factory("qwen3_moe")
-    ps = [{"prompt_token_ids": p} for p in prompts(4, (5, 21, 40))]
-    params = SamplingParams(temperature=0, max_tokens=12)
-    ref = LLM(rounded_copy(path, str(tmp_path / "rounded")), dtype="bfloat16", enforce_eager=True)
-    want = [o.outputs[0].token_ids for o in ref.generate(ps, params)]
+    ps = [{"prompt_token_ids": p} for p in prompts(4, (5, 9, 14))]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    engine = dict(dtype="bfloat16", enforce_eager=True, max_num_batched_tokens=16, max_num_seqs=1)
+    # rounded from the bf16 weights the engine loads and quantises (not from the float32 checkpoint's)
+    ref = LLM(rounded_copy(path, str(tmp_path / "rounded"), rounding=lambda w: fp8_rounding(w.bfloat16())), **engine)
+    want = ref.generate(ps, params)
     del ref
-    llm = LLM(path, dtype="bfloat16", enforce_eager=True, quantization="fp8")
+    llm = LLM(path, quantization="fp8", **engine)
     blocks = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
     assert blocks and all(b.w13.dtype == b.w2.dtype == FP8 for b in blocks)
-    got = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
-    # The dense linears quantise their activations too (per token): the first tokens agree, later ones may drift.
-    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for g, w in zip(llm.generate(ps, params), want):
+        g_lp, w_lp = g.outputs[0].logprobs[0], w.outputs[0].logprobs[0]
+        common = set(g_lp) & set(w_lp)
+        assert len(common) >= 3
+        assert max(abs(g_lp[t].logprob - w_lp[t].logprob) for t in common) < 0.1
 
 
 @pytest.mark.parametrize("variant, layout", [("qwen3_moe", "fp8-block"), ("qwen3_moe", "ct-channel"),
