@@ -23,8 +23,9 @@ from gpu_bench import bench_ms
 from triton.testing import do_bench_cudagraph
 
 from aserve.kernels import moe
+from aserve.kernels.fp8_reference import dequantize
 from aserve.layers.moe import FusedMoE, per_expert_matmuls
-from aserve.layers.quantization.fp8_moe import dequantize_rows, quantize_rows
+from aserve.layers.quantization.fp8 import quantize_per_channel
 
 SHAPES = {  # experts, top_k, hidden, expert intermediate, renormalise
     "qwen3-30b-a3b": (128, 8, 2048, 768, True),
@@ -96,7 +97,7 @@ def main() -> None:
     w2 = torch.randn(experts, hidden, inter, device=dev, dtype=dt) * inter**-0.5
     scales = (None, None)
     if args.fp8:
-        (w13, s13), (w2, s2) = quantize_rows(w13), quantize_rows(w2)
+        (w13, s13), (w2, s2) = quantize_per_channel(w13), quantize_per_channel(w2)
         scales = (s13, s2)
     rows = {}
     print(f"{torch.cuda.get_device_name()}, {args.shape}: E={experts} top_k={top_k} H={hidden} I={inter}", flush=True)
@@ -115,7 +116,7 @@ def main() -> None:
         layer = FusedMoE(experts, top_k, hidden, inter, renormalize).to(dev, dt)
         layer.w13.data, layer.w2.data = w13, w2
         if args.fp8:
-            layer.w13.data, layer.w2.data = dequantize_rows(w13, scales[0], dt), dequantize_rows(w2, scales[1], dt)
+            layer.w13.data, layer.w2.data = dequantize(w13, scales[0], dt), dequantize(w2, scales[1], dt)
         ref = per_expert_matmuls(layer, x, logits).float()
         got = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg, *scales).float()
         err = ((got - ref).norm() / ref.norm()).item()

@@ -17,11 +17,12 @@ from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
 from aserve.kernels import moe, reference
+from aserve.kernels.fp8_reference import dequantize
 from aserve.layers.moe import FusedMoE
 from aserve.layers.quantization import fp8_moe
-from aserve.layers.quantization.fp8 import FP8, has_fp8_tensor_cores
+from aserve.layers.quantization.fp8 import FP8, has_fp8_tensor_cores, quantize_per_channel
 from aserve.layers.quantization.fp8_config import Fp8Config
-from aserve.layers.quantization.fp8_moe import Fp8CheckpointMoEMethod, dequantize_rows, quantize_rows
+from aserve.layers.quantization.fp8_moe import Fp8CheckpointMoEMethod
 
 MIXTRAL_EXPERTS = ("w1", "w2", "w3")  # Mixtral's expert projections (Qwen3-MoE's are LINEARS' gate/up/down_proj)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=1e-2)}
@@ -29,9 +30,9 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-3,
 
 def fp8_experts(w13, w2, dtype):
     """(e4m3 w13, its scales, e4m3 w2, its scales) and the same experts dequantised to `dtype`."""
-    q13, s13 = quantize_rows(w13)
-    q2, s2 = quantize_rows(w2)
-    return (q13, s13, q2, s2), (dequantize_rows(q13, s13, dtype), dequantize_rows(q2, s2, dtype))
+    q13, s13 = quantize_per_channel(w13)
+    q2, s2 = quantize_per_channel(w2)
+    return (q13, s13, q2, s2), (dequantize(q13, s13, dtype), dequantize(q2, s2, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -86,7 +87,7 @@ def test_fp8_moe_on_cpu_equals_transformers_on_the_rounded_weights(tiny_model_fa
     assert [o.outputs[0].token_ids for o in outs] == expected
     blocks = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
     for w in [b.w13 for b in blocks] + [b.w2 for b in blocks]:  # dequantised e4m3: rounding again changes nothing
-        assert w.dtype == torch.float32 and torch.equal(w, dequantize_rows(*quantize_rows(w), torch.float32))
+        assert w.dtype == torch.float32 and torch.equal(w, dequantize(*quantize_per_channel(w), torch.float32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not has_fp8_tensor_cores(torch.device("cuda")),
@@ -148,7 +149,7 @@ def test_fp8_checkpoint_experts_stay_e4m3_with_each_parts_scales(tiny_model_fact
     deq = load_file(f"{deq_dir}/model.safetensors")
     w13 = torch.cat([deq[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] for e in range(block.num_experts)
                      for p in ("gate", "up")]).view(block.num_experts, 2 * inter, -1)  # fmt: skip
-    torch.testing.assert_close(dequantize_rows(block.w13.data, block.w13_scale, torch.float32), w13)
+    torch.testing.assert_close(dequantize(block.w13.data, block.w13_scale, torch.float32), w13)
     block.use_triton()  # (the GPU's kernel, Triton's interpreter here)
     x = torch.randn(5, w13.shape[-1], generator=torch.Generator().manual_seed(1)).half()
     w2 = torch.stack([deq[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(block.num_experts)])

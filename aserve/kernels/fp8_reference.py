@@ -12,8 +12,9 @@ import torch
 
 
 def dequantize(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w e4m3 [N, K], scale float32 [N] -> W [N, K] in `dtype` (w * scale in float32, then rounded)."""
-    return (weight_fp8.float() * scale.float().view(-1)[:, None]).to(dtype)
+    """w e4m3 [..., N, K], scale float32 with one value per row ([..., N], or [1, N] / [N, 1] for one matrix) -> W
+    [..., N, K] in `dtype` (w * scale in float32, then rounded). A stack: mixture-of-experts blocks' experts."""
+    return (weight_fp8.float() * scale.float().reshape(weight_fp8.shape[:-1])[..., None]).to(dtype)
 
 
 def fp8_weight_only_linear(

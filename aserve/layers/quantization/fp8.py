@@ -39,10 +39,11 @@ FP8_MAX = 448.0
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (e4m3 weight [N, K], float32 scale [N]) with weight ~= fp8.float() * scale[:, None]."""
+    """weight [..., N, K] -> (e4m3 weight [..., N, K], float32 scale [..., N]) with weight ~= fp8.float() *
+    scale[..., None]: one scale per output row of each matrix (a stack: mixture-of-experts blocks' experts)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    return (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def has_fp8_tensor_cores(device: torch.device) -> bool:

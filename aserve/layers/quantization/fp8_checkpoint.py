@@ -115,6 +115,13 @@ def scale_rows(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]
     return s.reshape(rows, 1)
 
 
+def dequantize_blockwise(weight: torch.Tensor, row_scales: torch.Tensor, bk: int, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 weight [..., N, K] with block-wise scales as rows, [..., N, ceil(K / bk)] (scale_rows) -> W [..., N, K]
+    in `dtype` (w * its tile's scale in float32, then rounded)."""
+    full = row_scales.repeat_interleave(bk, dim=-1)[..., : weight.shape[-1]]
+    return (weight.float() * full).to(dtype)
+
+
 class Fp8CheckpointLinearMethod(Fp8LinearMethod):
     """A checkpoint's FP8 linear (the module docstring). State on the layer until processing: weight (e4m3),
     the scale parameter (`scheme.scale_name`), input_scale (static activations), `params_dtype`, `fp8_fused`."""
@@ -170,8 +177,7 @@ class Fp8CheckpointLinearMethod(Fp8LinearMethod):
             if hasattr(layer, name):
                 delattr(layer, name)
         if s.block is not None:
-            full = scale.repeat_interleave(s.block[1], dim=1)[:, : layer.in_features]
-            w = (weight.float() * full).to(layer.params_dtype)
+            w = dequantize_blockwise(weight, scale, s.block[1], layer.params_dtype)
             self.emulate(layer, w, f"block-wise scales ({s.block[0]} x {s.block[1]}) have no FP8 kernel here")
             return
         self.use_fp8(layer, weight, scale[:, 0].contiguous(), s.activations, layer.params_dtype, input_scale)

@@ -5,7 +5,8 @@ checkpoint (Fp8CheckpointMoEMethod). Either way each expert's projections end wi
     w13 e4m3 [E, 2 I, H]   w13_scale float32 [E, 2 I]
     w2  e4m3 [E, H, I]     w2_scale  float32 [E, H]
 
-with W = w * scale row by row. Quantised at load, a row's scale is its largest magnitude / 448. A checkpoint stores
+with W = w * scale row by row (fp8.py's quantize_per_channel and fp8_reference.dequantize, per matrix of the stack).
+Quantised at load, a row's scale is its largest magnitude / 448. A checkpoint stores
 each expert's gate, up and down projections as FP8 linears (fp8_checkpoint.py: one scale per tensor or per channel,
 or per tile with block-wise scales); per-tensor and per-channel scales become rows exactly (the gate's and the up
 projection's rows keep their own scales), block-wise experts are dequantised to the model's dtype at load (no
@@ -26,24 +27,12 @@ import logging
 import torch
 from torch import nn
 
+from aserve.kernels.fp8_reference import dequantize
 from aserve.layers.moe import UnquantizedMoEMethod
-from aserve.layers.quantization.fp8 import FP8, FP8_MAX, has_fp8_tensor_cores
-from aserve.layers.quantization.fp8_checkpoint import Fp8Scheme, scale_rows
+from aserve.layers.quantization.fp8 import FP8, has_fp8_tensor_cores, quantize_per_channel
+from aserve.layers.quantization.fp8_checkpoint import Fp8Scheme, dequantize_blockwise, scale_rows
 
 logger = logging.getLogger("aserve")
-
-
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [..., N, K] -> (e4m3 [..., N, K], float32 scales [..., N]) with weight ~= w.float() * scale[..., None];
-    fp8.quantize_per_channel's rounding, per matrix of a stack."""
-    w = weight.float()
-    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    return (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def dequantize_rows(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of quantize_rows, rounded to `dtype` (w * scale in float32)."""
-    return (weight_fp8.float() * scale[..., None]).to(dtype)
 
 
 def _log_once(message: str, *args) -> None:
@@ -66,8 +55,8 @@ def use_rows(layer: nn.Module, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
         return
     _log_once("fp8: no FP8 support on %s for %s experts: experts dequantised at load, computed 16-bit", w13.device,
               str(dtype).removeprefix("torch."))  # fmt: skip
-    layer.w13 = frozen(dequantize_rows(w13, w13_scale, dtype), requires_grad=False)
-    layer.w2 = frozen(dequantize_rows(w2, w2_scale, dtype), requires_grad=False)
+    layer.w13 = frozen(dequantize(w13, w13_scale, dtype), requires_grad=False)
+    layer.w2 = frozen(dequantize(w2, w2_scale, dtype), requires_grad=False)
     layer.w13_scale = layer.w2_scale = None
 
 
@@ -76,11 +65,11 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
     every expert is rounded to e4m3 here (the module docstring)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.w13.dtype == FP8 or layer.w13_scale is not None:  # prepared already
+        if layer.w13_scale is not None:  # prepared already: e4m3 experts with their scales
             return
         dtype = layer.w13.dtype
-        w13, w13_scale = quantize_rows(layer.w13.detach())
-        w2, w2_scale = quantize_rows(layer.w2.detach())
+        w13, w13_scale = quantize_per_channel(layer.w13.detach())
+        w2, w2_scale = quantize_per_channel(layer.w2.detach())
         use_rows(layer, w13, w13_scale, w2, w2_scale, dtype)
 
 
@@ -130,6 +119,5 @@ class Fp8CheckpointMoEMethod(UnquantizedMoEMethod):
         _log_once("fp8: block-wise scales (%d x %d) have no FP8 kernel for experts here: experts dequantised to %s at "
                   "load", block[0], block[1], str(dtype).removeprefix("torch."))  # fmt: skip
         for name, w, s in (("w13", w13, s13), ("w2", w2, s2)):
-            full = s.repeat_interleave(block[1], dim=-1)[..., : w.shape[-1]]
-            setattr(layer, name, nn.Parameter((w.float() * full).to(dtype), requires_grad=False))
+            setattr(layer, name, nn.Parameter(dequantize_blockwise(w, s, block[1], dtype), requires_grad=False))
         layer.w13_scale = layer.w2_scale = None
