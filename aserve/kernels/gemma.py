@@ -52,30 +52,30 @@ def _gemma_norm_kernel(
         tl.store(y_ptr + row * stride_y + offs, y.to(dtype), mask=ok)
 
 
-def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, n] -> norm(x) * (1 + weight) in x's dtype."""
-    y = torch.empty_like(x)
-    block = triton.next_power_of_2(x.shape[1])
-    _gemma_norm_kernel[(x.shape[0],)](
-        x, x, weight, weight, y, x, x.shape[1], eps, x.stride(0), x.stride(0), y.stride(0), x.stride(0), ADD=False,
-        NORM_AFTER=True, BLOCK=block, num_warps=4 if block <= 2048 else 8, USE_PDL=pdl.ENABLED,
+def _launch(h, x, w_post, w_pre, eps: float, add: bool, norm_after: bool):
+    """One _gemma_norm_kernel pass over the rows of x [T, n] -> (y, x'): new tensors where written, else x."""
+    rows, n = x.shape
+    y = torch.empty_like(x) if norm_after else x
+    x_out = torch.empty_like(x) if add else x
+    block = triton.next_power_of_2(n)
+    _gemma_norm_kernel[(rows,)](
+        h, x, w_post, w_pre, y, x_out, n, eps, h.stride(0), x.stride(0), y.stride(0), x_out.stride(0), ADD=add,
+        NORM_AFTER=norm_after, BLOCK=block, num_warps=4 if block <= 2048 else 8, USE_PDL=pdl.ENABLED,
         **pdl.launch_kwargs(),
     )  # fmt: skip
-    return y
+    return y, x_out
+
+
+def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, n] -> norm(x) * (1 + weight) in x's dtype."""
+    return _launch(x, x, weight, weight, eps, add=False, norm_after=True)[0]
 
 
 def gemma_add_norm(h: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, eps: float,
                    w_pre: torch.Tensor | None = None):  # fmt: skip
     """h, x [T, n] -> x' = x + norm(h) * (1 + w_post); with w_pre, (norm(x') * (1 + w_pre), x'), else x'."""
-    rows, n = x.shape
-    x_out = torch.empty_like(x)
-    y = torch.empty_like(x) if w_pre is not None else x_out
-    block = triton.next_power_of_2(n)
-    _gemma_norm_kernel[(rows,)](
-        h, x, w_post, w_pre if w_pre is not None else w_post, y, x_out, n, eps, h.stride(0), x.stride(0), y.stride(0),
-        x_out.stride(0), ADD=True, NORM_AFTER=w_pre is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
-        USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
-    )  # fmt: skip
+    y, x_out = _launch(h, x, w_post, w_pre if w_pre is not None else w_post, eps, add=True,
+                       norm_after=w_pre is not None)  # fmt: skip
     return x_out if w_pre is None else (y, x_out)
 
 
