@@ -8,8 +8,9 @@ doing the same FLOPs as two dense bf16 matmuls (every routed row through one wei
 tokens). Also the routing (route_and_align), the whole layer (fused_moe: routing, GEMMs, the sum over top_k), its
 error against the per-expert torch path, and batch-1 decode (one token: its top_k experts' weights read, against
 copy bandwidth). `--tune` times a grid of launch configurations at both sizes first and uses the best. `--fp8`: the
-experts in e4m3 with row scales (`--quantization fp8`'s experts: aserve/layers/quantization/fp8_moe.py), activations
-bf16; the error is then against the per-expert path on the dequantised experts.
+experts in e4m3 with row scales (`--quantization fp8`'s experts: aserve/layers/quantization/fp8_moe.py), the
+activations rounded to e4m3 per row past fp8_gemv.MAX_ROWS tokens (FP8 MMAs), 16-bit below; the error is then
+against the per-expert path on the dequantised experts.
 Prints a table.
 """
 
@@ -22,7 +23,7 @@ import torch
 from gpu_bench import bench_ms
 from triton.testing import do_bench_cudagraph
 
-from aserve.kernels import moe
+from aserve.kernels import fp8_gemv, moe
 from aserve.kernels.fp8_reference import dequantize
 from aserve.layers.moe import FusedMoE, per_expert_matmuls
 from aserve.layers.quantization.fp8 import quantize_per_channel
@@ -33,21 +34,42 @@ SHAPES = {  # experts, top_k, hidden, expert intermediate, renormalise
 }
 
 
+def random_experts(shape: str, fp8: bool):
+    """The shape's experts, random bf16 on the GPU (seed 0), or rounded to e4m3 with row scales -> (w13, w2, (w13
+    scales, w2 scales) or (None, None), a FusedMoE block holding the experts' values in bf16 for references)."""
+    experts, top_k, hidden, inter, renormalize = SHAPES[shape]
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dt) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, device=dev, dtype=dt) * inter**-0.5
+    layer = FusedMoE(experts, top_k, hidden, inter, renormalize).to(dev, dt)
+    layer.w13.data, layer.w2.data = w13, w2
+    if not fp8:
+        return w13, w2, (None, None), layer
+    (q13, s13), (q2, s2) = quantize_per_channel(w13), quantize_per_channel(w2)
+    layer.w13.data, layer.w2.data = dequantize(q13, s13, dt), dequantize(q2, s2, dt)
+    return q13, q2, (s13, s2), layer
+
+
 def routed(x, logits, w13, w2, top_k, renormalize, block_m, w13_scale=None, w2_scale=None):
-    """The routing done once, and the two grouped GEMMs on it as functions of their tiles."""
+    """The routing done once, and the two grouped GEMMs on it as functions of their tiles. FP8 experts past
+    fp8_gemv.MAX_ROWS tokens: the activations rounded to e4m3 per row once here, as fused_moe does before each GEMM."""
     weights, _, sorted_slots, block_experts = moe.route_and_align(logits, top_k, renormalize, block_m)
     n = x.shape[0] * top_k
     act = torch.empty(n, w2.shape[2], dtype=x.dtype, device=x.device)
     out = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
+    a, a_scale, act_q, act_scale = x, None, act, None
+    if w13_scale is not None and x.shape[0] > fp8_gemv.MAX_ROWS:
+        (a, a_scale), (act_q, act_scale) = moe._per_token(x), moe._per_token(act.normal_())
     return {
-        "gate_up": lambda cfg: moe.grouped_gemm(x, w13, act, sorted_slots, block_experts, block_m, cfg, top_k, True,
-                                                b_scale=w13_scale),
-        "down": lambda cfg: moe.grouped_gemm(act, w2, out, sorted_slots, block_experts, block_m, cfg, 1, False,
-                                             weights, w2_scale),
+        "gate_up": lambda cfg: moe.grouped_gemm(a, w13, act, sorted_slots, block_experts, block_m, cfg, top_k, True,
+                                                b_scale=w13_scale, a_scale=a_scale),
+        "down": lambda cfg: moe.grouped_gemm(act_q, w2, out, sorted_slots, block_experts, block_m, cfg, 1, False,
+                                             weights, w2_scale, act_scale),
     }  # fmt: skip
 
 
-def tune(x, w13, w2, logits, top_k, renormalize) -> dict:
+def tune(x, w13, w2, logits, top_k, renormalize, scales=(None, None)) -> dict:
     """The fastest launch configuration on a grid: for each BLOCK_M (16 for a decode-sized batch), each GEMM's
     fastest tiles."""
     decode = x.shape[0] * top_k <= w13.shape[0]
@@ -57,7 +79,7 @@ def tune(x, w13, w2, logits, top_k, renormalize) -> dict:
         block_ms, grid = (64, 128), list(itertools.product((128, 256), (64, 128), (4, 8), (3, 4), (8,)))
     best = None
     for block_m in block_ms:
-        gemms = routed(x, logits, w13, w2, top_k, renormalize, block_m)
+        gemms = routed(x, logits, w13, w2, top_k, renormalize, block_m, *scales)
         chosen, total = {"BLOCK_M": block_m}, 0.0
         for which, run in gemms.items():
             fastest = None
@@ -88,17 +110,9 @@ def main() -> None:
     p.add_argument("--tune", action="store_true")
     p.add_argument("--fp8", action="store_true", help="e4m3 experts with row scales")
     args = p.parse_args()
-    if args.fp8 and args.tune:
-        p.error("--tune times 16-bit experts; run it without --fp8")
     experts, top_k, hidden, inter, renormalize = SHAPES[args.shape]
-    torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dt) * hidden**-0.5
-    w2 = torch.randn(experts, hidden, inter, device=dev, dtype=dt) * inter**-0.5
-    scales = (None, None)
-    if args.fp8:
-        (w13, s13), (w2, s2) = quantize_per_channel(w13), quantize_per_channel(w2)
-        scales = (s13, s2)
+    w13, w2, scales, layer = random_experts(args.shape, args.fp8)
     rows = {}
     print(f"{torch.cuda.get_device_name()}, {args.shape}: E={experts} top_k={top_k} H={hidden} I={inter}", flush=True)
 
@@ -108,15 +122,11 @@ def main() -> None:
         cfg = moe.moe_config(tokens * top_k, experts)
         if args.tune:
             print(f"== tuning at {tokens} tokens", flush=True)
-            cfg = tune(x, w13, w2, logits, top_k, renormalize)
+            cfg = tune(x, w13, w2, logits, top_k, renormalize, scales)
         gemms = routed(x, logits, w13, w2, top_k, renormalize, cfg["BLOCK_M"], *scales)
         up_ms, down_ms = (bench_ms(lambda: gemms[w](cfg[w])) for w in ("gate_up", "down"))
         route_ms = do_bench_cudagraph(lambda: moe.route_and_align(logits, top_k, renormalize, cfg["BLOCK_M"]))
         layer_ms = do_bench_cudagraph(lambda: moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg, *scales))
-        layer = FusedMoE(experts, top_k, hidden, inter, renormalize).to(dev, dt)
-        layer.w13.data, layer.w2.data = w13, w2
-        if args.fp8:
-            layer.w13.data, layer.w2.data = dequantize(w13, scales[0], dt), dequantize(w2, scales[1], dt)
         ref = per_expert_matmuls(layer, x, logits).float()
         got = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg, *scales).float()
         err = ((got - ref).norm() / ref.norm()).item()

@@ -12,13 +12,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
-from aserve.layers.quantization.fp8 import (
-    FP8,
-    dequantize,
-    has_fp8_tensor_cores,
-    quantize_per_channel,
-    quantize_per_token,
-)
+from aserve.kernels.fp8_reference import quantize_per_token
+from aserve.layers.quantization.fp8 import FP8, dequantize, has_fp8_tensor_cores, quantize_per_channel
 
 PROMPTS = [[5, 17, 99, 3], [200, 201, 202, 10, 11, 12, 13], [42] * 20]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

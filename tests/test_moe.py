@@ -12,7 +12,7 @@ import torch
 from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import moe, reference
+from aserve.kernels import moe, moe_decode, reference
 from aserve.layers.moe import FusedMoE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,6 +99,30 @@ def test_fused_moe_16_bit_rounds_as_separate_ops():
     out = moe.fused_moe(x, logits, w13, w2, 2, True)
     ref = reference.fused_moe(x, w13, w2, *reference.select_experts(logits, 2, True))
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter",
+                         [(1, 4, 2, 64, 32), (1, 8, 2, 48, 40), (3, 64, 4, 64, 48), (1, 32, 8, 256, 64)])  # fmt: skip
+def test_decode_kernels_match_reference(dtype, tokens, experts, top_k, hidden, inter):
+    """A few tokens: fused_moe takes moe_decode's kernels (no alignment; each token's k outputs summed by the down
+    kernel), with K / N not multiples of the tiles (48, 40: masked) and multiples of them."""
+    assert moe_decode.use_decode(tokens, top_k, experts)
+    x, w13, w2, logits = (t.to(dtype) for t in random_moe(tokens, experts, hidden, inter, seed=tokens + experts))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-3, rtol=1e-2)
+    for renormalize in (True, False):
+        ref = reference.fused_moe(x, w13, w2, *reference.select_experts(logits, top_k, renormalize))
+        torch.testing.assert_close(moe.fused_moe(x, logits, w13, w2, top_k, renormalize), ref, **tol)
+    weights, ids = reference.select_experts(logits, top_k, True)
+    act = moe_decode.gate_up(x, w13, ids.int(), config=dict(BLOCK_N=16, BLOCK_K=16, num_warps=2))
+    out = moe_decode.down_sum(act, w2, ids.int(), weights, config=dict(BLOCK_N=4, BLOCK_K=32, num_warps=1))
+    torch.testing.assert_close(out, reference.fused_moe(x, w13, w2, weights, ids), **tol)
+
+
+def test_decode_kernels_serve_few_slots_per_expert():
+    assert moe_decode.use_decode(1, 8, 128) and moe_decode.use_decode(4, 8, 128)
+    assert not moe_decode.use_decode(5, 8, 128)
+    assert moe_decode.use_decode(1, 2, 8) and not moe_decode.use_decode(2, 2, 8)  # Mixtral: one token
 
 
 @pytest.mark.parametrize("kernel", ["per_expert", "triton"])

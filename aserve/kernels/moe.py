@@ -13,9 +13,11 @@ expert and a GEMM tile reads one expert's weights:
     x [T, H] ─GEMM 1: rows x[slot // k] · w13[e]^T, SiLU·mul in the epilogue─▶ act [T * k, I]
     act      ─GEMM 2: rows act[slot] · w2[e]^T, times the slot's routing weight─▶ out [T * k, H] ─sum over k─▶ [T, H]
 
-FP8 experts (w13 / w2 in e4m3 with one float32 scale per row): the GEMMs convert the weight tiles to the
-activations' dtype as they load and scale each output column before the epilogue (weight-only: half the bytes of
-16-bit experts, the activations unquantised).
+FP8 experts (w13 / w2 in e4m3 with one float32 scale per row): past fp8_gemv.MAX_ROWS tokens, where the FP8
+linears quantise their activations too, each GEMM's activations are rounded to e4m3 per row first (dynamic scales:
+a row's largest magnitude / 448, aserve/kernels/fp8.py) and the GEMMs run FP8 MMAs, each output scaled by its row's
+and its column's scale before the epilogue; fewer tokens keep them 16-bit (weight-only: the weight tiles converted
+to the activations' dtype as they load), as the few-token kernels of aserve/kernels/moe_decode.py do.
 
 The three routing kernels need no host synchronisation (the number of blocks is the bound T * k + min(E, T * k) *
 (BLOCK_M - 1) rounded up, and blocks past the last expert return at once), so a decode step captures in a CUDA graph.
@@ -29,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.kernels import fp8, fp8_gemv, fp8_reference, moe_decode, pdl
 from aserve.kernels.fused import silu_mul_rounded
 
 # Launch configurations: BLOCK_M (the grouping's, shared by both GEMMs) and each GEMM's tiles, by tokens per
@@ -48,10 +51,11 @@ def moe_config(num_slots: int, num_experts: int) -> dict:
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, ranks_ptr, counts_ptr, T, E, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_E: tl.constexpr):  # fmt: skip
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, RANKS: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """BLOCK_T tokens per program: softmax over the experts (float32), the top_k largest (lowest index on ties),
-    renormalised where asked; each slot's rank among its expert's slots from the expert's counter."""
+    renormalised where asked; RANKS: each slot's rank among its expert's slots from the expert's counter."""
+    pdl.gdc_sync(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     cols = tl.arange(0, BLOCK_E)
@@ -77,8 +81,9 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, ranks_ptr, counts_ptr, T, E,
     ok = row_ok[:, None] & (ks[None, :] < TOP_K)
     tl.store(weights_ptr + slots, top_w, mask=ok)
     tl.store(ids_ptr + slots, top_i, mask=ok)
-    rank = tl.atomic_add(counts_ptr + top_i, 1, mask=ok)
-    tl.store(ranks_ptr + slots, rank, mask=ok)
+    if RANKS:
+        rank = tl.atomic_add(counts_ptr + top_i, 1, mask=ok)
+        tl.store(ranks_ptr + slots, rank, mask=ok)
 
 
 @triton.jit
@@ -112,6 +117,22 @@ def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_slots_ptr, num_slots,
     tl.store(sorted_slots_ptr + row, slots, mask=ok)
 
 
+def _route(router_logits, top_k: int, renormalize: bool, ranks=None, counts=None):
+    """The route kernel over router_logits [T, E]: (weights float32 [T, k], ids int32 [T, k]); with `ranks` /
+    `counts` (int32 [T, k] / zeros [E]) each slot's rank among its expert's slots and the experts' counts too."""
+    t, e = router_logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    block_e = triton.next_power_of_2(e)
+    block_t = max(1, min(16, 4096 // block_e))
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        router_logits, weights, ids, ids if ranks is None else ranks, ids if counts is None else counts, t, e,
+        router_logits.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        RANKS=ranks is not None, BLOCK_T=block_t, BLOCK_E=block_e, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
+    )  # fmt: skip
+    return weights, ids
+
+
 def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
     """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k], sorted_slots int32 [num_blocks *
     block_m], block_experts int32 [num_blocks]): the routing and the slots grouped by expert (module docstring)."""
@@ -119,19 +140,13 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     n = t * top_k
     dev = router_logits.device
     num_blocks = triton.cdiv(n + min(e, n) * (block_m - 1), block_m)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
     ranks = torch.empty(t, top_k, dtype=torch.int32, device=dev)
     counts = torch.zeros(e, dtype=torch.int32, device=dev)
     starts = torch.empty(e, dtype=torch.int32, device=dev)
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    weights, ids = _route(router_logits, top_k, renormalize, ranks, counts)
     block_e = triton.next_power_of_2(e)
-    block_t = max(1, min(16, 4096 // block_e))
-    _route_kernel[(triton.cdiv(t, block_t),)](
-        router_logits, weights, ids, ranks, counts, t, e, router_logits.stride(0), TOP_K=top_k,
-        K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
-    )  # fmt: skip
     _offsets_kernel[(1,)](counts, starts, block_experts, sorted_slots, n, num_blocks, e, BLOCK_M=block_m,
                           BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e), FILL=1024)  # fmt: skip
     _scatter_kernel[(triton.cdiv(n, 1024),)](ids, ranks, starts, sorted_slots, n, BLOCK=1024)
@@ -139,17 +154,19 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, sorted_slots_ptr, block_experts_ptr,
-                         num_slots, N, K, num_blocks, stride_a, stride_be, stride_bn, stride_c, stride_se,
-                         NUM_EXPERTS: tl.constexpr, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                         WEIGHTED: tl.constexpr, B_SCALED: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, sorted_slots_ptr,
+                         block_experts_ptr, num_slots, N, K, num_blocks, stride_a, stride_be, stride_bn, stride_c,
+                         stride_se, NUM_EXPERTS: tl.constexpr, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                         WEIGHTED: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr,
+                         IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):  # fmt: skip
     """c[slot, n] = a[slot // ROW_DIV] . b[expert, n] for the BLOCK_M slots of one block (one expert) and BLOCK_N
     outputs. GATED: b holds [gate (N rows) | up (N rows)] and c is silu(gate) * up; WEIGHTED: c times the slot's
-    routing weight; B_SCALED: b is e4m3, its tiles converted to a's dtype as they load, and each accumulator column
-    times its row's scale b_scale[expert, n] (float32, [E, rows of b]) before the epilogue. Float32 accumulators;
-    padding rows read row 0 and are never stored."""
+    routing weight; B_SCALED: b is e4m3 and each accumulator column times its row's scale b_scale[expert, n]
+    (float32, [E, rows of b]) before the epilogue, b's tiles converted to a's dtype as they load unless A_SCALED:
+    a is e4m3 too (FP8 MMAs) and each accumulator row times its a row's scale a_scale[slot // ROW_DIV]. Float32
+    accumulators; padding rows read row 0 and are never stored."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n  # consecutive programs share a column of the same expert's weights (L2 reuse)
@@ -177,7 +194,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, sorted_s
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        if B_SCALED:
+        if B_SCALED and not A_SCALED:
             b = b.to(a.dtype)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -188,7 +205,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, sorted_s
                 u = tl.load(up_ptrs)
             else:
                 u = tl.load(up_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-            if B_SCALED:
+            if B_SCALED and not A_SCALED:
                 u = u.to(a.dtype)
             if IEEE:
                 acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
@@ -202,6 +219,11 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, sorted_s
         acc = acc * tl.load(scale_row + offs_n)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(scale_row + N + offs_n)[None, :]
+    if A_SCALED:
+        a_scales = tl.load(a_scale_ptr + rows)[:, None]
+        acc = acc * a_scales
+        if GATED:
+            acc_up = acc_up * a_scales
     dtype = c_ptr.dtype.element_ty
     if GATED:  # the projections rounded to the model's dtype, as separate GEMMs then silu_and_mul would round
         out = silu_mul_rounded(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
@@ -215,49 +237,70 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, sorted_s
 
 
 def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: dict, row_div: int, gated: bool,
-                 weights=None, b_scale=None) -> torch.Tensor:  # fmt: skip
+                 weights=None, b_scale=None, a_scale=None) -> torch.Tensor:  # fmt: skip
     """out[slot] = a[slot // row_div] @ b[expert]^T for every routed slot (GATED: b is [E, 2N, K] and out is
     silu(gate) * up [slots, N]; weights: each row times its slot's routing weight), the slots grouped in blocks of
     block_m by route_and_align; `config`: the GEMM's tiles (moe_config's "gate_up" / "down"); b_scale: b is e4m3
-    with one float32 scale per row, [E, rows of b] (None: b has a's dtype). Returns out."""
+    with one float32 scale per row, [E, rows of b] (None: b has a's dtype); a_scale: a is e4m3 too, with one
+    float32 scale per row (a [rows, K], a_scale [rows]: FP8 MMAs). Returns out."""
     cfg = dict(config)
     num_experts, n_rows, k = b.shape
     n = n_rows // 2 if gated else n_rows
     assert a.stride(-1) == 1 and b.stride(-1) == 1 and out.stride(-1) == 1 and out.shape[1] == n
     if b_scale is not None:
         assert b.dtype == torch.float8_e4m3fn and b_scale.shape == b.shape[:2] and b_scale.stride(-1) == 1
+    if a_scale is not None:
+        assert b_scale is not None and a.dtype == torch.float8_e4m3fn and a_scale.shape == (a.shape[0],)
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(n)))  # small shapes (tests): no idle tiles
-    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16 if a_scale is None else 32, triton.next_power_of_2(k)))  # FP8 MMA K
     num_blocks = block_experts.numel()
     assert sorted_slots.numel() == num_blocks * block_m, "route_and_align ran with another BLOCK_M"
     grid = (num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
-        a, b, out, weights if weights is not None else out, b_scale if b_scale is not None else out, sorted_slots,
-        block_experts, out.shape[0], n, k, num_blocks, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        b_scale.stride(0) if b_scale is not None else 0, NUM_EXPERTS=num_experts, ROW_DIV=row_div, GATED=gated,
-        WEIGHTED=weights is not None, B_SCALED=b_scale is not None, IEEE=a.dtype == torch.float32,
+        a, b, out, weights if weights is not None else out, a_scale if a_scale is not None else out,
+        b_scale if b_scale is not None else out, sorted_slots, block_experts, out.shape[0], n, k, num_blocks,
+        a.stride(0), b.stride(0), b.stride(1), out.stride(0), b_scale.stride(0) if b_scale is not None else 0,
+        NUM_EXPERTS=num_experts, ROW_DIV=row_div, GATED=gated, WEIGHTED=weights is not None,
+        A_SCALED=a_scale is not None, B_SCALED=b_scale is not None, IEEE=a.dtype == torch.float32,
         EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
     )  # fmt: skip
     return out
+
+
+def _per_token(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [rows, K] -> (e4m3 [rows, K], float32 scales [rows]): each row's largest magnitude / 448 its scale (torch
+    ops off the GPU: Triton's interpreter rounds some e4m3 casts wrongly)."""
+    q, scale = (fp8.quantize_per_token if a.is_cuda else fp8_reference.quantize_per_token)(a)
+    return q, scale.view(-1)
 
 
 def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: dict | None = None, w13_scale=None,
               w2_scale=None, fixed_order_sum: bool = False) -> torch.Tensor:  # fmt: skip
     """x [T, H], router logits [T, E], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] -> [T, H]: each
     token's top_k experts' outputs weighted by their routing weights and summed (module docstring). FP8 experts:
-    w13 / w2 e4m3 with float32 scales per row, w13_scale [E, 2I] and w2_scale [E, H] (activations stay in x's
-    dtype). fixed_order_sum: a token's k outputs added one after the other in float32, in an order that depends on
-    nothing but the token (deterministic mode, with a fixed `config`: then each token's result is the same bits
-    whatever else the step holds)."""
+    w13 / w2 e4m3 with float32 scales per row, w13_scale [E, 2I] and w2_scale [E, H] (module docstring: past
+    fp8_gemv.MAX_ROWS tokens the activations are rounded to e4m3 per row too). `config`: the grouped GEMMs' launch
+    configuration; None: chosen by the number of slots, and a few tokens (moe_decode.use_decode) take aserve/
+    kernels/moe_decode.py's kernels instead. fixed_order_sum: a token's k outputs added one after the other in
+    float32, in an order that depends on nothing but the token (deterministic mode, with a fixed `config`: then each
+    token's result is the same bits whatever else the step holds)."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
+    if config is None and moe_decode.use_decode(t, top_k, num_experts):
+        weights, ids = _route(router_logits, top_k, renormalize)
+        act = moe_decode.gate_up(x, w13, ids, w13_scale)
+        return moe_decode.down_sum(act, w2, ids, weights, w2_scale)
     cfg = config or moe_config(t * top_k, num_experts)
     weights, _, sorted_slots, block_experts = route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"])
     act = torch.empty(t * top_k, two_i // 2, dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w13, act, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["gate_up"], top_k, gated=True,
-                 b_scale=w13_scale)  # fmt: skip
+    fp8_activations = w13_scale is not None and t > fp8_gemv.MAX_ROWS
+    a, a_scale = _per_token(x) if fp8_activations else (x, None)
+    grouped_gemm(a, w13, act, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["gate_up"], top_k, gated=True,
+                 b_scale=w13_scale, a_scale=a_scale)  # fmt: skip
     out = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)
-    grouped_gemm(act, w2, out, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["down"], 1, False, weights, w2_scale)
+    a, a_scale = _per_token(act) if fp8_activations else (act, None)
+    grouped_gemm(a, w2, out, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["down"], 1, False, weights, w2_scale,
+                 a_scale)  # fmt: skip
     out = out.view(t, top_k, h)
     if not fixed_order_sum:
         return out.sum(1)

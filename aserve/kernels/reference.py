@@ -46,12 +46,17 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def fused_moe(x, w13, w2, topk_weights, topk_ids, round_activations=None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; each token's experts and weights [T, k]
-    -> sum over its experts of weight * w2[e] (silu(gate) * up), in float32 one token and expert at a time."""
+    -> sum over its experts of weight * w2[e] (silu(gate) * up), in float32 one token and expert at a time.
+    round_activations: each projection's input row (x[t], then silu(gate) * up in x's dtype) through it first
+    (FP8 experts' per-row e4m3 rounding of their activations)."""
+    rnd = round_activations or (lambda row: row)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
         for weight, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist()):
-            gate, up = (w13[e].float() @ x[t].float()).chunk(2)
-            out[t] += weight * (w2[e].float() @ (torch.nn.functional.silu(gate) * up))
+            gate, up = (w13[e].float() @ rnd(x[t : t + 1])[0].float()).chunk(2)
+            act = (torch.nn.functional.silu(gate) * up)[None]
+            act = rnd(act.to(x.dtype)) if round_activations else act
+            out[t] += weight * (w2[e].float() @ act[0].float())
     return out.to(x.dtype)

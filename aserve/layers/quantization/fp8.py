@@ -50,12 +50,6 @@ def has_fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]); the reference of aserve/kernels/fp8.py."""
-    x_scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), x_scale
-
-
 def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]) with the checkpoint's one static scale (float32 [1])."""
     q = (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
