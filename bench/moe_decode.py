@@ -21,7 +21,7 @@ from gpu_bench import bench_ms
 from moe_kernel import SHAPES, random_experts
 from triton.testing import do_bench_cudagraph
 
-from aserve.kernels import moe, moe_decode
+from aserve.kernels import moe, moe_decode, moe_routing
 from aserve.layers.moe import per_expert_matmuls
 
 TOKENS = (1, 2, 4, 8, 16, 32)
@@ -30,9 +30,8 @@ TOKENS = (1, 2, 4, 8, 16, 32)
 def tune(x, w13, w2, logits, top_k, renormalize, scales) -> tuple[dict, dict]:
     """The fastest launch configuration of each decode kernel at x's number of tokens: tiles first (4 warps, 2
     stages), then warps and stages around the fastest tiles."""
-    weights, ids = moe._route(logits, top_k, renormalize)
-    act = moe_decode.gate_up(x, w13, ids, scales[0])
-    runs = {"gate_up": lambda cfg: moe_decode.gate_up(x, w13, ids, scales[0], cfg),
+    act, weights, ids = moe_decode.gate_up(x, logits, w13, top_k, renormalize, scales[0])
+    runs = {"gate_up": lambda cfg: moe_decode.gate_up(x, logits, w13, top_k, renormalize, scales[0], cfg),
             "down": lambda cfg: moe_decode.down_sum(act, w2, ids, weights, scales[1], cfg)}  # fmt: skip
     best = {}
     for which, run in runs.items():
@@ -47,7 +46,8 @@ def tune(x, w13, w2, logits, top_k, renormalize, scales) -> tuple[dict, dict]:
                     print(f"   {which} {cfg}: {type(e).__name__}")
                     timed[key] = (float("inf"), cfg)
 
-        for bn, bk in itertools.product((4, 8, 16), (256, 1024)):
+        block_ns = (4, 8, 16) if which == "gate_up" else (1, 2, 4, 8)  # (down: BLOCK_N rows of each of k slots)
+        for bn, bk in itertools.product(block_ns, (256, 1024)):
             time(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2))
         tiles = min(timed.values(), key=lambda t: t[0])[1]
         for warps, stages in ((2, 2), (8, 2), (4, 1), (4, 3)):
@@ -86,15 +86,14 @@ def main() -> None:
             json.dump({"GATE_UP": gate_up_cfg, "DOWN": down_cfg}, f)
 
     def decode_layer(x, logits):
-        weights, ids = moe._route(logits, top_k, renormalize)
-        act = moe_decode.gate_up(x, w13, ids, scales[0], gate_up_cfg)
+        act, weights, ids = moe_decode.gate_up(x, logits, w13, top_k, renormalize, scales[0], gate_up_cfg)
         return moe_decode.down_sum(act, w2, ids, weights, scales[1], down_cfg)
 
     rows = []
     for tokens in TOKENS:
         x = torch.randn(tokens, hidden, device=dev, dtype=dt)
         logits = torch.randn(tokens, experts, device=dev, dtype=dt)
-        distinct = len(set(moe._route(logits, top_k, renormalize)[1].flatten().tolist()))
+        distinct = len(set(moe_routing.route(logits, top_k, renormalize)[1].flatten().tolist()))
         grouped = lambda: moe.fused_moe(x, logits, w13, w2, top_k, renormalize, moe.SMALL_CONFIG, *scales)  # noqa: E731
         ref = per_expert_matmuls(layer, x, logits).float()
         errs = [((f().float() - ref).norm() / ref.norm()).item() for f in (lambda: decode_layer(x, logits), grouped)]

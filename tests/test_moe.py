@@ -12,7 +12,7 @@ import torch
 from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import moe, moe_decode, reference
+from aserve.kernels import moe, moe_decode, moe_routing, reference
 from aserve.layers.moe import FusedMoE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,10 +113,25 @@ def test_decode_kernels_match_reference(dtype, tokens, experts, top_k, hidden, i
     for renormalize in (True, False):
         ref = reference.fused_moe(x, w13, w2, *reference.select_experts(logits, top_k, renormalize))
         torch.testing.assert_close(moe.fused_moe(x, logits, w13, w2, top_k, renormalize), ref, **tol)
-    weights, ids = reference.select_experts(logits, top_k, True)
-    act = moe_decode.gate_up(x, w13, ids.int(), config=dict(BLOCK_N=16, BLOCK_K=16, num_warps=2))
-    out = moe_decode.down_sum(act, w2, ids.int(), weights, config=dict(BLOCK_N=4, BLOCK_K=32, num_warps=1))
+    act, weights, ids = moe_decode.gate_up(x, logits, w13, top_k, True, config=dict(BLOCK_N=16, BLOCK_K=16))
+    ref_weights, ref_ids = reference.select_experts(logits, top_k, True)
+    assert ids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
+    out = moe_decode.down_sum(act, w2, ids, weights, config=dict(BLOCK_N=4, BLOCK_K=32))
     torch.testing.assert_close(out, reference.fused_moe(x, w13, w2, weights, ids), **tol)
+
+
+def test_decode_choice_breaks_ties_by_expert_index():
+    """Equal probabilities: the lower expert index first, in the decode kernel's choice by ranks as in the route
+    kernel's repeated argmax."""
+    logits = torch.tensor([[0.0] * 8, [1.0, 2.0, 2.0, 0.5, 2.0, 1.0, 1.0, -3.0]], device=DEVICE)
+    x, w13, w2, _ = random_moe(2, 8, 32, 16, seed=11)
+    for renormalize in (True, False):
+        _, weights, ids = moe_decode.gate_up(x, logits, w13, 4, renormalize)
+        assert ids.tolist() == [[0, 1, 2, 3], [1, 2, 4, 0]]
+        ref_weights, ref_ids = moe_routing.route(logits, 4, renormalize)
+        assert ref_ids.tolist() == ids.tolist()
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
 
 
 def test_decode_kernels_serve_few_slots_per_expert():

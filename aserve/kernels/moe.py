@@ -19,10 +19,11 @@ a row's largest magnitude / 448, aserve/kernels/fp8.py) and the GEMMs run FP8 MM
 and its column's scale before the epilogue; fewer tokens keep them 16-bit (weight-only: the weight tiles converted
 to the activations' dtype as they load), as the few-token kernels of aserve/kernels/moe_decode.py do.
 
-The three routing kernels need no host synchronisation (the number of blocks is the bound T * k + min(E, T * k) *
-(BLOCK_M - 1) rounded up, and blocks past the last expert return at once), so a decode step captures in a CUDA graph.
-A slot's rank within its expert comes from an atomic counter: the order of slots inside an expert's rows varies
-from run to run, each slot's result does not. References: aserve/kernels/reference.py select_experts, fused_moe.
+The three routing kernels (route: aserve/kernels/moe_routing.py) need no host synchronisation (the number of blocks
+is the bound T * k + min(E, T * k) * (BLOCK_M - 1) rounded up, and blocks past the last expert return at once), so a
+decode step captures in a CUDA graph. A slot's rank within its expert comes from an atomic counter: the order of
+slots inside an expert's rows varies from run to run, each slot's result does not. References:
+aserve/kernels/reference.py select_experts, fused_moe.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.kernels import fp8, fp8_gemv, fp8_reference, moe_decode, pdl
+from aserve.kernels import fp8, fp8_gemv, fp8_reference, moe_decode, moe_routing
 from aserve.kernels.fused import silu_mul_rounded
 
 # Launch configurations: BLOCK_M (the grouping's, shared by both GEMMs) and each GEMM's tiles, by tokens per
@@ -47,43 +48,6 @@ LARGE_CONFIG = dict(BLOCK_M=64, gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
 def moe_config(num_slots: int, num_experts: int) -> dict:
     """The launch configuration for T * k = num_slots routed rows over num_experts experts."""
     return SMALL_CONFIG if num_slots <= 16 * num_experts else LARGE_CONFIG
-
-
-@triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, ranks_ptr, counts_ptr, T, E, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, RANKS: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """BLOCK_T tokens per program: softmax over the experts (float32), the top_k largest (lowest index on ties),
-    renormalised where asked; RANKS: each slot's rank among its expert's slots from the expert's counter."""
-    pdl.gdc_sync(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
-    x = tl.where(row_ok[:, None], x, 0.0)  # rows past T: finite, never stored
-    p = tl.exp(x - tl.max(x, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    p = tl.where(col_ok[None, :], p, float("-inf"))
-    ks = tl.arange(0, K_PAD)
-    top_w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-    top_i = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(p, 1)
-        idx = tl.argmax(p, 1, tie_break_left=True).to(tl.int32)
-        top_w = tl.where(ks[None, :] == j, best[:, None], top_w)
-        top_i = tl.where(ks[None, :] == j, idx[:, None], top_i)
-        p = tl.where(cols[None, :] == idx[:, None], float("-inf"), p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 1)[:, None]
-    slots = rows[:, None] * TOP_K + ks[None, :]
-    ok = row_ok[:, None] & (ks[None, :] < TOP_K)
-    tl.store(weights_ptr + slots, top_w, mask=ok)
-    tl.store(ids_ptr + slots, top_i, mask=ok)
-    if RANKS:
-        rank = tl.atomic_add(counts_ptr + top_i, 1, mask=ok)
-        tl.store(ranks_ptr + slots, rank, mask=ok)
 
 
 @triton.jit
@@ -117,22 +81,6 @@ def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_slots_ptr, num_slots,
     tl.store(sorted_slots_ptr + row, slots, mask=ok)
 
 
-def _route(router_logits, top_k: int, renormalize: bool, ranks=None, counts=None):
-    """The route kernel over router_logits [T, E]: (weights float32 [T, k], ids int32 [T, k]); with `ranks` /
-    `counts` (int32 [T, k] / zeros [E]) each slot's rank among its expert's slots and the experts' counts too."""
-    t, e = router_logits.shape
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
-    block_e = triton.next_power_of_2(e)
-    block_t = max(1, min(16, 4096 // block_e))
-    _route_kernel[(triton.cdiv(t, block_t),)](
-        router_logits, weights, ids, ids if ranks is None else ranks, ids if counts is None else counts, t, e,
-        router_logits.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        RANKS=ranks is not None, BLOCK_T=block_t, BLOCK_E=block_e, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
-    )  # fmt: skip
-    return weights, ids
-
-
 def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
     """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k], sorted_slots int32 [num_blocks *
     block_m], block_experts int32 [num_blocks]): the routing and the slots grouped by expert (module docstring)."""
@@ -145,7 +93,7 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     starts = torch.empty(e, dtype=torch.int32, device=dev)
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
-    weights, ids = _route(router_logits, top_k, renormalize, ranks, counts)
+    weights, ids = moe_routing.route(router_logits, top_k, renormalize, ranks, counts)
     block_e = triton.next_power_of_2(e)
     _offsets_kernel[(1,)](counts, starts, block_experts, sorted_slots, n, num_blocks, e, BLOCK_M=block_m,
                           BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e), FILL=1024)  # fmt: skip
@@ -287,8 +235,7 @@ def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: 
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     if config is None and moe_decode.use_decode(t, top_k, num_experts):
-        weights, ids = _route(router_logits, top_k, renormalize)
-        act = moe_decode.gate_up(x, w13, ids, w13_scale)
+        act, weights, ids = moe_decode.gate_up(x, router_logits, w13, top_k, renormalize, w13_scale)
         return moe_decode.down_sum(act, w2, ids, weights, w2_scale)
     cfg = config or moe_config(t * top_k, num_experts)
     weights, _, sorted_slots, block_experts = route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"])
