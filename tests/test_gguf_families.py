@@ -3,10 +3,11 @@ transformers generates on the original checkpoint.
 
 Each test writes a tiny random model as llama.cpp's convert_hf_to_gguf.py would (the architecture's metadata keys,
 gguf's tensor names, Gemma's norms stored as 1 + w, Phi-3's LongRoPE factors as tensors, a byte-level BPE tokenizer
-section), in F32 holding values rounded to bfloat16: the directory aserve converts a GGUF to is bf16, so those values
-round-trip exactly. Greedy tokens of `LLM(file.gguf)` must equal transformers' greedy generate on the original
-checkpoint with its weights rounded to bf16 (so the file says what the checkpoint says), and the converted config
-must hold the checkpoint's values of the fields below.
+section, or Gemma's SentencePiece one), in F32 holding values rounded to bfloat16 (tests/test_gguf_quantized.py
+writes the quantised types): the directory aserve converts a GGUF to is bf16, so those values round-trip exactly.
+Greedy tokens of `LLM(file.gguf)` must equal transformers' greedy generate on the original checkpoint with its weights
+rounded to bf16 (so the file says what the checkpoint says), and the converted config must hold the checkpoint's
+values of the fields below.
 
 The tiny configs set, apart from the defaults, the fields that transformers' GGUF loader does not read back
 (integrations/ggml.py GGUF_CONFIG_MAPPING) and aserve reads from the file's metadata (aserve/models/gguf_config.py):
@@ -39,7 +40,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tiny_models import BOS_ID, EOS_ID, build_tokenizer, hf_greedy, make_config
+from safetensors.torch import load_file, save_file
+from tiny_models import _CORPUS as CORPUS
+from tiny_models import BOS_ID, EOS_ID, VOCAB_SIZE, build_tokenizer, hf_greedy, make_config
 from transformers import AutoConfig, AutoTokenizer, Gemma2Config, Gemma3TextConfig
 
 from aserve import LLM, SamplingParams, envs
@@ -91,14 +94,14 @@ READ_FIELDS = {
 }
 
 
-def make_bf16_model(path: str, variant: str, seed: int = 0) -> str:
-    """A tiny random checkpoint of `variant` whose float32 weights hold bf16 values."""
+def make_bf16_model(path: str, variant: str, seed: int = 0, config=None) -> str:
+    """A tiny random checkpoint of `variant` (its gguf_config, or `config`) whose float32 weights hold bf16 values."""
     from transformers import AutoModelForCausalLM
 
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(gguf_config(variant), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config or gguf_config(variant), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if variant.startswith("gemma") and "norm" in name:  # make Gemma's (1 + w) norms count
@@ -134,7 +137,45 @@ def _tokenizer_section(writer: gguf.GGUFWriter, hf_dir: str) -> None:
     writer.add_pad_token_id(EOS_ID)
 
 
-def _hparams(writer: gguf.GGUFWriter, config) -> None:
+# Gemma's layout: pad, eos, bos, unk, then the chat markers, the 256 byte tokens and the pieces, best merge first
+SPM_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+SPM_BOS, SPM_EOS = 2, 1
+SPM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _sentencepiece_section(writer: gguf.GGUFWriter, hf_dir: str) -> None:
+    """tokenizer.ggml.*: what convert_hf_to_gguf.py's _set_vocab_sentencepiece writes for Gemma (model "llama":
+    tokens, scores, token types; no merges), for a BPE with byte fallback learned on the tiny corpus."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")  # pieces start at "\u2581", no prefix
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPM_SPECIAL + byte_tokens, show_progress=False)
+    tok.train_from_iterator([CORPUS] * 20, trainer)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)  # the trainer numbers pieces in merge order
+    kinds = {"<unk>": gguf.TokenType.UNKNOWN, **dict.fromkeys(byte_tokens, gguf.TokenType.BYTE)}
+    types = [kinds.get(t, gguf.TokenType.CONTROL if t in SPM_SPECIAL else gguf.TokenType.NORMAL) for t in tokens]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) if k == gguf.TokenType.NORMAL else 0.0 for i, k in enumerate(types)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(SPM_BOS)
+    writer.add_eos_token_id(SPM_EOS)
+    writer.add_unk_token_id(SPM_SPECIAL.index("<unk>"))
+    writer.add_pad_token_id(SPM_SPECIAL.index("<pad>"))
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(SPM_CHAT_TEMPLATE)
+
+
+def _hparams(writer: gguf.GGUFWriter, config, file_type=gguf.LlamaFileType.ALL_F32) -> None:
     """{arch}.*: the hyperparameters convert_hf_to_gguf.py writes for these families."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
@@ -153,7 +194,7 @@ def _hparams(writer: gguf.GGUFWriter, config) -> None:
         writer.add_rope_scaling_factor(rope["factor"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(file_type)
     if config.model_type == "qwen3_moe":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -206,17 +247,23 @@ def _gguf_tensors(model, arch) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(hf_dir: str, gguf_path: str) -> str:
+def write_gguf(hf_dir: str, gguf_path: str, encode=None, file_type=gguf.LlamaFileType.ALL_F32, vocab=None) -> str:
+    """Writes the checkpoint in `hf_dir` as a GGUF file. `encode(name, array) -> (data, ggml type)` stores a tensor in
+    another type than F32 (`file_type` names the mix); `vocab(writer, hf_dir)` writes the tokenizer section."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     arch = GGUF_ARCH[model.config.model_type]
     writer = gguf.GGUFWriter(gguf_path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(os.path.basename(gguf_path).removesuffix(".gguf"))
-    _hparams(writer, model.config)
-    _tokenizer_section(writer, hf_dir)
+    _hparams(writer, model.config, file_type)
+    (vocab or _tokenizer_section)(writer, hf_dir)
     for name, array in _gguf_tensors(model, arch).items():
-        writer.add_tensor(name, array)
+        if encode is None:
+            writer.add_tensor(name, array)
+        else:
+            data, ggml_type = encode(name, array)
+            writer.add_tensor(name, data, raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -282,3 +329,49 @@ def test_gemma_attention_scale_is_llama_cpps():
     assert _gemma_query_pre_attn_scalar(gemma2_27b, "gemma2") == 144
     assert _gemma_query_pre_attn_scalar(gemma3_27b, "gemma3_text") == 168
     assert _gemma_query_pre_attn_scalar(gemma3_12b, "gemma3_text") == 256
+
+
+SPM_TEXTS = [
+    "Hello world! The quick brown fox: prefix caching, 0123.",
+    "  two  spaces, a tab\tand a newline\n",
+    "\u00e9moji \U0001f642 \u00fcn\u00efcode",  # not in the vocabulary: byte fallback
+    "<start_of_turn>user\nhi<end_of_turn>",
+]
+
+
+def test_gemma_gguf_with_sentencepiece_vocabulary(tmp_path, cache):
+    """A Gemma 3 GGUF with the SentencePiece section real Gemma files carry (tokenizer.ggml.model "llama"): aserve's
+    tokenizer encodes and decodes as transformers' tokenizer of the file, adds BOS as the file says, renders the
+    file's chat template, and text prompts generate transformers' tokens and text."""
+    config = gguf_config("gemma3")
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = SPM_BOS, SPM_EOS, SPM_SPECIAL.index("<pad>")
+    hf_dir = make_bf16_model(str(tmp_path / "gemma3"), "gemma3", config=config)
+    # 256 of the 384 tokens are bytes, which a trained model seldom emits and this random one mostly would: zero
+    # embeddings (tied to the head: logits 0) keep its outputs to the pieces, whose text is fixed
+    weights = load_file(os.path.join(hf_dir, "model.safetensors"))
+    weights["model.embed_tokens.weight"][len(SPM_SPECIAL) : len(SPM_SPECIAL) + 256] = 0.0
+    save_file(weights, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    gguf_path = write_gguf(hf_dir, str(tmp_path / "tiny-gemma3-spm.gguf"), vocab=_sentencepiece_section)
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=os.path.basename(gguf_path))
+
+    llm = LLM(gguf_path, dtype="float32", enforce_eager=True)
+    tokenizer = llm.get_tokenizer()
+    for text in SPM_TEXTS:
+        ids = reference.encode(text)
+        assert ids[0] == SPM_BOS
+        assert tokenizer.encode(text) == ids, text
+        assert tokenizer.decode(ids) == reference.decode(ids)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+    assert tokenizer.decode(reference.encode(SPM_TEXTS[2]), skip_special_tokens=True) == SPM_TEXTS[2]
+
+    prompts = SPM_TEXTS[:2]
+    expected = hf_greedy(hf_dir, [reference.encode(p) for p in prompts], MAX_NEW)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.prompt_token_ids for o in outs] == [reference.encode(p) for p in prompts]
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert [o.outputs[0].text for o in outs] == [reference.decode(e, skip_special_tokens=True) for e in expected]
+
+    messages = [{"role": "user", "content": "Hello world!"}]
+    chat_ids = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert llm.apply_chat_template(messages) == list(chat_ids)
+    assert chat_ids[:2] == [SPM_BOS, SPM_SPECIAL.index("<start_of_turn>")]
