@@ -18,6 +18,12 @@ Text grows token by token (IncrementalDetokenizer), in one of two ways chosen on
 - tokenizers' DecodeStream for any other decoder (SentencePiece-style "▁" and byte fallback among them), or where
   the check fails. Both take about 1 us per token on valid text; the table also stays that fast on ids the
   tokenizer does not know (DecodeStream raises and restarts on each: ~11 us).
+  With byte fallback (<0xNN> tokens), the tokenizer decodes a run of byte tokens as a whole: valid UTF-8 gives its
+  characters, anything else one U+FFFD per byte, so a late byte can turn characters already decoded into U+FFFD.
+  Such a run is therefore held back until the token after it (or the end of the sequence) and stepped with that
+  token, so that the text is the tokenizer's `decode` of the whole output. Where DecodeStream still finds the text
+  before its window changed ("Invalid prefix"), a new stream, primed with the ids of the last text, decodes the same
+  ids again (vLLM's recovery), so that no text is lost.
 
 Stop strings are searched in the newly grown tail; a matched stop string is cut from the text. While a request runs,
 the last `len(longest stop) - 1` characters are held back from streaming, so a stop string that is still forming
@@ -29,6 +35,7 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
@@ -40,6 +47,7 @@ from aserve.sampling_params import SamplingParams
 logger = logging.getLogger("aserve")
 
 _PRIME_TOKENS = 6  # prompt tokens fed to the decoder first, so the first output token decodes in context
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # what tokenizers' ByteFallback decoder reads as one byte
 _CHECK_TEXT = (
     "Grüße aus Köln! 日本語のテキスト, emoji 🙂👍🏽, tabs\tand\nnew lines, numbers 3.14159 and code `x += 1;` "
     "Ελληνικά, русский, العربية, हिन्दी."
@@ -112,6 +120,23 @@ class TokenBytes:
         return True
 
 
+def byte_fallback_ids(tokenizer, skip_special_tokens: bool) -> frozenset[int]:
+    """Where a fast HF tokenizer's decoder has ByteFallback: the ids that continue a run of byte tokens (<0xNN>), which
+    are the byte tokens and, where they are skipped, the special tokens (the bytes on both sides of one join). Else
+    empty."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        decoder = backend.decoder.__getstate__()  # the decoder's JSON
+    except Exception:
+        return frozenset()
+    if b'"ByteFallback"' not in decoder:
+        return frozenset()
+    ids = {i for token, i in backend.get_vocab(with_added_tokens=True).items() if _BYTE_TOKEN.fullmatch(token)}
+    if ids and skip_special_tokens:
+        ids.update(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    return frozenset(ids)
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -121,38 +146,114 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
         token_bytes: TokenBytes | None = None,
+        byte_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`byte_ids`: the ids that continue a run of byte tokens (`byte_fallback_ids`), for DecodeStream."""
         self.stop_strings = stop_strings
         self.include_stop_str_in_output = include_stop_str_in_output
         self.holdback = max((len(s) for s in stop_strings), default=1) - 1
         self.text = ""
+        self._pending: list[int] = []  # byte tokens held back (DecodeStream with byte fallback)
+        self._unsent: list[int] = []  # ids in the stream that gave no text yet
         if token_bytes is not None:
             self._table = token_bytes.skip if skip_special_tokens else token_bytes.keep
             self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             self._step = self._step_table
+            for token_id in prompt_token_ids[-_PRIME_TOKENS:]:
+                self._step(token_id)
         else:
             self._backend = tokenizer._tokenizer  # the Rust tokenizers.Tokenizer behind a fast HF tokenizer
             self._skip_special_tokens = skip_special_tokens
-            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            self._byte_ids = byte_ids
             self._step = self._step_stream
-        for token_id in prompt_token_ids[-_PRIME_TOKENS:]:
-            self._step(token_id)
+            # the prompt's last tokens up to its last one that is not a byte token (a byte run at the end of the
+            # prompt would otherwise join the output's first bytes)
+            end = len(prompt_token_ids)
+            while end > 0 and prompt_token_ids[end - 1] in byte_ids:
+                end -= 1
+            self._context: int | list[int] = prompt_token_ids[max(0, end - _PRIME_TOKENS) : end]  # the last text's ids
+            self._stream = self._new_stream(self._context)
+
+    def _new_stream(self, context: int | list[int]) -> DecodeStream:
+        """A DecodeStream whose next text follows the text of `context` (spacing as in the whole sequence)."""
+        stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        context = [context] if isinstance(context, int) else context
+        if context:
+            try:
+                primed = stream.step(self._backend, context)
+            except Exception:
+                primed = None
+            if primed is None:
+                text = self._backend.decode(context, skip_special_tokens=self._skip_special_tokens)
+                if text.endswith("\ufffd"):  # the context's text is not complete: it would leak into the next text
+                    stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        return stream
 
     def _step_table(self, token_id: int) -> str:
         table = self._table
         return self._utf8.decode(table[token_id]) if 0 <= token_id < len(table) else ""
 
     def _step_stream(self, token_id: int) -> str:
-        try:
-            return self._stream.step(self._backend, token_id) or ""
-        except Exception:
-            # An id the tokenizer cannot decode (e.g. a padded vocab entry): drop it and restart the stream.
-            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        if token_id in self._byte_ids:  # a byte run decodes as a whole: held until the token after it
+            self._pending.append(token_id)
             return ""
+        ids: int | list[int] = token_id
+        if self._pending:
+            ids, self._pending = [*self._pending, token_id], []
+        try:
+            text = self._stream.step(self._backend, ids)
+        except Exception as e:
+            return self._step_again(ids, e)
+        if text is None:
+            self._unsent += [ids] if isinstance(ids, int) else ids
+            return ""
+        if self._unsent:
+            self._unsent = []
+        self._context = ids
+        return text
+
+    def _step_again(self, ids: int | list[int], error: Exception) -> str:
+        """After DecodeStream raised: "Invalid prefix" (the text before its window changed) restarts the stream after
+        the last text and decodes the same ids again; an id the tokenizer cannot decode (e.g. a padded vocab entry) is
+        dropped, with the stream restarted."""
+        invalid_prefix = "Invalid prefix" in str(error)
+        self._stream = self._new_stream(self._context if invalid_prefix else [])
+        self._unsent = []
+        if not invalid_prefix:
+            return ""
+        try:
+            text = self._stream.step(self._backend, ids)
+        except Exception:
+            self._stream = self._new_stream([])
+            return ""
+        if text is None:
+            self._unsent = [ids] if isinstance(ids, int) else list(ids)
+            return ""
+        self._context = ids
+        return text
 
     def add_token(self, token_id: int) -> str | None:
         """Appends one token's text. Returns the stop string it completed, if any (the text is then cut)."""
-        new_text = self._step(token_id)
+        return self._append(self._step(token_id))
+
+    def flush(self) -> str | None:
+        """At the end of the sequence: appends the text of byte tokens still held back, as the tokenizer's `decode`
+        gives it (U+FFFD for each byte of an invalid run). Returns the stop string it completed, if any."""
+        if not self._pending and not self._unsent:
+            return None
+        pending, self._pending = self._pending, []
+        text = None
+        if pending:
+            try:
+                text = self._stream.step(self._backend, pending)
+            except Exception:
+                pass
+        if text is None:  # the text ends inside a character: no later token makes it valid
+            text = self._backend.decode(self._unsent + pending, skip_special_tokens=self._skip_special_tokens)
+        self._unsent = []
+        return self._append(text)
+
+    def _append(self, new_text: str) -> str | None:
         if not new_text:
             return None
         self.text += new_text
@@ -221,6 +322,10 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.token_bytes = TokenBytes.build(tokenizer)
+        # by skip_special_tokens: the ids that continue a byte run (DecodeStream only)
+        self.byte_ids = {
+            skip: frozenset() if self.token_bytes else byte_fallback_ids(tokenizer, skip) for skip in (False, True)
+        }
         self.states: dict[str, RequestState] = {}
         self.sequence_to_state: dict[str, tuple[RequestState, int]] = {}
 
@@ -233,6 +338,7 @@ class OutputProcessor:
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
                 self.token_bytes,
+                self.byte_ids[params.skip_special_tokens],
             )
             for _ in sequence_ids
         ]
@@ -305,6 +411,8 @@ class OutputProcessor:
         if ended:
             if out.error is not None:
                 self._fail(state, out.error, finishes)
+            elif (stop := detok.flush()) is not None:  # text held back to the end completed a stop string
+                state.finish_reasons[index], state.stop_reasons[index] = "stop", stop
             else:
                 state.finish_reasons[index], state.stop_reasons[index] = out.finish_reason, out.stop_reason
 
