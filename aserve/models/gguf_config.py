@@ -17,9 +17,9 @@ _SOFTCAPPING = {
 }
 
 
-def apply_gguf_metadata(config, gguf_path: str) -> None:
-    """Sets on `config` (built by transformers from the same file) the fields its loader leaves at defaults."""
-    reader = GGUFReader(gguf_path)
+def apply_gguf_metadata(config, reader: GGUFReader) -> None:
+    """Sets on `config` (built by transformers from the file `reader` reads) the fields its loader leaves at
+    defaults."""
     arch = reader.fields[Keys.General.ARCHITECTURE].contents()
 
     def value(key: str):

@@ -23,8 +23,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What convert_gguf writes; part of the cache key, so that a directory an earlier version wrote is converted again
 # (2: the tokenizer's class names the generic fast tokenizer; 3: the config fields read from the file's metadata by
-# aserve/models/gguf_config.py)
-_CONVERSION = 3
+# aserve/models/gguf_config.py; 4: generation_config.json lists the end-of-generation tokens, aserve/models/gguf_eog.py)
+_CONVERSION = 4
 
 
 class ModelNotFoundError(ValueError):
@@ -82,16 +82,26 @@ def convert_gguf(gguf_path: str) -> str:
         return out_dir
 
     # heavy, and needed only for the first start on a GGUF file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from aserve.models.gguf_config import apply_gguf_metadata
+    from aserve.models.gguf_eog import gguf_eog_token_ids
 
     t0 = time.perf_counter()
     logger.info("Converting %s to a cached HF directory (first start only)...", gguf_path)
     src_dir, file_name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     config = AutoConfig.from_pretrained(src_dir, gguf_file=file_name)
-    apply_gguf_metadata(config, gguf_path)
+    reader = GGUFReader(gguf_path)
+    apply_gguf_metadata(config, reader)
+    # transformers' generate (and aserve) stop at each of generation_config's eos_token_id, llama.cpp at these
+    eog_ids = gguf_eog_token_ids(reader) or [config.eos_token_id]
+    generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=eog_ids if len(eog_ids) > 1 else eog_ids[0],
+        pad_token_id=getattr(config, "pad_token_id", None),
+    )
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=file_name)
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
@@ -108,6 +118,7 @@ def convert_gguf(gguf_path: str) -> str:
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.save_pretrained(tmp_dir)
+        generation_config.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         _load_tokenizer_json_as_is(tmp_dir)
         save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
