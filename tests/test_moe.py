@@ -248,6 +248,14 @@ def test_a_missing_expert_tensor_is_reported(tiny_model_factory, tmp_path):
         LLM(dst, dtype="float32", enforce_eager=True)
 
 
+def test_ordered_sum_adds_a_tokens_outputs_in_slot_order():
+    x = torch.randn(5, 3, 40, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
+    total = x[:, 0].float()
+    for j in (1, 2):
+        total += x[:, j]
+    assert torch.equal(moe.ordered_sum(x), total.half())
+
+
 def test_fixed_configuration_gives_a_token_the_same_bits_in_any_batch():
     """Deterministic mode's GPU experts (one launch configuration, each token's k outputs added in a fixed order):
     a token's output alone equals its output among other tokens, bit for bit."""

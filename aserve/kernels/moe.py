@@ -249,9 +249,26 @@ def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: 
     grouped_gemm(a, w2, out, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["down"], 1, False, weights, w2_scale,
                  a_scale)  # fmt: skip
     out = out.view(t, top_k, h)
-    if not fixed_order_sum:
-        return out.sum(1)
-    total = out[:, 0].float()
-    for j in range(1, top_k):
-        total += out[:, j]
-    return total.to(x.dtype)
+    return ordered_sum(out) if fixed_order_sum else out.sum(1)
+
+
+@triton.jit
+def _ordered_sum_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = x[t, 0, cols] + x[t, 1, cols] + ... in float32, one after the other, rounded once."""
+    t = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        total += tl.load(x_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def ordered_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [T, k, H] (contiguous) -> [T, H]: each row's k vectors added in order j = 0 .. k - 1 (float32, rounded
+    once), whatever T: deterministic mode's sum of a token's expert outputs, in one launch."""
+    t, top_k, h = x.shape
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _ordered_sum_kernel[(triton.cdiv(h, block), t)](x, out, h, TOP_K=top_k, BLOCK=block)
+    return out
