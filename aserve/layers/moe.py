@@ -73,6 +73,15 @@ class UnquantizedMoEMethod:
         raise ValueError(f"the checkpoint has a {param_name} scale for expert {expert}, whose weights its "
                          "quantization_config leaves unquantised")  # fmt: skip
 
+    def load_packed(self, layer: FusedMoE, param_name: str, expert: int, shard: int | None, part: str,
+                    tensor) -> bool:  # fmt: skip
+        raise ValueError(f"the checkpoint has int4 tensors ({part}) for expert {expert}, whose weights its "
+                         "quantization_config leaves unquantised")  # fmt: skip
+
+    def missing_tensors(self, layer: FusedMoE) -> list[str]:
+        """Checkpoint tensors of experts that loading did not see, by name, where the method tracks them."""
+        return []
+
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         pass
 
@@ -81,8 +90,9 @@ class FusedMoE(nn.Module):
     """The router `gate` (a linear layer, E outputs, unquantised) and the stacked experts w13, w2 (module docstring).
     `quant_config`: the checkpoint's quantisation, whose experts' method (get_moe_method, given `expert_names`: the
     checkpoint's module names of one expert's gate, up and down projections) makes w13 / w2 and prepares them after
-    loading: FP8 experts (aserve/layers/quantization/fp8_moe.py) also hold w13_scale / w2_scale; quantisations
-    without a method for experts are refused."""
+    loading: FP8 experts (aserve/layers/quantization/fp8_moe.py) also hold w13_scale / w2_scale, AWQ / GPTQ int4
+    experts (int4_moe.py) are dequantised into w13 / w2 as they load; quantisations without a method for experts
+    are refused."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  quant_config: QuantizationConfig | None = None,
@@ -126,6 +136,14 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_experts} experts")
         self.quant_method.load_scale(self, param_name, expert, shard, tensor)
+
+    def load_expert_packed(self, param_name: str, expert: int, shard: int | None, part: str,
+                           tensor: torch.Tensor) -> bool:  # fmt: skip
+        """One of an expert's int4 tensors (AWQ / GPTQ: qweight, qzeros, scales, g_idx) for w13 (shard 0 / 1) or
+        w2, as its quantisation method takes them. -> whether that projection is now complete."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_experts} experts")
+        return self.quant_method.load_packed(self, param_name, expert, shard, part, tensor)
 
     def process_weights_after_loading(self) -> None:
         """The experts' quantisation method prepares w13 / w2, then the kernel is picked for the weights' device

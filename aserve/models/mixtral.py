@@ -13,7 +13,8 @@ transformers' save_pretrained writes one tensor per expert and projection:
 and transformers' own stacked names (model.layers.{i}.mlp.experts.gate_up_proj [E, 2 I, H], .down_proj [E, H, I])
 load as they are. FP8 checkpoints add each projection's weight_scale (or weight_scale_inv) and, with static
 activations, input_scale beside its weight: the block's quantisation method takes them (aserve/layers/quantization/
-fp8_moe.py).
+fp8_moe.py). AWQ and GPTQ checkpoints store each expert's projection as int4 tensors, {projection}.qweight / .qzeros
+/ .scales (GPTQ also .g_idx), which the method dequantises into the stacks (aserve/layers/quantization/int4_moe.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from aserve.models.llama import DecoderLayer, LlamaForCausalLM
 
 _PER_EXPERT = re.compile(
     r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\."
-    r"(weight|weight_scale|weight_scale_inv|input_scale)"
+    r"(weight|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx)"
 )
+_INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # AWQ / GPTQ experts (aserve/layers/quantization/int4_moe.py)
 _STACKED_EXPERTS = re.compile(r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)")
 # checkpoint projection -> (FusedMoE parameter, shard of w13)
 _PROJECTIONS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
@@ -75,6 +77,8 @@ class SparseMoeWeights:
                 moe.load_expert_scale(param_name, int(expert[0]), shard, tensor)
                 target = f"{target}_scale"
                 pieces[target] += 1
+            elif kind in _INT4_PARTS:  # counted once all of the projection's int4 tensors are in
+                pieces[target] += moe.load_expert_packed(param_name, int(expert[0]), shard, kind, tensor)
             elif expert:  # one expert's projection
                 moe.load_expert(params[target], int(expert[0]), shard, tensor)
                 pieces[target] += 1
@@ -85,6 +89,10 @@ class SparseMoeWeights:
                 pieces[target] += whole
             if pieces[target] == whole:
                 loaded.add(target)
+        for name, moe in self.named_modules():  # int4 experts name the checkpoint tensors that never came
+            if isinstance(moe, FusedMoE) and not {f"{name}.w13", f"{name}.w2"} <= loaded:
+                if missing := moe.quant_method.missing_tensors(moe):
+                    raise ValueError(f"checkpoint lacks tensors of experts: {missing[:8]}")
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()

@@ -34,8 +34,10 @@ from torch import nn
 
 from aserve.kernels.awq_reference import awq_matmul, dequantize
 from aserve.layers.linear import DenseWeights, LinearMethodBase, UnquantizedLinearMethod
+from aserve.layers.moe import UnquantizedMoEMethod
 from aserve.layers.quantization.awq_format import PACK_FACTOR
 from aserve.layers.quantization.base import QuantizationConfig
+from aserve.layers.quantization.int4_moe import Int4MoEMethod
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,17 @@ class AWQConfig(QuantizationConfig):
         if not all(converted):
             raise ValueError(f"modules_to_not_convert splits a fused layer ({list(checkpoint_names)}): not supported")
         return AWQLinearMethod(self)
+
+    def get_moe_method(self, expert_names: Sequence[str]) -> UnquantizedMoEMethod:
+        """The checkpoint's int4 experts, dequantised as they load (int4_moe.py); 16-bit where modules_to_not_convert
+        names them."""
+        converted = [self.converts(name) for name in expert_names]
+        if converted and not any(converted):
+            return UnquantizedMoEMethod()
+        if not all(converted):
+            raise ValueError(f"modules_to_not_convert splits an expert's projections ({list(expert_names)}): not "
+                             "supported")  # fmt: skip
+        return Int4MoEMethod("awq", self.group_size, expert_names=expert_names)
 
 
 def _apply_reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ process_weights_after_loading repacks the tensors (gptq_format.to_awq), puts the
 hands the layer to an AWQLinearMethod (layer.quant_method), which prepares them for its kernels (Triton on GPUs, a
 dequantised copy on CPUs; aserve/layers/quantization/awq.py). With act order, that method is ActOrderAWQLinearMethod:
 its weights' inputs are sorted by group and every call gathers its input's columns in that order first.
+
+Experts of mixture-of-experts blocks (4-bit only): int4_moe.py.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from aserve.layers.quantization.awq import AWQConfig, AWQLinearMethod
 from aserve.layers.quantization.awq_format import PACK_FACTOR
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.layers.quantization.gptq_int8 import GPTQInt8LinearMethod
+from aserve.layers.quantization.int4_moe import Int4MoEMethod
 
 FORMAT_VERSIONS = {"gptq": 1, "gptq_v2": 2}
 
@@ -89,6 +92,13 @@ class GPTQConfig(QuantizationConfig):
         if self.bits == 8:
             return GPTQInt8LinearMethod(FORMAT_VERSIONS[self.checkpoint_format])
         return GPTQLinearMethod(self)
+
+    def get_moe_method(self, expert_names: Sequence[str]) -> Int4MoEMethod:
+        """4-bit experts, dequantised as they load (int4_moe.py); 8-bit experts are refused."""
+        if self.bits != 4:
+            raise ValueError(f"GPTQ checkpoint with {self.bits}-bit experts: not supported (aserve runs 4-bit GPTQ "
+                             "experts of mixture-of-experts models)")  # fmt: skip
+        return Int4MoEMethod("gptq", self.group_size, FORMAT_VERSIONS[self.checkpoint_format], expert_names)
 
 
 def _apply_reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
