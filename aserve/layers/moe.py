@@ -14,7 +14,8 @@ The experts' weights are stacked, one tensor per projection:
 The kernel is chosen once, in process_weights_after_loading, by the weights' device:
 
     CUDA        aserve/kernels/moe.py fused_moe: routing and grouping by expert in three Triton kernels, one grouped
-                GEMM per projection (SiLU·mul in the first one's epilogue, the routing weight in the second's)
+                GEMM per projection (SiLU·mul in the first one's epilogue, the routing weight in the second's); a
+                few tokens (T * k <= E / 4) two kernels of aserve/kernels/moe_decode.py instead
     otherwise   per-expert matmuls: the tokens routed to each expert gathered, through its two projections, added
                 back weighted (in expert order, as transformers adds them)
 
