@@ -157,6 +157,41 @@ def test_fused_moe_layer_matches_reference(kernel):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU kernel")
+def test_one_token_on_cpu_runs_its_experts_as_gemvs(monkeypatch):
+    """bf16 experts on a CPU with the C GEMV: a one-token step's experts, and in a step of several tokens the experts
+    with one row, run as GEMVs, within bf16 roundings of the rows path and the reference."""
+    from aserve.kernels import cpu
+
+    x, w13, w2, _ = random_moe(5, 8, 64, 32, seed=12)
+    layer = FusedMoE(8, 2, 64, 32, renormalize=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.w13.copy_(w13)
+        layer.w2.copy_(w2)
+        layer.gate.weight.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(13)))
+    layer.process_weights_after_loading()
+    if not cpu.gemv_supports(layer.w13[0]):
+        pytest.skip("no C GEMV on this CPU (AVX512-BF16)")
+    assert layer.expert_gemv
+    calls = []
+    gemv = cpu.gemv
+    monkeypatch.setattr(cpu, "gemv", lambda w, row: calls.append(w.shape) or gemv(w, row))
+    for rows in (slice(0, 1), slice(None)):  # 5 tokens over 8 experts of top-2: some experts get one row
+        xs = x[rows].bfloat16()
+        with torch.no_grad():
+            layer.expert_gemv = True
+            calls.clear()
+            out = layer(xs)
+            _, ids = reference.select_experts(layer.gate(xs), 2, True)
+            single = (torch.bincount(ids.flatten(), minlength=8) == 1).sum().item()
+            assert len(calls) == 2 * single > 0  # each one-row expert's two projections
+            ref = reference.fused_moe(xs, layer.w13, layer.w2, *reference.select_experts(layer.gate(xs), 2, True))
+            layer.expert_gemv = False
+            without = layer(xs)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out, without, atol=2e-2, rtol=2e-2)
+
+
 def prompts(seed=0, lens=(3, 17, 33, 50)):
     rng = random.Random(seed)
     return [[rng.randrange(2, 384) for _ in range(n)] for n in lens]

@@ -17,7 +17,8 @@ The kernel is chosen once, in process_weights_after_loading, by the weights' dev
                 GEMM per projection (SiLU·mul in the first one's epilogue, the routing weight in the second's); a
                 few tokens (T * k <= E / 4) two kernels of aserve/kernels/moe_decode.py instead
     otherwise   per-expert matmuls: the tokens routed to each expert gathered, through its two projections, added
-                back weighted (in expert order, as transformers adds them)
+                back weighted (in expert order, as transformers adds them); one token with bf16 experts on a CPU
+                with the C GEMV (aserve/kernels/cpu.py): its experts' projections as GEMVs
 
 unless the block was given a `kernel_method` when the model was built (deterministic mode: aserve/layers/
 batch_invariant.py), whose process_weights_after_loading(layer) picks the kernel instead.
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aserve.kernels import reference
+from aserve.kernels import cpu, reference
 from aserve.layers.elementwise import silu_and_mul
 from aserve.layers.linear import Linear
 
@@ -41,19 +42,32 @@ if TYPE_CHECKING:  # (the quantisation configs import this module's UnquantizedM
 
 
 def per_expert_matmuls(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel: for each expert with tokens, its two projections over those tokens' rows."""
+    """The CPU kernel: for each expert with tokens, its two projections over those tokens' rows (an expert with one
+    row, where `expert_gemv`: the C GEMV, as the linear layers run one row)."""
     weights, ids = reference.select_experts(router_logits, layer.top_k, layer.renormalize)
+    out = torch.zeros_like(x)
+    if layer.expert_gemv and x.shape[0] == 1:  # decode: no grouping needed
+        for j in ids[0].argsort().tolist():
+            out[0] += (_expert_gemv(layer, int(ids[0, j]), x[0]) * weights[0, j]).to(out.dtype)
+        return out
     slots = ids.flatten()
     order = slots.argsort(stable=True)
     counts = torch.bincount(slots, minlength=layer.num_experts).tolist()
-    out = torch.zeros_like(x)
     for expert, expert_slots in enumerate(order.split(counts)):
         if not counts[expert]:
             continue
         tokens = expert_slots // layer.top_k
-        h = F.linear(silu_and_mul(F.linear(x[tokens], layer.w13[expert])), layer.w2[expert])
+        if layer.expert_gemv and counts[expert] == 1:
+            h = _expert_gemv(layer, expert, x[tokens[0]])[None]
+        else:
+            h = F.linear(silu_and_mul(F.linear(x[tokens], layer.w13[expert])), layer.w2[expert])
         out.index_add_(0, tokens, (h * weights.view(-1)[expert_slots, None]).to(out.dtype))
     return out
+
+
+def _expert_gemv(layer: FusedMoE, expert: int, row: torch.Tensor) -> torch.Tensor:
+    """One row [H] through the expert's two projections as C GEMVs -> [H]."""
+    return cpu.gemv(layer.w2[expert], silu_and_mul(cpu.gemv(layer.w13[expert], row)[None])[0])
 
 
 def triton_fused(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -114,6 +128,7 @@ class FusedMoE(nn.Module):
         self.w13_scale = self.w2_scale = None  # FP8 experts: float32 row scales [E, 2 I], [E, H]
         self.quant_method.create_weights(self, hidden_size)
         self.kernel = per_expert_matmuls
+        self.expert_gemv = False  # one-token steps on CPU through the C GEMV (bf16 experts, AVX512-BF16)
         self.triton_moe = self.moe_config = None
         self.kernel_method = None  # set on the meta-device model to pick the kernel in its place (module docstring)
 
@@ -151,6 +166,7 @@ class FusedMoE(nn.Module):
         (module docstring); the router's linear prepares its own."""
         self.kernel, self.triton_moe, self.moe_config = per_expert_matmuls, None, None
         self.quant_method.process_weights_after_loading(self)
+        self.expert_gemv = cpu.gemv_supports(self.w13[0]) and cpu.gemv_supports(self.w2[0])
         if self.kernel_method is not None:
             self.kernel_method.process_weights_after_loading(self)
         elif self.w13.is_cuda:
