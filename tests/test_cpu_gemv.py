@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("n, k", [(16, 32), (960, 576), (37, 1536), (5, 64)])
+@pytest.mark.parametrize("n, k", [(16, 32), (960, 576), (37, 1536), (5, 64), (40, 14336), (17, 16384)])
 def test_gemv_matches_reference(n, k):
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
@@ -20,6 +20,12 @@ def test_gemv_matches_reference(n, k):
     got = cpu.gemv(w, x)
     expected = (w.float() @ x.float()).to(torch.bfloat16)  # float32 sums, another order: within a bf16 step or so
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=2**-7)
+
+
+def test_rows_up_to_max_gemv_k():
+    """Rows of up to cpu.MAX_GEMV_K (Llama-3-8B's and Mixtral's 14,336-long down projections), not longer."""
+    assert cpu.gemv_supports(torch.empty(4, cpu.MAX_GEMV_K, dtype=torch.bfloat16))
+    assert not cpu.gemv_supports(torch.empty(4, cpu.MAX_GEMV_K + 32, dtype=torch.bfloat16))
 
 
 def test_linear_one_row_runs_the_kernel_and_matches_many_rows():

@@ -23,7 +23,8 @@ accumulation, y rounded to bf16; reference torch.mv (same products, summed in an
   At batch 1 every linear streams its whole weight, so the step is bound by memory: torch.mv reaches ~9-12 GB/s on the
   2-core development VM over a model's cold weights, this kernel ~15-18 GB/s (rows in blocks of 16 over torch's
   threads, vdpbf16ps pair dot products against x held in registers, one transpose-and-add tree per 16 row sums, rows
-  4 blocks ahead prefetched). Needs AVX512-BF16 (Sapphire Rapids and newer) and K % 32 == 0 (`gemv_supports`).
+  4 blocks ahead prefetched). Needs AVX512-BF16 (Sapphire Rapids and newer), K % 32 == 0 and K <= MAX_GEMV_K (x is
+  held as up to 512 vectors of 32 bf16 on each thread's stack; `gemv_supports`).
 
 Batch-invariant product (csrc/gemm_rows.cpp), what deterministic mode runs every linear layer with (aserve/layers/
 batch_invariant.py): y [M, N] = x [M, K] W^T, x and W bf16 or float32, float32 sums whose order depends on K alone,
@@ -98,7 +99,7 @@ NOT_LOADED = object()
 extension: types.ModuleType | None | object = NOT_LOADED
 
 MAX_ATTENTION_HEAD_DIM = 256
-MAX_GEMV_K = 8192
+MAX_GEMV_K = 16384
 MAX_GEMM_INT8_K = 16384
 
 
@@ -145,7 +146,8 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
 
 
 def gemv_supports(weight: torch.Tensor) -> bool:
-    """Whether gemv takes this weight (CPU, bf16, contiguous [N, K] with K % 32 == 0, on a CPU with AVX512-BF16)."""
+    """Whether gemv takes this weight (CPU, bf16, contiguous [N, K] with K % 32 == 0 and K <= MAX_GEMV_K, on a CPU
+    with AVX512-BF16)."""
     lib = library()
     return (
         lib is not None

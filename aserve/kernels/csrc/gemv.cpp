@@ -5,7 +5,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#define MAX_C 256           /* K <= 8192 */
+#define MAX_C 512           /* K <= 16384 */
 #define PREFETCH_BLOCKS 4   /* how far ahead (in blocks of 16 rows) the weight is prefetched */
 
 /* One row's dot product with x (two accumulators: the dependency chain of vdpbf16ps, not the loads, would bound a
