@@ -61,6 +61,8 @@ def llama_style():
 
 
 def ids_of(tokenizer, *tokens: str) -> list[int]:
+    """(Letters: the corpus's frequent ones only. The trainer keeps 30 of its 31 characters, dropping one of those
+    seen 4 times, which one varying from run to run.)"""
     ids = tokenizer.convert_tokens_to_ids(list(tokens))
     assert tokenizer.unk_token_id not in ids, tokens
     return ids
@@ -148,8 +150,8 @@ def test_skipped_special_token_inside_a_byte_run(gemma_style):
 
 def test_stop_string_in_bytes_held_to_the_end(gemma_style):
     tok = gemma_style
-    text, last = run(tok, [], ids_of(tok, "a", "b", "<0xC3>", "<0x9F>"), stop=["ß"])
-    assert text == "ab" and last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == "ß"
+    text, last = run(tok, [], ids_of(tok, "a", "c", "<0xC3>", "<0x9F>"), stop=["ß"])
+    assert text == "ac" and last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == "ß"
 
 
 def random_ids(rng, tok, n):
