@@ -83,23 +83,26 @@ class AWQConfig(QuantizationConfig):
         """Whether the linear `hf_module_name` (e.g. model.layers.0.mlp.up_proj) is quantised."""
         return not any(skip in hf_module_name for skip in self.modules_to_not_convert)
 
-    def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:
+    def converts_all(self, checkpoint_names: Sequence[str], what: str) -> bool:
+        """Whether the modules `checkpoint_names`, run with one method (`what`: a fused layer, an expert's
+        projections), are quantised: False where modules_to_not_convert names every one, ValueError where only some."""
         converted = [self.converts(name) for name in checkpoint_names]
         if converted and not any(converted):
-            return UnquantizedLinearMethod()
+            return False
         if not all(converted):
-            raise ValueError(f"modules_to_not_convert splits a fused layer ({list(checkpoint_names)}): not supported")
+            raise ValueError(f"modules_to_not_convert splits {what} ({list(checkpoint_names)}): not supported")
+        return True
+
+    def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:
+        if not self.converts_all(checkpoint_names, "a fused layer"):
+            return UnquantizedLinearMethod()
         return AWQLinearMethod(self)
 
     def get_moe_method(self, expert_names: Sequence[str]) -> UnquantizedMoEMethod:
         """The checkpoint's int4 experts, dequantised as they load (int4_moe.py); 16-bit where modules_to_not_convert
         names them."""
-        converted = [self.converts(name) for name in expert_names]
-        if converted and not any(converted):
+        if not self.converts_all(expert_names, "an expert's projections"):
             return UnquantizedMoEMethod()
-        if not all(converted):
-            raise ValueError(f"modules_to_not_convert splits an expert's projections ({list(expert_names)}): not "
-                             "supported")  # fmt: skip
         return Int4MoEMethod("awq", self.group_size, expert_names=expert_names)
 
 
