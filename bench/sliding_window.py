@@ -9,6 +9,10 @@ kernel    one layer's decode attention with Gemma-3-12B's heads (16 query, 8 KV 
 decode    the engine's decode step (CUDA graphs, random weights, bf16) of the Gemma-3-12B shape (gpu_bench --arch
           gemma3-12b: 40 sliding layers of 1024 keys, 8 global) with B requests of --context prompt tokens, against
           the same model with every layer global: ms per step, and the KV bytes the step's attention reads
+memory    the hybrid KV layout (aserve/core/kv_cache_groups.py: the 40 sliding layers' blocks behind their window go
+          back while a request lives): in a cache of the bytes that hold 2 requests of --context tokens with one
+          block table for all layers, how many such requests fit at once, computed and served (B = the largest of
+          --batches requests of --context prompt tokens and 64 generated, all at once: preemptions counted)
 
 Prints a table last; writes results.json under --out.
 """
@@ -150,6 +154,41 @@ def decode(context: int, batches: list[int], root: str) -> None:
                   "x", f"(KV bytes {bytes_ratio:.3f}x; target <= 0.60)")  # fmt: skip
 
 
+def memory(context: int, batch: int, root: str) -> None:
+    from aserve import LLM, SamplingParams
+    from aserve.core.kv_cache_manager import cdiv
+
+    path, bs, new_tokens = gb.dummy_model_dir(root, "gemma3-12b"), 16, 64
+    max_len = context + new_tokens + bs
+    layer_block = 2 * bs * KV_HEADS * HEAD_DIM * 2  # bytes of one layer's K and V block (bf16)
+    one_table_request = cdiv(max_len, bs) * 48 * layer_block  # a full-length request, every layer's blocks held
+    kv_gb = 2 * one_table_request / 2**30
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
+              enable_prefix_caching=False, kv_cache_memory_gb=kv_gb)  # fmt: skip
+    core = llm.engine.core
+    layout = core.runner.kv_layout
+    per_request = sum(cdiv(max_len, bs) if w is None else cdiv(w, bs) + 1 for w in layout.group_windows)
+    gb.record("memory_layout", f"{layout.num_groups} groups of {layout.num_slots} layers",
+              note=f"windows {layout.group_windows}")  # fmt: skip
+    gb.record(f"memory_requests_ctx{context}_one_table", 2, "requests",
+              f"(a {kv_gb:.2f} GiB cache: {cdiv(max_len, bs)} blocks of 48 layers each)")  # fmt: skip
+    gb.record(f"memory_requests_ctx{context}_hybrid", round(core.num_kv_blocks / per_request, 2), "requests",
+              f"({core.num_kv_blocks} blocks of {layout.num_slots} layers; a request holds {per_request} at "
+              "full length)")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(100, 100000, (context,), generator=gen).tolist()}
+               for _ in range(batch)]  # fmt: skip
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    seconds = time.perf_counter() - t0
+    assert {len(o.outputs[0].token_ids) for o in outs} == {new_tokens}
+    gb.record(f"memory_served_b{batch}_ctx{context}", core.scheduler.num_preemptions, "preemptions",
+              f"({batch} requests of {context} + {new_tokens} tokens in {seconds:.1f} s)")  # fmt: skip
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
@@ -164,6 +203,7 @@ def main() -> None:
         "ceilings": gb.ceilings,
         "kernel": lambda: kernel(args.context, batches),
         "decode": lambda: decode(args.context, batches, root),
+        "memory": lambda: memory(args.context, max(batches), root),
     }
     for name in args.sections.split(","):
         gb.run_section(name, run[name])

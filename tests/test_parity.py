@@ -44,6 +44,18 @@ def references(tiny_model_factory):
     return get
 
 
+SLIDING_BLOCKS = {"mistral_sliding": 4, "gemma2": 12, "gemma3": 22}
+
+
+def engine_kwargs(variant: str, config: str) -> dict:
+    kwargs = ENGINE_CONFIGS[config]
+    if config.endswith("preemption") and variant in SLIDING_BLOCKS:
+        # their requests give back the blocks behind the window (Gemma: of its sliding layers, whose blocks hold
+        # one or two layers each): preempted in fewer blocks, with a 16-token budget
+        kwargs = {**kwargs, "num_gpu_blocks_override": SLIDING_BLOCKS[variant], "max_num_batched_tokens": 16}
+    return kwargs
+
+
 @pytest.mark.parametrize(
     "variant",
     ["mha", "gqa", "tied", "llama3_rope", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "mistral_sliding", "gemma2",
@@ -52,11 +64,7 @@ def references(tiny_model_factory):
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
 def test_greedy_parity_with_transformers(references, variant, config):
     path, expected = references(variant)
-    kwargs = ENGINE_CONFIGS[config]
-    if config.endswith("preemption") and variant == "mistral_sliding":
-        # its requests give back the blocks behind the window: preempted in 4 blocks, with a 16-token budget
-        kwargs = {**kwargs, "num_gpu_blocks_override": 4, "max_num_batched_tokens": 16}
-    llm = LLM(path, dtype="float32", enforce_eager=True, debug_invariants=True, **kwargs)
+    llm = LLM(path, dtype="float32", enforce_eager=True, debug_invariants=True, **engine_kwargs(variant, config))
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
     )
@@ -130,7 +138,8 @@ def test_triton_backend_parity(references, variant, config):
     """The Triton attention backend inside the engine (Triton's interpreter on CPU): same greedy tokens (Gemma:
     sliding windows, soft-capped scores)."""
     path, expected = references(variant)
-    llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", **ENGINE_CONFIGS[config])
+    kwargs = engine_kwargs(variant, config)
+    llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", debug_invariants=True, **kwargs)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts_for()], SamplingParams(temperature=0, max_tokens=MAX_NEW)
     )

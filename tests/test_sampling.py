@@ -55,7 +55,7 @@ def test_n_samples_share_prompt_blocks_without_prefix_caching(tiny_model):
     engine.add_request("r", prompt(40), SamplingParams(n=3, temperature=1.0, max_tokens=4))
     engine.step()
     # 40 prompt tokens: blocks 0 and 1 (full) are shared by all three samples; each has its own third block.
-    blocks = [engine.core.kv_manager.get_block_ids(f"r#{i}") for i in range(3)]
+    blocks = [engine.core.kv_manager.block_ids(f"r#{i}") for i in range(3)]
     assert blocks[0][:2] == blocks[1][:2] == blocks[2][:2]
     assert len({b[2] for b in blocks}) == 3
     while engine.has_unfinished_requests():

@@ -35,7 +35,7 @@ def run_step(sched, token=7):
 
 
 def summary(out):
-    return [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens, s.block_ids) for s in out.scheduled]
+    return [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens, *s.block_ids) for s in out.scheduled]
 
 
 def test_chunked_prefill_and_mixed_decode_in_one_budget():

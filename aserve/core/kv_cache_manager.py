@@ -8,7 +8,12 @@ K/V into the cache before any attention reads it.
 With `sliding_window` W (every attention layer slides by W: Mistral, Phi-3), a query at position p reads keys after
 p - W only; before each allocation a request gives back the blocks wholly before its next query's window (their K/V
 stay findable by the prefix cache until evicted), and its block table points those entries at the pool's null block.
-So a long sequence holds about W / bs + 2 blocks. Models with full-attention layers keep every block.
+So a long sequence holds about W / bs + 2 blocks. A prefix hit then needs only the blocks the window of its next
+query reads (earlier ones may be evicted): the request's table points at the null block before them.
+
+A manager serves one group of layers (aserve/core/kv_cache_groups.py): every layer of most models; with a hybrid
+layout (sliding and full-attention layers interleaved: Gemma 2/3) one group, beside the others on a shared pool
+(aserve/core/hybrid_kv_cache_manager.py).
 """
 
 from __future__ import annotations
@@ -30,10 +35,15 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None) -> None:
+    """One group of layers' blocks (aserve/core/kv_cache_groups.py): the whole cache of most models, or one group
+    of a hybrid layout, where the groups share `pool` and `group` keeps their prefix-cache entries apart."""
+
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None,
+                 pool: BlockPool | None = None, group: int = 0) -> None:  # fmt: skip
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks, null_block=sliding_window is not None)
+        self.pool = pool if pool is not None else BlockPool(num_blocks, null_block=sliding_window is not None)
+        self.key_suffix = bytes([group]) if group else b""  # appended to block hashes in the pool's map
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}  # the same, as ids, kept in step (read every step)
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are registered by hash
@@ -49,18 +59,39 @@ class KVCacheManager:
         never served from the cache: its logits are needed."""
         if request.hasher is None:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+        num_blocks = self.longest_hit(request.block_hashes, (request.num_tokens - 1) // self.block_size)
+        num_hit_tokens = num_blocks * self.block_size
         if request.num_preemptions == 0:
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return self.hit_blocks(request.block_hashes, num_blocks), num_hit_tokens
+
+    def longest_hit(self, block_hashes: list[bytes], max_blocks: int) -> int:
+        """The most blocks n <= max_blocks such that a request's first n blocks can come from the cache: all of
+        them, or with a sliding window only those the window of the query after them reads (the last ones)."""
+        cached = self.pool.cached_blocks
+        if self.sliding_window is None:
+            n = 0
+            while n < max_blocks and block_hashes[n] + self.key_suffix in cached:
+                n += 1
+            return n
+        end = max_blocks  # blocks [i, end) are all cached
+        for i in range(max_blocks - 1, -1, -1):
+            if block_hashes[i] + self.key_suffix not in cached:
+                end = i
+            elif i <= self._first_needed(end * self.block_size):
+                return end
+        return 0
+
+    def hit_blocks(self, block_hashes: list[bytes], num_blocks: int) -> list[KVCacheBlock]:
+        """The cached blocks of a hit of `num_blocks` (longest_hit), the null block for those a window skips."""
+        first = 0 if self.sliding_window is None else self._first_needed(num_blocks * self.block_size)
+        cached, suffix = self.pool.cached_blocks, self.key_suffix
+        return [self.pool.null_block] * first + [cached[h + suffix] for h in block_hashes[first:num_blocks]]
+
+    def _first_needed(self, position: int) -> int:
+        """The first block the query at `position` reads under the sliding window (keys after position - W)."""
+        return max(0, (position - self.sliding_window + 1) // self.block_size)
 
     def allocate_slots(
         self,
@@ -71,35 +102,70 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Makes room for `num_new_tokens` more tokens after the computed ones (plus the prefix hits in
         `new_computed_blocks`, which the request takes references on). Returns the newly allocated blocks, or None
-        when the pool cannot supply them — then nothing has changed."""
+        when the pool cannot supply them — then nothing has changed but blocks behind a window given back."""
         new_computed_blocks = new_computed_blocks or []
+        if self.blocks_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens) > (
+            self.pool.num_free_blocks
+        ):
+            return None
+        self.add_hits(request, new_computed_blocks)
+        return self.take(request, num_new_tokens, len(new_computed_blocks), num_lookahead_tokens)
+
+    def blocks_needed(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock],
+                      num_lookahead_tokens: int) -> int:  # fmt: skip
+        """Free blocks that allocate_slots with these arguments takes (new ones, and cached prefix hits revived from
+        the free list), after giving back the request's blocks behind its window."""
         blocks = self.req_to_blocks.get(request.request_id, [])
         if self.sliding_window is not None and blocks:
             self._release_outside_window(request, blocks)
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_new_blocks = max(num_required - len(blocks) - len(new_computed_blocks), 0)
-        # Reviving a cached-evictable prefix block also takes it out of the free list.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_revived > self.pool.num_free_blocks:
-            return None
+        null = self.pool.null_block
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null)
+        num_held = len(blocks) + len(new_computed_blocks)
+        num_required = self._num_required(request, num_new_tokens, len(new_computed_blocks), num_lookahead_tokens)
+        return max(num_required - num_held, 0) + revived
 
-        self.req_to_blocks[request.request_id] = blocks
-        self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+    def _num_required(self, request: Request, num_new_tokens: int, num_hit_blocks: int,
+                      num_lookahead_tokens: int) -> int:  # fmt: skip
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        return cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+
+    def add_hits(self, request: Request, new_computed_blocks: list[KVCacheBlock]) -> None:
+        """A new request takes its prefix hit (get_computed_blocks): references on the cached blocks, the null
+        block's entries first where a window skips blocks. Before take(): a hit may revive a block from the free
+        list, which take() must not hand out as a new one."""
+        if not new_computed_blocks:
+            return
+        request_id = request.request_id
+        null = self.pool.null_block
+        skipped = sum(1 for b in new_computed_blocks if b is null)
+        if skipped:
+            self.num_released[request_id] = skipped
+        self.pool.touch(new_computed_blocks[skipped:])
+        self.req_to_blocks.setdefault(request_id, []).extend(new_computed_blocks)
+        self.req_to_block_ids.setdefault(request_id, []).extend(b.block_id for b in new_computed_blocks)
+        self.num_cached_blocks[request_id] = len(new_computed_blocks)
+
+    def take(self, request: Request, num_new_tokens: int, num_hit_blocks: int,
+             num_lookahead_tokens: int) -> list[KVCacheBlock]:  # fmt: skip
+        """allocate_slots' new blocks, once blocks_needed fit in the pool and add_hits took the hit (of
+        `num_hit_blocks`) -> the new blocks."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_required = self._num_required(request, num_new_tokens, num_hit_blocks, num_lookahead_tokens)
+        new_blocks = self.pool.get_new_blocks(max(num_required - len(blocks), 0))
         blocks.extend(new_blocks)
-        block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
-        block_ids.extend(b.block_id for b in new_computed_blocks)
-        block_ids.extend(b.block_id for b in new_blocks)
+        self.req_to_block_ids.setdefault(request_id, []).extend(b.block_id for b in new_blocks)
 
         if request.hasher is not None:
             # Register the blocks that become full of known tokens once this step is computed.
+            num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_blocks.get(request.request_id, 0)
+            num_cached = self.num_cached_blocks.get(request_id, 0)
             if num_full > num_cached:
-                self.pool.cache_blocks(blocks[num_cached:num_full], request.block_hashes[num_cached:num_full])
-                self.num_cached_blocks[request.request_id] = num_full
+                suffix = self.key_suffix
+                hashes = request.block_hashes[num_cached:num_full]
+                self.pool.cache_blocks(blocks[num_cached:num_full], [h + suffix for h in hashes] if suffix else hashes)
+                self.num_cached_blocks[request_id] = num_full
         return new_blocks
 
     def _release_outside_window(self, request: Request, blocks: list[KVCacheBlock]) -> None:
@@ -134,10 +200,14 @@ class KVCacheManager:
             self.num_cached_blocks.get(request.request_id, 0), first_uncomputed
         )
 
-    def get_block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: str) -> list[int]:
         """The request's block ids in order. The live list (appended to as the request grows): read it before the
         next allocation."""
         return self.req_to_block_ids.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """block_ids for each group of layers (here one: HybridKVCacheManager has more)."""
+        return (self.req_to_block_ids.get(request_id, []),)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
@@ -148,7 +218,11 @@ class KVCacheManager:
         nothing, running ones hold blocks for every computed token, and the prefix-cache map and the blocks' hashes
         agree. Explicit checks rather than asserts, so that they also run under `python -O`."""
         expected = [0] * len(self.pool.blocks)
-        live = {r.request_id: r for r in live_requests}
+        self.count_references({r.request_id: r for r in live_requests}, expected)
+        check_pool(self.pool, expected)
+
+    def count_references(self, live: dict[str, Request], expected: list[int]) -> None:
+        """check_invariants' checks of this group's requests; adds the references they hold to `expected`."""
         if dead := set(self.req_to_blocks) - set(live):
             raise InvariantError(f"KV blocks held by requests that are no longer live: {sorted(dead)}")
         for request_id, blocks in self.req_to_blocks.items():
@@ -170,27 +244,31 @@ class KVCacheManager:
                 raise InvariantError(f"{request} holds {len(blocks)} blocks, too few for its computed tokens")
             for b in blocks:
                 expected[b.block_id] += 1
-        in_free = {b.block_id for b in self.pool.free_block_queue}
-        if len(in_free) != self.pool.num_free_blocks:
-            raise InvariantError(f"the free list holds {len(in_free)} blocks but counts {self.pool.num_free_blocks}")
-        cached = self.pool.cached_blocks
-        for block in self.pool.blocks:
-            if block is self.pool.null_block:
-                if block.ref_cnt or block.block_id in in_free or block.block_hash is not None:
-                    raise InvariantError(f"the null block is in use: {block}")
-                continue
-            refs = expected[block.block_id]
-            if block.ref_cnt != refs:
-                raise InvariantError(f"{block}: ref_cnt is {block.ref_cnt} but {refs} live request(s) hold it "
-                                     "(a leaked or lost reference)")  # fmt: skip
-            if (refs == 0) != (block.block_id in in_free):
-                where = "in" if block.block_id in in_free else "not in"
-                raise InvariantError(f"{block} is {where} the free list while {refs} live request(s) hold it")
-            if block.block_hash is not None and cached.get(block.block_hash) is not block:
-                raise InvariantError(f"{block} has a hash under which the prefix-cache map holds another block")
-        for h, block in cached.items():
-            if block.block_hash != h:
-                raise InvariantError(f"the prefix-cache map holds {block} under a hash it does not have")
+
+
+def check_pool(pool: BlockPool, expected: list[int]) -> None:
+    """check_invariants' checks of the pool, given the references live requests hold on each block."""
+    in_free = {b.block_id for b in pool.free_block_queue}
+    if len(in_free) != pool.num_free_blocks:
+        raise InvariantError(f"the free list holds {len(in_free)} blocks but counts {pool.num_free_blocks}")
+    cached = pool.cached_blocks
+    for block in pool.blocks:
+        if block is pool.null_block:
+            if block.ref_cnt or block.block_id in in_free or block.block_hash is not None:
+                raise InvariantError(f"the null block is in use: {block}")
+            continue
+        refs = expected[block.block_id]
+        if block.ref_cnt != refs:
+            raise InvariantError(f"{block}: ref_cnt is {block.ref_cnt} but {refs} live request(s) hold it "
+                                 "(a leaked or lost reference)")  # fmt: skip
+        if (refs == 0) != (block.block_id in in_free):
+            where = "in" if block.block_id in in_free else "not in"
+            raise InvariantError(f"{block} is {where} the free list while {refs} live request(s) hold it")
+        if block.block_hash is not None and cached.get(block.block_hash) is not block:
+            raise InvariantError(f"{block} has a hash under which the prefix-cache map holds another block")
+    for h, block in cached.items():
+        if block.block_hash != h:
+            raise InvariantError(f"the prefix-cache map holds {block} under a hash it does not have")
 
 
 class InvariantError(AssertionError):

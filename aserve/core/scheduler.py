@@ -20,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from aserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from aserve.core.kv_cache_manager import InvariantError, KVCacheManager
 from aserve.core.metrics import EngineStats
 from aserve.core.outputs import EngineCoreOutput, RunnerOutput
@@ -34,8 +35,9 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step
     num_new_tokens: int
-    # The request's live block-id list (no per-step copy): valid until the next schedule() allocates.
-    block_ids: list[int]
+    # The request's live block-id lists, one per group of layers (aserve/core/kv_cache_groups.py; no per-step
+    # copy): valid until the next schedule() allocates.
+    block_ids: tuple[list[int], ...]
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step (the last query tokens)
     num_draft_next: int = 0  # drafts to propose after this step (the speculative policy's choice)
     # Does this step produce a new token for the request (is its last known token computed)?
@@ -70,7 +72,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        kv_cache_manager: KVCacheManager,
+        kv_cache_manager: KVCacheManager | HybridKVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,

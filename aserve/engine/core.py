@@ -32,6 +32,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from aserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from aserve.core.kv_cache_manager import KVCacheManager, cdiv
 from aserve.core.metrics import EngineStats
 from aserve.core.outputs import EngineCoreOutput, RunnerOutput
@@ -85,6 +86,7 @@ class EngineCore:
         if config.device.type == "cpu":
             retain_freed_memory()
             cpu.load()  # compiled (first start on this machine) or loaded now, never inside a request
+        spec = config.spec_config
         runner_args = dict(
             hf_config=config.hf_config,
             model_dir=config.model_dir,
@@ -101,6 +103,10 @@ class EngineCore:
             deterministic=args.deterministic,
             quantize_lm_head=args.quantize_lm_head,
             kv_cache_dtype=args.kv_cache_dtype,
+            # A draft model keeps its own cache over the same tables: no block goes back while a request lives. A
+            # model drafter's forward reads one block table for all layers: no hybrid layout.
+            release_windows=spec is None or spec.method != "draft_model",
+            hybrid_kv=spec is None or not spec.needs_kv,
         )
         # Tensor parallelism: ranks 1..N-1 in worker processes, which build their runners alongside this one's
         self.workers = self._start_workers(runner_args) if args.tensor_parallel_size > 1 else None
@@ -120,14 +126,14 @@ class EngineCore:
         if spec is not None and spec.needs_kv:
             self.runner.drafter = ModelDrafter(self.runner, spec, args.seed)
         self.num_kv_blocks = num_blocks = self._num_kv_blocks()
-        window = self._released_window()
-        if num_blocks < self._blocks_one_request_needs(window):
+        layout = self.runner.kv_layout
+        if num_blocks < (needed := self._blocks_one_request_needs()):
             raise ValueError(
-                f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than max_model_len "
-                f"({config.max_model_len}): one long request could never run. Give the cache more memory "
-                "(gpu_memory_utilization / kv_cache_memory_gb) or lower max_model_len."
+                f"the KV cache has {num_blocks} blocks of {config.block_size} tokens, fewer than the {needed} one "
+                f"request of max_model_len ({config.max_model_len}) tokens may hold: it could never run. Give the "
+                "cache more memory (gpu_memory_utilization / kv_cache_memory_gb) or lower max_model_len."
             )
-        self.runner.allocate_kv_cache(num_blocks + int(window is not None))  # + the null block
+        self.runner.allocate_kv_cache(num_blocks + int(layout.any_sliding))  # + the null block
         if self.runner.compiled:
             self.runner.warmup()
         if config.device.type == "cuda" and not args.enforce_eager:
@@ -138,7 +144,10 @@ class EngineCore:
         self.spec_policy = self._spec_policy()
         self.stats = EngineStats()
         self.structured_output = StructuredOutputManager(config.tokenizer, config.vocab_size, config.eos_token_id)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, window)
+        if layout.hybrid:
+            self.kv_manager = HybridKVCacheManager(num_blocks, config.block_size, layout.group_windows)
+        else:
+            self.kv_manager = KVCacheManager(num_blocks, config.block_size, layout.group_windows[0])
         self.scheduler = Scheduler(
             self.kv_manager,
             args.max_num_seqs,
@@ -156,25 +165,16 @@ class EngineCore:
         self._update_seconds: float | None = None  # host seconds of the last update, and of a launch (moving average)
         self._launch_seconds = 0.0
 
-    def _released_window(self) -> int | None:
-        """The sliding window by which requests give back their oldest blocks (KVCacheManager): where every layer
-        slides by the same window, and no draft model keeps its own cache over the same block tables."""
-        spec = self.config.spec_config
-        if spec is not None and spec.method == "draft_model":
-            return None
-        windows = {layer.self_attn.attn_params.sliding_window for layer in self.runner.model.layers}
-        return windows.pop() if len(windows) == 1 else None
-
-    def _blocks_one_request_needs(self, window: int | None) -> int:
-        """The blocks one request may hold at once: its whole length, or with blocks given back behind a sliding
-        window, those of the window and of one step's tokens (drafts included), if fewer."""
+    def _blocks_one_request_needs(self) -> int:
+        """The blocks one request may hold at once, summed over the groups of layers (aserve/core/kv_cache_groups.py):
+        its whole length, or in a group that gives back blocks behind its sliding window, those of the window and
+        of one step's tokens (drafts included), if fewer."""
         config = self.config
         needed = cdiv(config.max_model_len, config.block_size)
-        if window is None:
-            return needed
         spec = config.spec_config
         step_tokens = config.max_num_batched_tokens + (spec.num_speculative_tokens if spec is not None else 0)
-        return min(needed, cdiv(window - 1 + step_tokens, config.block_size) + 1)
+        return sum(needed if window is None else min(needed, cdiv(window - 1 + step_tokens, config.block_size) + 1)
+                   for window in self.runner.kv_layout.group_windows)  # fmt: skip
 
     def _start_workers(self, runner_args: dict) -> TensorParallelWorkers:
         config, size = self.config, self.config.args.tensor_parallel_size
@@ -233,12 +233,15 @@ class EngineCore:
         if config.device.type == "cuda":
             return self.runner.profile_num_kv_blocks(args.gpu_memory_utilization)
         # CPU: a fixed budget, but no more than every sequence at full length could use.
-        useful = args.max_num_seqs * cdiv(config.max_model_len, config.block_size)
+        useful = args.max_num_seqs * cdiv(config.max_model_len, config.block_size) * self.runner.kv_layout.num_groups
         return min(_CPU_DEFAULT_KV_BYTES // per_block, useful)
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_kv_blocks * self.config.block_size
+        """Tokens the cache holds in every layer: with a hybrid layout, as many as the full-attention groups' share
+        of the blocks holds (the sliding groups hold little beside them)."""
+        windows = self.runner.kv_layout.group_windows
+        return self.num_kv_blocks * self.config.block_size // max(1, sum(w is None for w in windows))
 
     # -- requests ---------------------------------------------------------------------------------------------
 

@@ -146,6 +146,7 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma2DecoderLayer
     one_token_path = False  # the CPU one-token forward knows the Llama layer only
+    supports_kv_groups = True  # each layer reads its group's metadata and its slot of the cache (set_kv_layout)
     soft_cap = staticmethod(soft_cap)  # the final logits' (x, cap); batch_invariant's in deterministic mode
 
     def __init__(self, cfg, backend, ops, quant_config, max_position: int) -> None:
@@ -158,6 +159,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device="cpu"))
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
         self.gemma_ops = gemma_ops(ops)  # the final norm's
+        self.set_kv_layout(None)
+
+    def set_kv_layout(self, layout) -> None:
+        """Each layer's group of block tables and slot of the KV cache tensor, from `layout` (a KVCacheLayout of
+        aserve/core/kv_cache_groups.py; None: group 0, the slot of its index)."""
+        for i, layer in enumerate(self.layers):
+            layer.kv_group, layer.kv_slot = (0, i) if layout is None else (layout.layer_groups[i],
+                                                                           layout.layer_slots[i])  # fmt: skip
 
     def use_batch_invariant(self) -> None:
         self.soft_cap = batch_invariant.soft_cap
@@ -167,8 +176,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         """As LlamaForCausalLM.forward: -> hidden [T, hidden] before the final norm."""
         x = self.embed_tokens(input_ids) * self.embed_scale
         tables = self.rotary_tables(positions, x.dtype)
-        for i, layer in enumerate(self.layers[:num_layers]):
-            x = layer(tables[layer.rotary_index], x, kv_caches[i], meta)
+        metas = (meta, *meta.groups)
+        for layer in self.layers[:num_layers]:
+            x = layer(tables[layer.rotary_index], x, kv_caches[layer.kv_slot], metas[layer.kv_group])
         return x
 
     def rotary_tables(self, positions, dtype) -> tuple:

@@ -165,6 +165,9 @@ class LlamaForCausalLM(nn.Module):
 
     layer_cls = DecoderLayer
     one_token_path = True  # the CPU one-token forward (cpu_one_token.py) knows this family's layers
+    # Can the layers read different block tables (a hybrid KV layout: aserve/core/kv_cache_groups.py)? Here every
+    # layer reads meta's and the cache's slot of its index.
+    supports_kv_groups = False
 
     def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, quant_config: QuantizationConfig | None,
                  max_position: int) -> None:  # fmt: skip

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from aserve.layers.attention.backend import AttentionMetadata
+from aserve.layers.attention.backend import AttentionMetadata, split_groups
 
 logger = logging.getLogger("aserve")
 
@@ -70,13 +70,13 @@ class StepGraphs:
         dev = self.runner.buffers.device
         b, t = key
         q = t // b
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_tokens=t,
             num_decodes=b if q == 1 else 0,
-            slot_mapping=dev["slot_mapping"][:t],
+            slot_mapping=dev["slot_mapping"][:, :t],
             query_start_loc=dev["query_start_loc"][: b + 1],
             seq_lens=dev["seq_lens"][:b],
-            block_tables=dev["block_tables"][:b],
+            block_tables=dev["block_tables"][:, :b],
             query_start_loc_cpu=list(range(0, t + 1, q)),
             seq_lens_cpu=[q] * b,
             # The longest context a replay can see: the backend's per-step state (the Triton backend's split-KV
@@ -85,6 +85,7 @@ class StepGraphs:
             # Decode graphs: one token per request; verification graphs: tiles for the longest query they take.
             max_query_len=1 if q == 1 else self.max_query_len,
         )
+        return split_groups(meta)
 
     @torch.inference_mode()
     def capture(self, pool=None):
@@ -97,7 +98,7 @@ class StepGraphs:
             for b, t in sorted(self.keys, key=lambda key: (-key[1], -key[0])):
                 self.idle_inputs((b, t))
                 meta = self._meta((b, t))
-                self.backend.prepare(meta, r.block_size)
+                self.backend.prepare_groups(meta, r.block_size)
                 args = (dev["input_ids"][:t], dev["positions"][:t], meta)
                 self.forward(*args)  # warm-up: kernel compilation and autotuning stay out of the graph
                 graph = torch.cuda.CUDAGraph()
@@ -122,10 +123,10 @@ class StepGraphs:
         q = t // b
         host["input_ids"][:t] = 0
         host["positions"][:t] = [i % q for i in range(t)]
-        host["slot_mapping"][:t] = -1
+        host["slot_mapping"][:, :t] = -1
         host["seq_lens"][:b] = q
         host["query_start_loc"][: b + 1] = range(0, t + 1, q)
-        host["block_tables"][:b] = 0
+        host["block_tables"][:, :b] = 0
         for name in ("input_ids", "positions", "slot_mapping"):
             r.buffers.to_device(name, t)
         r.buffers.to_device("seq_lens", b)
@@ -139,7 +140,7 @@ class StepGraphs:
         b, t = key
         host["input_ids"][num_tokens:t] = 0
         host["positions"][num_tokens:t] = 0
-        host["slot_mapping"][num_tokens:t] = -1
+        host["slot_mapping"][:, num_tokens:t] = -1
         host["seq_lens"][num_reqs:b] = 0
         host["query_start_loc"][num_reqs + 1 : b + 1] = num_tokens
         for name in ("input_ids", "positions", "slot_mapping"):

@@ -131,12 +131,14 @@ class ModelDrafter:
         steps = np.arange(k_max)[:, None]
         positions = start[None, :] + np.minimum(steps, counts[None, :] - 1)  # [k_max, n]
         buf = r.buffers.np
-        width = max(len(sampled[i].block_ids) for i in active)
+        # One group of layers: a model drafter runs on engines whose layers share one block table
+        width = max(len(sampled[i].block_ids[0]) for i in active)
+        table = buf["block_tables"][0]
         for row, i in enumerate(active):
-            blocks = sampled[i].block_ids
-            buf["block_tables"][row, : len(blocks)] = blocks
+            blocks = sampled[i].block_ids[0]
+            table[row, : len(blocks)] = blocks
         bs = r.block_size
-        blocks_of = buf["block_tables"][np.arange(n)[None, :], positions // bs].astype(np.int64)
+        blocks_of = table[np.arange(n)[None, :], positions // bs].astype(np.int64)
         slots = np.where(steps < counts[None, :], blocks_of * bs + positions % bs, -1)
         # Per step: positions, slots, sequence lengths (padding rows: position 0, slot -1, length 0)
         stage = np.zeros((k_max, 3, rows), dtype=np.int64)
@@ -160,7 +162,7 @@ class ModelDrafter:
         step_probs = []
         for j in range(k_max):
             dev["positions"][:rows].copy_(stage_dev[j, 0])
-            dev["slot_mapping"][:rows].copy_(stage_dev[j, 1])
+            dev["slot_mapping"][0, :rows].copy_(stage_dev[j, 1])
             dev["seq_lens"][:rows].copy_(stage_dev[j, 2])
             if j:
                 dev["input_ids"][:n].copy_(chosen[j - 1])
@@ -191,10 +193,10 @@ class ModelDrafter:
         meta = AttentionMetadata(
             num_tokens=n,
             num_decodes=n,
-            slot_mapping=dev["slot_mapping"][:n],
+            slot_mapping=dev["slot_mapping"][0, :n],
             query_start_loc=dev["query_start_loc"][: n + 1],
             seq_lens=dev["seq_lens"][:n],
-            block_tables=dev["block_tables"][:n, :width],
+            block_tables=dev["block_tables"][0, :n, :width],
             query_start_loc_cpu=list(range(n + 1)),
             seq_lens_cpu=seq_lens.tolist(),
             max_seq_len=int(seq_lens.max()),

@@ -27,13 +27,14 @@ import time
 import numpy as np
 import torch
 
+from aserve.core.kv_cache_groups import plan_kv_groups
 from aserve.core.kv_cache_manager import cdiv
 from aserve.core.outputs import RunnerOutput, SamplerOutput
 from aserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from aserve.distributed.group import TensorParallelError, TensorParallelGroup
 from aserve.distributed.sharding import TensorParallelSharding, rank_attention_config
 from aserve.layers.attention import select_attention_backend
-from aserve.layers.attention.backend import AttentionMetadata
+from aserve.layers.attention.backend import AttentionMetadata, split_groups
 from aserve.layers.attention.backend import kv_cache_dtype as kv_cache_format
 from aserve.models.loader import build_model
 from aserve.worker import profiling
@@ -70,24 +71,30 @@ class PendingStep:
         return self._result
 
 
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, num_slots: int | None = None) -> int:
+    """Bytes of one block id: its block in each of the cache's `num_slots` slots (default: one per layer)."""
     attn = model.layers[0].self_attn
-    return 2 * len(model.layers) * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
+    num_slots = len(model.layers) if num_slots is None else num_slots
+    return 2 * num_slots * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
 
 
-def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[num_layers, 2 (K/V), num_blocks, block_size, num_kv_heads, head_dim], zeroed: padded attention reads of
-    never-written slots must see finite values."""
+def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                      num_slots: int | None = None) -> torch.Tensor:  # fmt: skip
+    """[num_slots (default: one per layer), 2 (K/V), num_blocks, block_size, num_kv_heads, head_dim], zeroed: padded
+    attention reads of never-written slots must see finite values."""
     attn = model.layers[0].self_attn
-    shape = (len(model.layers), 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+    num_slots = len(model.layers) if num_slots is None else num_slots
+    shape = (num_slots, 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class InputBuffers:
     """Host tensors for the largest step (max_num_batched_tokens tokens, max_num_seqs requests), filled by prefix each
-    step and copied to device tensors of stable addresses."""
+    step and copied to device tensors of stable addresses. Slots and block tables have one row per group of layers
+    (aserve/core/kv_cache_groups.py)."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device,
+                 num_groups: int = 1) -> None:  # fmt: skip
         pin = device.type == "cuda"
 
         def host_set() -> dict[str, torch.Tensor]:
@@ -97,10 +104,10 @@ class InputBuffers:
             return {
                 "input_ids": host(max_tokens, dtype=torch.int64),
                 "positions": host(max_tokens, dtype=torch.int64),
-                "slot_mapping": host(max_tokens, dtype=torch.int64),
+                "slot_mapping": host(num_groups, max_tokens, dtype=torch.int64),
                 "query_start_loc": host(max_reqs + 1, dtype=torch.int32),
                 "seq_lens": host(max_reqs, dtype=torch.int32),
-                "block_tables": host(max_reqs, max_blocks, dtype=torch.int32),
+                "block_tables": host(num_groups, max_reqs, max_blocks, dtype=torch.int32),
                 "logits_indices": host(max_tokens, dtype=torch.int64),
             }
 
@@ -119,9 +126,9 @@ class InputBuffers:
     def to_device(self, name: str, n: int, cols: int | None = None) -> torch.Tensor:
         src, dst = self.host[name], self.device[name]
         if cols is not None:
-            src, dst = src[:n, :cols], dst[:n, :cols]
+            src, dst = src[..., :n, :cols], dst[..., :n, :cols]
         else:
-            src, dst = src[:n], dst[:n]
+            src, dst = src[..., :n], dst[..., :n]
         if dst is not src:
             dst.copy_(src, non_blocking=True)
         return dst
@@ -148,6 +155,8 @@ class ModelRunner:
         deterministic: bool = False,
         quantize_lm_head: bool = False,
         kv_cache_dtype: str = "auto",
+        release_windows: bool = True,
+        hybrid_kv: bool = True,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -182,8 +191,14 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.load_time = time.perf_counter() - t0
         self.num_params = sum(p.numel() for p in model.parameters())
+        # Which layers share block tables (one group unless sliding and full layers interleave), chosen once here
+        windows = [layer.self_attn.attn_params.sliding_window for layer in model.layers]
+        self.kv_layout = plan_kv_groups(windows, release_windows, hybrid_kv and model.supports_kv_groups)
+        if self.kv_layout.hybrid:
+            model.set_kv_layout(self.kv_layout)
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq, device)
+        self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq, device,
+                                    self.kv_layout.num_groups)  # fmt: skip
         self.sampler = (BatchInvariantSampler if deterministic else Sampler)(device, seed)
         self.kv_caches: torch.Tensor | None = None
 
@@ -212,12 +227,13 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        own = kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
+        own = kv_bytes_per_block(self.model, self.block_size, self.kv_dtype, self.kv_layout.num_slots)
         return own + (self.drafter.kv_bytes_per_block if self.drafter is not None else 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._on_every_rank("allocate_kv_cache", num_blocks)
-        self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device,
+                                           self.kv_layout.num_slots)  # fmt: skip
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
 
@@ -353,7 +369,7 @@ class ModelRunner:
         if key is not None:
             return self.graphs.replay(layout, key, patch), None, key
         meta = self._device_meta(layout)
-        self.backend.prepare(meta, self.block_size)
+        self.backend.prepare_groups(meta, self.block_size)
         input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
         positions = self.buffers.to_device("positions", layout.num_tokens)
         if patch is not None:
@@ -428,17 +444,21 @@ class ModelRunner:
             req_of_token = np.repeat(np.arange(n), q_lens)
             positions = np.arange(num_tokens) - query_start[req_of_token] + starts[req_of_token]
         buf["positions"][:num_tokens] = positions
-        # Block tables: all requests' block ids in one scatter. Entries past a request's own blocks keep stale
-        # (valid) block ids; nothing reads them unmasked.
-        num_blocks = np.fromiter((len(s.block_ids) for s in order), np.int64, n)
+        # Block tables, per group of layers: all requests' block ids in one scatter. Entries past a request's own
+        # blocks keep stale (valid) block ids; nothing reads them unmasked. Every group holds a request's blocks up
+        # to the same length (a sliding group's first ones point at the null block).
+        num_blocks = np.fromiter((len(s.block_ids[0]) for s in order), np.int64, n)
         block_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(num_blocks, out=block_start[1:])
-        flat = np.fromiter(itertools.chain.from_iterable(s.block_ids for s in order), np.int32, int(block_start[-1]))
         rows = np.repeat(np.arange(n), num_blocks)
-        buf["block_tables"][rows, np.arange(flat.shape[0]) - block_start[rows]] = flat
+        cols = np.arange(int(block_start[-1])) - block_start[rows]
         req_of_token = np.arange(n) if num_tokens == n else np.repeat(np.arange(n), q_lens)
-        block_of_token = buf["block_tables"][req_of_token, positions // bs].astype(np.int64)
-        buf["slot_mapping"][:num_tokens] = block_of_token * bs + positions % bs
+        for g in range(self.kv_layout.num_groups):
+            table = buf["block_tables"][g]
+            table[rows, cols] = np.fromiter(itertools.chain.from_iterable(s.block_ids[g] for s in order), np.int32,
+                                            cols.shape[0])  # fmt: skip
+            block_of_token = table[req_of_token, positions // bs].astype(np.int64)
+            buf["slot_mapping"][g, :num_tokens] = block_of_token * bs + positions % bs
         seq_lens = starts + q_lens
         buf["query_start_loc"][: n + 1] = query_start
         buf["seq_lens"][:n] = seq_lens
@@ -456,7 +476,7 @@ class ModelRunner:
 
     def _device_meta(self, layout: StepLayout) -> AttentionMetadata:
         n, t = layout.num_reqs, layout.num_tokens
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_tokens=t,
             num_decodes=layout.num_decodes,
             slot_mapping=self.buffers.to_device("slot_mapping", t),
@@ -468,3 +488,4 @@ class ModelRunner:
             max_seq_len=max(layout.seq_lens),
             max_query_len=layout.max_query_len,
         )
+        return split_groups(meta)

@@ -11,7 +11,7 @@ import time
 import torch
 
 from aserve.core.kv_cache_manager import cdiv
-from aserve.layers.attention.backend import AttentionMetadata
+from aserve.layers.attention.backend import AttentionMetadata, split_groups
 
 logger = logging.getLogger("aserve")
 
@@ -31,19 +31,24 @@ def synthetic_step(runner, q_lens: list[int]) -> torch.Tensor:
         first_block += nb
         qsl.append(qsl[-1] + n)
     width = max(len(t) for t in tables)
+    # Every group of layers (aserve/core/kv_cache_groups.py) writes and reads the same blocks
+    num_groups = runner.kv_layout.num_groups
     meta = AttentionMetadata(
         num_tokens=qsl[-1],
         num_decodes=num_decodes,
-        slot_mapping=torch.tensor(slots, device=dev),
+        slot_mapping=torch.tensor([slots] * num_groups, device=dev),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
         seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+        block_tables=torch.tensor(
+            [[t + [0] * (width - len(t)) for t in tables]] * num_groups, dtype=torch.int32, device=dev
+        ),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=list(q_lens),
         max_seq_len=max(q_lens),
         max_query_len=max(q_lens),
     )
-    runner.backend.prepare(meta, bs)
+    meta = split_groups(meta)
+    runner.backend.prepare_groups(meta, bs)
     # Inputs come from the same buffers as in execute(): compiled code is specialised on their kind.
     runner.buffers.np["input_ids"][: qsl[-1]] = 0
     runner.buffers.np["positions"][: qsl[-1]] = [i for n in q_lens for i in range(n)]

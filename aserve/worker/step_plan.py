@@ -42,9 +42,9 @@ class StepPlan:
 
     def with_host(self, buffers: dict[str, np.ndarray]) -> StepPlan:
         n, t = self.layout.num_reqs, self.layout.num_tokens
-        host = {name: buffers[name][:t] for name in ("input_ids", "positions", "slot_mapping")}
+        host = {name: buffers[name][..., :t] for name in ("input_ids", "positions", "slot_mapping")}
         host["query_start_loc"], host["seq_lens"] = buffers["query_start_loc"][: n + 1], buffers["seq_lens"][:n]
-        host["block_tables"] = buffers["block_tables"][:n, : self.layout.max_blocks]
+        host["block_tables"] = buffers["block_tables"][:, :n, : self.layout.max_blocks]
         host["logits_indices"] = buffers["logits_indices"][: self.num_logits_rows]
         return StepPlan(self.layout, self.overlap, self.inflight_dst, self.inflight_src, self.num_logits_rows,
                         self.prompt_logits_rows, self.share_tokens, host)  # fmt: skip

@@ -40,7 +40,7 @@ dequantize_fp8 below.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -190,10 +190,22 @@ class AttentionMetadata:
     max_query_len: int
     # The attention backend's per-step state (its own dataclass), built once per step by its prepare() for all layers.
     state: Any = None
+    # A hybrid KV layout (aserve/core/kv_cache_groups.py): the metadata of groups 1.. of layers, this being group 0's
+    # (the same step with each group's slot_mapping, block_tables and state).
+    groups: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def split_groups(meta: AttentionMetadata) -> AttentionMetadata:
+    """`meta` with a row of slots and a block table per group of layers (slot_mapping [G, T], block_tables
+    [G, R, B]) -> group 0's metadata, with the others' in its `groups`."""
+    slots, tables = meta.slot_mapping, meta.block_tables
+    meta.slot_mapping, meta.block_tables = slots[0], tables[0]
+    meta.groups = tuple(replace(meta, slot_mapping=slots[g], block_tables=tables[g]) for g in range(1, len(slots)))
+    return meta
 
 
 class AttentionBackend(ABC):
@@ -210,6 +222,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Builds the step's state into meta.state (once per step, before the forward)."""
+
+    def prepare_groups(self, meta: AttentionMetadata, block_size: int) -> None:
+        """prepare() for the metadata of every group of layers (meta and meta.groups)."""
+        self.prepare(meta, block_size)
+        for group in meta.groups:
+            self.prepare(group, block_size)
 
     @abstractmethod
     def forward(
