@@ -102,6 +102,16 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
 
 
 @triton.jit
+def grouped_tile(pid, N, num_blocks, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program pid's (row block, column block) of a grouped GEMM: GROUP_M consecutive row blocks per column, so that
+    consecutive programs share a column of the same expert's weights (L2 reuse)."""
+    group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // group) * GROUP_M
+    rows_in_group = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (pid % group) % rows_in_group, (pid % group) // rows_in_group
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, sorted_slots_ptr,
                          block_experts_ptr, num_slots, N, K, num_blocks, stride_a, stride_be, stride_bn, stride_c,
                          stride_se, NUM_EXPERTS: tl.constexpr, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
@@ -115,13 +125,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_
     (float32, [E, rows of b]) before the epilogue, b's tiles converted to a's dtype as they load unless A_SCALED:
     a is e4m3 too (FP8 MMAs) and each accumulator row times its a row's scale a_scale[slot // ROW_DIV]. Float32
     accumulators; padding rows read row 0 and are never stored."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n  # consecutive programs share a column of the same expert's weights (L2 reuse)
-    first_m = (pid // group) * GROUP_M
-    rows_in_group = tl.minimum(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % rows_in_group
-    pid_n = (pid % group) // rows_in_group
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N, num_blocks, GROUP_M, BLOCK_N)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert >= NUM_EXPERTS:
         return

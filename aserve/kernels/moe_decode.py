@@ -27,7 +27,7 @@ import triton.language as tl
 
 from aserve.kernels import pdl
 from aserve.kernels.fused import silu_mul_rounded
-from aserve.kernels.moe_routing import select_top_k
+from aserve.kernels.moe_routing import slot_expert
 
 # Launch configurations of the two kernels: the fastest of bench/moe_decode.py --tune's grid on an H200 at the
 # Qwen3-30B-A3B shape, one token (2026-12-03: gate/up with the choice of experts 24.4 us, down and sum 13.1 us).
@@ -71,15 +71,7 @@ def _gate_up_kernel(x_ptr, logits_ptr, w_ptr, act_ptr, ids_ptr, weights_ptr, sca
     pdl.gdc_sync(USE_PDL)
     slot = tl.program_id(1)
     token = slot // TOP_K
-    cols = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + token.to(tl.int64) * stride_l + cols[None, :], mask=cols[None, :] < E,
-                     other=float("-inf")).to(tl.float32)  # fmt: skip
-    top_w, top_i = select_top_k(logits, cols < E, TOP_K, K_PAD, RENORMALIZE)
-    pick = tl.arange(0, K_PAD)[None, :] == slot % TOP_K
-    expert = tl.sum(tl.where(pick, top_i, 0))
-    if tl.program_id(0) == 0:
-        tl.store(ids_ptr + slot, expert)
-        tl.store(weights_ptr + slot, tl.sum(tl.where(pick, top_w, 0.0)))
+    expert = slot_expert(logits_ptr, ids_ptr, weights_ptr, slot, E, stride_l, TOP_K, K_PAD, RENORMALIZE, BLOCK_E)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # past N: clamped, never stored
     gate_rows = w_ptr + expert.to(tl.int64) * stride_we + rows * stride_wn

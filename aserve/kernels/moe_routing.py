@@ -42,6 +42,33 @@ def select_top_k(x, col_ok, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZ
 
 
 @triton.jit
+def slot_expert(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    slot,
+    E,
+    stride_l,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """The expert of slot s = t k + j: the j-th of token t's router logits' top_k (select_top_k). The program of the
+    first column block writes it and its routing weight to ids / weights."""
+    cols = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + (slot // TOP_K).to(tl.int64) * stride_l + cols[None, :], mask=cols[None, :] < E,
+                     other=float("-inf")).to(tl.float32)  # fmt: skip
+    top_w, top_i = select_top_k(logits, cols < E, TOP_K, K_PAD, RENORMALIZE)
+    pick = tl.arange(0, K_PAD)[None, :] == slot % TOP_K
+    expert = tl.sum(tl.where(pick, top_i, 0))
+    if tl.program_id(0) == 0:
+        tl.store(ids_ptr + slot, expert)
+        tl.store(weights_ptr + slot, tl.sum(tl.where(pick, top_w, 0.0)))
+    return expert
+
+
+@triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, ranks_ptr, counts_ptr, T, E, stride_l,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, RANKS: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip

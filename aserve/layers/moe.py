@@ -15,7 +15,9 @@ The kernel is chosen once, in process_weights_after_loading, by the weights' dev
 
     CUDA        aserve/kernels/moe.py fused_moe: routing and grouping by expert in three Triton kernels, one grouped
                 GEMM per projection (SiLU·mul in the first one's epilogue, the routing weight in the second's); a
-                few tokens (T * k <= E / 4) two kernels of aserve/kernels/moe_decode.py instead
+                few tokens (T * k <= E / 4) two kernels of aserve/kernels/moe_decode.py instead; int4 experts kept
+                packed (aserve/layers/quantization/int4_moe.py): the same two paths over packed weights,
+                aserve/kernels/moe_int4.py (the quantisation method's use_triton picks them)
     otherwise   per-expert matmuls: the tokens routed to each expert gathered, through its two projections, added
                 back weighted (in expert order, as transformers adds them); one token with bf16 experts on a CPU
                 with the C GEMV (aserve/kernels/cpu.py): its experts' projections as GEMVs
@@ -100,14 +102,22 @@ class UnquantizedMoEMethod:
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         pass
 
+    def use_triton(self, layer: FusedMoE, config: dict | None = None, fixed_order_sum: bool = False) -> None:
+        """The fused Triton kernels of aserve/kernels/moe.py on the layer (FusedMoE.use_triton)."""
+        from aserve.kernels import moe  # Triton: optional (CPU installs may lack it), imported once it is chosen
+
+        fused = functools.partial(moe.fused_moe, fixed_order_sum=True) if fixed_order_sum else moe.fused_moe
+        layer.kernel, layer.triton_moe, layer.moe_config = triton_fused, fused, config
+
 
 class FusedMoE(nn.Module):
     """The router `gate` (a linear layer, E outputs, unquantised) and the stacked experts w13, w2 (module docstring).
     `quant_config`: the checkpoint's quantisation, whose experts' method (get_moe_method, given `expert_names`: the
     checkpoint's module names of one expert's gate, up and down projections) makes w13 / w2 and prepares them after
     loading: FP8 experts (aserve/layers/quantization/fp8_moe.py) also hold w13_scale / w2_scale, AWQ / GPTQ int4
-    experts (int4_moe.py) are dequantised into w13 / w2 as they load; quantisations without a method for experts
-    are refused."""
+    experts (int4_moe.py) hold w13 / w2 packed (int32, with w13_qzeros / w13_scales and w2_qzeros / w2_scales)
+    and keep them on a GPU, dequantised to 16-bit stacks on a CPU; quantisations without a method for experts are
+    refused."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  quant_config: QuantizationConfig | None = None,
@@ -174,11 +184,9 @@ class FusedMoE(nn.Module):
 
     def use_triton(self, config: dict | None = None, fixed_order_sum: bool = False) -> None:
         """The fused Triton kernels (on a CPU: Triton's interpreter, for tests); `config`: their launch
-        configuration instead of the one chosen per call; fixed_order_sum: as fused_moe's (deterministic mode)."""
-        from aserve.kernels import moe  # Triton: optional (CPU installs may lack it), imported once it is chosen
-
-        fused = functools.partial(moe.fused_moe, fixed_order_sum=True) if fixed_order_sum else moe.fused_moe
-        self.kernel, self.triton_moe, self.moe_config = triton_fused, fused, config
+        configuration instead of the one chosen per call; fixed_order_sum: as fused_moe's (deterministic mode).
+        The experts' quantisation method sets them (packed int4 experts: their own kernels)."""
+        self.quant_method.use_triton(self, config, fixed_order_sum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(self, x, self.gate(x))

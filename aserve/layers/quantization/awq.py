@@ -99,8 +99,8 @@ class AWQConfig(QuantizationConfig):
         return AWQLinearMethod(self)
 
     def get_moe_method(self, expert_names: Sequence[str]) -> UnquantizedMoEMethod:
-        """The checkpoint's int4 experts, dequantised as they load (int4_moe.py); 16-bit where modules_to_not_convert
-        names them."""
+        """The checkpoint's int4 experts (int4_moe.py: packed, run by int4 kernels on a GPU); 16-bit where
+        modules_to_not_convert names them."""
         if not self.converts_all(expert_names, "an expert's projections"):
             return UnquantizedMoEMethod()
         return Int4MoEMethod("awq", self.group_size, expert_names=expert_names)

@@ -94,11 +94,13 @@ class GPTQConfig(QuantizationConfig):
         return GPTQLinearMethod(self)
 
     def get_moe_method(self, expert_names: Sequence[str]) -> Int4MoEMethod:
-        """4-bit experts, dequantised as they load (int4_moe.py); 8-bit experts are refused."""
+        """4-bit experts (int4_moe.py: packed, or with act order dequantised as they load); 8-bit experts are
+        refused."""
         if self.bits != 4:
             raise ValueError(f"GPTQ checkpoint with {self.bits}-bit experts: not supported (aserve runs 4-bit GPTQ "
                              "experts of mixture-of-experts models)")  # fmt: skip
-        return Int4MoEMethod("gptq", self.group_size, FORMAT_VERSIONS[self.checkpoint_format], expert_names)
+        return Int4MoEMethod("gptq", self.group_size, FORMAT_VERSIONS[self.checkpoint_format], expert_names,
+                             act_order=self.desc_act)  # fmt: skip
 
 
 def _apply_reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
