@@ -157,15 +157,22 @@ def test_int4_blocks_keep_their_experts_packed(monkeypatch, caplog, fmt, group, 
     assert moe_decode.use_decode(tokens, 2, experts) == (tokens == 1)
 
 
-def test_dummy_weights_give_packed_experts_their_groups(monkeypatch):
-    """`--load-format dummy` draws only the packed weights: the block makes up zero points and scales (weights of
-    about N(0, 0.02)) instead of computing with uninitialised ones."""
+def dummy_int4_block(monkeypatch, group_size: int) -> FusedMoE:
+    """An AWQ block loaded as `--load-format dummy` loads it where the int4 kernels would run: random packed words
+    only."""
     monkeypatch.setattr(int4_moe, "keeps_packed", lambda device: True)
-    layer = FusedMoE(4, 2, 64, 64, renormalize=True, quant_config=AWQConfig(group_size=64), expert_names=NAMES)
+    layer = FusedMoE(4, 2, 64, 64, renormalize=True, quant_config=AWQConfig(group_size=group_size), expert_names=NAMES)
     layer.to_empty(device=DEVICE)
     for w in (layer.w13, layer.w2):
         w.data.random_(-(2**31), 2**31)
     layer.process_weights_after_loading()
+    return layer
+
+
+def test_dummy_weights_give_packed_experts_their_groups(monkeypatch):
+    """`--load-format dummy` draws only the packed weights: the block makes up zero points and scales (weights of
+    about N(0, 0.02)) instead of computing with uninitialised ones."""
+    layer = dummy_int4_block(monkeypatch, group_size=64)
     w = int4_reference.dequantize(int4_moe.packed_experts(layer)[0])
     assert torch.isfinite(w).all() and 0.005 < w.std() < 0.05
 
@@ -188,10 +195,5 @@ def test_tiny_awq_mixtral_runs_packed_experts_in_the_engine(tiny_model_factory, 
 
 def test_groups_of_32_keep_their_experts_16_bit(monkeypatch):
     """Where the int4 kernels would run, groups that are not multiples of 64 are dequantised at load instead."""
-    monkeypatch.setattr(int4_moe, "keeps_packed", lambda device: True)
-    layer = FusedMoE(4, 2, 64, 64, renormalize=True, quant_config=AWQConfig(group_size=32), expert_names=NAMES)
-    layer.to_empty(device=DEVICE)
-    for w in (layer.w13, layer.w2):
-        w.data.random_(-(2**31), 2**31)
-    layer.process_weights_after_loading()
+    layer = dummy_int4_block(monkeypatch, group_size=32)
     assert layer.w13.dtype == layer.params_dtype and layer.kernel is not int4_moe.int4_fused

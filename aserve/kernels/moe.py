@@ -112,6 +112,35 @@ def grouped_tile(pid, N, num_blocks, GROUP_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def store_tile(
+    c_ptr,
+    acc,
+    acc_up,
+    weights_ptr,
+    slots,
+    valid,
+    pid_n,
+    N,
+    stride_c,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A grouped GEMM's epilogue: the tile's rows (slots; `valid`: not padding) of column block pid_n into c, as
+    silu(acc) * acc_up (GATED), times each slot's routing weight (WEIGHTED), or as they are."""
+    dtype = c_ptr.dtype.element_ty
+    if GATED:  # the projections rounded to the model's dtype, as separate GEMMs then silu_and_mul would round
+        out = silu_mul_rounded(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
+    elif WEIGHTED:
+        out = (acc * tl.load(weights_ptr + slots, mask=valid, other=0.0)[:, None]).to(dtype)
+    else:
+        out = acc.to(dtype)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_c + cols[None, :]
+    tl.store(c_ptrs, out, mask=valid[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, sorted_slots_ptr,
                          block_experts_ptr, num_slots, N, K, num_blocks, stride_a, stride_be, stride_bn, stride_c,
                          stride_se, NUM_EXPERTS: tl.constexpr, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
@@ -176,16 +205,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_
         acc = acc * a_scales
         if GATED:
             acc_up = acc_up * a_scales
-    dtype = c_ptr.dtype.element_ty
-    if GATED:  # the projections rounded to the model's dtype, as separate GEMMs then silu_and_mul would round
-        out = silu_mul_rounded(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
-    elif WEIGHTED:
-        out = (acc * tl.load(weights_ptr + slots, mask=valid, other=0.0)[:, None]).to(dtype)
-    else:
-        out = acc.to(dtype)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_c + cols[None, :]
-    tl.store(c_ptrs, out, mask=valid[:, None] & (cols < N)[None, :])
+    store_tile(c_ptr, acc, acc_up, weights_ptr, slots, valid, pid_n, N, stride_c, GATED, WEIGHTED, BLOCK_N)
 
 
 def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: dict, row_div: int, gated: bool,

@@ -88,6 +88,29 @@ def _gate_up_kernel(x_ptr, logits_ptr, w_ptr, act_ptr, ids_ptr, weights_ptr, sca
 
 
 @triton.jit
+def slot_rows(ids_ptr, token, N, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The down kernel's [K_PAD * BLOCK_N] rows of token's k slots (row r: slot j = r // BLOCK_N, output r % BLOCK_N)
+    -> (slot, used, expert, weight row): rows past TOP_K or N read a real row (clamped) and are not used."""
+    r = tl.arange(0, K_PAD * BLOCK_N)
+    j = r // BLOCK_N
+    offs_n = tl.program_id(0) * BLOCK_N + r % BLOCK_N
+    used = (j < TOP_K) & (offs_n < N)
+    slot = token * TOP_K + tl.minimum(j, TOP_K - 1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    return slot, used, expert, tl.minimum(offs_n, N - 1).to(tl.int64)
+
+
+@triton.jit
+def sum_slots(out_ptr, y, used, weights_ptr, slot, token, N, stride_out, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[token, n] = the sum over the k slots of round(weight * y) for the rows slot_rows laid out."""
+    dtype = out_ptr.dtype.element_ty
+    y = tl.where(used, (y * tl.load(weights_ptr + slot)).to(dtype).to(tl.float32), 0.0)
+    total = tl.sum(tl.reshape(y, (K_PAD, BLOCK_N)), 0)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(dtype), mask=cols < N)
+
+
+@triton.jit
 def _down_sum_kernel(act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, scale_ptr, N, K, stride_act, stride_we,
                      stride_wn, stride_out, stride_se, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                      SCALED: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -96,22 +119,12 @@ def _down_sum_kernel(act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, scale_ptr, N
     rows in one [K_PAD * BLOCK_N, BLOCK_K] tile (row r: slot j = r // BLOCK_N, output r % BLOCK_N)."""
     pdl.gdc_sync(USE_PDL)
     token = tl.program_id(1)
-    r = tl.arange(0, K_PAD * BLOCK_N)
-    j = r // BLOCK_N
-    offs_n = tl.program_id(0) * BLOCK_N + r % BLOCK_N
-    used = (j < TOP_K) & (offs_n < N)  # the other rows read a real row (clamped) and add 0
-    slot = token * TOP_K + tl.minimum(j, TOP_K - 1)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    slot, used, expert, rows = slot_rows(ids_ptr, token, N, TOP_K, K_PAD, BLOCK_N)
     y = _row_dots(act_ptr + slot.to(tl.int64) * stride_act, w_ptr + expert * stride_we + rows * stride_wn, K,
                   BLOCK_K, EVEN)  # fmt: skip
     if SCALED:
         y = y * tl.load(scale_ptr + expert * stride_se + rows)
-    dtype = out_ptr.dtype.element_ty
-    y = tl.where(used, (y * tl.load(weights_ptr + slot)).to(dtype).to(tl.float32), 0.0)
-    total = tl.sum(tl.reshape(y, (K_PAD, BLOCK_N)), 0)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(dtype), mask=cols < N)
+    sum_slots(out_ptr, y, used, weights_ptr, slot, token, N, stride_out, K_PAD, BLOCK_N)
 
 
 def _tiles(config: dict, n: int, k: int) -> tuple[dict, bool]:

@@ -32,7 +32,8 @@ import triton.language as tl
 
 from aserve.kernels import moe, moe_decode, pdl
 from aserve.kernels.fused import silu_mul_rounded
-from aserve.kernels.moe import grouped_tile
+from aserve.kernels.moe import grouped_tile, store_tile
+from aserve.kernels.moe_decode import slot_rows, sum_slots
 from aserve.kernels.moe_int4_reference import Int4Experts
 from aserve.kernels.moe_routing import slot_expert
 
@@ -116,16 +117,7 @@ def _grouped_gemm_int4_kernel(a_ptr, q_ptr, z_ptr, s_ptr, c_ptr, weights_ptr, so
                 acc_up = tl.dot(a, u, acc_up)
         a_ptrs += BLOCK_K
         q_ptrs += BLOCK_K // 2
-    dtype = c_ptr.dtype.element_ty
-    if GATED:  # the projections rounded to the model's dtype, as separate GEMMs then silu_and_mul would round
-        out = silu_mul_rounded(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
-    elif WEIGHTED:
-        out = (acc * tl.load(weights_ptr + slots, mask=valid, other=0.0)[:, None]).to(dtype)
-    else:
-        out = acc.to(dtype)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_c + cols[None, :]
-    tl.store(c_ptrs, out, mask=valid[:, None] & (cols < N)[None, :])
+    store_tile(c_ptr, acc, acc_up, weights_ptr, slots, valid, pid_n, N, stride_c, GATED, WEIGHTED, BLOCK_N)
 
 
 def _block_k(block_k: int, group_size: int) -> int:
@@ -238,20 +230,10 @@ def _down_sum_int4_kernel(act_ptr, q_ptr, z_ptr, s_ptr, out_ptr, ids_ptr, weight
     [K_PAD * BLOCK_N, BLOCK_K] tile."""
     pdl.gdc_sync(USE_PDL)
     token = tl.program_id(1)
-    r = tl.arange(0, K_PAD * BLOCK_N)
-    j = r // BLOCK_N
-    offs_n = tl.program_id(0) * BLOCK_N + r % BLOCK_N
-    used = (j < TOP_K) & (offs_n < N)  # the other rows read a real row (clamped) and add 0
-    slot = token * TOP_K + tl.minimum(j, TOP_K - 1)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    slot, used, expert, rows = slot_rows(ids_ptr, token, N, TOP_K, K_PAD, BLOCK_N)
     y = _int4_row_dots(act_ptr + slot.to(tl.int64) * stride_act, q_ptr + expert * stride_qe + rows * stride_qn,
                        expert * stride_ze + rows * stride_zn, z_ptr, s_ptr, K, GROUP, BLOCK_K, TILE_G)  # fmt: skip
-    dtype = out_ptr.dtype.element_ty
-    y = tl.where(used, (y * tl.load(weights_ptr + slot)).to(dtype).to(tl.float32), 0.0)
-    total = tl.sum(tl.reshape(y, (K_PAD, BLOCK_N)), 0)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(dtype), mask=cols < N)
+    sum_slots(out_ptr, y, used, weights_ptr, slot, token, N, stride_out, K_PAD, BLOCK_N)
 
 
 def _decode_tiles(config: dict, n: int, k: int, group_size: int) -> dict:
