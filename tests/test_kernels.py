@@ -9,6 +9,7 @@ from aserve.kernels import reference
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import qkv_kv_views
 from aserve.kernels.paged_attention import paged_attention
+from aserve.kernels.split_kv import attention_counters
 from aserve.layers.attention.backend import write_kv_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,6 +127,20 @@ def test_paged_attention_head_dims_fp16(head_dim):
 def test_split_kv_segments_match(case):
     out, ref = run_case(case, (8, 2), 32, torch.float32, num_segments=4)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_split_kv_counters_are_left_at_zero_for_the_next_launch():
+    """The last segment of each tile combines and resets the tile's counter: launches that share counters (every
+    layer of a CUDA-graph replay) give the same output every time, with more segments than some rows see keys for."""
+    q, k, v, kv_cache, meta = random_batch([1, 1, 1], [3, 60, 140], 8, 2, 32, 16, 64, torch.float32, device=DEVICE)
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    ref = reference.paged_attention(q, kv_cache, meta, 16)
+    counters = attention_counters(16, 2, DEVICE)
+    for _ in range(3):
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, 1,
+                              num_segments=8, counters=counters)  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert not counters.any()
 
 
 def test_cache_write_matches_reference_and_skips_padding():

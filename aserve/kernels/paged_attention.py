@@ -22,8 +22,8 @@ read; tiles that some rows see in part are masked. Soft-capping replaces each sc
 softcap * tanh(s / softcap) (SOFTCAP, compiled in only where a layer asks for it).
 
 Split-KV (flash-decoding): with NUM_SEGMENTS > 1 the keys of a tile row are divided among NUM_SEGMENTS programs
-that write partial (acc, max, sum) results; a second kernel combines them. This fills the GPU when a few long
-sequences decode.
+that write partial (acc, max, sum) results; the last of them to finish combines them (aserve/kernels/split_kv.py).
+This fills the GPU when a few long sequences decode.
 
 FP8 KV caches (float8_e4m3fn pages): tiles convert to q's dtype as they load; the per-tensor k_scale folds into the
 softmax scale and v_scale into the output. Such a cache is read whole from the pages (no k_new / v_new). With bf16
@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from aserve.kernels import pdl
+from aserve.kernels.split_kv import attention_counters, store_or_combine
 
 # Queries up to this long (decodes, speculative verification) get decode-sized tiles (tile_config); the attention
 # backend splits their keys (split-KV) as it does a decode's.
@@ -224,6 +225,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     part_acc_ptr,
     part_stats_ptr,
+    counters_ptr,
     k_new_ptr,
     v_new_ptr,
     scale_log2,
@@ -329,6 +331,7 @@ def _paged_attention_kernel(
             v_cache_ptr, kv_head, scale_log2, window, softcap_log2, stride_c_blk, stride_c_tok, stride_c_head, offs_n,
             offs_d, d_ok, BLOCK_SIZE, TILE_N, IEEE, EVEN_D, ACC_DOT, False, SOFTCAP,
         )  # fmt: skip
+        num_active = tl.cdiv(hi, tl.maximum(tiles_per_segment, 1)).to(tl.int32)  # segments that see keys
 
     acc = acc * v_scale
     if NUM_SEGMENTS == 1:
@@ -339,49 +342,11 @@ def _paged_attention_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        # partials: acc [T, H, S, HEAD_DIM_PAD], stats [T, H, S, 2] (max, sum)
-        base = (q_rows * NUM_HEADS + head) * NUM_SEGMENTS + segment
-        tl.store(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_stats_ptr + base * 2, m_i, mask=row_ok)
-        tl.store(part_stats_ptr + base * 2 + 1, l_i, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_seqs"])
-def _combine_segments_kernel(
-    out_ptr,
-    part_acc_ptr,
-    part_stats_ptr,
-    query_start_loc_ptr,
-    num_seqs,
-    stride_o_tok,
-    stride_o_head,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl.gdc_sync(USE_PDL)
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if tok >= tl.load(query_start_loc_ptr + num_seqs):
-        return  # padding (CUDA-graph bucket larger than the batch)
-    offs_s = tl.arange(0, NUM_SEGMENTS)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    base = (tok * NUM_HEADS + head) * NUM_SEGMENTS + offs_s
-    m = tl.load(part_stats_ptr + base * 2)
-    sums = tl.load(part_stats_ptr + base * 2 + 1)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_max)  # segments that saw no keys have m = -inf: weight 0
-    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-    total = tl.sum(sums * w, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
+        store_or_combine(
+            acc, m_i, l_i, segment, num_active, counters_ptr + q_block * tl.num_programs(1) + kv_head, out_ptr,
+            part_acc_ptr, part_stats_ptr, q_rows, head, row_ok, offs_d, d_ok, stride_o_tok, stride_o_head, NUM_HEADS,
+            HEAD_DIM_PAD, NUM_SEGMENTS,
+        )  # fmt: skip
 
 
 _NO_WINDOW = 1 << 30  # the window of full attention: longer than any sequence
@@ -426,6 +391,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_segments: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    counters: torch.Tensor | None = None,
     scale: float | None = None,
     config: dict | None = None,
     k_new: torch.Tensor | None = None,
@@ -437,7 +403,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every query token to its request's paged K/V (which must already hold the step's new
     tokens). `max_query_len` only picks the tile shape (any upper bound works). With num_segments > 1 (split-KV),
-    `partials` may pass preallocated buffers (CUDA graphs): acc [T, H, S, Dpad] and stats [T, H, S, 2], float32.
+    `partials` may pass preallocated buffers (CUDA graphs): acc [T, H, S, Dpad] and stats [T, H, S, 2], float32,
+    and `counters` the split's (split_kv.attention_counters for at least the launch's q blocks).
     `config` overrides tile_config (BLOCK_M, TILE_N, num_warps, num_stages, REVERSE: q blocks in reverse order,
     ACC_DOT: the rescaled accumulator as the P @ V MMA's addend), for tuning.
     `k_new` / `v_new` ([T, Hkv, D] views with equal strides, last one 1; e.g. slices of the fused qkv rows): the
@@ -468,8 +435,12 @@ def paged_attention(
                 torch.empty(num_tokens, num_heads, num_segments, 2, dtype=torch.float32, device=q.device),
             )
         part_acc, part_stats = partials
+        if counters is None:
+            counters = attention_counters(num_q_blocks, num_kv_heads, q.device)
+        assert counters.dtype == torch.int32 and counters.numel() >= num_q_blocks * num_kv_heads
     else:
         part_acc = part_stats = out  # unused
+        counters = seq_lens  # unused
     fp16_dot = cfg.get("FP16_DOT", FP8_FP16_DOT) and fp8_cache and q.dtype == torch.bfloat16
     new_kv = k_new is not None
     if new_kv:
@@ -479,7 +450,7 @@ def paged_attention(
     else:
         k_new = v_new = k_cache  # unused
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_acc, part_stats, k_new, v_new,
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_acc, part_stats, counters, k_new, v_new,
         scale * k_scale * 1.4426950408889634, sliding_window or _NO_WINDOW, (softcap or 1.0) * 1.4426950408889634,
         v_scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -491,10 +462,4 @@ def paged_attention(
         NEW_KV=new_kv, SOFTCAP=softcap is not None, USE_PDL=pdl.ENABLED, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], FP16_DOT=fp16_dot, **pdl.launch_kwargs(),
     )  # fmt: skip
-    if num_segments > 1:
-        _combine_segments_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_stats, query_start_loc, num_seqs, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
-            USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
-        )  # fmt: skip
     return out

@@ -12,6 +12,7 @@ import torch
 from aserve.kernels.cache_write import write_kv
 from aserve.kernels.fused import rotary_split
 from aserve.kernels.paged_attention import SHORT_QUERY_LEN, paged_attention
+from aserve.kernels.split_kv import attention_counters
 from aserve.layers.attention.backend import (
     AUTO,
     FULL_ATTENTION,
@@ -71,6 +72,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._partial_rows = n = max_num_seqs * num_heads * _MAX_SEGMENTS
         self.part_acc = torch.empty(n * self.head_dim_pad, dtype=torch.float32, device=device)
         self.part_stats = torch.empty(n * 2, dtype=torch.float32, device=device)
+        # Their counters: a split step has at most _MAX_SEGMENTS / 2 tokens a request (segments_for), so at most
+        # (_MAX_SEGMENTS / 2 + 1) q blocks a request (paged_attention's grid).
+        self.counters = attention_counters(max_num_seqs * (_MAX_SEGMENTS // 2 + 1), num_kv_heads, device)
 
     def segments_for(self, meta: AttentionMetadata, max_seq_len: int) -> int:
         segments = num_kv_segments(meta.num_reqs, self.num_kv_heads, max_seq_len, self.num_sms)
@@ -126,7 +130,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, num_segments=segments, partials=partials, scale=params.scale,
+            meta.max_query_len, num_segments=segments, partials=partials, counters=self.counters, scale=params.scale,
             k_new=k_new if segments == 1 else None, v_new=v_new if segments == 1 else None,
             sliding_window=params.sliding_window, softcap=params.softcap, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
