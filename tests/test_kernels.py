@@ -204,6 +204,22 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     got = fused.qk_norm_(qk.clone(), qw, kw, 1e-6, 4, 2, 16)
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(got[:, 6 * 16 :], qk[:, 6 * 16 :])  # v untouched
+    # Qwen3's q/k norm inside the rotary kernel = qk_norm_, then rotary (also into a cache, keeping k)
+    qkv_n = qkv * 3
+    hw = [torch.rand(D, generator=gen).to(DEVICE, dtype) + 0.5 for _ in range(2)]
+    normed = fused.qk_norm_(qkv_n.clone(), *hw, 1e-6, H, Hkv, D)
+    for got, want in zip(fused.rotary_split(qkv_n, cos, sin, H, Hkv, D, qk_norm=(*hw, 1e-6)),
+                         fused.rotary_split(normed, cos, sin, H, Hkv, D)):  # fmt: skip
+        torch.testing.assert_close(got, want, **tol)
+    want_q, want_k, _ = fused.rotary_split(normed, cos, sin, H, Hkv, D)
+    caches.zero_()
+    qkv_kept = qkv_n.clone()
+    q, k_kept, v_kept = fused.rotary_split(qkv_kept, cos, sin, H, Hkv, D, cache=(caches[0], caches[1], slots),
+                                           keep_k=True, qk_norm=(*hw, 1e-6))  # fmt: skip
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k_kept, want_k, **tol)
+    torch.testing.assert_close(v_kept, qkv_n[:, (H + Hkv) * D :].view(-1, Hkv, D))
+    torch.testing.assert_close(caches[0].view(-1, Hkv, D)[slots[slots >= 0]], want_k[slots >= 0], **tol)
 
 
 @pytest.mark.parametrize("bias", [False, True])

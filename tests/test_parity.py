@@ -163,6 +163,8 @@ def test_gpu_decode_kernels_parity(references, monkeypatch, variant):
     llm = LLM(path, dtype="float32", enforce_eager=True, attention_backend="triton", max_num_seqs=1)
     model = llm.engine.core.runner.model
     assert model.ops.kind == "triton" and all(layer.self_attn.rotates_into_cache for layer in model.layers)
+    if variant == "qwen3":  # q/k norm inside the rotary kernel
+        assert all(layer.self_attn.norm_in_rotary for layer in model.layers)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for m in linears:  # the GPU's choice for 16-bit weights, with small tiles (the CPU's oneDNN copy: dropped)
         m.quant_method.use_triton_gemv(m, dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),

@@ -61,6 +61,7 @@ def _rotary_split_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
     WRITE_CACHE: tl.constexpr, slot_ptr, stride_c_slot, KEEP_K: tl.constexpr, k_scale, v_scale, QUANT: tl.constexpr,
+    qw_ptr, kw_ptr, eps, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     pdl.gdc_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -80,10 +81,16 @@ def _rotary_split_kernel(
     row = qkv_ptr + tok * stride_qkv + h[:, None] * HEAD_DIM
     x1 = tl.load(row + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(row + HALF + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+    is_q = h < NUM_HEADS
+    if QK_NORM:  # each q and k head RMS-normalised first, rounded as qk_norm_ rounds it
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.where(is_q[:, None], tl.load(qw_ptr + j)[None, :], tl.load(kw_ptr + j)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q[:, None], tl.load(qw_ptr + HALF + j)[None, :], tl.load(kw_ptr + HALF + j)[None, :])
+        x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * r).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
     # x * cos + rotate_half(x) * sin, each product rounded like HF's
     o1 = ((x1 * c[None, :]).to(dtype).to(tl.float32) + (-x2 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((x2 * c[None, :]).to(dtype).to(tl.float32) + (x1 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
-    is_q = h < NUM_HEADS
     q_off = tok * NUM_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + j[None, :]
     tl.store(q_ptr + q_off, o1, mask=is_q[:, None])
     tl.store(q_ptr + q_off + HALF, o2, mask=is_q[:, None])
@@ -115,13 +122,14 @@ def qkv_kv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
 
 
 def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int, cache=None, keep_k: bool = False,
-                 kv_scales: tuple[float, float] = (1.0, 1.0)):  # fmt: skip
+                 kv_scales: tuple[float, float] = (1.0, 1.0), qk_norm: tuple | None = None):  # fmt: skip
     """qkv [T, (H + 2 Hkv) D], cos / sin [T, 1, D] (model dtype) -> q [T, H, D], k, v [T, Hkv, D].
     With cache = (k_cache, v_cache, slot_mapping) ([num_blocks, block_size, Hkv, D] each): k and v are written
     into their cache slots instead (aserve/kernels/cache_write.py's job, fused; negative slots write nothing) -> q.
     keep_k (with cache): the rotated k is also written back over qkv's k columns -> (q, k, v) with k and v views
     of qkv (qkv_kv_views: the step's rotated keys and values, for paged_attention's k_new / v_new). An FP8 cache
-    (float8_e4m3fn) gets k / k_scale and v / v_scale (kv_scales), clamped to +-448 and rounded."""
+    (float8_e4m3fn) gets k / k_scale and v / v_scale (kv_scales), clamped to +-448 and rounded. qk_norm = (q_weight,
+    k_weight, eps): each q and k head RMS-normalised before rotary, as qk_norm_ would (Qwen3), in the same launch."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if cache is None:
@@ -140,7 +148,8 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), HALF=head_dim // 2, USE_PDL=pdl.ENABLED,
         WRITE_CACHE=cache is not None, slot_ptr=slots, stride_c_slot=stride_slot, KEEP_K=keep_k,
         k_scale=kv_scales[0], v_scale=kv_scales[1], QUANT=k.dtype != q.dtype,
-        **pdl.launch_kwargs(),
+        qw_ptr=qk_norm[0] if qk_norm else q, kw_ptr=qk_norm[1] if qk_norm else q, eps=qk_norm[2] if qk_norm else 0.0,
+        QK_NORM=qk_norm is not None, **pdl.launch_kwargs(),
     )  # fmt: skip
     if cache is None:
         return q, k, v

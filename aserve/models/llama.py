@@ -81,11 +81,13 @@ class Attention(nn.Module):
     def forward(self, rotary_cos_sin, x, kv_cache, meta: AttentionMetadata):
         return self.attend(rotary_cos_sin, self.qkv_proj(x), kv_cache, meta)
 
-    def attend(self, rotary_cos_sin, qkv, kv_cache, meta: AttentionMetadata):
-        """The fused q/k/v projection's output [T, (H + 2 Hkv) D] -> rotary, cache write, attention, o_proj."""
+    def attend(self, rotary_cos_sin, qkv, kv_cache, meta: AttentionMetadata, **rotate_kwargs):
+        """The fused q/k/v projection's output [T, (H + 2 Hkv) D] -> rotary, cache write, attention, o_proj.
+        rotate_kwargs: what the backend's rotate_and_write takes beyond the rest (qk_norm where it fuses_qk_norm)."""
         if self.rotates_into_cache:
-            q, k_new, v_new = self.backend.rotate_and_write(qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads,
-                                                            self.head_dim, self.attn_params)  # fmt: skip
+            q, k_new, v_new = self.backend.rotate_and_write(
+                qkv, *rotary_cos_sin, kv_cache, meta, self.num_heads, self.head_dim, self.attn_params, **rotate_kwargs
+            )
             out = self.backend.attend(q, k_new, v_new, kv_cache, meta, self.attn_params)
         else:
             q, k, v = self.ops.split_rotate_qkv(qkv, *rotary_cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)

@@ -215,6 +215,9 @@ class AttentionBackend(ABC):
     # and the cache write in one pass (a Triton kernel: the model uses it where its element-wise ops are Triton's
     # too), and attend(q, k_new, v_new, kv_cache, meta, params) then computes attention.
     writes_rotated_kv = False
+    # True (with writes_rotated_kv): rotate_and_write(..., qk_norm=(q_weight, k_weight, eps)) RMS-normalises each q and
+    # k head before rotary in the same pass (Qwen3's q/k norm, one launch fewer a layer).
+    fuses_qk_norm = False
     # True: prepare() reads nothing per step on the host that a replay would need afresh, so decode steps can be
     # captured in CUDA graphs (aserve/worker/cuda_graphs.py) and replayed with other inputs.
     supports_cuda_graphs = False

@@ -57,6 +57,7 @@ def _never(meta: AttentionMetadata) -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     writes_rotated_kv = True
+    fuses_qk_norm = True
     supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, device,
@@ -98,17 +99,18 @@ class TritonAttentionBackend(AttentionBackend):
         return state.window_segments[window]
 
     def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int,
-                         params: AttentionParams = FULL_ATTENTION):  # fmt: skip
+                         params: AttentionParams = FULL_ATTENTION, qk_norm: tuple | None = None):  # fmt: skip
         """Rotary on q and k, and k / v written into the cache, in one kernel (aserve/kernels/fused.py) -> (q [T, H, D],
         k_new, v_new) for attend(). Steps with multi-token queries also get the rotated k back in qkv, and
         k_new / v_new are views of qkv's columns (attention reads the step's own keys from there, faster than
-        from the pages); decode steps get None (and keep to what a CUDA graph captures)."""
+        from the pages); decode steps get None (and keep to what a CUDA graph captures). qk_norm: fuses_qk_norm."""
         cache, scales = (kv_cache[0], kv_cache[1], meta.slot_mapping), self.kv.scales(params)
         if not self.reads_new_kv(meta):
-            q = rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, kv_scales=scales)
+            q = rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, kv_scales=scales,
+                             qk_norm=qk_norm)  # fmt: skip
             return q, None, None
         return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, keep_k=True,
-                            kv_scales=scales)  # fmt: skip
+                            kv_scales=scales, qk_norm=qk_norm)  # fmt: skip
 
     def forward(self, q, k, v, kv_cache, meta, params: AttentionParams = FULL_ATTENTION):
         write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, *self.kv.scales(params))
