@@ -2,6 +2,7 @@
 measured alone and then beside clients that open streams with a tiny receive window and never read them.
 
     python bench/reliability_slow_readers.py [--clients 16] [--stuck 32] [--requests 96] [--stream-buffer 65536]
+        [--model M] [--load-format dummy] [--dtype D] [--kv-cache-memory-gb 1]
 
 Phase 1 (alone): --clients closed-loop clients run --requests streaming completions (128 token-id prompt tokens, 128
 generated, greedy, EOS ignored) and their output tok/s is measured. Phase 2 (beside stuck clients): --stuck raw
@@ -88,8 +89,9 @@ async def run(args) -> dict:
     old = os.environ.copy()
     os.environ.update(env)
     model = ["--model", args.model] if args.model else []
+    model += ["--load-format", args.load_format, "--dtype", args.dtype]
     proc, url = start_server(*model, "--no-debug-invariants", "--max-num-seqs", str(args.clients + args.stuck),
-                             "--kv-cache-memory-gb", "1", log_path=args.log)  # fmt: skip
+                             "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), log_path=args.log)  # fmt: skip
     os.environ.clear()
     os.environ.update(old)
     port = int(url.rsplit(":", 1)[1])
@@ -131,6 +133,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--stream-buffer", type=int, default=65536)
     p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights at the model's shape)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--log", default=os.devnull, help="the server's output")
     args = p.parse_args()
     result = asyncio.run(run(args))
