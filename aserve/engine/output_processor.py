@@ -328,6 +328,9 @@ class OutputProcessor:
         }
         self.states: dict[str, RequestState] = {}
         self.sequence_to_state: dict[str, tuple[RequestState, int]] = {}
+        # each token's text alone (logprobs' decoded_token), decoded once per id: a request asking for 20 top
+        # logprobs would otherwise decode 21 tokens per generated token
+        self.token_texts: dict[int, str] = {}
 
     def add_request(self, request_id, prompt, prompt_token_ids, params, sequence_ids, delta: bool) -> None:
         detokenizers = [
@@ -426,7 +429,11 @@ class OutputProcessor:
         state.finish_reasons = ["error" if r is None else r for r in state.finish_reasons]
 
     def _logprob_dict(self, lp: SampledLogprobs) -> dict[int, Logprob]:
-        texts = self.tokenizer.batch_decode([[t] for t in lp.token_ids])
+        known = self.token_texts
+        missing = [t for t in lp.token_ids if t not in known]
+        if missing:
+            known.update(zip(missing, self.tokenizer.batch_decode([[t] for t in missing])))
+        texts = [known[t] for t in lp.token_ids]
         out = {lp.token_ids[0]: Logprob(lp.logprobs[0], lp.sampled_rank, texts[0])}
         for rank, (tid, value, text) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:], texts[1:]), start=1):
             out.setdefault(tid, Logprob(value, rank, text))
