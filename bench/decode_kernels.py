@@ -41,6 +41,7 @@ import gpu_bench as gb  # noqa: E402
 from aserve.kernels import pdl  # noqa: E402
 from aserve.kernels.gemv import gemv, gemv_config  # noqa: E402
 from aserve.kernels.paged_attention import paged_attention, tile_config  # noqa: E402
+from aserve.kernels.split_kv import attention_counters  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the weight
     "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
@@ -390,7 +391,8 @@ def section_sample(repeats: int) -> None:
 
 def section_fp8_attention() -> None:
     """Decode attention over an FP8 e4m3 cache (64 sequences x 4096 keys, bf16 queries): the dots in bf16 (tiles
-    converted to q's dtype) or in fp16 (FP16_DOT), by tile width and stages, vs the bf16 cache's default."""
+    converted to q's dtype) or in fp16 (FP16_DOT), by tile width, stages, warps and split-KV segments, vs the bf16
+    cache's default."""
     H, Hkv, D, bs, B, ctx = 32, 8, 128, 16, 64, 4096
     torch.manual_seed(0)
     nblk = B * ctx // bs
@@ -405,20 +407,31 @@ def section_fp8_attention() -> None:
     TABLE.append(("decode attn bf16 cache (default)", f"{2 * k16.nbytes / ms / 1e9:.2f} TB/s ({ms * 1e3:.0f} us)"))
     ref = paged_attention(q, k8, v8, tables, seq_lens, qsl, 1, config=dict(tile_config(H, Hkv, 1), FP16_DOT=True),
                           k_scale=2.0, v_scale=2.0).float()  # fmt: skip
-    for fp16, tile_n, stages in itertools.product((False, True), (32, 64, 128), (2, 3, 4)):
-        cfg = dict(tile_config(H, Hkv, 1), TILE_N=tile_n, num_stages=stages, FP16_DOT=fp16)
+    grid = [(False, tile_n, stages, 4, 1) for tile_n, stages in itertools.product((64, 128), (2, 3))]
+    grid += list(itertools.product((True,), (64, 128, 256), (2, 3, 4), (4, 8), (1, 2)))
+    for fp16, tile_n, stages, warps, segments in grid:
+        cfg = dict(tile_config(H, Hkv, 1), TILE_N=tile_n, num_stages=stages, num_warps=warps, FP16_DOT=fp16)
+        split = {}
+        if segments > 1:
+            split = dict(num_segments=segments, counters=attention_counters(B, Hkv, "cuda"), partials=(
+                torch.empty(B, H, segments, D, dtype=torch.float32, device="cuda"),
+                torch.empty(B, H, segments, 2, dtype=torch.float32, device="cuda")))  # fmt: skip
+
+        def run(cfg=cfg, split=split):
+            return paged_attention(q, k8, v8, tables, seq_lens, qsl, 1, config=cfg, k_scale=2.0, v_scale=2.0, **split)
+
         try:
-            out = paged_attention(q, k8, v8, tables, seq_lens, qsl, 1, config=cfg, k_scale=2.0, v_scale=2.0).float()
-            ms = triton.testing.do_bench(lambda cfg=cfg: paged_attention(q, k8, v8, tables, seq_lens, qsl, 1,
-                                         config=cfg, k_scale=2.0, v_scale=2.0), warmup=25, rep=100)  # fmt: skip
+            out = run().float()
+            ms = triton.testing.do_bench(run, warmup=25, rep=100)
         except Exception as e:  # noqa: BLE001 (out of shared memory)
-            print("   fp8 config failed", cfg, type(e).__name__, flush=True)
+            print("   fp8 config failed", cfg, segments, type(e).__name__, flush=True)
             continue
         rate = 2 * k8.nbytes / ms / 1e9
         err = ((out - ref).norm() / ref.norm()).item()
-        RESULTS[f"fp8 attn fp16={fp16} tile_n={tile_n} stages={stages}"] = dict(tb_s=rate, us=ms * 1e3, err=err)
+        name = f"fp16={fp16} tile_n={tile_n} stages={stages} warps={warps} segments={segments}"
+        RESULTS[f"fp8 attn {name}"] = dict(tb_s=rate, us=ms * 1e3, err=err)
         note = f"{rate:.2f} TB/s = {100 * rate / bw:.0f}% of copy ({ms * 1e3:.0f} us), vs fp16 dot {err:.1e}"
-        TABLE.append((f"decode attn fp8 cache fp16_dot={fp16} TILE_N={tile_n} stages={stages}", note))
+        TABLE.append((f"decode attn fp8 cache {name}", note))
 
 
 def main() -> None:

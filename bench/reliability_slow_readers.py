@@ -2,7 +2,7 @@
 measured alone and then beside clients that open streams with a tiny receive window and never read them.
 
     python bench/reliability_slow_readers.py [--clients 16] [--stuck 32] [--requests 96] [--stream-buffer 65536]
-        [--model M] [--load-format dummy] [--dtype D] [--kv-cache-memory-gb 1]
+        [--model M] [--load-format dummy] [--dtype D] [--kv-cache-memory-gb 1] [--again]
 
 Phase 1 (alone): --clients closed-loop clients run --requests streaming completions (128 token-id prompt tokens, 128
 generated, greedy, EOS ignored) and their output tok/s is measured. Phase 2 (beside stuck clients): --stuck raw
@@ -11,7 +11,8 @@ tokens) and never read a byte; the same normal workload then runs again. The ser
 ASERVE_STREAM_BUFFER=--stream-buffer, so each stuck stream is cut off (its request ended, KV freed) once that many bytes
 wait for it. Reports both phases' throughput and their ratio (target >= 0.95), how many stuck clients were cut off
 (aserve:http_connections_closed_total{reason="slow_client"}), and the server's gauges afterwards (nothing running,
-no KV held). Default model: the embedded SmolLM2 (--model for another).
+no KV held), and the others' tok/s in half-second bins while the stuck clients are there. --again runs phase 2
+once more beside 32 new stuck clients. Default model: the embedded SmolLM2 (--model for another).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def total(values: dict[str, float], prefix: str, contains: str = "") -> float:
     return sum(v for k, v in values.items() if k.startswith(prefix) and contains in k)
 
 
-async def normal_load(url: str, clients: int, requests: int, seed: int) -> float:
-    """Output tok/s of `requests` streaming completions over `clients` closed-loop clients."""
+async def normal_load(url: str, clients: int, requests: int, seed: int, times: list | None = None) -> float:
+    """Output tok/s of `requests` streaming completions over `clients` closed-loop clients (`times`: gets each
+    token's arrival time)."""
     queue = list(range(requests))
     tokens = 0
 
@@ -64,7 +66,10 @@ async def normal_load(url: str, clients: int, requests: int, seed: int) -> float
                 async for line in r.content:
                     if line.startswith(b"data: {"):
                         event = json.loads(line[6:])
-                        tokens += sum(1 for c in event["choices"] if c.get("text") is not None)
+                        n = sum(1 for c in event["choices"] if c.get("text") is not None)
+                        tokens += n
+                        if times is not None:
+                            times.extend([time.perf_counter()] * n)
 
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -101,7 +106,13 @@ async def run(args) -> dict:
         result["alone_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1)
         socks = [stuck_client(port, i) for i in range(args.stuck)]
         t0 = time.perf_counter()
-        result["beside_stuck_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1)
+        times: list[float] = []
+        result["beside_stuck_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1, times=times)
+        # the others' tok/s in half-second bins from the stuck clients' arrival
+        bins = [0] * (int((times[-1] - t0) / 0.5) + 1)
+        for t in times:
+            bins[int((t - t0) / 0.5)] += 1
+        result["beside_stuck_tok_s_by_half_second"] = [2 * b for b in bins]
         async with aiohttp.ClientSession() as session:
             deadline = time.monotonic() + 120
             while True:
@@ -118,6 +129,12 @@ async def run(args) -> dict:
             result["kv_usage_after"] = total(values, "aserve:kv_cache_usage_perc")
         for s in socks:
             s.close()
+        if args.again:  # the same again (the first time may pay for what the server had not yet run)
+            socks = [stuck_client(port, args.stuck + i) for i in range(args.stuck)]
+            result["again_beside_stuck_tok_s"] = round(await normal_load(url, args.clients, args.requests, seed=2), 1)
+            result["again_ratio"] = round(result["again_beside_stuck_tok_s"] / result["alone_tok_s"], 3)
+            for s in socks:
+                s.close()
         result["ratio"] = round(result["beside_stuck_tok_s"] / result["alone_tok_s"], 3)
         result["alone_tok_s"] = round(result["alone_tok_s"], 1)
         result["beside_stuck_tok_s"] = round(result["beside_stuck_tok_s"], 1)
@@ -137,6 +154,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--log", default=os.devnull, help="the server's output")
+    p.add_argument("--again", action="store_true", help="a second round beside new stuck clients")
     args = p.parse_args()
     result = asyncio.run(run(args))
     print(json.dumps(result, indent=1))
