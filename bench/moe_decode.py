@@ -46,9 +46,8 @@ def tune(x, w13, w2, logits, top_k, renormalize, scales) -> tuple[dict, dict]:
                     print(f"   {which} {cfg}: {type(e).__name__}")
                     timed[key] = (float("inf"), cfg)
 
-        # (gate/up: BLOCK_N gate and BLOCK_N up rows; down: BLOCK_N rows of each of k slots)
-        block_ns = (2, 4, 8, 16) if which == "gate_up" else (1, 2, 4, 8)
-        for bn, bk in itertools.product(block_ns, (256, 512, 1024)):
+        block_ns = (4, 8, 16) if which == "gate_up" else (1, 2, 4, 8)  # (down: BLOCK_N rows of each of k slots)
+        for bn, bk in itertools.product(block_ns, (256, 1024)):
             time(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2))
         tiles = min(timed.values(), key=lambda t: t[0])[1]
         for warps, stages in ((2, 2), (8, 2), (4, 1), (4, 3)):

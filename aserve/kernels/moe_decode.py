@@ -74,13 +74,10 @@ def _gate_up_kernel(x_ptr, logits_ptr, w_ptr, act_ptr, ids_ptr, weights_ptr, sca
     expert = slot_expert(logits_ptr, ids_ptr, weights_ptr, slot, E, stride_l, TOP_K, K_PAD, RENORMALIZE, BLOCK_E)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # past N: clamped, never stored
-    # gate and up rows interleaved in one tile (row 2 i: gate row i, 2 i + 1: up row i), so their loads are in
-    # flight together
-    r = tl.arange(0, 2 * BLOCK_N)
-    w_rows = (tl.minimum(tl.program_id(0) * BLOCK_N + r // 2, N - 1) + (r % 2) * N).to(tl.int64)
-    x_rows = x_ptr + token.to(tl.int64) * stride_x + tl.zeros([2 * BLOCK_N], dtype=tl.int64)
-    y = _row_dots(x_rows, w_ptr + expert.to(tl.int64) * stride_we + w_rows * stride_wn, K, BLOCK_K, EVEN)
-    gate, up = tl.split(tl.reshape(y, (BLOCK_N, 2)))
+    gate_rows = w_ptr + expert.to(tl.int64) * stride_we + rows * stride_wn
+    x_rows = x_ptr + token.to(tl.int64) * stride_x + tl.zeros([BLOCK_N], dtype=tl.int64)
+    gate = _row_dots(x_rows, gate_rows, K, BLOCK_K, EVEN)
+    up = _row_dots(x_rows, gate_rows + N * stride_wn, K, BLOCK_K, EVEN)
     if SCALED:
         scales = scale_ptr + expert.to(tl.int64) * stride_se + rows
         gate = gate * tl.load(scales)
