@@ -1,14 +1,11 @@
 """Batch-1 decode kernels on the GPU (Llama-3-8B shapes, bf16), in one command:
 
     PYTHONPATH=. python bench/decode_kernels.py --out DIR [--sections gemv,pdl,prefill,e2e] [--quick]
-        [--arch llama3-8b|qwen3-30b-a3b]
 
 pdl      the default GEMV per shape back to back in a CUDA graph, programmatic dependent launch off / on.
 gemv     M = 1 linears: aserve/kernels/gemv.py (a sweep of launch configurations) vs cuBLAS (F.linear), each timed
          inside a CUDA graph that cycles through enough weight copies (>= 256 MB) that L2 holds none of them; GB/s of
-         weight bytes read. --arch: whose linears' shapes (qwen3-30b-a3b: qkv, o, the router, lm_head); writes the
-         shapes whose best configuration beats the default by 3 % or more to gemv_configs.json under --out, in the
-         form of aserve/kernels/gemv.py GEMV_CONFIGS (bench/gpu_bench.py --gemv-configs reads it).
+         weight bytes read.
 prefill  prefill attention, one 4096-token causal prompt: kernel variants (keys gathered from the pages or the
          prompt's own K/V read from qkv rows as the engine does; stages) vs torch SDPA (flash), alternating, best
          of 3 each.
@@ -49,12 +46,6 @@ from aserve.kernels.split_kv import attention_counters  # noqa: E402
 SHAPES = {  # name: (N, K) of the weight
     "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
 }  # fmt: skip
-# arch -> ({name: (N, K)}, {name: calls per decode step})
-ARCH_SHAPES = {
-    "llama3-8b": (SHAPES, {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}),
-    "qwen3-30b-a3b": ({"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)},
-                      {"qkv": 48, "o": 48, "router": 48, "lm_head": 1}),
-}  # fmt: skip
 TABLE: list[tuple[str, str]] = []
 RESULTS: dict = {}
 
@@ -94,28 +85,18 @@ def shape_case(n: int, k: int):
     return nbytes, weights, torch.randn(1, k, device="cuda", dtype=torch.bfloat16), max(copies, 16)
 
 
-def section_gemv(quick: bool, arch: str, out_dir: str) -> None:
-    if arch == "llama3-8b":
-        configs = [
-            dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-            for bn in ((8, 16) if quick else (4, 8, 16, 32))
-            for bk in ((512,) if quick else (256, 512, 1024))
-            for w in (4, 8)
-            for s in ((2,) if quick else (1, 2, 3))
-        ]
-    else:  # narrower shapes: row blocks down to one row, K tiles up to a whole 2048-wide row
-        configs = [
-            dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-            for bn in (1, 2, 4, 8, 16)
-            for bk in (512, 1024, 2048)
-            for w in (4, 8)
-            for s in (2, 3)
-        ]
+def section_gemv(quick: bool) -> None:
+    configs = [
+        dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+        for bn in ((8, 16) if quick else (4, 8, 16, 32))
+        for bk in ((512,) if quick else (256, 512, 1024))
+        for w in (4, 8)
+        for s in ((2,) if quick else (1, 2, 3))
+    ]
     totals = {"cublas": 0.0, "gemv_default": 0.0, "gemv_best": 0.0}
     per_config_total: dict[str, float] = {}
-    shapes, weight = ARCH_SHAPES[arch]  # weight: calls per decode step
-    tuned = []
-    for name, (n, k) in shapes.items():
+    weight = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}  # calls per decode step
+    for name, (n, k) in SHAPES.items():
         nbytes, weights, x, calls = shape_case(n, k)
         ref = F.linear(x, weights[0]).float()
         t_cublas = graph_us(lambda w: F.linear(x, w), weights, calls)
@@ -138,8 +119,6 @@ def section_gemv(quick: bool, arch: str, out_dir: str) -> None:
         totals["cublas"] += t_cublas * weight[name]
         totals["gemv_default"] += t_default * weight[name]
         totals["gemv_best"] += rows[0][0] * weight[name]
-        if rows[0][0] < 0.97 * t_default:
-            tuned.append([n, k, False, rows[0][1]])
         RESULTS[f"gemv_{name}"] = dict(cublas_us=t_cublas, default_us=t_default, best=rows[:5])
         gbps = lambda us: nbytes / us / 1e3  # noqa: E731
         print(f"{name} [{n}x{k}]: cuBLAS {t_cublas:.2f} us ({gbps(t_cublas):.0f} GB/s); default {t_default:.2f} us "
@@ -152,8 +131,6 @@ def section_gemv(quick: bool, arch: str, out_dir: str) -> None:
                       f"{gbps(t_default):.0f} / {gbps(rows[0][0]):.0f} GB/s)"))  # fmt: skip
         del weights
         torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "gemv_configs.json"), "w") as f:
-        json.dump(tuned, f)
     best_one = min(per_config_total.items(), key=lambda kv: kv[1])
     RESULTS["gemv_step_totals_us"] = totals
     RESULTS["gemv_best_single_config"] = best_one
@@ -436,7 +413,7 @@ def section_fp8_attention() -> None:
         cfg = dict(tile_config(H, Hkv, 1), TILE_N=tile_n, num_stages=stages, num_warps=warps, FP16_DOT=fp16)
         split = {}
         if segments > 1:
-            split = dict(num_segments=segments, counters=attention_counters(2 * B, Hkv, "cuda"), partials=(
+            split = dict(num_segments=segments, counters=attention_counters(B, Hkv, "cuda"), partials=(
                 torch.empty(B, H, segments, D, dtype=torch.float32, device="cuda"),
                 torch.empty(B, H, segments, 2, dtype=torch.float32, device="cuda")))  # fmt: skip
 
@@ -463,15 +440,14 @@ def main() -> None:
     p.add_argument("--sections", default="gemv,pdl,prefill,e2e")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--arch", default="llama3-8b", choices=list(ARCH_SHAPES), help="the gemv section's shapes")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     for section in args.sections.split(","):
         t0 = time.perf_counter()
         try:
-            {"gemv": lambda: section_gemv(args.quick, args.arch, args.out), "pdl": section_pdl,
-             "prefill": section_prefill, "silu": section_silu, "sample": lambda: section_sample(args.repeats),
+            {"gemv": lambda: section_gemv(args.quick), "pdl": section_pdl, "prefill": section_prefill,
+             "silu": section_silu, "sample": lambda: section_sample(args.repeats),
              "fp8_attention": section_fp8_attention, "e2e": lambda: section_e2e(args.repeats)}[section]()  # fmt: skip
         except Exception as e:  # noqa: BLE001
             import traceback

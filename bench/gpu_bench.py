@@ -2,7 +2,7 @@
 
     python bench/gpu_bench.py --out DIR [--sections ceilings,kernels,prefill,parity,decode,throughput,hf]
         [--arch qwen3-8b|qwen3-30b-a3b|gemma3-12b] [--quantization fp8|int8] [--kv-cache-dtype fp8]
-        [--quantize-lm-head] [--gemv-configs FILE]
+        [--quantize-lm-head]
 
 ceilings    device-to-device copy bandwidth and bf16 matmul rate (the two roofs everything is judged against)
 kernels     decode attention (batch 64, 4096-token contexts; bf16 and FP8 e4m3 caches) vs copy bandwidth
@@ -460,22 +460,11 @@ def main() -> None:
     p.add_argument("--quantization", default=None, help="decode / throughput with this method (fp8, int8)")
     p.add_argument("--kv-cache-dtype", default="auto", help="decode / throughput with this KV cache (auto, fp8)")
     p.add_argument("--quantize-lm-head", action="store_true", help="decode / throughput with a quantised lm_head")
-    p.add_argument(
-        "--gemv-configs",
-        default=None,
-        help="JSON [[N, K, silu_mul, config], ...] added to aserve/kernels/gemv.py GEMV_CONFIGS first",
-    )
     args = p.parse_args()
     if args.quantization:
         ENGINE_KW["quantization"] = args.quantization
     ENGINE_KW["kv_cache_dtype"] = args.kv_cache_dtype
     ENGINE_KW["quantize_lm_head"] = args.quantize_lm_head
-    if args.gemv_configs:
-        from aserve.kernels import gemv
-
-        with open(args.gemv_configs) as f:
-            gemv.GEMV_CONFIGS.update({(n, k, silu): cfg for n, k, silu, cfg in json.load(f)})
-        print(f"GEMV configurations: {gemv.GEMV_CONFIGS}", flush=True)
     sections = args.sections.split(",")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     root = tempfile.mkdtemp()

@@ -244,20 +244,6 @@ def test_gemv_refuses_k_without_64_multiple():
     assert gemv_config(64, 4096) is not None and gemv_config(64, 100) is None
 
 
-def test_gemv_per_shape_configurations(monkeypatch):
-    """A shape listed in GEMV_CONFIGS gets its entry (K tile narrowed as any), others and explicit configs do not."""
-    from aserve.kernels import gemv as gemv_mod
-
-    tuned = dict(BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=3)
-    monkeypatch.setitem(gemv_mod.GEMV_CONFIGS, (128, 2048, False), tuned)
-    assert gemv_mod.gemv_config(128, 2048) == tuned
-    assert gemv_mod.gemv_config(128, 2048, silu_mul=True) == gemv_mod.GEMV_CONFIG_SILU_MUL
-    assert gemv_mod.gemv_config(128, 4096) == gemv_mod.GEMV_CONFIG_FEW_ROWS
-    assert gemv_mod.gemv_config(128, 2048, dict(tuned, BLOCK_N=4))["BLOCK_N"] == 4
-    x, w = torch.randn(1, 2048, device=DEVICE), torch.randn(128, 2048, device=DEVICE)
-    torch.testing.assert_close(gemv_mod.gemv(x, w), x @ w.T, atol=1e-3, rtol=1e-3)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.bfloat16])
 def test_gemv_fused_silu_mul_matches_unfused(dtype):
     """The down projection with silu(gate) * up in its prologue = silu_and_mul then the GEMV (same rounding)."""

@@ -90,17 +90,11 @@ def _gemv_kernel(
     tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-# Per weight shape: (N, K, silu_mul) -> launch configuration, where the defaults above measured slower
-# (bench/decode_kernels.py --sections gemv --arch ... prints these entries).
-GEMV_CONFIGS: dict[tuple[int, int, bool], dict] = {}
-
-
 def gemv_config(n: int, k: int, config: dict | None = None, silu_mul: bool = False) -> dict | None:
-    """The launch configuration for an [n, k] weight (silu_mul: of the GEMV with SiLU·mul fused in): `config`, else
-    GEMV_CONFIGS' entry for the shape, else the defaults; None when the kernel does not apply (K not a multiple of
-    BLOCK_K)."""
+    """The launch configuration for an [n, k] weight (silu_mul: of the GEMV with SiLU·mul fused in), or None when
+    the kernel does not apply (K not a multiple of BLOCK_K)."""
     default = GEMV_CONFIG_SILU_MUL if silu_mul else GEMV_CONFIG_FEW_ROWS if n <= FEW_ROWS else GEMV_CONFIG
-    cfg = dict(config or GEMV_CONFIGS.get((n, k, silu_mul), default))
+    cfg = dict(config or default)
     block_k = cfg["BLOCK_K"]
     while block_k > 64 and k % block_k:
         block_k //= 2
