@@ -413,7 +413,7 @@ def section_fp8_attention() -> None:
         cfg = dict(tile_config(H, Hkv, 1), TILE_N=tile_n, num_stages=stages, num_warps=warps, FP16_DOT=fp16)
         split = {}
         if segments > 1:
-            split = dict(num_segments=segments, counters=attention_counters(B, Hkv, "cuda"), partials=(
+            split = dict(num_segments=segments, counters=attention_counters(2 * B, Hkv, "cuda"), partials=(
                 torch.empty(B, H, segments, D, dtype=torch.float32, device="cuda"),
                 torch.empty(B, H, segments, 2, dtype=torch.float32, device="cuda")))  # fmt: skip
 

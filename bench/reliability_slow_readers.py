@@ -2,7 +2,7 @@
 measured alone and then beside clients that open streams with a tiny receive window and never read them.
 
     python bench/reliability_slow_readers.py [--clients 16] [--stuck 32] [--requests 96] [--stream-buffer 65536]
-        [--model M] [--load-format dummy] [--dtype D] [--kv-cache-memory-gb 1] [--again]
+        [--model M] [--load-format dummy] [--dtype D] [--kv-cache-memory-gb 1] [--again] [--profile]
 
 Phase 1 (alone): --clients closed-loop clients run --requests streaming completions (128 token-id prompt tokens, 128
 generated, greedy, EOS ignored) and their output tok/s is measured. Phase 2 (beside stuck clients): --stuck raw
@@ -12,7 +12,8 @@ ASERVE_STREAM_BUFFER=--stream-buffer, so each stuck stream is cut off (its reque
 wait for it. Reports both phases' throughput and their ratio (target >= 0.95), how many stuck clients were cut off
 (aserve:http_connections_closed_total{reason="slow_client"}), and the server's gauges afterwards (nothing running,
 no KV held), and the others' tok/s in half-second bins while the stuck clients are there. --again runs phase 2
-once more beside 32 new stuck clients. Default model: the embedded SmolLM2 (--model for another).
+once more beside 32 new stuck clients; --profile samples the server with py-spy during the first phase 2 (as
+bench/online_vs_offline.py --profile). Default model: the embedded SmolLM2 (--model for another).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 
 import aiohttp
@@ -30,6 +32,9 @@ import aiohttp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from aserve_server import start_server, stop_server  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import online_vs_offline as ovo  # noqa: E402
 
 SLOW_CLIENT = "aserve:http_connections_closed_total"
 
@@ -104,10 +109,13 @@ async def run(args) -> dict:
     try:
         await normal_load(url, args.clients, args.clients, seed=99)  # warm-up
         result["alone_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1)
+        profiler = ovo.start_profiler(proc.pid, tempfile.mkdtemp(), 120) if args.profile else None
         socks = [stuck_client(port, i) for i in range(args.stuck)]
         t0 = time.perf_counter()
         times: list[float] = []
         result["beside_stuck_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1, times=times)
+        if profiler is not None and (raw := ovo.stop_profiler(profiler)) is not None:
+            ovo.print_profile({"pass_s": time.perf_counter() - t0, **ovo.aggregate_profile(raw)})
         # the others' tok/s in half-second bins from the stuck clients' arrival
         bins = [0] * (int((times[-1] - t0) / 0.5) + 1)
         for t in times:
@@ -155,6 +163,7 @@ def main() -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--log", default=os.devnull, help="the server's output")
     p.add_argument("--again", action="store_true", help="a second round beside new stuck clients")
+    p.add_argument("--profile", action="store_true", help="py-spy on the server during the first round beside them")
     args = p.parse_args()
     result = asyncio.run(run(args))
     print(json.dumps(result, indent=1))
