@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from aserve.engine import output_processor
-from aserve.engine.output_processor import TokenBytes
+from aserve.engine import detokenizer
+from aserve.engine.detokenizer import TokenBytes
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def way(request, tokenizer):
 
 
 def IncrementalDetokenizer(*args, **kwargs):  # noqa: N802  (the class under test, built the way `way` chose)
-    return output_processor.IncrementalDetokenizer(*args, **kwargs, token_bytes=CHOSEN["token_bytes"])
+    return detokenizer.IncrementalDetokenizer(*args, **kwargs, token_bytes=CHOSEN["token_bytes"])
 
 
 def stream(tokenizer, text, stops=(), include=False, prompt="The prompt."):
@@ -97,8 +97,8 @@ def assert_table_matches_decode(tokenizer, valid_texts, random_ids):
     prime = tokenizer.encode("The", add_special_tokens=False)[:1]
     for ids in valid_texts + random_ids:
         for skip in (True, False):
-            fast = output_processor.IncrementalDetokenizer(tokenizer, prime, [], False, skip, token_bytes=table)
-            slow = output_processor.IncrementalDetokenizer(tokenizer, prime, [], False, skip)
+            fast = detokenizer.IncrementalDetokenizer(tokenizer, prime, [], False, skip, token_bytes=table)
+            slow = detokenizer.IncrementalDetokenizer(tokenizer, prime, [], False, skip)
             for token_id in ids:
                 fast.add_token(token_id)
                 slow.add_token(token_id)
@@ -129,3 +129,14 @@ def test_wordpiece_uses_decode_stream(way):
     tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
     tok.decoder = decoders.WordPiece()
     assert TokenBytes.build(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")) is None
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_single_token_texts_match_batch_decode(tokenizer, way, clean_up, monkeypatch):
+    """Logprobs' decoded_token through the fast tokenizer's own decode_batch = transformers' batch_decode of each id
+    alone, over the whole vocabulary, with and without transformers' clean-up of spaces."""
+    if way != "table":
+        pytest.skip("independent of the detokenizing way")
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", clean_up)
+    ids = list(range(len(tokenizer)))
+    assert detokenizer.single_token_decoder(tokenizer)(ids) == tokenizer.batch_decode([[i] for i in ids])

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from aserve import LLM, SamplingParams
 from aserve.core.outputs import EngineCoreOutput
-from aserve.engine.output_processor import OutputProcessor, TokenBytes, byte_fallback_ids
+from aserve.engine.detokenizer import TokenBytes, byte_fallback_ids
+from aserve.engine.output_processor import OutputProcessor
 
 CORPUS = "The cache stores keys and values in blocks. Grüße aus Köln, 日本語 and emoji 🙂 done. " * 4
 SPECIAL = ["<unk>", "<s>", "</s>", "<end_of_turn>"]

@@ -23,8 +23,8 @@ from test_server import assert_idle, make_client, metric
 from aserve import EngineArgs, LLMEngine
 from aserve.cli import build_parser, engine_args_from
 from aserve.engine.async_engine import AsyncEngine
+from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.llm_engine import INLINE_CHARS
-from aserve.engine.output_processor import IncrementalDetokenizer
 from aserve.entrypoints.openai import responses as streaming_module
 from aserve.entrypoints.openai.server import MAX_BODY_BYTES, build_app
 
