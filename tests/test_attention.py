@@ -106,6 +106,9 @@ def test_every_backend_takes_the_calls_the_model_makes():
     for cls in classes:
         for name in ("forward", *(names if cls.writes_rotated_kv else ())):
             params = list(inspect.signature(getattr(cls, name)).parameters)
+            if name == "rotate_and_write" and cls.fuses_qk_norm:  # then the q/k norm's weights, by keyword
+                assert params[-1] == "qk_norm", (cls.__name__, params)
+                params = params[:-1]
             assert params[-1] == "params", (cls.__name__, name, params)
-        if cls.writes_rotated_kv:
-            assert len(inspect.signature(cls.rotate_and_write).parameters) == 9, cls.__name__
+            if name == "rotate_and_write":
+                assert len(params) == 9, cls.__name__
