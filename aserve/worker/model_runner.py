@@ -71,21 +71,24 @@ class PendingStep:
         return self._result
 
 
+def _cache_dims(model, num_slots: int | None) -> tuple[int, int, int]:
+    """(slots: `num_slots`, default one per layer; KV heads; head dim) of the model's KV cache."""
+    attn = model.layers[0].self_attn
+    return len(model.layers) if num_slots is None else num_slots, attn.num_kv_heads, attn.head_dim
+
+
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, num_slots: int | None = None) -> int:
     """Bytes of one block id: its block in each of the cache's `num_slots` slots (default: one per layer)."""
-    attn = model.layers[0].self_attn
-    num_slots = len(model.layers) if num_slots is None else num_slots
-    return 2 * num_slots * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
+    slots, heads, head_dim = _cache_dims(model, num_slots)
+    return 2 * slots * block_size * heads * head_dim * dtype.itemsize
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtype, device,
                       num_slots: int | None = None) -> torch.Tensor:  # fmt: skip
     """[num_slots (default: one per layer), 2 (K/V), num_blocks, block_size, num_kv_heads, head_dim], zeroed: padded
     attention reads of never-written slots must see finite values."""
-    attn = model.layers[0].self_attn
-    num_slots = len(model.layers) if num_slots is None else num_slots
-    shape = (num_slots, 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    slots, heads, head_dim = _cache_dims(model, num_slots)
+    return torch.zeros((slots, 2, num_blocks, block_size, heads, head_dim), dtype=dtype, device=device)
 
 
 class InputBuffers:
