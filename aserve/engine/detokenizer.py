@@ -268,8 +268,8 @@ def single_token_decoder(tokenizer):
     tokenizer's Rust decode, one id at a time (decode_batch's thread pool costs more than it saves on the 21 ids of
     a token with 20 top logprobs), with transformers' clean-up of spaces where the tokenizer applies it. 21 ids:
     15 us against 61 through batch_decode (SmolLM2's tokenizer, 2-core VM)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "decode"):
+    backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizers.Tokenizer, as above
+    if backend is None:
         return lambda ids: tokenizer.batch_decode([[t] for t in ids])
     decode = backend.decode
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):

@@ -56,6 +56,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
+def head_norm_rounded(x, r, w, dtype: tl.constexpr):
+    """float32 x of one head, its RMS factor r and the norm weight w -> (x * r rounded to `dtype`) * w in `dtype`: the
+    roundings of HF's Qwen3 q/k RMSNorm, shared by _qk_norm_kernel and the rotary kernel's fused norm."""
+    return ((x * r).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rotary_split_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_cos, stride_sin,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -84,10 +91,10 @@ def _rotary_split_kernel(
     is_q = h < NUM_HEADS
     if QK_NORM:  # each q and k head RMS-normalised first, rounded as qk_norm_ rounds it
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-        w1 = tl.where(is_q[:, None], tl.load(qw_ptr + j)[None, :], tl.load(kw_ptr + j)[None, :]).to(tl.float32)
+        w1 = tl.where(is_q[:, None], tl.load(qw_ptr + j)[None, :], tl.load(kw_ptr + j)[None, :])
         w2 = tl.where(is_q[:, None], tl.load(qw_ptr + HALF + j)[None, :], tl.load(kw_ptr + HALF + j)[None, :])
-        x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * r).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+        x1 = head_norm_rounded(x1, r, w1, dtype).to(tl.float32)
+        x2 = head_norm_rounded(x2, r, w2, dtype).to(tl.float32)
     # x * cos + rotate_half(x) * sin, each product rounded like HF's
     o1 = ((x1 * c[None, :]).to(dtype).to(tl.float32) + (-x2 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((x2 * c[None, :]).to(dtype).to(tl.float32) + (x1 * s[None, :]).to(dtype).to(tl.float32)).to(dtype)
@@ -132,6 +139,7 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
     k_weight, eps): each q and k head RMS-normalised before rotary, as qk_norm_ would (Qwen3), in the same launch."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q_weight, k_weight, eps = qk_norm or (q, q, 0.0)  # (without qk_norm: unused)
     if cache is None:
         k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         v = torch.empty_like(k)
@@ -148,8 +156,7 @@ def rotary_split(qkv, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim), HALF=head_dim // 2, USE_PDL=pdl.ENABLED,
         WRITE_CACHE=cache is not None, slot_ptr=slots, stride_c_slot=stride_slot, KEEP_K=keep_k,
         k_scale=kv_scales[0], v_scale=kv_scales[1], QUANT=k.dtype != q.dtype,
-        qw_ptr=qk_norm[0] if qk_norm else q, kw_ptr=qk_norm[1] if qk_norm else q, eps=qk_norm[2] if qk_norm else 0.0,
-        QK_NORM=qk_norm is not None, **pdl.launch_kwargs(),
+        qw_ptr=q_weight, kw_ptr=k_weight, eps=eps, QK_NORM=qk_norm is not None, **pdl.launch_kwargs(),
     )  # fmt: skip
     if cache is None:
         return q, k, v
@@ -218,16 +225,16 @@ def _qk_norm_kernel(
     ptr = qkv_ptr + row * stride_t + head * HEAD_DIM + d
     x = tl.load(ptr, mask=ok, other=0.0)
     xf = x.to(tl.float32)
-    y = xf * tl.rsqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)
+    r = tl.rsqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)
     if head < NUM_HEADS:
         w = tl.load(qw_ptr + d, mask=ok, other=0.0).to(tl.float32)
     else:
         w = tl.load(kw_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if ONE_PLUS_W:  # Gemma: (1 + w) in float32, one rounding at the end
-        y = y * (1.0 + w)
+        y = (xf * r * (1.0 + w)).to(x.dtype)
     else:  # rounded to the model's dtype, then times w
-        y = y.to(x.dtype).to(tl.float32) * w
-    tl.store(ptr, y.to(x.dtype), mask=ok)
+        y = head_norm_rounded(xf, r, w, x.dtype)
+    tl.store(ptr, y, mask=ok)
 
 
 def qk_norm_(qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
