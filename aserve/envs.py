@@ -27,9 +27,6 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
     ASERVE_STREAM_BUFFER  the server: how many bytes of events may wait for a streaming client that stopped reading
                           (its TCP window full) before its requests are ended and its connection closed
                           (aserve/entrypoints/openai/responses.py). Default 4 MiB.
-    ASERVE_GIL_SWITCH_US  the server: Python's thread switch interval (sys.setswitchinterval) in microseconds, set
-                          when the async engine starts: how long the event loop's thread may keep the GIL while the
-                          step thread waits for it to launch the next step. Default 0: Python's own (5,000).
 """
 
 from __future__ import annotations
@@ -49,7 +46,6 @@ if TYPE_CHECKING:
     ASERVE_GEMV: bool
     ASERVE_PDL: bool
     ASERVE_STREAM_BUFFER: int
-    ASERVE_GIL_SWITCH_US: int
 
 
 def _switch(name: str) -> Callable[[], bool]:
@@ -69,7 +65,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "ASERVE_GEMV": _switch("ASERVE_GEMV"),
     "ASERVE_PDL": _switch("ASERVE_PDL"),
     "ASERVE_STREAM_BUFFER": lambda: int(os.environ.get("ASERVE_STREAM_BUFFER", str(4 << 20))),
-    "ASERVE_GIL_SWITCH_US": lambda: int(os.environ.get("ASERVE_GIL_SWITCH_US", "0")),
 }
 
 

@@ -154,22 +154,3 @@ async def test_event_loop_runs_while_the_model_steps(engine):
     # The ticker ran while every one of the 30 outputs was being produced.
     assert set(range(len(outputs))) <= set(ticks)
     await engine.shutdown()
-
-
-def test_gil_switch_interval_from_the_environment(monkeypatch):
-    """ASERVE_GIL_SWITCH_US sets the process's thread switch interval when a serving engine starts; unset, Python's
-    own stays."""
-    import sys
-
-    from aserve.engine.async_engine import set_gil_switch_interval
-
-    before = sys.getswitchinterval()
-    try:
-        monkeypatch.delenv("ASERVE_GIL_SWITCH_US", raising=False)
-        set_gil_switch_interval()
-        assert sys.getswitchinterval() == before
-        monkeypatch.setenv("ASERVE_GIL_SWITCH_US", "500")
-        set_gil_switch_interval()
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(before)

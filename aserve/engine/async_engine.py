@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from aserve import envs
 from aserve.config import EngineArgs
 from aserve.core.structured_output import compile_error
 from aserve.engine.config import EngineConfig
@@ -140,12 +138,6 @@ class StreamGroup:
             await stream.aclose()
 
 
-def set_gil_switch_interval() -> None:
-    """ASERVE_GIL_SWITCH_US (envs.py), where set: the longest the loop's thread keeps the GIL from the step thread."""
-    if (us := envs.ASERVE_GIL_SWITCH_US) > 0:
-        sys.setswitchinterval(us / 1e6)
-
-
 class AsyncEngine:
     def __init__(
         self,
@@ -176,7 +168,6 @@ class AsyncEngine:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-step")
         engine = executor.submit(LLMEngine, args).result()
         freeze_for_serving()
-        set_gil_switch_interval()
         return cls(engine, executor=executor, **serving)
 
     @property
