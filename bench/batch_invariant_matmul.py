@@ -54,8 +54,7 @@ def check(cfg: dict, w: torch.Tensor, pool: torch.Tensor, trials: int, gen: torc
     failures = []
     n = w.shape[0]
     for m in CHECK_ROWS:
-        block_m = bim.row_tile(cfg, m)[0]
-        auto = bim.use_across(cfg, m, n, block_m)
+        auto = bim.use_across(cfg, m, n, bim.row_tile(cfg, m, n))
         modes = (None, not auto) if cfg["SPLIT_K"] > 1 else (None,)
         for _ in range(trials):
             idx = torch.randperm(POOL, generator=gen)[:m].to(pool.device)
@@ -118,7 +117,7 @@ def main() -> int:
                 us[(name, shape, m)] = graph_us(lambda wt, c=cfg: bim.matmul(x, wt, None, c), weights, calls)
             cfg = bim.config_for(n, k, dtype)
             if cfg["SPLIT_K"] > 1:
-                auto = bim.use_across(cfg, m, n, bim.row_tile(cfg, m)[0])
+                auto = bim.use_across(cfg, m, n, bim.row_tile(cfg, m, n))
                 t_auto = graph_us(lambda wt: bim.matmul(x, wt, None, cfg), weights, calls)
                 t_other = graph_us(lambda wt: bim.matmul(x, wt, None, cfg, across=not auto), weights, calls)
                 other_mode[(shape, m)] = ("across" if auto else "in-program", t_auto, t_other)

@@ -104,7 +104,7 @@ def test_triton_matmul_is_row_invariant_and_close_to_torch(dtype, n, k, bias):
     expected = x.float() @ w.float().T + (b.float() if bias else 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
-    for m in (1, 3, 64, 65):
+    for m in (1, 3, 17, 33, 64, 65):
         for start in (0, 70 - m):
             assert torch.equal(bi_matmul.matmul(x[start : start + m], w, b), y[start : start + m]), (m, start)
 
@@ -154,9 +154,43 @@ def test_split_configs_depend_on_the_weight_alone():
             cfg = make(n, k, torch.bfloat16)
             assert cfg == make(n, k, torch.bfloat16) and cfg["K_SPLIT"] % cfg["BLOCK_K"] == 0, (name, n, k)
             assert (cfg["SPLIT_K"] - 1) * cfg["K_SPLIT"] < k <= cfg["SPLIT_K"] * cfg["K_SPLIT"], (name, n, k)
-    assert bi_matmul.config_for(6144, 4096)["SPLIT_K"] == 8
-    assert bi_matmul.config_for(28672, 4096)["SPLIT_K"] == 2
-    assert bi_matmul.config_for(100, 72)["SPLIT_K"] == 1
+    assert bi_matmul.split_config(6144, 4096)["SPLIT_K"] == 8
+    assert bi_matmul.split_config(28672, 4096)["SPLIT_K"] == 2
+    assert bi_matmul.split_config(100, 72)["SPLIT_K"] == 1
+    # 16-bit weights: one K range, tiles by M; float32: the split configuration
+    assert bi_matmul.config_for(6144, 4096, torch.bfloat16)["SPLIT_K"] == 1
+    assert bi_matmul.config_for(6144, 4096, torch.float32) == bi_matmul.split_config(6144, 4096, torch.float32)
+    cfg = bi_matmul.config_for(4096, 4096, torch.bfloat16)
+    tiles = [bi_matmul.row_tile(cfg, m, 4096) for m in (1, 17, 64, 128, 256, 4096)]
+    assert [(t["BLOCK_M"], t["BLOCK_N"]) for t in tiles] == [(16, 32), (32, 32), (64, 32), (64, 32), (128, 128),
+                                                              (128, 256)]  # fmt: skip
+
+
+def test_checked_config_keeps_the_tiles_by_m_only_where_rows_keep_their_bits(monkeypatch, caplog):
+    """On the device at load: the flat configuration where a probe row gives the same bits alone and at every
+    ROW_TILES boundary; where it does not (a kernel whose result for a row changes at 65 rows), the split
+    configuration for that shape, with a warning; one check per shape."""
+    monkeypatch.setattr(bi_matmul, "_VERDICTS", {})
+    w = torch.randn(40, 72, generator=torch.Generator().manual_seed(0)).to(torch.float16).to(DEVICE)
+    assert bi_matmul.differing_row_counts(w, bi_matmul.config_for(40, 72, w.dtype)) == []
+    assert bi_matmul.checked_config(w) == bi_matmul.config_for(40, 72, w.dtype)
+
+    real = bi_matmul.matmul
+    calls = []
+
+    def drifting(x, weight, bias=None, config=None, across=None):
+        calls.append(x.shape[0])
+        y = real(x, weight, bias, config, across)
+        return y * 1.001 if x.shape[0] >= 65 and config.get("ROW_TILES") else y
+
+    monkeypatch.setattr(bi_matmul, "matmul", drifting)
+    w2 = w[:24].clone()
+    assert bi_matmul.differing_row_counts(w2, bi_matmul.config_for(24, 72, w.dtype)) == [65, 255, 256, 1023, 1024]
+    with caplog.at_level("WARNING", logger="aserve"):
+        assert bi_matmul.checked_config(w2) == bi_matmul.split_config(24, 72, w.dtype)
+    assert "[24, 72]" in caplog.text and "[65, 255, 256, 1023, 1024]" in caplog.text
+    calls.clear()
+    assert bi_matmul.checked_config(w2) == bi_matmul.split_config(24, 72, w.dtype) and calls == []
 
 
 class PagedRequests:

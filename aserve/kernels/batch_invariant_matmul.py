@@ -4,12 +4,20 @@ row-major as nn.Linear keeps it, each output element summed in one order that do
 cuBLAS picks its kernel (tile shape, split-K, stream-K) by the problem's shape, M included, and the Triton GEMV runs
 one-row inputs; each sums a row's products in another order, so a request's logits changed with the batch around it.
 
-Here every parameter that fixes an output element's order of summation comes from the weight's shape and dtype alone
-(`config_for`): the tile (BLOCK_M x BLOCK_N, BLOCK_K steps, warps) and SPLIT_K, the number of consecutive K ranges
-of K_SPLIT columns (a multiple of BLOCK_K). Each range is summed by tl.dot in BLOCK_K steps into a float32
-accumulator that starts at zero; the ranges' sums are then added in range order to a float32 total that starts at
-zero; the bias is added to the total, which is rounded to x's dtype once. That order is computed in one of two ways,
-chosen by M (which changes the speed, not the bits):
+An output element's order of summation is fixed by BLOCK_K (64) and SPLIT_K, the number of consecutive K ranges of
+K_SPLIT columns (a multiple of BLOCK_K), both from the weight's shape and dtype alone (`config_for`): each range is
+summed by tl.dot in BLOCK_K steps into a float32 accumulator that starts at zero; the ranges' sums are then added in
+range order to a float32 total that starts at zero; the bias is added to the total, which is rounded to x's dtype
+once. Two configurations:
+
+    flat (DEFAULT, 16-bit weights)   SPLIT_K 1: one accumulator and one loop over K. The tile (BLOCK_M x BLOCK_N,
+                 warps, stages) is chosen by M from FLAT_TILES: 16 x 32 tiles for a few rows, so that enough programs
+                 stream the weight without split-K, up to 128 x 256 for thousands. That holds the order only where
+                 tl.dot's sum of a row's K step does not depend on the tile around it (true of the H200's MMAs at
+                 every tile here, measured bit for bit by bench/batch_invariant_matmul.py), so the engine uses it
+                 for a weight only once `checked_config` has shown it on the device, else the split configuration
+    split (float32, and the fallback)   one BLOCK_M 64 tile for every M and SPLIT_K ranges, computed in one of two
+                 ways chosen by M (which changes the speed, not the bits):
 
     in-program   one program per output tile walks the ranges one after the other, a loop per range (the only
                  way when SPLIT_K = 1); for many rows, whose tiles alone fill the GPU. (One loop over K adding each
@@ -20,25 +28,24 @@ chosen by M (which changes the speed, not the bits):
 
 K is masked in every step only where it is not a multiple of BLOCK_K (K_MASK). Rows past M are loaded as zeros and
 not stored; programs are ordered in groups of GROUP_M row blocks for L2 reuse (which changes nothing in any sum).
-An output element's value depends on its row of x, the weight and the configuration only, provided tl.dot's result
-for a row does not depend on where in the BLOCK_M rows of a tile the row sits (the premise of every row-blocked
-kernel here; bench/batch_invariant_matmul.py checks it on the GPU).
 
 CANDIDATES are the configurations bench/batch_invariant_matmul.py compares (DEFAULT is config_for's): "old" is the
-single-tile kernel without split-K; ROW_TILES entries (min_rows, BLOCK_M, num_warps) change BLOCK_M with M, which
-holds the guarantee only where tl.dot sums a row the same way at every BLOCK_M: measured per GPU by the bench, never
-the default without that. Reference: torch.nn.functional.linear.
+single-tile kernel without split-K; ROW_TILES entries (min_rows, BLOCK_M, num_warps[, BLOCK_N, num_stages[,
+min_programs]]) change the tile with M. Reference: torch.nn.functional.linear.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from aserve.kernels import pdl
+
+logger = logging.getLogger("aserve")
 
 # Programs that keep an H200 (132 SMs, two tiles of the split configurations resident on each) streaming the weight:
 # SPLIT_K is the smallest power of two giving the [N / BLOCK_N] column blocks this many programs at one row block.
@@ -48,6 +55,16 @@ MAX_SPLIT_K = 16
 ACROSS_MAX_ROWS = 64  # "across" only for batches of up to this many rows (use_across)
 ACROSS_MAX_TILES_FRACTION = 0.5  # ... and at most this fraction of PROGRAMS output tiles
 COMBINE_BLOCK = 1024
+# The flat configuration's tiles by M, (min_rows, BLOCK_M, num_warps, BLOCK_N, num_stages[, min_programs]): narrow
+# column tiles for few rows, so that enough programs stream the weight without split-K; 128 x 256 tiles for many.
+# min_programs: BLOCK_N halved (down to 32) while fewer output tiles than that would cover the GPU. (H200,
+# 2026-12-04, bench/batch_invariant_matmul.py: the four Llama-3-8B linears 1.1x cuBLAS's time at 1-64 rows, 1.3-1.4x
+# from 2,048, against 1.1-1.2x and 1.8x for split128.)
+# More than 6 stages only while the programs fit two per SM (a row of gate_up, 896 programs: 59 us at 6, 68 at 8;
+# qkv / o / down's 128-192 programs gain from 8).
+DEEP_STAGES_MAX_PROGRAMS = 264
+FLAT_TILES = ((1, 16, 4, 32, 8), (17, 32, 4, 32, 8), (33, 64, 4, 32, 6), (65, 64, 4, 128, 4, 132),
+              (256, 128, 8, 128, 4), (1024, 128, 8, 256, 3))  # fmt: skip
 
 
 def split_config(n: int, k: int, dtype: torch.dtype | None = None, block_n: int = 128,
@@ -81,6 +98,16 @@ def _with_row_tiles(base, row_tiles: tuple, n: int, k: int, dtype: torch.dtype |
     return dict(base(n, k, dtype), ROW_TILES=row_tiles)
 
 
+def flat_config(n: int, k: int, dtype: torch.dtype | None = None, row_tiles: tuple = FLAT_TILES) -> dict:
+    """One K range (SPLIT_K 1: one float32 accumulator, one loop over K in BLOCK_K 64 steps) and the tile chosen by
+    M from row_tiles (float32: the split configuration instead, whose tiles keep its two accumulators in registers)."""
+    if dtype == torch.float32:
+        return split_config(n, k, dtype)
+    k_split = triton.cdiv(k, 64) * 64
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, K_SPLIT=k_split, GROUP_M=8, num_warps=4,
+                num_stages=4, PROGRAMS=0, ROW_TILES=row_tiles)  # fmt: skip
+
+
 CANDIDATES = {
     "old": old_config,
     "split128": split_config,
@@ -90,12 +117,14 @@ CANDIDATES = {
     # BLOCK_M by M: allowed only where the bench shows tl.dot's sums of a row independent of BLOCK_M
     "split128_m16": functools.partial(_with_row_tiles, split_config, ((1, 16, 4), (17, 64, 4))),
     "split128_m128": functools.partial(_with_row_tiles, split_config, ((128, 128, 8),)),
+    "flat": flat_config,
 }
-DEFAULT = "split128"
+DEFAULT = "flat"
 
 
 def config_for(n: int, k: int, dtype: torch.dtype | None = None) -> dict:
-    """The launch configuration of a [n, k] weight: from its shape and dtype alone, never from the rows of x."""
+    """The launch configuration of a [n, k] weight: from its shape and dtype alone, never from the rows of x (the
+    engine takes it through checked_config)."""
     return CANDIDATES[DEFAULT](n, k, dtype)
 
 
@@ -184,21 +213,29 @@ def _combine_kernel(p_ptr, b_ptr, y_ptr, size, N, SPLIT_K, HAS_BIAS: tl.constexp
     tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def row_tile(cfg: dict, m: int) -> tuple[int, int]:
-    """(BLOCK_M, num_warps) for m rows: the configuration's, or its last ROW_TILES entry with min_rows <= m."""
-    block_m, warps = cfg["BLOCK_M"], cfg["num_warps"]
-    for min_rows, bm, w in cfg.get("ROW_TILES", ()):
-        if m >= min_rows:
-            block_m, warps = bm, w
-    return block_m, warps
+def row_tile(cfg: dict, m: int, n: int = 0) -> dict:
+    """The tile for m rows of an [n, K] weight (BLOCK_M, BLOCK_N, num_warps, num_stages): the configuration's, as
+    its last ROW_TILES entry with min_rows <= m sets it ((min_rows, BLOCK_M, num_warps[, BLOCK_N, num_stages[,
+    min_programs]]); with min_programs, BLOCK_N halved down to 32 while the output tiles are fewer)."""
+    tile = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+    entries = [entry for entry in cfg.get("ROW_TILES", ()) if m >= entry[0]]
+    min_programs = 0
+    if entries:
+        tile.update(zip(("BLOCK_M", "num_warps", "BLOCK_N", "num_stages"), entries[-1][1:5]))
+        min_programs = entries[-1][5] if len(entries[-1]) > 5 else 0
+    while tile["BLOCK_N"] > 32 and triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]) < min_programs:
+        tile["BLOCK_N"] //= 2
+    if triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]) > DEEP_STAGES_MAX_PROGRAMS:
+        tile["num_stages"] = min(tile["num_stages"], 6)
+    return tile
 
 
-def use_across(cfg: dict, m: int, n: int, block_m: int) -> bool:
+def use_across(cfg: dict, m: int, n: int, tile: dict) -> bool:
     """Whether m rows run "across" (one program per K range), a choice of speed with the same bits either way: for
     up to ACROSS_MAX_ROWS rows whose output tiles alone are at most ACROSS_MAX_TILES_FRACTION of the configuration's
     PROGRAMS. (H200, 2026-12-03, bench/batch_invariant_matmul.py: at 1-64 rows "across" ran 1.5-3x faster on
     Llama-3-8B's qkv / o / down projections, 32-48 tiles, and 2-15 % slower on gate_up's 224.)"""
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
     return cfg["SPLIT_K"] > 1 and m <= ACROSS_MAX_ROWS and tiles <= cfg["PROGRAMS"] * ACROSS_MAX_TILES_FRACTION
 
 
@@ -214,21 +251,21 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_m, warps = row_tile(cfg, m)
+    tile = row_tile(cfg, m, n)
     split = cfg["SPLIT_K"]
     if across is None:
-        across = use_across(cfg, m, n, block_m)
+        across = use_across(cfg, m, n, tile)
     across = across and split > 1
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
     assert not across or split * m * n < 2**31
     k_mask = cfg.get("K_MASK", False) or k % cfg["BLOCK_K"] != 0
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if across else y
     _matmul_kernel[(tiles, split if across else 1)](
         x, weight, weight if bias is None else bias, y, partial, m, n, k, split, cfg["K_SPLIT"], x.stride(0),
-        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None and not across, BLOCK_M=block_m,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], MULTI=split > 1, ACROSS=across,
-        K_MASK=k_mask, IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED, num_warps=warps,
-        num_stages=cfg["num_stages"], **pdl.launch_kwargs(),
+        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None and not across, BLOCK_M=tile["BLOCK_M"],
+        BLOCK_N=tile["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], MULTI=split > 1, ACROSS=across,
+        K_MASK=k_mask, IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED, num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"], **pdl.launch_kwargs(),
     )  # fmt: skip
     if across:
         _combine_kernel[(triton.cdiv(m * n, COMBINE_BLOCK),)](
@@ -236,3 +273,50 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             BLOCK=COMBINE_BLOCK, USE_PDL=pdl.ENABLED, num_warps=4, **pdl.launch_kwargs(),
         )  # fmt: skip
     return y
+
+
+def differing_row_counts(weight: torch.Tensor, cfg: dict, probes: int = 4, seed: int = 0) -> list[int]:
+    """The row counts at which a probe row's result differs in any bit from the same row's alone (M = 1): at each
+    ROW_TILES boundary (its first row count and the one before), the probes at the first, last and evenly spread
+    rows of a batch of random rows. Empty: the tiles that cfg picks by M sum every output element of `weight` the
+    same way on this GPU and compiler."""
+    n, k = weight.shape
+    gen = torch.Generator(device=weight.device).manual_seed(seed)
+
+    def rows(m: int) -> torch.Tensor:
+        return torch.randn(m, k, generator=gen, device=weight.device).to(weight.dtype)
+
+    probe = rows(probes)
+    alone = torch.cat([matmul(probe[i : i + 1], weight, None, cfg) for i in range(probes)])
+    counts = sorted({c for entry in cfg.get("ROW_TILES", ()) for c in (entry[0] - 1, entry[0]) if c > 1})
+    differ = []
+    for m in counts:
+        x = rows(m)
+        places = torch.linspace(0, m - 1, min(probes, m), device=weight.device).long()
+        x[places] = probe[: len(places)]
+        y = matmul(x, weight, None, cfg)[places]
+        if not torch.equal(y.view(torch.uint8), alone[: len(places)].contiguous().view(torch.uint8)):
+            differ.append(m)
+    return differ
+
+
+_VERDICTS: dict[tuple, bool] = {}
+
+
+def checked_config(weight: torch.Tensor) -> dict:
+    """config_for(weight's shape and dtype) where its tiles by M are shown, on this device, to give every row the
+    same bits at every M (differing_row_counts, once per weight shape, dtype and device); else the split
+    configuration, whose tile does not change with M, with a warning."""
+    n, k = weight.shape
+    cfg = config_for(n, k, weight.dtype)
+    if not cfg.get("ROW_TILES"):
+        return cfg
+    key = (n, k, weight.dtype, weight.device)
+    if key not in _VERDICTS:
+        differ = differing_row_counts(weight, cfg)
+        if differ:
+            logger.warning("deterministic mode: the %s matmul of a [%d, %d] %s weight gave other bits at %s rows than "
+                           "at one on this device; that shape runs the split configuration (one tile for every M)",
+                           DEFAULT, n, k, weight.dtype, differ)  # fmt: skip
+        _VERDICTS[key] = not differ
+    return cfg if _VERDICTS[key] else split_config(n, k, weight.dtype)

@@ -9,8 +9,8 @@ SDPA too), deterministic mode chooses, once, when the model is built:
 
     linear layers   BatchInvariantLinearMethod: CPU, the C kernel aserve/kernels/cpu.py gemm_rows over a packed copy
                     of the weight, for every row count (the CPU one-token forward, aserve/models/cpu_one_token.py,
-                    runs it too); GPU, the Triton matmul of aserve/kernels/batch_invariant_matmul.py (tile shape
-                    and fixed split-K from the weight's shape, whatever M is)
+                    runs it too); GPU, the Triton matmul of aserve/kernels/batch_invariant_matmul.py (one K
+                    order from the weight's shape, whatever M is; its tiles by M checked on the device at load)
     element-wise    CPU: the C kernels for every row count and dtype (SiLU·mul in C for float32 too, where eager torch
                     could round a chunk's tail another way; Qwen3's q/k norms through the C RMSNorm); GPU: the Triton
                     kernels, one program per row already
@@ -122,7 +122,7 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
     on K alone. process_weights_after_loading sets `kernel` and, on CPU, `packed_weight` (what gemm_rows reads: a
     packed bf16 copy, or the float32 weight) and `rows_packed` (True: the one-token forward may run gemm_rows over
     it); on a GPU `bi_matmul` / `bi_config` (the Triton matmul and its tiling and split-K, chosen from N, K and
-    the dtype)."""
+    the dtype, and checked on the device: checked_config)."""
 
     @staticmethod
     def _reset(layer: nn.Module) -> None:
@@ -137,7 +137,7 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
             from aserve.kernels import batch_invariant_matmul  # Triton: imported where a GPU runs it
 
             layer.bi_matmul = batch_invariant_matmul.matmul
-            layer.bi_config = batch_invariant_matmul.config_for(*w.shape, w.dtype)
+            layer.bi_config = batch_invariant_matmul.checked_config(w.detach())
             layer.kernel = _triton_rows
             return
         if not cpu.gemm_rows_supports(w):
