@@ -276,10 +276,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def differing_row_counts(weight: torch.Tensor, cfg: dict, probes: int = 4, seed: int = 0) -> list[int]:
-    """The row counts at which a probe row's result differs in any bit from the same row's alone (M = 1): at each
-    ROW_TILES boundary (its first row count and the one before), the probes at the first, last and evenly spread
-    rows of a batch of random rows. Empty: the tiles that cfg picks by M sum every output element of `weight` the
-    same way on this GPU and compiler."""
+    """The row counts at which a probe row's result differs in any bit from the same row's alone (M = 1): wherever
+    the tile changes with M (row_tile: the ROW_TILES entries and BLOCK_N's halving; the count before and the count
+    at the change), the probes at the first, last and evenly spread rows of a batch of random rows. Empty: the tiles
+    that cfg picks by M sum every output element of `weight` the same way on this GPU and compiler."""
     n, k = weight.shape
     gen = torch.Generator(device=weight.device).manual_seed(seed)
 
@@ -288,7 +288,9 @@ def differing_row_counts(weight: torch.Tensor, cfg: dict, probes: int = 4, seed:
 
     probe = rows(probes)
     alone = torch.cat([matmul(probe[i : i + 1], weight, None, cfg) for i in range(probes)])
-    counts = sorted({c for entry in cfg.get("ROW_TILES", ()) for c in (entry[0] - 1, entry[0]) if c > 1})
+    last = max((entry[0] for entry in cfg.get("ROW_TILES", ())), default=1)
+    tiles = [row_tile(cfg, m, n) for m in range(last + 1)]
+    counts = sorted({c for m in range(2, last + 1) if tiles[m] != tiles[m - 1] for c in (m - 1, m) if c > 1})
     differ = []
     for m in counts:
         x = rows(m)
