@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
+from aserve.core.scheduler import Scheduler
+from aserve.spec import ngram
 from aserve.spec.config import SpeculativeConfig
 from aserve.spec.ngram import propose_ngram
 from aserve.spec.policy import MAX_PROBE_EVERY, PROBE_EVERY, SpecPolicy, StepCostModel, expected_tokens
@@ -223,6 +225,25 @@ def test_speculative_sampling_is_lossless_with_top_p(vocab8, spec):
 # -- pieces ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("vocab, lookup_min", [(3, 2), (8, 2), (8, 3), (1000, 2), (1000, 4)])
+def test_follow_index_never_rules_out_a_proposal(monkeypatch, vocab, lookup_min):
+    """FollowIndex, fed one growing sequence: where it says no proposal can follow the next token, propose_ngram
+    finds none for any next token (every id of the vocabulary and a new one); over a window of 12 tokens here, so
+    that m-grams leave it. It rules out proposals only where they are impossible, and does rule some out."""
+    monkeypatch.setattr(ngram, "_WINDOW", 12)
+    rng = random.Random(vocab * 10 + lookup_min)
+    tokens, index, ruled_out, possible = [], ngram.FollowIndex(lookup_min - 1), 0, 0
+    for _ in range(80):
+        tokens.append(rng.randrange(vocab))
+        if index.could_propose(tokens):
+            possible += 1
+            continue
+        ruled_out += 1
+        for x in [*range(vocab), vocab]:
+            assert propose_ngram(tokens + [x], 3, lookup_min, 5) == [], (tokens, x)
+    assert ruled_out and (possible or vocab == 1000)
+
+
 def test_ngram_lookup():
     assert propose_ngram([1, 2, 3, 4, 9, 1, 2, 3], 3, 1, 3) == [4, 9, 1]
     assert propose_ngram([1, 2, 3, 4, 9, 8, 2, 3], 2, 2, 3) == [4, 9]  # the longest match wins; then n=2
@@ -308,18 +329,49 @@ def test_async_scheduling_overlaps_steps_without_drafts(tiny_model, greedy_refer
     k = "auto" if spec == "ngram-auto" else 4
     llm = LLM(tiny_model, dtype="float32", enforce_eager=True, async_scheduling=True, debug_invariants=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1})  # fmt: skip
-    core = llm.engine.core
-    launches = []
-    launch = core.launch
-    core.launch = lambda work: launches.append((work.overlap, core.inflight is not None)) or launch(work)
-    outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    outs, overlapped, launches = _generate_counting_overlap(llm)
     assert [o.outputs[0].token_ids for o in outs] == greedy_reference
-    overlapped = sum(1 for overlap, behind in launches if overlap and behind)
     if spec == "ngram-auto":
         assert overlapped > len(launches) // 2, launches
     else:
         assert llm.engine.stats.spec_draft_tokens_total > 0
-    assert core.kv_manager.pool.num_free_blocks == core.num_kv_blocks
+    assert llm.engine.core.kv_manager.pool.num_free_blocks == llm.engine.core.num_kv_blocks
+
+
+def _generate_counting_overlap(llm):
+    """Generates prompts_for() greedily. -> (outputs, steps launched behind one in flight, every launch as
+    (overlap, behind))."""
+    core = llm.engine.core
+    launches = []
+    launch = core.launch
+
+    def counting(work):
+        if work.sched is not None:  # (None: only waits for the step in flight)
+            launches.append((work.overlap, core.inflight is not None))
+        return launch(work)
+
+    core.launch = counting
+    outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    return outs, sum(1 for overlap, behind in launches if overlap and behind), launches
+
+
+def test_steps_after_which_no_ngram_can_match_overlap(tiny_model, greedy_reference, monkeypatch):
+    """n-gram k = 4, prompt_lookup_min 2, async scheduling: a step after whose token no n-gram can match (its request's
+    last token occurs nowhere earlier) asks for no drafts, so the next step is launched behind it: more steps
+    overlap than with every step asking, the same greedy outputs, drafts still proposed where the prompts repeat."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    results = {}
+    for rule in (True, False):
+        if not rule:
+            monkeypatch.setattr(Scheduler, "_no_ngram_can_follow", lambda self, request, num_new: False)
+        llm = LLM(tiny_model, dtype="float32", enforce_eager=True, async_scheduling=True, debug_invariants=True,
+                  speculative_config=spec)  # fmt: skip
+        outs, overlapped, launches = _generate_counting_overlap(llm)
+        assert [o.outputs[0].token_ids for o in outs] == greedy_reference
+        assert llm.engine.stats.spec_draft_tokens_total > 0
+        assert llm.engine.core.kv_manager.pool.num_free_blocks == llm.engine.core.num_kv_blocks
+        results[rule] = overlapped
+    assert results[True] > results[False], results
 
 
 def test_cost_model_learns_from_observed_steps():

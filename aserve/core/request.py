@@ -86,6 +86,7 @@ class Request:
         self.spec_draft_probs = None
         self.spec_accepted = 0.0
         self.spec_trials = 0.0
+        self.spec_follow_index = None  # n-gram speculation: aserve/spec/ngram.py FollowIndex, made when first needed
 
         # The request's own random stream when it has a seed (created by the sampler on its device).
         self.generator: torch.Generator | None = None

@@ -25,7 +25,7 @@ from aserve.core.kv_cache_manager import InvariantError, KVCacheManager
 from aserve.core.metrics import EngineStats
 from aserve.core.outputs import EngineCoreOutput, RunnerOutput
 from aserve.core.request import Request, RequestStatus
-from aserve.spec.ngram import propose_ngram
+from aserve.spec.ngram import FollowIndex, propose_ngram
 
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or infinity) for this request"
 
@@ -225,7 +225,22 @@ class Scheduler:
         k = self.spec_policy.num_drafts(request, len(self.running))
         # Drafting writes KV up to position (computed + new) + k - 1: stay inside max_model_len.
         k = max(0, min(k, self.max_model_len - (request.num_computed_tokens + num_new) - 1))
+        if k and self._no_ngram_can_follow(request, num_new):
+            return 0, 0
         return k, (k if self.spec_policy.config.needs_kv else 0)
+
+    def _no_ngram_can_follow(self, request: Request, num_new: int) -> bool:
+        """n-gram speculation, a step that computes every known token of the request and verifies nothing (so it
+        adds exactly one token): True where no proposal can follow that token (FollowIndex). The step then asks for
+        no drafts and the next one may be launched behind it."""
+        cfg = self.spec_policy.config
+        if cfg.method != "ngram" or cfg.prompt_lookup_min < 2 or request.num_inflight or request.spec_token_ids:
+            return False
+        if request.num_computed_tokens + num_new != request.num_tokens:
+            return False
+        if request.spec_follow_index is None:
+            request.spec_follow_index = FollowIndex(cfg.prompt_lookup_min - 1)
+        return not request.spec_follow_index.could_propose(request.all_token_ids)
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, k_next: int) -> None:
         known = request.num_tokens + request.num_inflight

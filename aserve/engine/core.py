@@ -18,7 +18,8 @@ computed and dropped. Requests with repetition/presence/frequency penalties or s
 earlier token id on the host before sampling the next: a grammar's mask is its matcher's state after all of them) turn
 the overlap off while they are live (`can_overlap`). With speculative decoding a step that verifies drafts, or after
 which drafts are proposed, is updated from before the next one is scheduled; steps in which no request drafts
-overlap as without speculation (the adaptive policy holds requests at k = 0 where drafting does not pay).
+overlap as without speculation (the adaptive policy holds requests at k = 0 where drafting does not pay; n-gram
+speculation asks for no drafts after a step whose token no n-gram can follow: aserve/spec/ngram.py FollowIndex).
 
 Fault isolation: a step that raises ends its request if it carried one; with more, the next step re-runs them one at
 a time (same inputs, same KV slots) so that only the request at fault ends. Non-finite logits end only their request

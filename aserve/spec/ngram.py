@@ -1,6 +1,11 @@
 """Prompt-lookup (n-gram) drafts: find the most recent earlier occurrence of the sequence's last n tokens
 (n from prompt_lookup_max down to prompt_lookup_min) and propose the tokens that followed it. Costs no model time;
-pays when outputs copy their context (quoting, editing, code)."""
+pays when outputs copy their context (quoting, editing, code).
+
+FollowIndex tells the scheduler, before a step samples a request's next token, that no proposal can follow that
+token whatever it is (its last prompt_lookup_min - 1 tokens occur nowhere earlier): such a step asks for no drafts,
+so with async scheduling the next step is launched behind it instead of after its result reaches the host.
+"""
 
 from __future__ import annotations
 
@@ -25,3 +30,34 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
             start = int(hits[-1]) + n
             return tokens[start : start + k].tolist()
     return []
+
+
+class FollowIndex:
+    """The m-grams (m = prompt_lookup_min - 1) of a growing sequence that end before its last token, counted over
+    the last _WINDOW positions. `could_propose(tokens)`: False only where propose_ngram(tokens + [x], ...) is empty
+    for every x: each pattern it tries (n >= m + 1 tokens) ends with the sequence's last m tokens followed by x, so a
+    match needs those m tokens at an earlier place. Kept per request and fed the same list as it grows; the count
+    covers a window at least as wide as propose_ngram's (so it never rules out a proposal it would find)."""
+
+    def __init__(self, m: int) -> None:
+        assert m >= 1, "with prompt_lookup_min 1 any next token may match: nothing to rule out"
+        self.m = m
+        self.counts: dict = {}
+        self.ends = m - 1  # m-grams ending before this position are counted (those within the window)
+
+    def _key(self, tokens: list[int], end: int):
+        return tokens[end] if self.m == 1 else tuple(tokens[end - self.m + 1 : end + 1])
+
+    def could_propose(self, tokens: list[int]) -> bool:
+        last = len(tokens) - 1
+        for end in range(self.ends, last):  # every m-gram ending before the last token, once
+            key = self._key(tokens, end)
+            self.counts[key] = self.counts.get(key, 0) + 1
+            gone = end - _WINDOW
+            if gone >= self.m - 1:
+                old = self._key(tokens, gone)
+                self.counts[old] -= 1
+                if not self.counts[old]:
+                    del self.counts[old]
+        self.ends = max(self.ends, last)
+        return last >= self.m - 1 and self._key(tokens, last) in self.counts
