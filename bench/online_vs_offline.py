@@ -83,14 +83,17 @@ def offline(ns: argparse.Namespace) -> dict:
     llm.engine.reset_prefix_cache()
     prompts = as_inputs(make_prompts(ns.requests, ns.input_len, vocab, ns.seed))
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
+    stats = llm.engine.stats
+    steps0, tokens0 = stats.steps_total, stats.scheduled_tokens_total
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = {"steps": stats.steps_total - steps0, "step_tokens": stats.scheduled_tokens_total - tokens0}
     core = llm.engine.core
     return {"vocab_size": vocab, "device": str(llm.engine.config.device), "output_tokens": n_out,
             "wall_s": round(elapsed, 3), "output_tok_s": round(n_out / elapsed, 1),
-            "kv_cache_bytes": core.num_kv_blocks * core.runner.kv_bytes_per_block}  # fmt: skip
+            "kv_cache_bytes": core.num_kv_blocks * core.runner.kv_bytes_per_block, **steps}  # fmt: skip
 
 
 def run_offline_child(argv: list[str], log_path: str) -> dict:
@@ -146,7 +149,23 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
     return {"ttft": ttft, "e2e": e2e, "tpot": tpot, "gaps": gaps, "n_out": n_out, "chunks": chunks}
 
 
-async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams: int) -> tuple[list[dict], float]:
+STEP_METRIC = "aserve:iteration_tokens_total"
+
+
+async def engine_steps(session, url: str) -> tuple[float, float]:
+    """(engine steps, tokens they computed) so far, from the server's /metrics."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    values = collections.Counter()
+    for line in text.splitlines():
+        if line.startswith(STEP_METRIC + "_"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] += float(value)  # (labels: summed over them)
+    return values[STEP_METRIC + "_count"], values[STEP_METRIC + "_sum"]
+
+
+async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams: int) -> tuple[list[dict], float, dict]:
+    """-> (per-request results, wall seconds, the engine's steps and the tokens they computed over the pass)."""
     import aiohttp
 
     results: list[dict] = []
@@ -159,10 +178,12 @@ async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams:
     connector = aiohttp.TCPConnector(limit=streams)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        steps0, tokens0 = await engine_steps(session, url)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(streams)))
         elapsed = time.perf_counter() - t0
-    return results, elapsed
+        steps1, tokens1 = await engine_steps(session, url)
+    return results, elapsed, {"steps": int(steps1 - steps0), "step_tokens": int(tokens1 - tokens0)}
 
 
 def start_profiler(pid: int, out_dir: str, duration_s: int):
@@ -278,11 +299,11 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
             if ns.profile and i == 0:
                 profiler = start_profiler(proc.pid, tmp, int(max(60, 20 * off["wall_s"] + 60)))
             cpu0 = time.process_time()
-            results, elapsed = run(run_pass(url, prompts, ns.output_len, ns.streams))
+            results, elapsed, steps = run(run_pass(url, prompts, ns.output_len, ns.streams))
             client_cpu = time.process_time() - cpu0
             raw = stop_profiler(profiler) if profiler else None
             n_out = sum(r["n_out"] for r in results)
-            passes.append((n_out / elapsed, results, elapsed, client_cpu, raw))
+            passes.append((n_out / elapsed, results, elapsed, client_cpu, raw, steps))
             if ns.passes > 1:
                 print(f"  pass {i + 1}: {n_out / elapsed:.1f} tok/s ({elapsed:.2f} s)", flush=True)
     except Exception:
@@ -293,7 +314,7 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
         stop_server(proc)
     # The table reports the median pass; every pass's rate is listed.
     rates = [x[0] for x in passes]
-    _, results, elapsed, client_cpu, _ = sorted(passes, key=lambda x: x[0])[(len(passes) - 1) // 2]
+    _, results, elapsed, client_cpu, _, steps = sorted(passes, key=lambda x: x[0])[(len(passes) - 1) // 2]
     raw = passes[0][4]
     n_out = sum(r["n_out"] for r in results)
     chunks = sum(r["chunks"] for r in results)
@@ -303,7 +324,7 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
            "itl": ms_stats([g for r in results for g in r["gaps"]]),
            "e2e": ms_stats([r["e2e"] for r in results]),
            "tokens_per_chunk": round(n_out / max(chunks, 1), 3), "client_cpu_frac": round(client_cpu / elapsed, 3),
-           "kv_cache_memory_gb": kv_gb, "pass_tok_s": [round(x, 1) for x in rates]}  # fmt: skip
+           "kv_cache_memory_gb": kv_gb, "pass_tok_s": [round(x, 1) for x in rates], **steps}  # fmt: skip
     if raw is not None:
         out["profile"] = {"pass_s": round(elapsed, 3), **aggregate_profile(raw)}
     return out
@@ -327,6 +348,9 @@ def print_table(off: dict, on: dict, ns: argparse.Namespace) -> None:
         ("ITL p50 / p99 (ms)", f"{fmt(on['itl'], 'p50_ms')} / {fmt(on['itl'], 'p99_ms')}",
          f"{on['tokens_per_chunk']} tokens per chunk"),
         ("client CPU (of one core)", f"{on['client_cpu_frac']:.2f}", "near 1: the client bounds the online run"),
+        ("engine steps, offline / online", f"{off.get('steps', '-')} / {on['steps']}",
+         f"tokens per step {off.get('step_tokens', 0) / max(off.get('steps', 0), 1):.1f} / "
+         f"{on['step_tokens'] / max(on['steps'], 1):.1f}"),
     ]  # fmt: skip
     print("\n| metric | value | note |\n|---|---|---|")
     for row in rows:
