@@ -43,21 +43,26 @@ class FollowIndex:
         assert m >= 1, "with prompt_lookup_min 1 any next token may match: nothing to rule out"
         self.m = m
         self.counts: dict = {}
-        self.ends = m - 1  # m-grams ending before this position are counted (those within the window)
+        # The m-grams ending at positions first .. ends - 1 are counted: those before the last token, in the window.
+        self.first = self.ends = m - 1
 
     def _key(self, tokens: list[int], end: int):
         return tokens[end] if self.m == 1 else tuple(tokens[end - self.m + 1 : end + 1])
 
     def could_propose(self, tokens: list[int]) -> bool:
         last = len(tokens) - 1
-        for end in range(self.ends, last):  # every m-gram ending before the last token, once
+        start = max(self.ends, last - _WINDOW)  # a long prompt: only its last _WINDOW positions are ever counted
+        if start > self.ends:
+            self.counts.clear()
+            self.first = start
+        for end in range(start, last):  # every m-gram ending before the last token, once
             key = self._key(tokens, end)
             self.counts[key] = self.counts.get(key, 0) + 1
-            gone = end - _WINDOW
-            if gone >= self.m - 1:
-                old = self._key(tokens, gone)
-                self.counts[old] -= 1
-                if not self.counts[old]:
-                    del self.counts[old]
+        for end in range(self.first, last - _WINDOW):  # those that left the window
+            old = self._key(tokens, end)
+            self.counts[old] -= 1
+            if not self.counts[old]:
+                del self.counts[old]
+        self.first = max(self.first, last - _WINDOW)
         self.ends = max(self.ends, last)
         return last >= self.m - 1 and self._key(tokens, last) in self.counts
