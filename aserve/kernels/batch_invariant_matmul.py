@@ -213,7 +213,12 @@ def _combine_kernel(p_ptr, b_ptr, y_ptr, size, N, SPLIT_K, HAS_BIAS: tl.constexp
     tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def row_tile(cfg: dict, m: int, n: int = 0) -> dict:
+def _programs(m: int, n: int, tile: dict) -> int:
+    """Output tiles (programs per K range) of an [m, n] result."""
+    return triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
+
+
+def row_tile(cfg: dict, m: int, n: int) -> dict:
     """The tile for m rows of an [n, K] weight (BLOCK_M, BLOCK_N, num_warps, num_stages): the configuration's, as
     its last ROW_TILES entry with min_rows <= m sets it ((min_rows, BLOCK_M, num_warps[, BLOCK_N, num_stages[,
     min_programs]]); with min_programs, BLOCK_N halved down to 32 while the output tiles are fewer)."""
@@ -223,9 +228,9 @@ def row_tile(cfg: dict, m: int, n: int = 0) -> dict:
     if entries:
         tile.update(zip(("BLOCK_M", "num_warps", "BLOCK_N", "num_stages"), entries[-1][1:5]))
         min_programs = entries[-1][5] if len(entries[-1]) > 5 else 0
-    while tile["BLOCK_N"] > 32 and triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]) < min_programs:
+    while tile["BLOCK_N"] > 32 and _programs(m, n, tile) < min_programs:
         tile["BLOCK_N"] //= 2
-    if triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]) > DEEP_STAGES_MAX_PROGRAMS:
+    if _programs(m, n, tile) > DEEP_STAGES_MAX_PROGRAMS:
         tile["num_stages"] = min(tile["num_stages"], 6)
     return tile
 
@@ -235,7 +240,7 @@ def use_across(cfg: dict, m: int, n: int, tile: dict) -> bool:
     up to ACROSS_MAX_ROWS rows whose output tiles alone are at most ACROSS_MAX_TILES_FRACTION of the configuration's
     PROGRAMS. (H200, 2026-12-03, bench/batch_invariant_matmul.py: at 1-64 rows "across" ran 1.5-3x faster on
     Llama-3-8B's qkv / o / down projections, 32-48 tiles, and 2-15 % slower on gate_up's 224.)"""
-    tiles = triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
+    tiles = _programs(m, n, tile)
     return cfg["SPLIT_K"] > 1 and m <= ACROSS_MAX_ROWS and tiles <= cfg["PROGRAMS"] * ACROSS_MAX_TILES_FRACTION
 
 
@@ -256,7 +261,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if across is None:
         across = use_across(cfg, m, n, tile)
     across = across and split > 1
-    tiles = triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
+    tiles = _programs(m, n, tile)
     assert not across or split * m * n < 2**31
     k_mask = cfg.get("K_MASK", False) or k % cfg["BLOCK_K"] != 0
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if across else y
