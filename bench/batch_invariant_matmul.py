@@ -1,8 +1,8 @@
 """Deterministic mode's GPU matmul (aserve/kernels/batch_invariant_matmul.py): every candidate configuration checked
-for bitwise row invariance and timed against cuBLAS on Llama-3-8B's linear shapes (bf16), in one command (under
-4 minutes on an H200):
+for bitwise row invariance and timed against cuBLAS on Llama-3-8B's linear shapes (bf16; --shapes also Qwen3-30B-A3B's
+attention and router linears, moe_qkv,moe_o,moe_router), in one command (under 4 minutes on an H200):
 
-    PYTHONPATH=. python bench/batch_invariant_matmul.py [--candidates old,split128] [--json FILE]
+    PYTHONPATH=. python bench/batch_invariant_matmul.py [--candidates old,split128] [--shapes ...] [--json FILE]
 
 invariance  per shape and candidate: 512 random rows, each row's result alone (M = 1) kept; then --trials batches
             of M = 1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 256, 512 of those rows in random order, run in the launch mode
@@ -13,11 +13,11 @@ timing      GPU time of one call at M = 1, 8, 64, 256, 2048 (--time-rows) inside
             Hopper (--no-pdl: off); the candidates' and F.linear's (cuBLAS). For DEFAULT also the other launch mode,
             to place the switch between them (ACROSS_MAX_ROWS, PROGRAMS).
 
-Prints per shape and M the microseconds and the ratio to cuBLAS, the four shapes' total per M (one decoder layer's
-linears), invariance per candidate, and the candidate to make DEFAULT: the one with the smallest geometric mean
-over M of the layer totals' ratio to cuBLAS among those that passed (a candidate with ROW_TILES only as far as this
-GPU showed its BLOCK_M changes to give the same bits). Exit status 1 if any candidate's rows differed or a result was
-off the reference, else 0.
+Prints per shape and M the microseconds and the ratio to cuBLAS, the shapes' total per M (with the default four,
+one decoder layer's linears), invariance per candidate, and the candidate to make DEFAULT: the one with the smallest
+geometric mean over M of the totals' ratio to cuBLAS among those that passed (a candidate with ROW_TILES only as far
+as this GPU showed its BLOCK_M changes to give the same bits). Exit status 1 if any candidate's rows differed or a
+result was off the reference, else 0.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from decode_kernels import graph_us  # (bench/ is this script's directory)
 from aserve.kernels import batch_invariant_matmul as bim
 from aserve.kernels import pdl
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "moe_qkv": (5120, 2048), "moe_o": (2048, 4096), "moe_router": (128, 2048)}  # fmt: skip
+LLAMA = "qkv,o,gate_up,down"  # Llama-3-8B's linears; moe_*: Qwen3-30B-A3B's (its experts are aserve/kernels/moe.py's)
 CHECK_ROWS = (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 256, 512)
 POOL = 512
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -70,7 +72,7 @@ def check(cfg: dict, w: torch.Tensor, pool: torch.Tensor, trials: int, gen: torc
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--candidates", default=",".join(bim.CANDIDATES), help="comma-separated names of CANDIDATES")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=LLAMA, help=f"comma-separated names of {', '.join(SHAPES)}")
     p.add_argument("--time-rows", default="1,8,64,256,2048")
     p.add_argument("--trials", type=int, default=2, help="random batches per M in the invariance check")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))

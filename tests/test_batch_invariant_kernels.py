@@ -161,9 +161,16 @@ def test_split_configs_depend_on_the_weight_alone():
     assert bi_matmul.config_for(6144, 4096, torch.bfloat16)["SPLIT_K"] == 1
     assert bi_matmul.config_for(6144, 4096, torch.float32) == bi_matmul.split_config(6144, 4096, torch.float32)
     cfg = bi_matmul.config_for(4096, 4096, torch.bfloat16)
-    tiles = [bi_matmul.row_tile(cfg, m, 4096) for m in (1, 17, 64, 128, 256, 4096)]
-    assert [(t["BLOCK_M"], t["BLOCK_N"]) for t in tiles] == [(16, 32), (32, 32), (64, 32), (64, 32), (128, 128),
-                                                              (128, 256)]  # fmt: skip
+    tiles = [bi_matmul.row_tile(cfg, m, 4096) for m in (1, 17, 64, 128, 256, 384, 4096)]
+    assert [(t["BLOCK_M"], t["BLOCK_N"], t["num_stages"]) for t in tiles] == [
+        (16, 32, 8), (32, 32, 8), (64, 32, 6), (64, 64, 6), (128, 64, 6), (128, 128, 6), (128, 256, 3)]  # fmt: skip
+    # from 65 rows the tile follows N too: the first of 128 x 256 .. 64 x 64 with >= 96 programs, 128 x 128 (three
+    # stages, two programs an SM) where 128 x 256 would take more than one wave
+    big = bi_matmul.config_for(28672, 4096, torch.bfloat16)
+    tiles = [bi_matmul.row_tile(big, m, 28672) for m in (128, 129, 1023)]
+    assert [(t["BLOCK_M"], t["BLOCK_N"], t["num_warps"], t["num_stages"]) for t in tiles] == [
+        (128, 256, 8, 4), (128, 128, 8, 3), (128, 128, 8, 3)]  # fmt: skip
+    assert [entry[0] for entry in bi_matmul.flat_row_tiles(4096)] == [1, 17, 33, 65, 129, 257, 513, 641, 1024]
 
 
 def test_checked_config_keeps_the_tiles_by_m_only_where_rows_keep_their_bits(monkeypatch, caplog):
@@ -185,10 +192,10 @@ def test_checked_config_keeps_the_tiles_by_m_only_where_rows_keep_their_bits(mon
 
     monkeypatch.setattr(bi_matmul, "matmul", drifting)
     w2 = w[:24].clone()
-    assert bi_matmul.differing_row_counts(w2, bi_matmul.config_for(24, 72, w.dtype)) == [65, 255, 256, 1023, 1024]
+    assert bi_matmul.differing_row_counts(w2, bi_matmul.config_for(24, 72, w.dtype)) == [65, 1023, 1024]
     with caplog.at_level("WARNING", logger="aserve"):
         assert bi_matmul.checked_config(w2) == bi_matmul.split_config(24, 72, w.dtype)
-    assert "[24, 72]" in caplog.text and "[65, 255, 256, 1023, 1024]" in caplog.text
+    assert "[24, 72]" in caplog.text and "[65, 1023, 1024]" in caplog.text
     calls.clear()
     assert bi_matmul.checked_config(w2) == bi_matmul.split_config(24, 72, w.dtype) and calls == []
 

@@ -11,8 +11,9 @@ range order to a float32 total that starts at zero; the bias is added to the tot
 once. Two configurations:
 
     flat (DEFAULT, 16-bit weights)   SPLIT_K 1: one accumulator and one loop over K. The tile (BLOCK_M x BLOCK_N,
-                 warps, stages) is chosen by M from FLAT_TILES: 16 x 32 tiles for a few rows, so that enough programs
-                 stream the weight without split-K, up to 128 x 256 for thousands. That holds the order only where
+                 warps, stages) is chosen by M from flat_row_tiles (made per N): 16 x 32 tiles for a few rows, so
+                 that enough programs stream the weight without split-K, one wave of deep-pipelined programs for
+                 hundreds, up to 128 x 256 for thousands. That holds the order only where
                  tl.dot's sum of a row's K step does not depend on the tile around it (true of the H200's MMAs at
                  every tile here, measured bit for bit by bench/batch_invariant_matmul.py), so the engine uses it
                  for a weight only once `checked_config` has shown it on the device, else the split configuration
@@ -30,8 +31,8 @@ K is masked in every step only where it is not a multiple of BLOCK_K (K_MASK). R
 not stored; programs are ordered in groups of GROUP_M row blocks for L2 reuse (which changes nothing in any sum).
 
 CANDIDATES are the configurations bench/batch_invariant_matmul.py compares (DEFAULT is config_for's): "old" is the
-single-tile kernel without split-K; ROW_TILES entries (min_rows, BLOCK_M, num_warps[, BLOCK_N, num_stages[,
-min_programs]]) change the tile with M. Reference: torch.nn.functional.linear.
+single-tile kernel without split-K; ROW_TILES entries (min_rows, BLOCK_M, num_warps[, BLOCK_N, num_stages]) change
+the tile with M. Reference: torch.nn.functional.linear.
 """
 
 from __future__ import annotations
@@ -55,16 +56,54 @@ MAX_SPLIT_K = 16
 ACROSS_MAX_ROWS = 64  # "across" only for batches of up to this many rows (use_across)
 ACROSS_MAX_TILES_FRACTION = 0.5  # ... and at most this fraction of PROGRAMS output tiles
 COMBINE_BLOCK = 1024
-# The flat configuration's tiles by M, (min_rows, BLOCK_M, num_warps, BLOCK_N, num_stages[, min_programs]): narrow
-# column tiles for few rows, so that enough programs stream the weight without split-K; 128 x 256 tiles for many.
-# min_programs: BLOCK_N halved (down to 32) while fewer output tiles than that would cover the GPU. (H200,
-# 2026-12-04, bench/batch_invariant_matmul.py: the four Llama-3-8B linears 1.1x cuBLAS's time at 1-64 rows, 1.3-1.4x
-# from 2,048, against 1.1-1.2x and 1.8x for split128.)
+# The flat configuration's tiles by M, (min_rows, BLOCK_M, num_warps, BLOCK_N, num_stages): up to 64 rows
+# FLAT_FEW_TILES, narrow column tiles so that enough programs stream the weight without split-K; from
+# FLAT_MANY_ROWS, FLAT_MANY_TILE; in between, by N as well (flat_row_tiles: the weight's, so still not by M alone):
+# the first of FLAT_MID_TILES giving at least FLAT_MIN_PROGRAMS output tiles, 128 x 128 for 128 x 256 past one wave
+# (FLAT_WAVE programs), 8 warps from 128 x 128, and as many stages as fit (at most 6) within one wave, 3 past it (two
+# programs resident on an SM). (H200, 2026-12-04, a sweep of BLOCK_M 32-128 x BLOCK_N 32-256, 4 / 8 warps and 3-6
+# stages over Llama-3-8B's four linears at 96-384 rows: at 128 rows the four 1.13x cuBLAS's time with the tile best
+# for each, 1.45x with one 64 x 128 tile whose BLOCK_N halved towards 132 programs; one wave of fewer, deeper
+# programs won for qkv / o / down, 128 x 256 or two waves of 128 x 128 for gate_up.)
 # More than 6 stages only while the programs fit two per SM (a row of gate_up, 896 programs: 59 us at 6, 68 at 8;
 # qkv / o / down's 128-192 programs gain from 8).
 DEEP_STAGES_MAX_PROGRAMS = 264
-FLAT_TILES = ((1, 16, 4, 32, 8), (17, 32, 4, 32, 8), (33, 64, 4, 32, 6), (65, 64, 4, 128, 4, 132),
-              (256, 128, 8, 128, 4), (1024, 128, 8, 256, 3))  # fmt: skip
+FLAT_FEW_TILES = ((1, 16, 4, 32, 8), (17, 32, 4, 32, 8), (33, 64, 4, 32, 6))
+FLAT_MID_TILES = ((128, 256), (128, 128), (128, 64), (64, 64))
+FLAT_MID_ROWS = 65
+FLAT_MIN_PROGRAMS = 96
+FLAT_WAVE = 132  # the H200's SMs
+FLAT_SMEM_BYTES = 227 * 1024  # shared memory an H200 program may use
+FLAT_MANY_ROWS = 1024
+FLAT_MANY_TILE = (FLAT_MANY_ROWS, 128, 8, 256, 3)
+
+
+def _mid_tile(m: int, n: int) -> tuple:
+    """(BLOCK_M, num_warps, BLOCK_N, num_stages) of the flat configuration for m rows (FLAT_MID_ROWS ..
+    FLAT_MANY_ROWS - 1) of
+    an [n, K] 16-bit weight (the comment above FLAT_FEW_TILES)."""
+    for block_m, block_n in FLAT_MID_TILES:
+        programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        if programs >= FLAT_MIN_PROGRAMS:
+            break
+    if block_n == 256 and programs > FLAT_WAVE:
+        block_n = 128
+        programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    stage_bytes = (block_m + block_n) * 64 * 2
+    stages = min(6, FLAT_SMEM_BYTES // stage_bytes) if programs <= FLAT_WAVE else 3
+    return block_m, 8 if block_m * block_n >= 128 * 128 else 4, block_n, stages
+
+
+@functools.cache
+def flat_row_tiles(n: int) -> tuple:
+    """The flat configuration's ROW_TILES for an [n, K] 16-bit weight: FLAT_FEW_TILES, an entry wherever _mid_tile
+    changes from FLAT_MID_ROWS rows, FLAT_MANY_TILE."""
+    entries = list(FLAT_FEW_TILES)
+    for m in range(FLAT_MID_ROWS, FLAT_MANY_ROWS):
+        tile = _mid_tile(m, n)
+        if tile != entries[-1][1:]:
+            entries.append((m, *tile))
+    return tuple(entries) + (FLAT_MANY_TILE,)
 
 
 def split_config(n: int, k: int, dtype: torch.dtype | None = None, block_n: int = 128,
@@ -98,14 +137,15 @@ def _with_row_tiles(base, row_tiles: tuple, n: int, k: int, dtype: torch.dtype |
     return dict(base(n, k, dtype), ROW_TILES=row_tiles)
 
 
-def flat_config(n: int, k: int, dtype: torch.dtype | None = None, row_tiles: tuple = FLAT_TILES) -> dict:
+def flat_config(n: int, k: int, dtype: torch.dtype | None = None, row_tiles: tuple | None = None) -> dict:
     """One K range (SPLIT_K 1: one float32 accumulator, one loop over K in BLOCK_K 64 steps) and the tile chosen by
-    M from row_tiles (float32: the split configuration instead, whose tiles keep its two accumulators in registers)."""
+    M from row_tiles (default flat_row_tiles(n); float32: the split configuration instead, whose tiles keep its two
+    accumulators in registers)."""
     if dtype == torch.float32:
         return split_config(n, k, dtype)
     k_split = triton.cdiv(k, 64) * 64
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, K_SPLIT=k_split, GROUP_M=8, num_warps=4,
-                num_stages=4, PROGRAMS=0, ROW_TILES=row_tiles)  # fmt: skip
+                num_stages=4, PROGRAMS=0, ROW_TILES=row_tiles or flat_row_tiles(n))  # fmt: skip
 
 
 CANDIDATES = {
@@ -220,16 +260,11 @@ def _programs(m: int, n: int, tile: dict) -> int:
 
 def row_tile(cfg: dict, m: int, n: int) -> dict:
     """The tile for m rows of an [n, K] weight (BLOCK_M, BLOCK_N, num_warps, num_stages): the configuration's, as
-    its last ROW_TILES entry with min_rows <= m sets it ((min_rows, BLOCK_M, num_warps[, BLOCK_N, num_stages[,
-    min_programs]]); with min_programs, BLOCK_N halved down to 32 while the output tiles are fewer)."""
+    its last ROW_TILES entry with min_rows <= m sets it ((min_rows, BLOCK_M, num_warps[, BLOCK_N, num_stages]))."""
     tile = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
     entries = [entry for entry in cfg.get("ROW_TILES", ()) if m >= entry[0]]
-    min_programs = 0
     if entries:
-        tile.update(zip(("BLOCK_M", "num_warps", "BLOCK_N", "num_stages"), entries[-1][1:5]))
-        min_programs = entries[-1][5] if len(entries[-1]) > 5 else 0
-    while tile["BLOCK_N"] > 32 and _programs(m, n, tile) < min_programs:
-        tile["BLOCK_N"] //= 2
+        tile.update(zip(("BLOCK_M", "num_warps", "BLOCK_N", "num_stages"), entries[-1][1:]))
     if _programs(m, n, tile) > DEEP_STAGES_MAX_PROGRAMS:
         tile["num_stages"] = min(tile["num_stages"], 6)
     return tile
