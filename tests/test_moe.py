@@ -46,9 +46,14 @@ def test_route_and_align_groups_slots_by_expert():
     assert got == [sorted(s) + [pad] * (16 - len(s)) for s in expected]
 
 
-@pytest.mark.parametrize("tokens, experts, top_k", [(1, 4, 2), (37, 8, 2), (64, 6, 3)])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 4, 2), (37, 8, 2), (64, 6, 3), (16, 128, 8)])
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_route_and_align_matches_reference_routing(tokens, experts, top_k, block_m):
+@pytest.mark.parametrize("one_program", [True, False])
+def test_route_and_align_matches_reference_routing(tokens, experts, top_k, block_m, one_program, monkeypatch):
+    """Up to moe.ROUTE_ALIGN_MAX_SLOTS slots one program routes and groups (here 2-128 slots of 4-128 experts; 192
+    slots take the four kernels either way); without it, route, offsets and scatter: the same grouping."""
+    if not one_program:
+        monkeypatch.setattr(moe, "ROUTE_ALIGN_MAX_SLOTS", 0)
     *_, logits = random_moe(tokens, experts, 16, 16, seed=tokens)
     for renormalize in (True, False):
         weights, ids, sorted_slots, block_experts = moe.route_and_align(logits, top_k, renormalize, block_m)

@@ -22,7 +22,8 @@ to the activations' dtype as they load), as the few-token kernels of aserve/kern
 The three routing kernels (route: aserve/kernels/moe_routing.py) need no host synchronisation (the number of blocks
 is the bound T * k + min(E, T * k) * (BLOCK_M - 1) rounded up, and blocks past the last expert return at once), so a
 decode step captures in a CUDA graph. A slot's rank within its expert comes from an atomic counter: the order of
-slots inside an expert's rows varies from run to run, each slot's result does not. References:
+slots inside an expert's rows varies from run to run, each slot's result does not. Up to ROUTE_ALIGN_MAX_SLOTS
+slots, one program does all three (_route_align_kernel), the ranks counted in slot order. References:
 aserve/kernels/reference.py select_experts, fused_moe.
 """
 
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.kernels import fp8, fp8_gemv, fp8_reference, moe_decode, moe_routing
+from aserve.kernels import fp8, fp8_gemv, fp8_reference, moe_decode, moe_routing, pdl
 from aserve.kernels.fused import silu_mul_rounded
 
 # Launch configurations: BLOCK_M (the grouping's, shared by both GEMMs) and each GEMM's tiles, by tokens per
@@ -43,6 +44,12 @@ SMALL_CONFIG = dict(BLOCK_M=16, gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1,
                     down=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4))  # fmt: skip
 LARGE_CONFIG = dict(BLOCK_M=64, gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
                     down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4))  # fmt: skip
+
+
+# Up to this many slots (and slots x experts, both padded to powers of two) the routing and grouping run as one
+# program (_route_align_kernel: one launch for the four of route, its zeroed counters, offsets and scatter).
+ROUTE_ALIGN_MAX_SLOTS = 128
+ROUTE_ALIGN_MAX_ELEMENTS = 16384
 
 
 def moe_config(num_slots: int, num_experts: int) -> dict:
@@ -81,6 +88,44 @@ def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_slots_ptr, num_slots,
     tl.store(sorted_slots_ptr + row, slots, mask=ok)
 
 
+@triton.jit
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_slots_ptr, block_experts_ptr, T, E, stride_l,
+                        num_blocks, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        SLOTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                        FILL: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """One program for at most SLOTS slots: the route, offsets and scatter kernels' work in one launch, each slot's
+    rank within its expert counted from the slots before it (no counters to zero first)."""
+    pdl.gdc_sync(USE_PDL)
+    n = T * TOP_K
+    s = tl.arange(0, SLOTS)
+    s_ok = s < n
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    x = tl.load(logits_ptr + (s // TOP_K)[:, None].to(tl.int64) * stride_l + e[None, :],
+                mask=s_ok[:, None] & e_ok[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
+    x = tl.where(s_ok[:, None], x, 0.0)  # slots past n: finite, never stored
+    top_w, top_i = moe_routing.select_top_k(x, e_ok, TOP_K, K_PAD, RENORMALIZE)
+    pick = tl.arange(0, K_PAD)[None, :] == (s % TOP_K)[:, None]
+    expert = tl.sum(tl.where(pick, top_i, 0), 1)
+    tl.store(ids_ptr + s, expert, mask=s_ok)
+    tl.store(weights_ptr + s, tl.sum(tl.where(pick, top_w, 0.0), 1), mask=s_ok)
+    rank = tl.sum(((expert[:, None] == expert[None, :]) & (s[None, :] < s[:, None])).to(tl.int32), 1)
+    chose = (expert[:, None] == e[None, :]) & s_ok[:, None]  # [SLOTS, BLOCK_E]
+    counts = tl.sum(chose.to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    row = tl.sum(tl.where(chose, (ends - padded)[None, :], 0), 1) + rank
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
+        tl.store(block_experts_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < num_blocks)
+    for r0 in range(0, num_blocks * BLOCK_M, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(sorted_slots_ptr + r, tl.full([FILL], 0, tl.int32) + n, mask=r < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the sentinels stored before any slot overwrites one
+    tl.store(sorted_slots_ptr + row, s, mask=s_ok)
+
+
 def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
     """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k], sorted_slots int32 [num_blocks *
     block_m], block_experts int32 [num_blocks]): the routing and the slots grouped by expert (module docstring)."""
@@ -88,13 +133,23 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     n = t * top_k
     dev = router_logits.device
     num_blocks = triton.cdiv(n + min(e, n) * (block_m - 1), block_m)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(e)
+    slots = triton.next_power_of_2(n)
+    if slots <= ROUTE_ALIGN_MAX_SLOTS and slots * block_e <= ROUTE_ALIGN_MAX_ELEMENTS:
+        weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+        ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+        _route_align_kernel[(1,)](
+            router_logits, weights, ids, sorted_slots, block_experts, t, e, router_logits.stride(0), num_blocks,
+            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, SLOTS=slots, BLOCK_E=block_e,
+            BLOCK_M=block_m, CHUNK=max(16, 4096 // block_e), FILL=1024, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
+        )  # fmt: skip
+        return weights, ids, sorted_slots, block_experts
     ranks = torch.empty(t, top_k, dtype=torch.int32, device=dev)
     counts = torch.zeros(e, dtype=torch.int32, device=dev)
     starts = torch.empty(e, dtype=torch.int32, device=dev)
-    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     weights, ids = moe_routing.route(router_logits, top_k, renormalize, ranks, counts)
-    block_e = triton.next_power_of_2(e)
     _offsets_kernel[(1,)](counts, starts, block_experts, sorted_slots, n, num_blocks, e, BLOCK_M=block_m,
                           BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e), FILL=1024)  # fmt: skip
     _scatter_kernel[(triton.cdiv(n, 1024),)](ids, ranks, starts, sorted_slots, n, BLOCK=1024)

@@ -1,8 +1,9 @@
 """Deterministic mode's GPU attention backend: aserve/kernels/batch_invariant_attention.py for every step (prompt
 chunks, decodes, verification), with split-KV segments of a size fixed at engine start (from max_model_len), so a
 token's attention is the same bits whatever the step holds. As the normal Triton backend, rotary and the cache write
-are one kernel and a step prepares nothing on the host, so decode steps are captured in CUDA graphs (their partial
-results in buffers allocated here). (Triton is optional: select_attention_backend imports this module once chosen.)
+are one kernel (with Qwen3's q / k norm) and a step prepares nothing on the host, so decode steps are captured in CUDA
+graphs (their partial results in buffers allocated here). (Triton is optional: select_attention_backend imports this
+module once chosen.)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aserve.layers.attention.backend import FULL_ATTENTION, AttentionBackend, At
 
 class BatchInvariantTritonAttentionBackend(AttentionBackend):
     writes_rotated_kv = True
+    fuses_qk_norm = True
     supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
@@ -39,11 +41,13 @@ class BatchInvariantTritonAttentionBackend(AttentionBackend):
         meta.state = segments if meta.max_query_len == 1 and segments > 1 else 0
 
     def rotate_and_write(self, qkv, cos, sin, kv_cache, meta, num_heads: int, head_dim: int,
-                         params: AttentionParams = FULL_ATTENTION):  # fmt: skip
+                         params: AttentionParams = FULL_ATTENTION, qk_norm: tuple | None = None):  # fmt: skip
         """Rotary on q and k, k / v written into the cache (aserve/kernels/fused.py) -> (q, None, None): attention
-        reads every key from the pages. (Deterministic mode has no quantised cache: `params`' scales are unused.)"""
+        reads every key from the pages. (Deterministic mode has no quantised cache: `params`' scales are unused.)
+        qk_norm: fuses_qk_norm (one program a token, as the separate norm kernel: the same bits)."""
         cache = (kv_cache[0], kv_cache[1], meta.slot_mapping)
-        return rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache), None, None
+        q = rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, qk_norm=qk_norm)
+        return q, None, None
 
     def forward(self, q, k, v, kv_cache, meta, params: AttentionParams = FULL_ATTENTION):
         write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
