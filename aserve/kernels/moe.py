@@ -58,17 +58,13 @@ def moe_config(num_slots: int, num_experts: int) -> dict:
 
 
 @triton.jit
-def _offsets_kernel(counts_ptr, starts_ptr, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, E,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                    FILL: tl.constexpr):  # fmt: skip
-    """One program: each expert's first row (counts padded to BLOCK_M, summed), each block's expert (E past the
-    last one), and every row of sorted_slots set to the sentinel (the scatter overwrites the used ones)."""
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < E
-    counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
+def _layout_blocks(counts, e_ok, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, BLOCK_M: tl.constexpr,
+                   CHUNK: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    """From the experts' counts [BLOCK_E] (e_ok: the columns below E): each block's expert (E past the last one)
+    stored, every row of sorted_slots set to the sentinel num_slots (the slots then overwrite theirs), and each
+    expert's first row returned (counts padded to BLOCK_M, summed)."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    tl.store(starts_ptr + e, ends - padded, mask=e_ok)
     for b0 in range(0, num_blocks, CHUNK):
         b = b0 + tl.arange(0, CHUNK)
         # experts whose rows end at or before the block's first row: the block's expert index
@@ -77,6 +73,21 @@ def _offsets_kernel(counts_ptr, starts_ptr, block_experts_ptr, sorted_slots_ptr,
     for r0 in range(0, num_blocks * BLOCK_M, FILL):
         r = r0 + tl.arange(0, FILL)
         tl.store(sorted_slots_ptr + r, tl.full([FILL], 0, tl.int32) + num_slots, mask=r < num_blocks * BLOCK_M)
+    return ends - padded
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, starts_ptr, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, E,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                    FILL: tl.constexpr):  # fmt: skip
+    """One program: _layout_blocks from the route kernel's counts, each expert's first row stored for the
+    scatter."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
+    starts = _layout_blocks(counts, e_ok, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, BLOCK_M, CHUNK,
+                            FILL)  # fmt: skip
+    tl.store(starts_ptr + e, starts, mask=e_ok)
 
 
 @triton.jit
@@ -111,17 +122,9 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_slots_ptr, bloc
     tl.store(weights_ptr + s, tl.sum(tl.where(pick, top_w, 0.0), 1), mask=s_ok)
     rank = tl.sum(((expert[:, None] == expert[None, :]) & (s[None, :] < s[:, None])).to(tl.int32), 1)
     chose = (expert[:, None] == e[None, :]) & s_ok[:, None]  # [SLOTS, BLOCK_E]
-    counts = tl.sum(chose.to(tl.int32), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    row = tl.sum(tl.where(chose, (ends - padded)[None, :], 0), 1) + rank
-    for b0 in range(0, num_blocks, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
-        tl.store(block_experts_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < num_blocks)
-    for r0 in range(0, num_blocks * BLOCK_M, FILL):
-        r = r0 + tl.arange(0, FILL)
-        tl.store(sorted_slots_ptr + r, tl.full([FILL], 0, tl.int32) + n, mask=r < num_blocks * BLOCK_M)
+    starts = _layout_blocks(tl.sum(chose.to(tl.int32), 0), e_ok, block_experts_ptr, sorted_slots_ptr, n, num_blocks,
+                            BLOCK_M, CHUNK, FILL)  # fmt: skip
+    row = tl.sum(tl.where(chose, starts[None, :], 0), 1) + rank
     tl.debug_barrier()  # the sentinels stored before any slot overwrites one
     tl.store(sorted_slots_ptr + row, s, mask=s_ok)
 
