@@ -15,7 +15,9 @@ without it, --model (default: the embedded model). On CPU both engines stay load
 between them --rounds times, keeping each one's best (a shared CPU is noisy: compare the two columns of one run, not
 runs); on a GPU the engines run one after the other. Also checks that the deterministic engine gives the same tokens
 for the offline workload run alone and beside the decode request's prompt. Prints a table; --json appends the results
-as a JSON line to a file.
+as a JSON line to a file. --kernels (GPU): also each mode's batch-1 decode step by kernel (the one-token CUDA graph's
+replay under torch.profiler: us per step and launches per step; ASERVE_PDL=0 for each kernel's own time rather than
+one that includes its wait for the kernel before).
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ class Engine:
         many, _ = self._generate(self.decode_prompt, self.args.decode_tokens)
         return (many - one) / (self.args.decode_tokens - 1) * 1e3
 
+    def step_kernels(self) -> tuple[float, list]:
+        """(ms of one replay of the batch-1 decode CUDA graph, its kernel_times)."""
+        from gpu_bench import bench_ms, kernel_times
+
+        graph = self.llm.engine.core.runner.graphs.graphs[(1, 1)][0]
+        return bench_ms(graph.replay), kernel_times(graph.replay)
+
     def invariant(self) -> bool:
         """The offline workload's tokens: the same alone and with the decode prompt in the batch."""
         n = self.args.output_len
@@ -101,6 +110,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--json", default=None, help="append the results as a JSON line to this file")
+    p.add_argument("--kernels", action="store_true", help="GPU: each mode's batch-1 decode step by kernel")
     args = p.parse_args()
 
     model = args.model
@@ -115,6 +125,7 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     results = {mode: {"offline": 0.0, "decode": float("inf")} for mode in ("normal", "deterministic")}
     invariant = None
+    kernels: dict[str, tuple] = {}  # mode -> (graph replay ms, kernel_times rows)
     if on_gpu:  # one engine at a time: each takes most of the GPU's memory
         for mode in results:
             engine = Engine(args, model, mode == "deterministic")
@@ -122,6 +133,8 @@ def main() -> None:
             results[mode]["decode"] = min(engine.decode() for _ in range(max(args.rounds - 1, 1)))
             if mode == "deterministic":
                 invariant = engine.invariant()
+            if args.kernels:
+                kernels[mode] = engine.step_kernels()
             del engine
             gc.collect()
             torch.cuda.empty_cache()
@@ -141,10 +154,14 @@ def main() -> None:
         print(f"| {mode} | {r['offline']:.1f} | {r['offline'] / base['offline']:.3f} | {r['decode']:.2f} | "
               f"{r['decode'] / base['decode']:.3f} |")  # fmt: skip
     print(f"\ndeterministic: offline tokens alone == beside another request: {invariant}")
+    for mode, (replay_ms, rows) in kernels.items():
+        print(f"\n{mode}: one replay of the batch-1 decode graph {replay_ms:.3f} ms; by kernel (us a step, launches):")
+        for name, us, count in rows[:16]:
+            print(f"  {us:8.1f}  x{count:<6g} {name[:100]}")
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps({"args": vars(args), "device": device, "results": results, "invariant": invariant})
-                    + "\n")  # fmt: skip
+            f.write(json.dumps({"args": vars(args), "device": device, "results": results, "invariant": invariant,
+                                "kernels": kernels}) + "\n")  # fmt: skip
     if tmp is not None:
         tmp.cleanup()
 

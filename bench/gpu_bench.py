@@ -270,20 +270,28 @@ def parity(root: str) -> None:
         torch.cuda.empty_cache()
 
 
-def top_kernels(fn, key: str, n: int = 10) -> None:
-    """GPU time by kernel over 20 calls of fn (CUPTI via torch.profiler)."""
+def kernel_times(fn, calls: int = 20) -> list[tuple[str, float, float]]:
+    """(kernel, GPU us per call of fn, launches per call of fn), the most time first: CUPTI via torch.profiler over
+    `calls` calls after one. (With programmatic dependent launch a kernel's time includes its wait for the one
+    before: ASERVE_PDL=0 for each kernel's own.)"""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 20, e.count // 20) for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
+    rows = [(e.key, e.device_time_total / calls, e.count / calls) for e in prof.key_averages()
+            if e.device_time_total > 0]  # fmt: skip
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def top_kernels(fn, key: str, n: int = 10) -> None:
+    """GPU time by kernel over 20 calls of fn (kernel_times), the first n recorded."""
+    rows = kernel_times(fn)
     total = sum(r[1] for r in rows)
-    lines = [f"{t / 1e3:.3f} ms x{c} {name[:70]}" for name, t, c in rows[:n]]
+    lines = [f"{t / 1e3:.3f} ms x{c:g} {name[:70]}" for name, t, c in rows[:n]]
     record(key, f"{total / 1e3:.3f} ms total", "", " | ".join(lines))
 
 
