@@ -10,7 +10,7 @@ The server it starts itself also has its RSS reported after the first 1,000 requ
 Without --url it starts `aserve serve` on the tiny random model of tests/tiny_models.py with a small KV cache (so
 that requests are also preempted and aborted while waiting) and `--debug-invariants` (every step and abort checks
 the block ref counts and queues; a violation is logged as an error, which fails the run). Prints a JSON summary
-and exits 1 if anything is wrong. tests/test_reliability.py runs the same code (200 requests by default, 2,000 with
+and exits 1 if anything is wrong. tests/test_kv_integrity.py runs the same code (200 requests by default, 2,000 with
 `-m slow`).
 
 Clients that hang up do so in one of three ways, in equal shares: right after sending the request (a raw socket
