@@ -80,8 +80,7 @@ FLAT_MANY_TILE = (FLAT_MANY_ROWS, 128, 8, 256, 3)
 
 def _mid_tile(m: int, n: int) -> tuple:
     """(BLOCK_M, num_warps, BLOCK_N, num_stages) of the flat configuration for m rows (FLAT_MID_ROWS ..
-    FLAT_MANY_ROWS - 1) of
-    an [n, K] 16-bit weight (the comment above FLAT_FEW_TILES)."""
+    FLAT_MANY_ROWS - 1) of an [n, K] 16-bit weight (the comment above FLAT_FEW_TILES)."""
     for block_m, block_n in FLAT_MID_TILES:
         programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         if programs >= FLAT_MIN_PROGRAMS:

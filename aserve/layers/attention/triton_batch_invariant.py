@@ -44,7 +44,7 @@ class BatchInvariantTritonAttentionBackend(AttentionBackend):
                          params: AttentionParams = FULL_ATTENTION, qk_norm: tuple | None = None):  # fmt: skip
         """Rotary on q and k, k / v written into the cache (aserve/kernels/fused.py) -> (q, None, None): attention
         reads every key from the pages. (Deterministic mode has no quantised cache: `params`' scales are unused.)
-        qk_norm: fuses_qk_norm (one program a token, as the separate norm kernel: the same bits)."""
+        qk_norm: fuses_qk_norm (one program a token: a token's norm does not depend on the rest of the step)."""
         cache = (kv_cache[0], kv_cache[1], meta.slot_mapping)
         q = rotary_split(qkv, cos, sin, num_heads, self.num_kv_heads, head_dim, cache=cache, qk_norm=qk_norm)
         return q, None, None
