@@ -78,10 +78,11 @@ def _layout_blocks(counts, e_ok, block_experts_ptr, sorted_slots_ptr, num_slots,
 
 @triton.jit
 def _offsets_kernel(counts_ptr, starts_ptr, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, E,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                    FILL: tl.constexpr):  # fmt: skip
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                    USE_PDL: tl.constexpr):  # fmt: skip
     """One program: _layout_blocks from the route kernel's counts, each expert's first row stored for the
     scatter."""
+    pdl.gdc_sync(USE_PDL)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
@@ -91,7 +92,9 @@ def _offsets_kernel(counts_ptr, starts_ptr, block_experts_ptr, sorted_slots_ptr,
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_slots_ptr, num_slots, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_slots_ptr, num_slots, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):  # fmt: skip
+    pdl.gdc_sync(USE_PDL)
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = slots < num_slots
     expert = tl.load(ids_ptr + slots, mask=ok, other=0)
@@ -154,8 +157,10 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     starts = torch.empty(e, dtype=torch.int32, device=dev)
     weights, ids = moe_routing.route(router_logits, top_k, renormalize, ranks, counts)
     _offsets_kernel[(1,)](counts, starts, block_experts, sorted_slots, n, num_blocks, e, BLOCK_M=block_m,
-                          BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e), FILL=1024)  # fmt: skip
-    _scatter_kernel[(triton.cdiv(n, 1024),)](ids, ranks, starts, sorted_slots, n, BLOCK=1024)
+                          BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e), FILL=1024, USE_PDL=pdl.ENABLED,
+                          **pdl.launch_kwargs())  # fmt: skip
+    _scatter_kernel[(triton.cdiv(n, 1024),)](ids, ranks, starts, sorted_slots, n, BLOCK=1024, USE_PDL=pdl.ENABLED,
+                                             **pdl.launch_kwargs())  # fmt: skip
     return weights, ids, sorted_slots, block_experts
 
 
@@ -205,13 +210,14 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_
                          WEIGHTED: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr,
                          IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):  # fmt: skip
+                         GROUP_M: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """c[slot, n] = a[slot // ROW_DIV] . b[expert, n] for the BLOCK_M slots of one block (one expert) and BLOCK_N
     outputs. GATED: b holds [gate (N rows) | up (N rows)] and c is silu(gate) * up; WEIGHTED: c times the slot's
     routing weight; B_SCALED: b is e4m3 and each accumulator column times its row's scale b_scale[expert, n]
     (float32, [E, rows of b]) before the epilogue, b's tiles converted to a's dtype as they load unless A_SCALED:
     a is e4m3 too (FP8 MMAs) and each accumulator row times its a row's scale a_scale[slot // ROW_DIV]. Float32
     accumulators; padding rows read row 0 and are never stored."""
+    pdl.gdc_sync(USE_PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), N, num_blocks, GROUP_M, BLOCK_N)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert >= NUM_EXPERTS:
@@ -292,7 +298,7 @@ def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: d
         a.stride(0), b.stride(0), b.stride(1), out.stride(0), b_scale.stride(0) if b_scale is not None else 0,
         NUM_EXPERTS=num_experts, ROW_DIV=row_div, GATED=gated, WEIGHTED=weights is not None,
         A_SCALED=a_scale is not None, B_SCALED=b_scale is not None, IEEE=a.dtype == torch.float32,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, USE_PDL=pdl.ENABLED, **cfg, **pdl.launch_kwargs(),
     )  # fmt: skip
     return out
 
@@ -335,8 +341,9 @@ def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: 
 
 
 @triton.jit
-def _ordered_sum_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _ordered_sum_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, cols] = x[t, 0, cols] + x[t, 1, cols] + ... in float32, one after the other, rounded once."""
+    pdl.gdc_sync(USE_PDL)
     t = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -352,5 +359,6 @@ def ordered_sum(x: torch.Tensor) -> torch.Tensor:
     t, top_k, h = x.shape
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(h))
-    _ordered_sum_kernel[(triton.cdiv(h, block), t)](x, out, h, TOP_K=top_k, BLOCK=block)
+    _ordered_sum_kernel[(triton.cdiv(h, block), t)](x, out, h, TOP_K=top_k, BLOCK=block, USE_PDL=pdl.ENABLED,
+                                                    **pdl.launch_kwargs())  # fmt: skip
     return out
