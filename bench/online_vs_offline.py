@@ -2,7 +2,7 @@
 
     python bench/online_vs_offline.py [--model M] [--load-format dummy] [--dtype D] [--streams 64] [--requests 256]
         [--input-len 256] [--output-len 128] [--max-num-seqs 256] [--long-prefill-token-threshold N] [--profile]
-        [--passes N] [--offline-from JSON]
+        [--passes N] [--interleave] [--offline-from JSON]
         [--json PATH] [--server-arg '...']
 
 Offline: `LLM.generate` of --requests random token-id prompts (seeded; ids in [100, vocab_size - 100)), max_tokens
@@ -15,7 +15,10 @@ max_tokens 4) first. Per request: TTFT (send -> first chunk carrying a token), T
 and every gap between token-carrying chunks (ITL). Output tokens come from the usage chunk.
 --profile samples the server with py-spy during the (first) timed online pass and prints where its threads spend time.
 --passes N times N online passes on one server, each with its own prompts, and reports the median one;
---offline-from reuses the offline part of an earlier run's --json (same workload flags) instead of running it.
+--interleave (where one machine holds both engines, e.g. CPU) also runs an offline pass on each pass's prompts right
+before it, while the server idles, and reports each pair's ratio and their median (a shared machine's speed drifts
+over minutes; a pair's two halves see about the same machine); --offline-from reuses the offline part of an earlier
+run's --json (same workload flags) instead of running it.
 
 The client shares the machine with the server: its CPU use during the timed pass is reported (client_cpu_frac, of
 one core); near 1.0 the client, not the server, bounds the online numbers. --server-arg passes flags to the server
@@ -291,10 +294,14 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
         vocab = off["vocab_size"]
         warm = make_prompts(ns.requests, ns.input_len, vocab, ns.seed + 1)
         run(run_pass(url, warm, 4, ns.streams))
-        passes = []
+        passes, paired = [], []  # paired: the offline rate right before each pass (--interleave)
         for i in range(ns.passes):
             # Each pass its own prompts (no prefix-cache hits across passes); the first is the offline engine's.
-            prompts = make_prompts(ns.requests, ns.input_len, vocab, ns.seed + 1000 * i)
+            seed = ns.seed + 1000 * i
+            prompts = make_prompts(ns.requests, ns.input_len, vocab, seed)
+            if ns.interleave:
+                argv = [*sys.argv[1:], "--seed", str(seed)]
+                paired.append(run_offline_child(argv, os.path.join(tmp, f"offline{i}.log"))["output_tok_s"])
             profiler = None
             if ns.profile and i == 0:
                 profiler = start_profiler(proc.pid, tmp, int(max(60, 20 * off["wall_s"] + 60)))
@@ -304,8 +311,9 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
             raw = stop_profiler(profiler) if profiler else None
             n_out = sum(r["n_out"] for r in results)
             passes.append((n_out / elapsed, results, elapsed, client_cpu, raw, steps))
-            if ns.passes > 1:
-                print(f"  pass {i + 1}: {n_out / elapsed:.1f} tok/s ({elapsed:.2f} s)", flush=True)
+            if ns.passes > 1 or paired:
+                pair = f", offline just before {paired[-1]:.1f}: {n_out / elapsed / paired[-1]:.3f}" if paired else ""
+                print(f"  pass {i + 1}: {n_out / elapsed:.1f} tok/s ({elapsed:.2f} s){pair}", flush=True)
     except Exception:
         with open(log_path) as f:
             print(f"server log (tail):\n{f.read()[-3000:]}", file=sys.stderr)
@@ -325,6 +333,9 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
            "e2e": ms_stats([r["e2e"] for r in results]),
            "tokens_per_chunk": round(n_out / max(chunks, 1), 3), "client_cpu_frac": round(client_cpu / elapsed, 3),
            "kv_cache_memory_gb": kv_gb, "pass_tok_s": [round(x, 1) for x in rates], **steps}  # fmt: skip
+    if paired:
+        out["paired_offline_tok_s"] = paired
+        out["paired_ratios"] = [round(r / o, 4) for r, o in zip(rates, paired)]
     if raw is not None:
         out["profile"] = {"pass_s": round(elapsed, 3), **aggregate_profile(raw)}
     return out
@@ -343,6 +354,11 @@ def print_table(off: dict, on: dict, ns: argparse.Namespace) -> None:
         ("online / offline", f"{on['output_tok_s'] / off['output_tok_s']:.3f}",
          f"batch: offline up to {min(ns.requests, ns.max_num_seqs)}, online up to {min(ns.streams, ns.max_num_seqs)}"),
         ("online / offline, each pass", " ".join(f"{x / off['output_tok_s']:.3f}" for x in on["pass_tok_s"]), ""),
+    ]  # fmt: skip
+    if "paired_ratios" in on:
+        rows.append(("each pass / the offline pass just before it", " ".join(f"{r:.3f}" for r in on["paired_ratios"]),
+                     f"median {statistics.median(on['paired_ratios']):.3f}"))  # fmt: skip
+    rows += [
         ("TTFT p50 / p99 (ms)", f"{fmt(on['ttft'], 'p50_ms')} / {fmt(on['ttft'], 'p99_ms')}", ""),
         ("TPOT p50 / p99 (ms)", f"{fmt(on['tpot'], 'p50_ms')} / {fmt(on['tpot'], 'p99_ms')}", ""),
         ("ITL p50 / p99 (ms)", f"{fmt(on['itl'], 'p50_ms')} / {fmt(on['itl'], 'p99_ms')}",
@@ -376,6 +392,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="sample the server with py-spy during the timed pass")
     p.add_argument("--passes", type=int, default=1, help="timed online passes on one server (the median reported)")
+    p.add_argument("--interleave", action="store_true", help="an offline pass before each online pass (paired)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--offline-from", default=None, help="take the offline result from this earlier --json file")
     p.add_argument(
@@ -407,6 +424,8 @@ def main() -> None:
     result = {"config": {k: v for k, v in vars(ns).items() if k not in ("offline_only", "json")},
               "offline": off, "online": on,
               "online_over_offline": round(on["output_tok_s"] / off["output_tok_s"], 4)}  # fmt: skip
+    if "paired_ratios" in on:
+        result["online_over_offline_paired"] = statistics.median(on["paired_ratios"])
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(result, f, indent=1)
