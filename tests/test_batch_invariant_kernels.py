@@ -171,6 +171,13 @@ def test_split_configs_depend_on_the_weight_alone():
     assert [(t["BLOCK_M"], t["BLOCK_N"], t["num_warps"], t["num_stages"]) for t in tiles] == [
         (128, 256, 8, 4), (128, 128, 8, 3), (128, 128, 8, 3)]  # fmt: skip
     assert [entry[0] for entry in bi_matmul.flat_row_tiles(4096)] == [1, 17, 33, 65, 129, 257, 513, 641, 1024]
+    # a GPU with fewer SMs and less shared memory (an A100's 108 and 163 KiB, an L4's 58 and 99 KiB): every tile's
+    # stages fit its shared memory, and the wave is its SM count
+    for n in (4096, 28672):
+        for sms, smem in ((108, 163 * 1024), (58, 99 * 1024)):
+            tiles = bi_matmul.flat_row_tiles(n, sms, smem)
+            assert all((bm + bn) * 64 * 2 * stages <= smem for _, bm, _, bn, stages in tiles), (n, sms)
+    assert bi_matmul.flat_row_tiles(4096, 108, 163 * 1024)[3] == (65, 64, 4, 64, 3)  # 128 tiles: past one wave
 
 
 def test_checked_config_keeps_the_tiles_by_m_only_where_rows_keep_their_bits(monkeypatch, caplog):

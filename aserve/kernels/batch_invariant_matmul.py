@@ -60,11 +60,12 @@ COMBINE_BLOCK = 1024
 # FLAT_FEW_TILES, narrow column tiles so that enough programs stream the weight without split-K; from
 # FLAT_MANY_ROWS, FLAT_MANY_TILE; in between, by N as well (flat_row_tiles: the weight's, so still not by M alone):
 # the first of FLAT_MID_TILES giving at least FLAT_MIN_PROGRAMS output tiles, 128 x 128 for 128 x 256 past one wave
-# (FLAT_WAVE programs), 8 warps from 128 x 128, and as many stages as fit (at most 6) within one wave, 3 past it (two
-# programs resident on an SM). (H200, 2026-12-04, a sweep of BLOCK_M 32-128 x BLOCK_N 32-256, 4 / 8 warps and 3-6
-# stages over Llama-3-8B's four linears at 96-384 rows: at 128 rows the four 1.13x cuBLAS's time with the tile best
-# for each, 1.45x with one 64 x 128 tile whose BLOCK_N halved towards 132 programs; one wave of fewer, deeper
-# programs won for qkv / o / down, 128 x 256 or two waves of 128 x 128 for gate_up.)
+# (as many programs as the GPU has SMs), 8 warps from 128 x 128, and as many stages as fit (at most 6) within one
+# wave, 3 past it (two programs resident on an SM); every tile's stages at most what the GPU's shared memory holds
+# (device_limits). (H200, 2026-12-04, a sweep of BLOCK_M 32-128 x BLOCK_N 32-256, 4 / 8 warps and 3-6 stages over
+# Llama-3-8B's four linears at 96-384 rows: at 128 rows the four 1.13x cuBLAS's time with the tile best for each,
+# 1.45x with one 64 x 128 tile whose BLOCK_N halved towards 132 programs; one wave of fewer, deeper programs won for
+# qkv / o / down, 128 x 256 or two waves of 128 x 128 for gate_up.)
 # More than 6 stages only while the programs fit two per SM (a row of gate_up, 896 programs: 59 us at 6, 68 at 8;
 # qkv / o / down's 128-192 programs gain from 8).
 DEEP_STAGES_MAX_PROGRAMS = 264
@@ -72,37 +73,54 @@ FLAT_FEW_TILES = ((1, 16, 4, 32, 8), (17, 32, 4, 32, 8), (33, 64, 4, 32, 6))
 FLAT_MID_TILES = ((128, 256), (128, 128), (128, 64), (64, 64))
 FLAT_MID_ROWS = 65
 FLAT_MIN_PROGRAMS = 96
-FLAT_WAVE = 132  # the H200's SMs
-FLAT_SMEM_BYTES = 227 * 1024  # shared memory an H200 program may use
 FLAT_MANY_ROWS = 1024
 FLAT_MANY_TILE = (FLAT_MANY_ROWS, 128, 8, 256, 3)
+H200_LIMITS = (132, 227 * 1024)  # SMs, shared memory one program may use (bytes)
 
 
-def _mid_tile(m: int, n: int) -> tuple:
+@functools.cache
+def device_limits() -> tuple[int, int]:
+    """(SMs, shared memory one program may use) of the current CUDA device; the H200's without one (Triton's
+    interpreter in tests)."""
+    if not torch.cuda.is_available():
+        return H200_LIMITS
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0)
+    return props.multi_processor_count, smem or H200_LIMITS[1]
+
+
+def _fitting(block_m: int, block_n: int, stages: int, smem: int) -> int:
+    """At most `stages` (at least 1) K steps of 16-bit x and weight tiles in `smem` bytes."""
+    return max(1, min(stages, smem // ((block_m + block_n) * 64 * 2)))
+
+
+def _mid_tile(m: int, n: int, sms: int, smem: int) -> tuple:
     """(BLOCK_M, num_warps, BLOCK_N, num_stages) of the flat configuration for m rows (FLAT_MID_ROWS ..
-    FLAT_MANY_ROWS - 1) of an [n, K] 16-bit weight (the comment above FLAT_FEW_TILES)."""
+    FLAT_MANY_ROWS - 1) of an [n, K] 16-bit weight on a GPU of `sms` SMs and `smem` bytes of shared memory a program
+    (the comment above FLAT_FEW_TILES)."""
     for block_m, block_n in FLAT_MID_TILES:
         programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         if programs >= FLAT_MIN_PROGRAMS:
             break
-    if block_n == 256 and programs > FLAT_WAVE:
+    if block_n == 256 and programs > sms:
         block_n = 128
         programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    stage_bytes = (block_m + block_n) * 64 * 2
-    stages = min(6, FLAT_SMEM_BYTES // stage_bytes) if programs <= FLAT_WAVE else 3
+    stages = _fitting(block_m, block_n, 6 if programs <= sms else 3, smem)
     return block_m, 8 if block_m * block_n >= 128 * 128 else 4, block_n, stages
 
 
 @functools.cache
-def flat_row_tiles(n: int) -> tuple:
-    """The flat configuration's ROW_TILES for an [n, K] 16-bit weight: FLAT_FEW_TILES, an entry wherever _mid_tile
-    changes from FLAT_MID_ROWS rows, FLAT_MANY_TILE."""
-    entries = list(FLAT_FEW_TILES)
+def flat_row_tiles(n: int, sms: int = H200_LIMITS[0], smem: int = H200_LIMITS[1]) -> tuple:
+    """The flat configuration's ROW_TILES for an [n, K] 16-bit weight on a GPU of `sms` SMs and `smem` bytes of
+    shared memory a program: FLAT_FEW_TILES, an entry wherever _mid_tile changes from FLAT_MID_ROWS rows,
+    FLAT_MANY_TILE (each with its stages cut to what smem holds)."""
+    entries = [(m0, bm, warps, bn, _fitting(bm, bn, stages, smem)) for m0, bm, warps, bn, stages in FLAT_FEW_TILES]
     for m in range(FLAT_MID_ROWS, FLAT_MANY_ROWS):
-        tile = _mid_tile(m, n)
+        tile = _mid_tile(m, n, sms, smem)
         if tile != entries[-1][1:]:
             entries.append((m, *tile))
-    return tuple(entries) + (FLAT_MANY_TILE,)
+    m0, bm, warps, bn, stages = FLAT_MANY_TILE
+    return tuple(entries) + ((m0, bm, warps, bn, _fitting(bm, bn, stages, smem)),)
 
 
 def split_config(n: int, k: int, dtype: torch.dtype | None = None, block_n: int = 128,
@@ -138,13 +156,13 @@ def _with_row_tiles(base, row_tiles: tuple, n: int, k: int, dtype: torch.dtype |
 
 def flat_config(n: int, k: int, dtype: torch.dtype | None = None, row_tiles: tuple | None = None) -> dict:
     """One K range (SPLIT_K 1: one float32 accumulator, one loop over K in BLOCK_K 64 steps) and the tile chosen by
-    M from row_tiles (default flat_row_tiles(n); float32: the split configuration instead, whose tiles keep its two
-    accumulators in registers)."""
+    M from row_tiles (default flat_row_tiles for n and this GPU; float32: the split configuration instead, whose tiles
+    keep its two accumulators in registers)."""
     if dtype == torch.float32:
         return split_config(n, k, dtype)
     k_split = triton.cdiv(k, 64) * 64
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, K_SPLIT=k_split, GROUP_M=8, num_warps=4,
-                num_stages=4, PROGRAMS=0, ROW_TILES=row_tiles or flat_row_tiles(n))  # fmt: skip
+                num_stages=4, PROGRAMS=0, ROW_TILES=row_tiles or flat_row_tiles(n, *device_limits()))  # fmt: skip
 
 
 CANDIDATES = {
