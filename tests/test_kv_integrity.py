@@ -7,12 +7,12 @@ import importlib.util
 import pathlib
 
 import pytest
-import reliability_helpers
+import reliability_common
 from aserve_server import start_server, stop_server
-from reliability_helpers import make_llm_engine, parse_sse, prompt_ids, stream_text
+from reliability_common import make_llm_engine, parse_sse, prompt_ids, stream_text
 from test_server import assert_idle, make_client, metric
 
-llm_engine, client = reliability_helpers.llm_engine, reliability_helpers.client  # fixtures, found by their names
+llm_engine, client = reliability_common.llm_engine, reliability_common.client  # fixtures, found by their names
 
 
 # -- 1. disconnect storm -----------------------------------------------------------------------------------------

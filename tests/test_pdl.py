@@ -1,5 +1,5 @@
 """The rules of programmatic dependent launch (aserve/kernels/pdl.py), checked in the source of every kernel module:
-a Triton kernel that takes USE_PDL calls gdc_sync (or hands USE_PDL to a helper that does), and a launch passes
+a Triton kernel that takes USE_PDL calls gdc_sync (or hands USE_PDL to a jit function that does), and a launch passes
 USE_PDL=pdl.ENABLED exactly where it passes **pdl.launch_kwargs(). (A kernel launched with PDL but never waiting
 could read what the kernel before it has not yet written; one launched without it loses the overlap.)"""
 

@@ -13,10 +13,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-import reliability_helpers
+import reliability_common
 import torch
 from aserve_server import start_server, stop_server
-from reliability_helpers import assert_openai_error, make_llm_engine, parse_sse, prompt_ids, stream_text
+from reliability_common import assert_openai_error, make_llm_engine, parse_sse, prompt_ids, stream_text
 from test_server import assert_idle, make_client, metric
 
 from aserve import EngineArgs
@@ -26,7 +26,7 @@ from aserve.engine.llm_engine import INLINE_CHARS
 from aserve.entrypoints.openai import responses as streaming_module
 from aserve.entrypoints.openai.server import MAX_BODY_BYTES
 
-llm_engine, client = reliability_helpers.llm_engine, reliability_helpers.client  # fixtures, found by their names
+llm_engine, client = reliability_common.llm_engine, reliability_common.client  # fixtures, found by their names
 
 
 async def reference_texts(client, prompts, max_tokens: int) -> list[str]:

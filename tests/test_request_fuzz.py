@@ -9,14 +9,14 @@ import urllib.error
 import urllib.request
 
 import pytest
-import reliability_helpers
-from reliability_helpers import MODEL, assert_openai_error, make_llm_engine, parse_sse, prompt_ids
+import reliability_common
+from reliability_common import MODEL, assert_openai_error, make_llm_engine, parse_sse, prompt_ids
 from test_server import assert_idle
 
 from aserve.engine.async_engine import AsyncEngine
 from aserve.entrypoints.openai.server import build_app
 
-llm_engine, client = reliability_helpers.llm_engine, reliability_helpers.client  # fixtures, found by their names
+llm_engine, client = reliability_common.llm_engine, reliability_common.client  # fixtures, found by their names
 
 
 async def test_openapi_describes_the_request_bodies(client):

@@ -4,13 +4,13 @@ process, and cache_salt isolation of prefix-cache sharing between tenants."""
 import subprocess
 import sys
 
-import reliability_helpers
-from reliability_helpers import make_llm_engine
+import reliability_common
+from reliability_common import make_llm_engine
 from test_server import make_client, metric
 
 from aserve.cli import build_parser
 
-llm_engine = reliability_helpers.llm_engine  # a fixture, found by its name
+llm_engine = reliability_common.llm_engine  # a fixture, found by its name
 
 
 async def test_api_key_guards_every_v1_route(llm_engine):
