@@ -334,9 +334,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def differing_row_counts(weight: torch.Tensor, cfg: dict, probes: int = 4, seed: int = 0) -> list[int]:
     """The row counts at which a probe row's result differs in any bit from the same row's alone (M = 1): wherever
-    the tile changes with M (row_tile: the ROW_TILES entries and BLOCK_N's halving; the count before and the count
-    at the change), the probes at the first, last and evenly spread rows of a batch of random rows. Empty: the tiles
-    that cfg picks by M sum every output element of `weight` the same way on this GPU and compiler."""
+    the tile changes with M (row_tile: the ROW_TILES entries and the stages cut past DEEP_STAGES_MAX_PROGRAMS; the
+    count before and the count at the change), the probes at the first, last and evenly spread rows of a batch of
+    random rows. Empty: the tiles that cfg picks by M sum every output element of `weight` the same way on this GPU
+    and compiler."""
     n, k = weight.shape
     gen = torch.Generator(device=weight.device).manual_seed(seed)
 

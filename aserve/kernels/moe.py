@@ -142,6 +142,7 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     block_e = triton.next_power_of_2(e)
+    chunk = max(16, 4096 // block_e)  # blocks whose experts one step of the layout finds
     slots = triton.next_power_of_2(n)
     if slots <= ROUTE_ALIGN_MAX_SLOTS and slots * block_e <= ROUTE_ALIGN_MAX_ELEMENTS:
         weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
@@ -149,7 +150,7 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
         _route_align_kernel[(1,)](
             router_logits, weights, ids, sorted_slots, block_experts, t, e, router_logits.stride(0), num_blocks,
             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, SLOTS=slots, BLOCK_E=block_e,
-            BLOCK_M=block_m, CHUNK=max(16, 4096 // block_e), FILL=1024, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
+            BLOCK_M=block_m, CHUNK=chunk, FILL=1024, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
         )  # fmt: skip
         return weights, ids, sorted_slots, block_experts
     ranks = torch.empty(t, top_k, dtype=torch.int32, device=dev)
@@ -157,7 +158,7 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     starts = torch.empty(e, dtype=torch.int32, device=dev)
     weights, ids = moe_routing.route(router_logits, top_k, renormalize, ranks, counts)
     _offsets_kernel[(1,)](counts, starts, block_experts, sorted_slots, n, num_blocks, e, BLOCK_M=block_m,
-                          BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e), FILL=1024, USE_PDL=pdl.ENABLED,
+                          BLOCK_E=block_e, CHUNK=chunk, FILL=1024, USE_PDL=pdl.ENABLED,
                           **pdl.launch_kwargs())  # fmt: skip
     _scatter_kernel[(triton.cdiv(n, 1024),)](ids, ranks, starts, sorted_slots, n, BLOCK=1024, USE_PDL=pdl.ENABLED,
                                              **pdl.launch_kwargs())  # fmt: skip
