@@ -225,3 +225,55 @@ def test_async_scheduling_counts_tokens_in_flight():
     # Free list: b's blocks (tail first: 3, 2), 3 went to a, then a's freed tail first (3, 1, 0).
     assert summary(step5) == [("b", 0, 9, [2, 3, 1])]
     sched.check_invariants()
+
+
+def test_paused_requests_are_not_scheduled_and_keep_their_blocks():
+    sched = make_scheduler(budget=100)
+    sched.add_request(req("a", range(5), max_tokens=20))
+    sched.add_request(req("b", range(10, 15), max_tokens=20))
+    run_step(sched)
+    sched.set_paused(["a", "unknown"], True)
+    out = run_step(sched)
+    assert summary(out) == [("b", 5, 1, [2, 3])]
+    assert sched.kv.get_block_ids("a") == ([0, 1],) and sched.requests["a"].num_tokens == 6
+    assert not sched.all_paused()
+    sched.set_paused(["b"], True)
+    assert sched.all_paused() and sched.schedule().is_empty
+    sched.set_paused(["a"], False)
+    assert summary(run_step(sched)) == [("a", 5, 1, [0, 1])]
+    sched.finish_request("b", RequestStatus.FINISHED_ABORTED)  # ended while paused
+    assert sched.num_paused == 0 and not sched.all_paused()
+
+
+def test_a_paused_request_is_preempted_first_for_blocks():
+    # "old" is paused: when "new" needs a third block, "old" is preempted (not "new", the newest)
+    sched = make_scheduler(num_blocks=4, budget=100, max_model_len=16)
+    sched.add_request(req("old", range(7)))
+    sched.add_request(req("new", range(10, 17)))
+    run_step(sched)
+    run_step(sched)
+    sched.set_paused(["old"], True)
+    out = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["old"]
+    assert summary(out) == [("new", 8, 1, [2, 3, 1])]
+    old = sched.requests["old"]
+    assert old.status == RequestStatus.PREEMPTED and old.paused and list(sched.waiting) == [old]
+    run_step(sched)  # paused in the waiting queue: not admitted although blocks are free
+    assert old.status == RequestStatus.PREEMPTED
+    sched.set_paused(["old"], False)
+    while old.status != RequestStatus.RUNNING:
+        out = run_step(sched)
+    assert ("old", 0, 9) in [x[:3] for x in summary(out)]  # its 9 tokens recomputed once resumed
+
+
+def test_a_paused_request_gives_its_sequence_slot_to_a_waiting_one():
+    sched = make_scheduler(max_num_seqs=2, budget=100)
+    sched.add_request(req("a", range(5), max_tokens=20))
+    sched.add_request(req("b", range(10, 15), max_tokens=20))
+    run_step(sched)
+    sched.add_request(req("c", range(20, 25), max_tokens=20))
+    assert [s.request.request_id for s in run_step(sched).scheduled] == ["a", "b"]  # no slot for c
+    sched.set_paused(["a"], True)
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["b", "c"]
+    assert sched.requests["a"].status == RequestStatus.PREEMPTED and not sched.kv.get_block_ids("a")[0]

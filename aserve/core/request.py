@@ -71,6 +71,7 @@ class Request:
         self.num_inflight = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; set when first scheduled
         self.num_preemptions = 0
+        self.paused = False  # its client stopped reading its stream (Scheduler.set_paused): not scheduled
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 

@@ -8,6 +8,9 @@ decodes. When the pool runs out of blocks, the newest running
 request is preempted: its blocks are freed and it is recomputed later (prefix caching usually makes that cheap).
 A waiting request with structured output is skipped until its grammar is compiled (vLLM's WAITING_FOR_FSM); one
 whose grammar failed to compile ends with an error (its output waits in `take_outputs()`).
+A paused request (`set_paused`: the server's stream for it stopped being read) is not scheduled, running or waiting,
+and keeps its place and blocks until they are wanted: a running request short of blocks, or a waiting one short of
+blocks or of a sequence slot, preempts paused requests first.
 
 The scheduler owns every change to a request's state: `schedule()` hands out tokens, `update_from_output()` applies
 a step's result (tokens appended, drafts accepted, in-flight counts, EOS / stop-token / length finishes, faulty
@@ -94,6 +97,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_paused = 0  # live requests with `paused` set
         self._outputs: list[EngineCoreOutput] = []  # endings found outside a step's update (a grammar that failed)
 
     # -- queue management -------------------------------------------------------------------------------------
@@ -115,6 +119,9 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        if request.paused:
+            request.paused = False
+            self.num_paused -= 1
         if request.grammar is not None:
             request.grammar.free()
         self.stats.on_request_finished(request, time.monotonic())
@@ -131,6 +138,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def set_paused(self, request_ids, paused: bool) -> None:
+        """Pauses (or resumes) live requests: a paused one is not scheduled until resumed. Unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.paused != paused:
+                request.paused = paused
+                self.num_paused += 1 if paused else -1
+
+    def all_paused(self) -> bool:
+        """Is every live request paused (and at least one live)?"""
+        return 0 < len(self.requests) == self.num_paused
+
     # -- the step --------------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -142,8 +161,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_inflight and self._length_reached(request, request.num_inflight):
-                i += 1  # its in-flight token is its last: nothing more to compute
+            if request.paused or (request.num_inflight and self._length_reached(request, request.num_inflight)):
+                i += 1  # paused, or its in-flight token is its last: nothing more to compute
                 continue
             # Known tokens not yet computed, then the drafts to verify; never past max_model_len.
             num_new = (
@@ -153,7 +172,7 @@ class Scheduler:
             assert num_new > 0, f"{request} has nothing to compute"
             k_next, lookahead = self._drafts_next(request, num_new)
             while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
-                victim = self.running.pop()
+                victim, i = self._pop_victim(i)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -165,17 +184,24 @@ class Scheduler:
             i += 1
 
         now = time.monotonic()
-        compiling: list[Request] = []  # waiting for their grammar: skipped, keeping their place in the queue
+        skipped: list[Request] = []  # paused, or waiting for their grammar: skipped, keeping their place in the queue
         # Admitting new work right after a preemption would just preempt again.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not out.preempted and self.waiting and budget > 0:
             request = self.waiting[0]
+            if request.paused:
+                skipped.append(self.waiting.popleft())
+                continue
+            if len(self.running) >= self.max_num_seqs:
+                if self._preempt_paused():
+                    continue  # its sequence slot is free: try again
+                break
             if request.num_inflight:
                 break  # preempted while its last step ran: re-admitted once that step's token is in
             if request.grammar is not None and not request.grammar.start():
                 if request.grammar.error is not None:
                     self._outputs.append(self._fail(request, request.grammar.error))
                 else:
-                    compiling.append(self.waiting.popleft())
+                    skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = [], 0
             # Prompt logprobs need the logits of every prompt position: no prefix-cache hits for those requests.
@@ -184,6 +210,8 @@ class Scheduler:
             num_new = min(self._chunk(request.num_tokens - request.num_computed_tokens - num_hit), budget)
             k_next, lookahead = self._drafts_next(request, num_hit + num_new)
             if self.kv.allocate_slots(request, num_new, hit_blocks, num_lookahead_tokens=lookahead) is None:
+                if self._preempt_paused():
+                    continue  # its blocks are free: try again
                 break
             self.waiting.popleft()
             request.num_computed_tokens += num_hit
@@ -195,8 +223,31 @@ class Scheduler:
             self.running.append(request)
             self._schedule(out, request, num_new, k_next)
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _newest_paused(self) -> int | None:
+        """The index in `running` of the newest paused request, if any."""
+        if self.num_paused:
+            for j in range(len(self.running) - 1, -1, -1):
+                if self.running[j].paused:
+                    return j
+        return None
+
+    def _pop_victim(self, i: int) -> tuple[Request, int]:
+        """Takes the request to preempt so that running[i] gets blocks out of `running`: the newest paused one, else
+        the newest. -> (it, the index of running[i] after its removal)."""
+        j = self._newest_paused()
+        if j is None:
+            return self.running.pop(), i
+        return self.running.pop(j), (i - 1 if j < i else i)
+
+    def _preempt_paused(self) -> bool:
+        """Preempts the newest paused running request (its blocks or sequence slot are wanted). -> was there one?"""
+        j = self._newest_paused()
+        if j is not None:
+            self._preempt(self.running.pop(j))
+        return j is not None
 
     def _chunk(self, num_new: int) -> int:
         """A long prompt's share of one step: at most long_prefill_token_threshold tokens (when set)."""

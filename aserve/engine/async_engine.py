@@ -137,6 +137,12 @@ class StreamGroup:
         for stream in self.streams:
             await stream.aclose()
 
+    def set_paused(self, paused: bool) -> None:
+        """Pauses (or resumes) the requests not finished (AsyncEngine.set_paused)."""
+        for stream in self.streams:
+            if not stream.finished:
+                stream.engine.set_paused(stream.request_id, paused)
+
 
 class AsyncEngine:
     def __init__(
@@ -366,6 +372,13 @@ class AsyncEngine:
         if out is not None:
             self._deliver([out])
 
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Pauses a request (it is left out of the steps, keeping its state) or resumes it: a server's flow control
+        for a client that stopped reading."""
+        self.engine.set_paused(request_id, paused)
+        if not paused and self._wakeup is not None:
+            self._wakeup.set()
+
     def abort_all(self, error: str) -> int:
         """Ends every live request with `error` and refuses new ones (the last step of a graceful shutdown).
         Returns how many were ended."""
@@ -406,7 +419,7 @@ class AsyncEngine:
         held: list[RequestOutput] = []  # processed outputs not yet handed to their streams
         while True:
             core.check_workers()
-            if not engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests() or core.all_paused():
                 self._deliver(held)
                 held = []
                 self._wakeup.clear()

@@ -267,6 +267,14 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.inflight is not None or self._retry is not None
 
+    def set_paused(self, request_ids, paused: bool) -> None:
+        """Pauses (or resumes) live requests: the scheduler leaves paused ones out of its steps."""
+        self.scheduler.set_paused(request_ids, paused)
+
+    def all_paused(self) -> bool:
+        """Is there nothing to run until a request is resumed (every live request paused, no step to finish)?"""
+        return self.inflight is None and self._retry is None and self.scheduler.all_paused()
+
     def can_overlap(self) -> bool:
         """May the next step be scheduled before the one in flight is updated from?"""
         return self.async_scheduling and not self._sync_requests

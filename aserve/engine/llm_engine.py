@@ -249,6 +249,11 @@ class LLMEngine:
         outputs = self.process(self.core.finish_requests(sequence_ids))
         return next((out for out in outputs if out.request_id == request_id), None)
 
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Pauses (or resumes) a request's sequences: paused, they are not scheduled but keep their state (their
+        KV blocks until another request needs them). For a server whose client stopped reading."""
+        self.core.set_paused(self.output_processor.live_sequence_ids(request_id), paused)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.states) or self.core.has_unfinished()
 
