@@ -26,7 +26,10 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
                           (aserve/kernels/pdl.py). Default on.
     ASERVE_STREAM_BUFFER  the server: how many bytes of events may wait for a streaming client that stopped reading
                           (its TCP window full) before its requests are ended and its connection closed
-                          (aserve/entrypoints/openai/responses.py). Default 4 MiB.
+                          (aserve/entrypoints/openai/event_stream.py). Default 4 MiB.
+    ASERVE_STREAM_STALL_TIMEOUT  the server: how many seconds a streaming client that stopped reading may keep
+                          its requests paused (left out of the batch, waiting for it to read) before they are ended
+                          and its connection closed (aserve/entrypoints/openai/event_stream.py). Default 60.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     ASERVE_GEMV: bool
     ASERVE_PDL: bool
     ASERVE_STREAM_BUFFER: int
+    ASERVE_STREAM_STALL_TIMEOUT: float
 
 
 def _switch(name: str) -> Callable[[], bool]:
@@ -65,6 +69,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "ASERVE_GEMV": _switch("ASERVE_GEMV"),
     "ASERVE_PDL": _switch("ASERVE_PDL"),
     "ASERVE_STREAM_BUFFER": lambda: int(os.environ.get("ASERVE_STREAM_BUFFER", str(4 << 20))),
+    "ASERVE_STREAM_STALL_TIMEOUT": lambda: float(os.environ.get("ASERVE_STREAM_STALL_TIMEOUT", "60")),
 }
 
 

@@ -155,18 +155,20 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
 STEP_METRIC = "aserve:iteration_tokens_total"
 
 
-async def engine_steps(session, url: str) -> tuple[float, float]:
-    """(engine steps, tokens they computed) so far, from the server's /metrics."""
+async def server_counts(session, url: str) -> dict[str, float]:
+    """Engine steps, the tokens they computed, and streams paused by flow control so far, from /metrics."""
     from loadgen.server_metrics import parse_prometheus
 
     async with session.get(f"{url}/metrics") as resp:
         samples = parse_prometheus(await resp.text())
-    total = lambda suffix: sum(v for name, _, v in samples if name == STEP_METRIC + suffix)  # noqa: E731 (labels summed)
-    return total("_count"), total("_sum")
+    total = lambda name: sum(v for n, _, v in samples if n == name)  # noqa: E731 (labels summed)
+    return {"steps": total(STEP_METRIC + "_count"), "step_tokens": total(STEP_METRIC + "_sum"),
+            "stream_pauses": total("aserve:http_stream_pauses_total")}  # fmt: skip
 
 
 async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams: int) -> tuple[list[dict], float, dict]:
-    """-> (per-request results, wall seconds, the engine's steps and the tokens they computed over the pass)."""
+    """-> (per-request results, wall seconds, the engine's steps, the tokens they computed and the streams paused
+    over the pass)."""
     import aiohttp
 
     results: list[dict] = []
@@ -179,12 +181,12 @@ async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams:
     connector = aiohttp.TCPConnector(limit=streams)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        steps0, tokens0 = await engine_steps(session, url)
+        before = await server_counts(session, url)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(streams)))
         elapsed = time.perf_counter() - t0
-        steps1, tokens1 = await engine_steps(session, url)
-    return results, elapsed, {"steps": int(steps1 - steps0), "step_tokens": int(tokens1 - tokens0)}
+        after = await server_counts(session, url)
+    return results, elapsed, {k: int(after[k] - before[k]) for k in after}
 
 
 def start_profiler(pid: int, out_dir: str, duration_s: int):
@@ -366,6 +368,7 @@ def print_table(off: dict, on: dict, ns: argparse.Namespace) -> None:
         ("engine steps, offline / online", f"{off.get('steps', '-')} / {on['steps']}",
          f"tokens per step {off.get('step_tokens', 0) / max(off.get('steps', 0), 1):.1f} / "
          f"{on['step_tokens'] / max(on['steps'], 1):.1f}"),
+        ("streams paused (flow control)", str(on["stream_pauses"]), "the client fell a step behind reading"),
     ]  # fmt: skip
     print("\n| metric | value | note |\n|---|---|---|")
     for row in rows:

@@ -2,19 +2,21 @@
 measured alone and then beside clients that open streams with a tiny receive window and never read them.
 
     python bench/reliability_slow_readers.py [--clients 16] [--stuck 32] [--requests 96] [--stream-buffer 65536]
-        [--model M] [--load-format dummy] [--dtype D] [--kv-cache-memory-gb 1] [--again] [--profile]
+        [--stall-timeout 5] [--model M] [--load-format dummy] [--dtype D] [--kv-cache-memory-gb 1] [--again]
+        [--profile]
 
 Phase 1 (alone): --clients closed-loop clients run --requests streaming completions (128 token-id prompt tokens, 128
 generated, greedy, EOS ignored) and their output tok/s is measured. Phase 2 (beside stuck clients): --stuck raw
 sockets (SO_RCVBUF 2 KiB) each send one streaming completion whose events are large (20 logprobs per token, 1,024
-tokens) and never read a byte; the same normal workload then runs again. The server is started with
-ASERVE_STREAM_BUFFER=--stream-buffer, so each stuck stream is cut off (its request ended, KV freed) once that many bytes
-wait for it. Reports both phases' throughput and their ratio (target >= 0.95), how many stuck clients were cut off
-(aserve:http_connections_closed_total{reason="slow_client"}), and the server's gauges afterwards (nothing running,
-no KV held), and the others' tok/s in half-second bins while the stuck clients are there. --again runs phase 2
-once more beside 32 new stuck clients; --profile samples the server with py-spy during the first phase 2 (as
-bench/online_vs_offline.py --profile). Default model: the embedded SmolLM2 (--model for another).
-"""
+tokens) and never read a byte; the same normal workload then runs again. The server pauses each stuck stream's request
+once its client stops taking events, and cuts it off (its request ended, KV freed) once paused for --stall-timeout
+seconds (ASERVE_STREAM_STALL_TIMEOUT) or with --stream-buffer bytes waiting (ASERVE_STREAM_BUFFER). Reports both
+phases' throughput and their ratio (target >= 0.95), how many stuck clients were cut off
+(aserve:http_connections_closed_total{reason="slow_client"}) and after how long, the tokens generated for them, the
+streams paused (aserve:http_stream_pauses_total: none while the normal clients run alone), the server's gauges
+afterwards (nothing running, no KV held), and the others' tok/s in half-second bins while the stuck clients are there.
+--again runs phase 2 once more beside 32 new stuck clients; --profile samples the server with py-spy during the first
+phase 2 (as bench/online_vs_offline.py --profile). Default model: the embedded SmolLM2 (--model for another)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import time
 
 import aiohttp
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from aserve_server import start_server, stop_server  # noqa: E402
@@ -36,27 +39,22 @@ from aserve_server import start_server, stop_server  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import online_vs_offline as ovo  # noqa: E402
 
-SLOW_CLIENT = "aserve:http_connections_closed_total"
+from loadgen.server_metrics import parse_prometheus  # noqa: E402
 
 
-async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def metrics(session: aiohttp.ClientSession, url: str) -> list[tuple[str, dict[str, str], float]]:
     async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+        return parse_prometheus(await r.text())
 
 
-def total(values: dict[str, float], prefix: str, contains: str = "") -> float:
-    return sum(v for k, v in values.items() if k.startswith(prefix) and contains in k)
+def total(samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples carrying `labels`."""
+    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items()))
 
 
 async def normal_load(url: str, clients: int, requests: int, seed: int, times: list | None = None) -> float:
     """Output tok/s of `requests` streaming completions over `clients` closed-loop clients (`times`: gets each
-    token's arrival time)."""
+    token's arrival time). Each phase has its own `seed`: prompts of its own, none found in the prefix cache."""
     queue = list(range(requests))
     tokens = 0
 
@@ -95,7 +93,8 @@ def stuck_client(port: int, i: int) -> socket.socket:
 
 
 async def run(args) -> dict:
-    env = dict(os.environ, ASERVE_STREAM_BUFFER=str(args.stream_buffer))
+    env = dict(os.environ, ASERVE_STREAM_BUFFER=str(args.stream_buffer),
+               ASERVE_STREAM_STALL_TIMEOUT=str(args.stall_timeout))  # fmt: skip
     old = os.environ.copy()
     os.environ.update(env)
     model = ["--model", args.model] if args.model else []
@@ -107,13 +106,17 @@ async def run(args) -> dict:
     port = int(url.rsplit(":", 1)[1])
     result = {}
     try:
-        await normal_load(url, args.clients, args.clients, seed=99)  # warm-up
+        await normal_load(url, args.clients, args.requests, seed=99)  # warm-up: the same load, other prompts
         result["alone_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1)
         profiler = ovo.start_profiler(proc.pid, tempfile.mkdtemp(), 120) if args.profile else None
+        async with aiohttp.ClientSession() as session:
+            values = await metrics(session, url)
+            generated_alone = total(values, "aserve:generation_tokens_total")
+            result["stream_pauses_alone"] = total(values, "aserve:http_stream_pauses_total")
         socks = [stuck_client(port, i) for i in range(args.stuck)]
         t0 = time.perf_counter()
         times: list[float] = []
-        result["beside_stuck_tok_s"] = await normal_load(url, args.clients, args.requests, seed=1, times=times)
+        result["beside_stuck_tok_s"] = await normal_load(url, args.clients, args.requests, seed=2, times=times)
         if profiler is not None and (raw := ovo.stop_profiler(profiler)) is not None:
             ovo.print_profile({"pass_s": time.perf_counter() - t0, **ovo.aggregate_profile(raw)})
         # the others' tok/s in half-second bins from the stuck clients' arrival
@@ -125,12 +128,17 @@ async def run(args) -> dict:
             deadline = time.monotonic() + 120
             while True:
                 values = await metrics(session, url)
-                cut = total(values, SLOW_CLIENT, 'reason="slow_client"')
+                cut = total(values, "aserve:http_connections_closed_total", reason="slow_client")
                 if cut >= args.stuck or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.2)
             result["stuck_cut_off"] = int(cut)
             result["seconds_until_all_cut_off"] = round(time.perf_counter() - t0, 1)
+            # everything generated since the first phase but the others' tokens: the stuck streams' share
+            generated = total(values, "aserve:generation_tokens_total") - generated_alone
+            result["tokens_generated_per_stuck_client"] = round((generated - len(times)) / args.stuck, 1)
+            pauses = total(values, "aserve:http_stream_pauses_total")
+            result["stream_pauses_beside"] = pauses - result["stream_pauses_alone"]
             await asyncio.sleep(1.0)
             values = await metrics(session, url)
             result["running_after"] = total(values, "aserve:num_requests_running")
@@ -139,7 +147,7 @@ async def run(args) -> dict:
             s.close()
         if args.again:  # the same again (the first time may pay for what the server had not yet run)
             socks = [stuck_client(port, args.stuck + i) for i in range(args.stuck)]
-            result["again_beside_stuck_tok_s"] = round(await normal_load(url, args.clients, args.requests, seed=2), 1)
+            result["again_beside_stuck_tok_s"] = round(await normal_load(url, args.clients, args.requests, seed=3), 1)
             result["again_ratio"] = round(result["again_beside_stuck_tok_s"] / result["alone_tok_s"], 3)
             for s in socks:
                 s.close()
@@ -157,6 +165,7 @@ def main() -> None:
     p.add_argument("--stuck", type=int, default=32)
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--stream-buffer", type=int, default=65536)
+    p.add_argument("--stall-timeout", type=float, default=5.0, help="seconds a stuck stream may stay paused")
     p.add_argument("--model", default=None)
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights at the model's shape)")
     p.add_argument("--dtype", default="auto")

@@ -26,7 +26,7 @@ def clean_env(monkeypatch):
 
 
 def test_every_variable_is_listed_and_documented():
-    others = ["ASERVE_CACHE", "CXX", "ASERVE_STREAM_BUFFER"]
+    others = ["ASERVE_CACHE", "CXX", "ASERVE_STREAM_BUFFER", "ASERVE_STREAM_STALL_TIMEOUT"]
     assert sorted(dir(envs)) == sorted(SWITCHES + others)
     for name in envs.environment_variables:
         assert f"    {name} " in envs.__doc__, name
@@ -38,6 +38,7 @@ def test_defaults(clean_env):
     assert all(getattr(envs, name) is True for name in SWITCHES)
     assert envs.CXX == "c++"
     assert envs.ASERVE_STREAM_BUFFER == 4 << 20
+    assert envs.ASERVE_STREAM_STALL_TIMEOUT == 60.0
     assert envs.ASERVE_CACHE == os.path.join(os.path.expanduser("~"), ".cache", "aserve")
 
 

@@ -1,5 +1,6 @@
 """Streaming over real sockets: the chunks' shape with several choices, and a client that stops reading its stream
-(it is cut off at its buffer bound, its KV blocks are freed, and the other clients are served meanwhile)."""
+(its requests are paused while the others are served, and resume when it reads again; paused past the stall timeout,
+they are ended, their KV blocks freed, and the connection closed)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ from aserve_server import start_server, stop_server
 from test_hardening import assert_serves, metric, openai_client
 
 STREAM_BUFFER = 64 << 10  # bytes of events that may wait for a client that stopped reading
+STALL_TIMEOUT = 4.0  # seconds its requests may stay paused
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("streaming") / "server.log")
     os.environ["ASERVE_STREAM_BUFFER"] = str(STREAM_BUFFER)
+    os.environ["ASERVE_STREAM_STALL_TIMEOUT"] = str(STALL_TIMEOUT)
     try:
         proc, url = start_server(
             "--model", tiny_model, "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", log_path=log
         )  # fmt: skip
     finally:
-        del os.environ["ASERVE_STREAM_BUFFER"]
+        del os.environ["ASERVE_STREAM_BUFFER"], os.environ["ASERVE_STREAM_STALL_TIMEOUT"]
     try:
         yield url, int(url.rsplit(":", 1)[1]), log
     finally:
@@ -63,32 +66,61 @@ def test_each_chunk_carries_one_choice_and_each_choice_finishes(server):
 
 PROMPTS = ["The quick brown fox", "A cache of blocks", "Streams of tokens", "One event loop"]
 STUCK_REQUESTS = {
-    # ~12 MB of events (32 sequences x 400 tokens x 20 logprobs)
+    # ~12 MB of events if nothing paused it (32 sequences x 400 tokens x 20 logprobs)
     "many sequences": {"prompt": PROMPTS, "max_tokens": 400, "n": 8, "logprobs": 20},
-    # ~0.4 MB: less than the kernel would take from the server (~2 MB on loopback) if the connection's send buffer
-    # were left to autotuning rather than bounded by the stream buffer
     "one sequence": {"prompt": PROMPTS[0], "max_tokens": 400, "logprobs": 20},
 }
+GENERATED = "aserve:generation_tokens_total"
+PAUSES = "aserve:http_stream_pauses_total"
+CUT_OFF = 'aserve:http_connections_closed_total{model_name="gqa",reason="slow_client"}'
+
+
+def open_stream(port: int, body: dict) -> socket.socket:
+    """A raw streaming request on a connection with a small receive window (the server's writes back up soon)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def wait_until_paused(url: str, limit: float = 60) -> float:
+    """Waits until nothing is generated for half a second (no other client runs): the stuck stream is paused.
+    -> the tokens generated so far."""
+    deadline = time.monotonic() + limit
+    before = metric(url, GENERATED)
+    while True:
+        time.sleep(0.5)
+        now = metric(url, GENERATED)
+        if now == before:
+            return now
+        assert time.monotonic() < deadline, "the stream of a client that stopped reading was never paused"
+        before = now
 
 
 @pytest.mark.parametrize("request_body", STUCK_REQUESTS.values(), ids=STUCK_REQUESTS.keys())
-def test_a_client_that_stops_reading_is_cut_off_and_its_blocks_freed(server, request_body):
+def test_a_client_that_stops_reading_is_paused_then_cut_off_and_its_blocks_freed(server, request_body):
     url, port, log = server
-    cut_before = metric(url, 'aserve:http_connections_closed_total{model_name="gqa",reason="slow_client"}')
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a small window: the server's writes back up soon
-    sock.connect(("127.0.0.1", port))
-    body = json.dumps({**request_body, "ignore_eos": True, "stream": True}).encode()
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    cut_before, generated_before, pauses_before = metric(url, CUT_OFF), metric(url, GENERATED), metric(url, PAUSES)
+    sock = open_stream(port, {**request_body, "ignore_eos": True})
     try:
-        deadline = time.monotonic() + 120
-        while metric(url, 'aserve:http_connections_closed_total{model_name="gqa",reason="slow_client"}') <= cut_before:
+        generated = wait_until_paused(url)
+        assert metric(url, PAUSES) == pauses_before + 1
+        prompts = request_body["prompt"]
+        num_sequences = (len(prompts) if isinstance(prompts, list) else 1) * request_body.get("n", 1)
+        assert generated - generated_before < num_sequences * request_body["max_tokens"] / 2  # paused early
+        # paused: still running and holding its blocks (nothing else wants them), the others are served meanwhile
+        assert metric(url, "aserve:num_requests_running") == num_sequences
+        assert metric(url, "aserve:kv_cache_usage_perc") > 0
+        assert_serves(url)
+        deadline = time.monotonic() + STALL_TIMEOUT + 30
+        while metric(url, CUT_OFF) <= cut_before:  # cut off once paused for the stall timeout
             assert time.monotonic() < deadline, "the client that stopped reading was never cut off"
-            assert_serves(url)  # the others are served meanwhile
             time.sleep(0.2)
         assert metric(url, "aserve:num_requests_running") == 0
         assert metric(url, "aserve:kv_cache_usage_perc") == 0
@@ -105,3 +137,30 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_blocks_freed(server, req
         sock.close()
     with open(log, errors="replace") as f:
         assert "the client stopped reading its stream" in f.read()
+
+
+def test_a_client_that_pauses_its_reading_gets_its_whole_stream(server):
+    """A client that stops reading for a while (shorter than the stall timeout) has its request paused, not ended:
+    once it reads again the stream resumes, and what it receives is what the request gives unstreamed."""
+    url, port, _ = server
+    body = {"model": "gqa", "prompt": PROMPTS[1], "max_tokens": 300, "temperature": 0, "logprobs": 5,
+            "ignore_eos": True}  # fmt: skip
+    generated_before, pauses_before = metric(url, GENERATED), metric(url, PAUSES)
+    sock = open_stream(port, body)
+    try:
+        assert wait_until_paused(url, limit=STALL_TIMEOUT - 1) - generated_before < 150
+        assert metric(url, PAUSES) == pauses_before + 1
+        sock.settimeout(30)
+        received = b""
+        while b"data: [DONE]" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the stream"
+            received += chunk
+    finally:
+        sock.close()
+    events = [json.loads(line[6:]) for line in received.split(b"\n") if line.startswith(b"data: {")]
+    text = "".join(e["choices"][0]["text"] for e in events)
+    tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+    ignore_eos = {"ignore_eos": body.pop("ignore_eos")}
+    whole = openai_client(url).completions.create(**body, extra_body=ignore_eos)
+    assert len(tokens) == 300 and text == whole.choices[0].text

@@ -213,6 +213,10 @@ class PrometheusMetrics:
             "(slow_client).",
             "reason", ("header_timeout", "body_timeout", "connection_limit", "slow_client"),
         )  # fmt: skip
+        self.stream_pauses = counter(
+            "http_stream_pauses", "Times a stream's requests were paused (left out of the batch) because its client "
+            "had not read the events of the step before (flow control).",
+        )  # fmt: skip
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
@@ -259,6 +263,9 @@ class PrometheusMetrics:
 
     def on_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
+
+    def on_stream_paused(self) -> None:
+        self.stream_pauses.inc()
 
     def on_connection_closed(self, reason: str) -> None:
         self._connections_closed.labels(self.model_name, reason).inc()

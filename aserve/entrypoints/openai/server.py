@@ -17,6 +17,7 @@ from aserve.core.metrics import PrometheusMetrics
 from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
 from aserve.entrypoints.openai.connections import MAX_BODY_BYTES, BodyReader, ConnectionGuard
+from aserve.entrypoints.openai.event_stream import EventStream, FlowControl, stream_response
 from aserve.entrypoints.openai.openapi import openapi_spec
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs, make_echoes
 from aserve.entrypoints.openai.protocol import (
@@ -30,14 +31,12 @@ from aserve.entrypoints.openai.protocol import (
 )
 from aserve.entrypoints.openai.responses import (
     ChoiceState,
-    EventStream,
     absorb,
     add_token_ids,
     cached_tokens,
     chat_chunk,
     completion_chunk,
     error_body,
-    stream_response,
     usage,
 )
 from aserve.entrypoints.openai.structured_request import structured_outputs_field
@@ -84,7 +83,9 @@ class ServerState:
         self.tool_parser: ToolParser | None = None  # --tool-call-parser
         self.enable_auto_tool_choice = False  # --enable-auto-tool-choice: tool_choice "auto" is parsed
         self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
-        self.stream_buffer = envs.ASERVE_STREAM_BUFFER  # bytes a stream may buffer for a client that stopped reading
+        # what a streaming client that stopped reading may hold (event_stream.py's flow control)
+        self.flow_control = FlowControl(envs.ASERVE_STREAM_BUFFER, envs.ASERVE_STREAM_STALL_TIMEOUT,
+                                        self.metrics.on_stream_paused, self.on_slow_client)  # fmt: skip
 
     def attach_connections(self, guard: ConnectionGuard) -> None:
         """`aserve serve`'s connections go through `guard`: handlers mark their phases on it."""
@@ -258,7 +259,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     sink = OutputSink()
     if req.stream:
         sink = EventStream(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
-                           state.on_slow_client, state.stream_buffer, tools, echo,
+                           state.flow_control, tools, echo,
                            state.enable_prompt_tokens_details)  # fmt: skip
     streams = []
     # Checked again now that tokenising is done; nothing below awaits before the requests are queued.

@@ -1,0 +1,269 @@
+"""A streaming response's events on the wire, written by the step coroutine, and its flow control.
+
+A stream: the step coroutine leaves each step's outputs for a client request in one sink (OutputSink, shared by its
+prompts); the handler wakes once for all of them and sends them in one socket write: a chunk per choice that changed
+(one choice per chunk, as OpenAI and vLLM send them), coalescing several steps' tokens of a choice into one chunk when
+the client or the loop fell behind. Once the headers are out, the step coroutine writes each step's events itself
+(EventStream.put): one socket write per client per step, no task switch.
+
+Flow control: a client that has not taken a step's events by the next step (they still wait in the transport, the
+connection's kernel send buffer being full: SEND_BUFFER) has its requests paused (AsyncEngine.set_paused): they leave
+the batch, costing the others nothing, and keep their KV blocks until another request needs them. They resume once
+the client has read what waits. A stream paused for longer than FlowControl.stall_timeout, or with more than
+FlowControl.buffer bytes waiting, is cut off: its requests end (their blocks freed) and its connection is closed. The
+loop never waits on a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from aserve.engine.async_engine import OutputSink, StreamGroup
+from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs
+from aserve.entrypoints.openai.responses import (
+    DONE,
+    ChoiceState,
+    absorb,
+    add_token_ids,
+    cached_tokens,
+    chat_chunk,
+    chat_echo_chunk,
+    completion_chunk,
+    error_events,
+    sse,
+    usage,
+)
+
+logger = logging.getLogger("aserve")
+
+SLOW_CLIENT = "the client stopped reading its stream"
+# A stream's kernel send buffer (SO_SNDBUF; Linux doubles it): about what a client that stopped reading takes before
+# its requests pause (~10 tokens with 20 logprobs each). It also bounds the bytes in flight to a client far away:
+# 16 KiB per round trip, 160 KB/s at 100 ms, paced by pausing beyond that. Left to autotuning, the kernel takes
+# megabytes (~2 MB on loopback against a 2 KiB receive window).
+SEND_BUFFER = 8 << 10
+POLL_FIRST_S, POLL_MAX_S = 0.005, 0.1  # a paused stream checks whether its client read: first after, at most every
+
+
+@dataclass(frozen=True, slots=True)
+class FlowControl:
+    """What a streaming client that stopped reading may hold: `buffer` bytes of events waiting for it, and
+    `stall_timeout` seconds with its requests paused (envs.py: ASERVE_STREAM_BUFFER, ASERVE_STREAM_STALL_TIMEOUT);
+    and whom a stream tells when it pauses its requests and when it cuts its client off (the server's metrics)."""
+
+    buffer: int
+    stall_timeout: float
+    on_pause: Callable[[], None] | None = None
+    on_cut_off: Callable[[], None] | None = None
+
+
+def http_chunk(data: bytes) -> bytes:
+    """`data` in HTTP/1.1 chunked framing (what aiohttp writes for a streamed response)."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+class EventStream(OutputSink):
+    """The sink of one streaming response. Until `go_direct()` it is a plain OutputSink (the handler takes what
+    waits); after, each put() turns the outputs into events and writes them to the socket at once, on the step
+    coroutine's turn: one write per client per step, no task switch, no await; and pauses the requests while the
+    client does not read (the module's docstring). `done` resolves when the stream has ended (True: finished, the
+    last events written; False: cut off or failed)."""
+
+    def __init__(self, request: web.Request, model: str, req, request_id: str, created: int,
+                 choices: list[ChoiceState], prompt_tokens: int, chat: bool, flow: FlowControl,
+                 tools=None, echo: str = "", prompt_tokens_details: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.request, self.model, self.request_id, self.created = request, model, request_id, created
+        self.choices, self.prompt_tokens, self.chat, self.n = choices, prompt_tokens, chat, req.n
+        self.builder = chat_chunk if chat else completion_chunk
+        self.include_usage = req.include_usage
+        self.continuous_usage = req.continuous_usage  # usage so far on every chunk
+        self.prompt_tokens_details = prompt_tokens_details  # the usage chunk reports cached prompt tokens
+        self.return_token_ids = bool(req.return_token_ids)
+        self.echo = echo  # a chat's echoed text, sent after the role chunks
+        self.report_prompt_logprobs = req.prompt_logprobs is not None
+        self.tools = tools  # a chat's tool-call handling (tool_output.ToolCallOutput): rewrites each delta
+        self.group: StreamGroup | None = None
+        self.transport = None
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future = self.loop.create_future()
+        self.flow = flow
+        self.stalled_since: float | None = None  # when its requests were paused (the client not reading)
+        self._poll: asyncio.TimerHandle | None = None
+
+    def chunk(self, choice: ChoiceState, **kw) -> bytes:
+        role_only = kw.get("role_only", False)
+        body = self.builder(self.request_id, self.created, self.model, [choice], **kw)
+        if self.return_token_ids:
+            add_token_ids(body, [choice], self.chat, final=False, role_only=role_only)
+        if self.tools is not None and not role_only and not self.tools.delta(body["choices"][0], choice):
+            if not (self.return_token_ids and choice.delta_output_token_ids):
+                return b""  # text held back while a tool call may be forming
+        if self.report_prompt_logprobs and not role_only:
+            add_prompt_logprobs(body, [choice], self.chat)
+        return sse(self.with_usage(body, choice, role_only))
+
+    def with_usage(self, body: dict, choice: ChoiceState, role_only: bool = False) -> dict:
+        """A chunk's usage: null, or with continuous_usage_stats, the choice's so far (as vLLM reports it)."""
+        if self.include_usage:
+            completion_tokens = 0 if role_only else choice.num_tokens
+            body["usage"] = usage(len(choice.prompt_token_ids), completion_tokens) if self.continuous_usage else None
+        return body
+
+    def head(self) -> bytes:
+        """A chat stream's first events: each choice's role chunk, then its echoed text if any."""
+        if not self.chat:
+            return b""
+        parts = [self.chunk(c, role_only=True) for c in self.choices]
+        if self.echo:
+            for c in self.choices:
+                body = chat_echo_chunk(self.request_id, self.created, self.model, c, self.echo)
+                parts.append(sse(self.with_usage(body, c, role_only=True)))
+        return b"".join(parts)
+
+    def events(self, batch: list) -> tuple[bytes, bool]:
+        """(tag, output or error) items -> their events, and whether the stream ends with them (every choice
+        finished, or an error: its event is the last before [DONE], with no usage chunk)."""
+        touched: dict[int, ChoiceState] = {}
+        for i, out in batch:
+            if isinstance(out, BaseException):
+                self.include_usage = False
+                return error_events(f"the engine failed: {out}", 500), True
+            for choice in absorb(self.choices, i, self.n, out):
+                touched[choice.index] = choice
+        failed = next((c for c in touched.values() if c.error), None)
+        if failed is not None:
+            self.include_usage = False
+            return error_events(failed.error, failed.error_status), True
+        parts = []
+        for choice in touched.values():
+            parts.append(self.chunk(choice, final=False))
+            choice.clear_delta()
+        if self.group is not None and all(s.finished for s in self.group.streams):
+            parts.append(self.tail())
+            return b"".join(parts), True
+        return b"".join(parts), False
+
+    def tail(self) -> bytes:
+        tail = DONE
+        if self.include_usage:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            cached = cached_tokens(self.choices, self.n) if self.prompt_tokens_details else None
+            totals = usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices), cached)
+            body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                    "choices": [], "usage": totals}  # fmt: skip
+            tail = sse(body) + tail
+        return tail
+
+    def go_direct(self) -> None:
+        """From now on put() writes (HTTP/1.1 chunked framing, straight to the transport: aiohttp has sent the
+        headers), with the connection's kernel send buffer bounded by SEND_BUFFER."""
+        self.transport = self.request.transport
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, min(SEND_BUFFER, self.flow.buffer))
+
+    def put(self, item) -> None:
+        if self.transport is None:
+            return super().put(item)
+        if self.done.done():
+            return
+        try:
+            data, ended = self.events([item])
+            transport = self.transport
+            if transport.is_closing():  # the client went away: its requests end now
+                return self._end(False)
+            unread = transport.get_write_buffer_size()  # what the client has not taken since the last step
+            if data:
+                transport.write(http_chunk(data))
+            if ended:
+                self._end(True)
+            elif transport.get_write_buffer_size() > self.flow.buffer:
+                self._cut_off()
+            elif unread and self.stalled_since is None:
+                self._pause()
+        except Exception:  # a fault here ends this stream only (with an error event), never the step coroutine
+            logger.exception("stream %s failed", self.request_id)
+            with contextlib.suppress(Exception):
+                self.transport.write(http_chunk(error_events("internal server error", 500)))
+            self._end(True)
+
+    def _pause(self) -> None:
+        self.stalled_since = self.loop.time()
+        self.group.set_paused(True)
+        if self.flow.on_pause is not None:
+            self.flow.on_pause()
+        self._poll = self.loop.call_later(POLL_FIRST_S, self._check_reader, POLL_FIRST_S)
+
+    def _check_reader(self, interval: float) -> None:
+        """A paused stream's poll: resume once the client took what waits; cut off once paused too long."""
+        self._poll = None
+        if self.done.done():
+            return
+        if self.transport.is_closing():  # the client went away while paused
+            return self._end(False)
+        if not self.transport.get_write_buffer_size():
+            self.stalled_since = None
+            self.group.set_paused(False)
+        elif self.loop.time() - self.stalled_since > self.flow.stall_timeout:
+            self._cut_off()
+        else:
+            interval = min(2 * interval, POLL_MAX_S)
+            self._poll = self.loop.call_later(interval, self._check_reader, interval)
+
+    def _end(self, finished: bool) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
+        if not self.done.done():
+            self.done.set_result(finished)
+
+    def _cut_off(self) -> None:
+        logger.warning("stream %s: %s; ending it", self.request_id, SLOW_CLIENT)
+        self._end(False)
+        self.transport.close()
+        if self.flow.on_cut_off is not None:
+            self.flow.on_cut_off()
+
+
+async def stream_response(request: web.Request, stream: EventStream, group: StreamGroup) -> web.StreamResponse:
+    """Streams `group`'s outputs (added with `stream` as their sink) as SSE chunks, then the usage chunk (if asked
+    for) and [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    stream.group = group
+    try:
+        await response.prepare(request)  # raises ConnectionError if the client has already hung up
+        # The first events go through aiohttp (they carry the headers); direct writes follow where the framing is
+        # HTTP/1.1 chunks.
+        await response.write(stream.head())
+        direct = request.version >= (1, 1) and request.transport is not None
+        ended = False
+        while not ended:
+            if direct and not stream.items:
+                stream.go_direct()
+                break
+            data, ended = stream.events(await stream.get_all())
+            await response.write(data)
+        if not ended and not await stream.done:
+            return response  # cut off, or the client went away: its requests end below
+        await response.write_eof()
+    except asyncio.CancelledError:
+        raise  # the client went away (aiohttp cancels the handler): nobody to tell
+    except ConnectionError:  # the client went away while we wrote to it: nobody to tell, nothing to log
+        pass
+    except Exception:  # headers are sent: the error can only go in the stream
+        logger.exception("stream %s failed", stream.request_id)
+        with contextlib.suppress(Exception):  # the client may be gone as well
+            await response.write(error_events("internal server error", 500))
+            await response.write_eof()
+    finally:
+        await group.aclose()  # a client that went away aborts its requests here
+    return response
