@@ -4,7 +4,8 @@ A stream: the step coroutine leaves each step's outputs for a client request in 
 prompts); the handler wakes once for all of them and sends them in one socket write: a chunk per choice that changed
 (one choice per chunk, as OpenAI and vLLM send them), coalescing several steps' tokens of a choice into one chunk when
 the client or the loop fell behind. Once the headers are out, the step coroutine writes each step's events itself
-(EventStream.put): one socket write per client per step, no task switch.
+(EventStream.put): one socket write per client per step, no task switch (HTTP/1.1 chunks, or an HTTP/1.0 body as
+it is).
 
 Flow control: a client that has not taken a step's events by the next step (they still wait in the transport, the
 connection's kernel send buffer being full: SEND_BUFFER) has its requests paused (AsyncEngine.set_paused): they leave
@@ -69,6 +70,11 @@ def http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
+def raw(data: bytes) -> bytes:
+    """`data` as it is: an HTTP/1.0 response's body, which ends when the connection closes."""
+    return data
+
+
 class EventStream(OutputSink):
     """The sink of one streaming response. Until `go_direct()` it is a plain OutputSink (the handler takes what
     waits); after, each put() turns the outputs into events and writes them to the socket at once, on the step
@@ -92,6 +98,7 @@ class EventStream(OutputSink):
         self.tools = tools  # a chat's tool-call handling (tool_output.ToolCallOutput): rewrites each delta
         self.group: StreamGroup | None = None
         self.transport = None
+        self.frame = http_chunk  # how a direct write frames its bytes (go_direct)
         self.loop = asyncio.get_running_loop()
         self.done: asyncio.Future = self.loop.create_future()
         self.flow = flow
@@ -163,8 +170,10 @@ class EventStream(OutputSink):
         return tail
 
     def go_direct(self) -> None:
-        """From now on put() writes (HTTP/1.1 chunked framing, straight to the transport: aiohttp has sent the
-        headers), with the connection's kernel send buffer bounded by SEND_BUFFER."""
+        """From now on put() writes straight to the transport (aiohttp has sent the headers), in HTTP/1.1 chunked
+        framing or, for an HTTP/1.0 request, raw (as aiohttp frames each), with the connection's kernel send buffer
+        bounded by SEND_BUFFER."""
+        self.frame = http_chunk if self.request.version >= (1, 1) else raw
         self.transport = self.request.transport
         sock = self.transport.get_extra_info("socket")
         if sock is not None:
@@ -183,7 +192,7 @@ class EventStream(OutputSink):
                 return self._end(False)
             unread = transport.get_write_buffer_size()  # what the client has not taken since the last step
             if data:
-                transport.write(http_chunk(data))
+                transport.write(self.frame(data))
             if ended:
                 self._end(True)
             elif transport.get_write_buffer_size() > self.flow.buffer:
@@ -193,7 +202,7 @@ class EventStream(OutputSink):
         except Exception:  # a fault here ends this stream only (with an error event), never the step coroutine
             logger.exception("stream %s failed", self.request_id)
             with contextlib.suppress(Exception):
-                self.transport.write(http_chunk(error_events("internal server error", 500)))
+                self.transport.write(self.frame(error_events("internal server error", 500)))
             self._end(True)
 
     def _pause(self) -> None:
@@ -241,10 +250,9 @@ async def stream_response(request: web.Request, stream: EventStream, group: Stre
     stream.group = group
     try:
         await response.prepare(request)  # raises ConnectionError if the client has already hung up
-        # The first events go through aiohttp (they carry the headers); direct writes follow where the framing is
-        # HTTP/1.1 chunks.
+        # The first events go through aiohttp (they carry the headers); direct writes follow.
         await response.write(stream.head())
-        direct = request.version >= (1, 1) and request.transport is not None
+        direct = request.transport is not None
         ended = False
         while not ended:
             if direct and not stream.items:
