@@ -2,7 +2,7 @@
 points; afterwards the server must be idle, hold no KV block for any request, have logged no error, and still give
 the same greedy answers as before the storm.
 
-    python bench/reliability_storm.py [--requests 2000] [--disconnect 0.3] [--concurrency 64] [--seed 0]
+    python bench/reliability_storm.py [--requests 2000] [--disconnect 0.3] [--slow 0.1] [--concurrency 64] [--seed 0]
     python bench/reliability_storm.py --url http://127.0.0.1:8000   # a server you started (no log check)
 
 The server it starts itself also has its RSS reported after the first 1,000 requests ended and after the drain.
@@ -15,7 +15,10 @@ and exits 1 if anything is wrong. tests/test_kv_integrity.py runs the same code 
 
 Clients that hang up do so in one of three ways, in equal shares: right after sending the request (a raw socket
 closed within 0-20 ms: before the server parsed it, or while the request waits for its first step), after the
-response headers but before reading any token, or after a random number of tokens (mid-stream).
+response headers but before reading any token, or after a random number of tokens (mid-stream). Another share
+(--slow) reads slowly: a connection with a 2 KiB receive window asks for 20 logprobs per token (large events) and
+reads nothing for 0.1-1 s, so that the server pauses its request (flow control, aserve:http_stream_pauses_total),
+then reads it all; its text must be the same greedy answer.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import socket
 import sys
 import tempfile
 import time
@@ -37,6 +41,7 @@ SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256
                 "--num-gpu-blocks-override", "40", "--debug-invariants"]  # fmt: skip
 
 
+HANG_UPS = ("at_once", "before_first_token", "mid_stream")  # how a client that hangs up does it
 # Gauges that must all be 0 once the storm has drained.
 IDLE_GAUGES = ("aserve:num_requests_open", "aserve:num_requests_running", "aserve:num_requests_waiting",
                "aserve:kv_cache_usage_perc")  # fmt: skip
@@ -80,11 +85,55 @@ async def _hang_up_at_once(url: str, body: bytes, delay: float) -> None:
     writer.transport.abort()  # no FIN handshake: the connection is simply gone
 
 
+def dechunk(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's data."""
+    out, pos = [], 0
+    while True:
+        end = body.index(b"\r\n", pos)
+        size = int(body[pos:end], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(body[end + 2 : end + 2 + size])
+        pos = end + 2 + size + 2
+
+
+async def _read_slowly(url: str, body: dict, delay: float) -> str:
+    """A streaming request on a connection with a 2 KiB receive window that reads nothing for `delay` seconds, then
+    everything until the server closes the connection. -> the streamed text."""
+    host, port = url.removeprefix("http://").split(":")
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:  # a plain socket: nothing reads it before we do (asyncio's streams would)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, int(port)))
+        data = json.dumps(body).encode()
+        await loop.sock_sendall(sock, f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                                f"Content-Type: application/json\r\nConnection: close\r\n"
+                                f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+        await asyncio.sleep(delay)
+        parts = []
+        while part := await loop.sock_recv(sock, 65536):
+            parts.append(part)
+    response = b"".join(parts)
+    head, _, chunked = response.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise ValueError(f"not a 200 response: {response[:300]!r}")
+    events = parse_sse(dechunk(chunked).decode())
+    if events[-1] != "[DONE]" or any("error" in e for e in events[:-1]):
+        raise ValueError(f"the stream did not end well: {events[-2:]!r}")
+    return "".join(c["text"] for e in events[:-1] for c in e["choices"])
+
+
 async def one(session, url: str, i: int, kind: str, rng: random.Random, expected: list[str]) -> tuple[str, str]:
     """One client. Returns (kind, problem or "")."""
     body = {**prompt(i % NUM_PROMPTS), "stream": True}
     if kind == "at_once":
         await _hang_up_at_once(url, json.dumps(body).encode(), rng.uniform(0, 0.02))
+        return kind, ""
+    if kind == "slow_reader":
+        text = await _read_slowly(url, {**body, "logprobs": 20}, rng.uniform(0.1, 1.0))
+        if text != expected[i % NUM_PROMPTS]:
+            return kind, f"prompt {i % NUM_PROMPTS}: {text!r} != {expected[i % NUM_PROMPTS]!r} (served alone)"
         return kind, ""
     resp = await session.post(f"{url}/v1/completions", json=body)
     try:
@@ -138,14 +187,15 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, concurrency: int = 64,
-                seed: int = 0, server_pid: int | None = None, rss_mark: int = 1000) -> dict:  # fmt: skip
+async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, concurrency: int = 64, seed: int = 0,
+                server_pid: int | None = None, rss_mark: int = 1000, slow: float = 0.1) -> dict:  # fmt: skip
     """Runs the storm against a live server; returns a summary with a "problems" list (empty: all good). With
     `server_pid`: the server's RSS once `rss_mark` requests have ended and after the drain."""
     rng = random.Random(seed)
     kinds = ["complete"] * num_requests
-    for i in rng.sample(range(num_requests), round(disconnect * num_requests)):
-        kinds[i] = ("at_once", "before_first_token", "mid_stream")[i % 3]
+    num_hang_ups = round(disconnect * num_requests)
+    for n, i in enumerate(rng.sample(range(num_requests), num_hang_ups + round(slow * num_requests))):
+        kinds[i] = HANG_UPS[i % 3] if n < num_hang_ups else "slow_reader"
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -188,7 +238,7 @@ async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, con
 
     return {
         "requests": num_requests,
-        "by_kind": {k: kinds.count(k) for k in ("complete", "at_once", "before_first_token", "mid_stream")},
+        "by_kind": {k: kinds.count(k) for k in ("complete", "slow_reader", *HANG_UPS)},
         "concurrency": concurrency,
         "storm_s": round(storm_s, 1),
         "drain_s": round(drain_s, 2),
@@ -197,6 +247,7 @@ async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, con
             for r in ("stop", "length", "abort", "error")
         },  # fmt: skip
         "preemptions": delta("aserve:num_preemptions_total"),
+        "stream_pauses": delta("aserve:http_stream_pauses_total"),
         "after_drain": {name: metric(after, name) for name in IDLE_GAUGES},
         **({"rss_mib": rss_summary(rss, min(rss_mark, num_requests), num_requests)} if rss else {}),
         "problems": problems,
@@ -217,13 +268,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--disconnect", type=float, default=0.3, help="share of clients that hang up")
+    parser.add_argument("--slow", type=float, default=0.1, help="share of clients that pause their reading")
     parser.add_argument("--concurrency", type=int, default=64, help="clients in flight at once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", default=None, help="an already running server (default: start the tiny model)")
     parser.add_argument("--log", default=None, help="keep the started server's log in this file")
     ns = parser.parse_args()
     if ns.url:
-        result = asyncio.run(storm(ns.url, ns.requests, ns.disconnect, ns.concurrency, ns.seed))
+        result = asyncio.run(storm(ns.url, ns.requests, ns.disconnect, ns.concurrency, ns.seed, slow=ns.slow))
     else:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from aserve_server import start_server, stop_server
@@ -234,7 +286,9 @@ def main() -> None:
             log_path = ns.log or os.path.join(tmp, "server.log")
             proc, url = start_server("--model", model, *SERVER_FLAGS, timeout=300, log_path=log_path)
             try:
-                result = asyncio.run(storm(url, ns.requests, ns.disconnect, ns.concurrency, ns.seed, proc.pid))
+                result = asyncio.run(
+                    storm(url, ns.requests, ns.disconnect, ns.concurrency, ns.seed, proc.pid, slow=ns.slow)
+                )
             finally:
                 stop_server(proc)
             with open(log_path) as f:
