@@ -23,7 +23,7 @@ from aserve import EngineArgs
 from aserve.cli import build_parser, engine_args_from
 from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.llm_engine import INLINE_CHARS
-from aserve.entrypoints.openai import responses as streaming_module
+from aserve.entrypoints.openai import event_stream as streaming_module
 from aserve.entrypoints.openai.server import MAX_BODY_BYTES
 
 llm_engine, client = reliability_common.llm_engine, reliability_common.client  # fixtures, found by their names
