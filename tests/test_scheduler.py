@@ -277,3 +277,40 @@ def test_a_paused_request_gives_its_sequence_slot_to_a_waiting_one():
     out = run_step(sched)
     assert [s.request.request_id for s in out.scheduled] == ["b", "c"]
     assert sched.requests["a"].status == RequestStatus.PREEMPTED and not sched.kv.get_block_ids("a")[0]
+
+
+def test_random_pauses_resumes_and_aborts_keep_the_invariants():
+    """Random adds, pauses, resumes and aborts with a pool small enough to preempt: the queues and blocks stay
+    consistent after every step, and once everything is resumed every request runs to its max_tokens."""
+    import random
+
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=12, max_num_seqs=4, budget=16, max_model_len=64)
+    requests, max_tokens = {}, {}
+    for step in range(300):
+        if step < 200 and rng.random() < 0.3:
+            rid = f"r{step}"
+            max_tokens[rid] = rng.randint(1, 12)
+            requests[rid] = req(rid, range(rng.randint(1, 14)), max_tokens=max_tokens[rid])
+            sched.add_request(requests[rid])
+        live = list(sched.requests)
+        if live and step < 200:
+            action, rid = rng.random(), rng.choice(live)
+            if action < 0.2:
+                sched.set_paused([rid], True)
+            elif action < 0.4:
+                sched.set_paused([rid], False)
+            elif action < 0.45:
+                sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+                max_tokens.pop(rid)
+        if step == 200:
+            sched.set_paused(list(sched.requests), False)
+        out = sched.schedule()
+        land(sched, out, 7)
+        sched.check_invariants()
+        assert sched.num_paused == sum(r.paused for r in sched.requests.values())
+        for s in out.scheduled:
+            assert not s.request.paused
+    assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 12
+    assert all(requests[rid].num_output_tokens == n for rid, n in max_tokens.items())
+    assert sched.num_preemptions > 0 and any(r.num_preemptions and r.status.finished for r in requests.values())
