@@ -152,18 +152,17 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
     return {"ttft": ttft, "e2e": e2e, "tpot": tpot, "gaps": gaps, "n_out": n_out, "chunks": chunks}
 
 
-STEP_METRIC = "aserve:iteration_tokens_total"
+STEP_METRIC = ("iteration_tokens_total",)
 
 
 async def server_counts(session, url: str) -> dict[str, float]:
     """Engine steps, the tokens they computed, and streams paused by flow control so far, from /metrics."""
-    from loadgen.server_metrics import parse_prometheus
+    from loadgen.server_metrics import MetricsSnapshot, parse_prometheus
 
     async with session.get(f"{url}/metrics") as resp:
-        samples = parse_prometheus(await resp.text())
-    total = lambda name: sum(v for n, _, v in samples if n == name)  # noqa: E731 (labels summed)
-    return {"steps": total(STEP_METRIC + "_count"), "step_tokens": total(STEP_METRIC + "_sum"),
-            "stream_pauses": total("aserve:http_stream_pauses_total")}  # fmt: skip
+        snapshot = MetricsSnapshot(parse_prometheus(await resp.text()))
+    return {"steps": snapshot.total(STEP_METRIC, "_count"), "step_tokens": snapshot.total(STEP_METRIC, "_sum"),
+            "stream_pauses": snapshot.total(("http_stream_pauses_total",))}  # fmt: skip
 
 
 async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams: int) -> tuple[list[dict], float, dict]:

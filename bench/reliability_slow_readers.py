@@ -39,17 +39,12 @@ from aserve_server import start_server, stop_server  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import online_vs_offline as ovo  # noqa: E402
 
-from loadgen.server_metrics import parse_prometheus  # noqa: E402
+from loadgen.server_metrics import MetricsSnapshot, parse_prometheus  # noqa: E402
 
 
-async def metrics(session: aiohttp.ClientSession, url: str) -> list[tuple[str, dict[str, str], float]]:
+async def metrics(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot:
     async with session.get(f"{url}/metrics") as r:
-        return parse_prometheus(await r.text())
-
-
-def total(samples, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples carrying `labels`."""
-    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items()))
+        return MetricsSnapshot(parse_prometheus(await r.text()))
 
 
 async def normal_load(url: str, clients: int, requests: int, seed: int, times: list | None = None) -> float:
@@ -111,8 +106,8 @@ async def run(args) -> dict:
         profiler = ovo.start_profiler(proc.pid, tempfile.mkdtemp(), 120) if args.profile else None
         async with aiohttp.ClientSession() as session:
             values = await metrics(session, url)
-            generated_alone = total(values, "aserve:generation_tokens_total")
-            result["stream_pauses_alone"] = total(values, "aserve:http_stream_pauses_total")
+            generated_alone = values.total(("generation_tokens_total",))
+            result["stream_pauses_alone"] = values.total(("http_stream_pauses_total",))
         socks = [stuck_client(port, i) for i in range(args.stuck)]
         t0 = time.perf_counter()
         times: list[float] = []
@@ -128,21 +123,21 @@ async def run(args) -> dict:
             deadline = time.monotonic() + 120
             while True:
                 values = await metrics(session, url)
-                cut = total(values, "aserve:http_connections_closed_total", reason="slow_client")
+                cut = values.by_label(("http_connections_closed_total",), "reason")["slow_client"]
                 if cut >= args.stuck or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.2)
             result["stuck_cut_off"] = int(cut)
             result["seconds_until_all_cut_off"] = round(time.perf_counter() - t0, 1)
             # everything generated since the first phase but the others' tokens: the stuck streams' share
-            generated = total(values, "aserve:generation_tokens_total") - generated_alone
+            generated = values.total(("generation_tokens_total",)) - generated_alone
             result["tokens_generated_per_stuck_client"] = round((generated - len(times)) / args.stuck, 1)
-            pauses = total(values, "aserve:http_stream_pauses_total")
+            pauses = values.total(("http_stream_pauses_total",))
             result["stream_pauses_beside"] = pauses - result["stream_pauses_alone"]
             await asyncio.sleep(1.0)
             values = await metrics(session, url)
-            result["running_after"] = total(values, "aserve:num_requests_running")
-            result["kv_usage_after"] = total(values, "aserve:kv_cache_usage_perc")
+            result["running_after"] = values.total(("num_requests_running",))
+            result["kv_usage_after"] = values.total(("kv_cache_usage_perc",))
         for s in socks:
             s.close()
         if args.again:  # the same again (the first time may pay for what the server had not yet run)

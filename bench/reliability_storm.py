@@ -74,12 +74,16 @@ async def reference(session: aiohttp.ClientSession, url: str) -> list[str]:
     return texts
 
 
+def _completion_request(host: str, port: str, body: bytes, headers: str = "") -> bytes:
+    """A POST /v1/completions of `body` as raw HTTP/1.1 (`headers`: more header lines, each ending in CRLF)."""
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+
+
 async def _hang_up_at_once(url: str, body: bytes, delay: float) -> None:
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
-    writer.write(head + body)
+    writer.write(_completion_request(host, port, body))
     await writer.drain()
     await asyncio.sleep(delay)
     writer.transport.abort()  # no FIN handshake: the connection is simply gone
@@ -106,10 +110,8 @@ async def _read_slowly(url: str, body: dict, delay: float) -> str:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         sock.setblocking(False)
         await loop.sock_connect(sock, (host, int(port)))
-        data = json.dumps(body).encode()
-        await loop.sock_sendall(sock, f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                                f"Content-Type: application/json\r\nConnection: close\r\n"
-                                f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+        request = _completion_request(host, port, json.dumps(body).encode(), "Connection: close\r\n")
+        await loop.sock_sendall(sock, request)
         await asyncio.sleep(delay)
         parts = []
         while part := await loop.sock_recv(sock, 65536):
