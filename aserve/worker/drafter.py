@@ -10,11 +10,17 @@ draft_model  a separate small model with its own KV cache tensor, indexed by the
 Drafting k tokens for a request takes k one-token forward passes, batched over requests, at the positions after
 the step's last emitted token; the KV slots were allocated as lookahead by the scheduler. Drafts of sampling
 requests are drawn from the draft's distribution q (kept for the rejection test); greedy requests take its argmax.
+
+The drafts travel to the host while the engine goes on: `propose` returns DraftTokens whose length is known at once
+and whose values are read (waiting for the device's copy) only where a token id is needed, which is when the next
+step's inputs are written (ModelRunner._fill_host). So the update from the step, and the scheduling of the step that
+verifies the drafts, run while the device still computes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -178,10 +184,10 @@ class ModelDrafter:
             u = torch.rand(n, generator=sampler.generator, device=logits.device)
             chosen[j] = torch.where(greedy_t, logits.argmax(dim=-1), sampler.draw(p, u))
             step_probs.append(p)
-        host = chosen.T.tolist()  # the one wait for the device
+        pending = PendingDrafts(chosen)
         q_all = torch.stack(step_probs, dim=1) if step_probs else None  # [n, k_max, vocab]
         for row, i in enumerate(active):
-            drafts[i] = host[row][: counts[row]]
+            drafts[i] = DraftTokens(pending, row, int(counts[row]))
             if not greedy[row]:
                 probs[i] = q_all[row, : counts[row]]
         return drafts, probs
@@ -204,3 +210,57 @@ class ModelDrafter:
         )
         self.backend.prepare(meta, r.block_size)
         return self.model(dev["input_ids"][:n], dev["positions"][:n], self.kv_caches, meta, num_layers=self.num_layers)
+
+
+class PendingDrafts:
+    """One propose()'s draft tokens [k_max, n] on their way to the host: on a GPU a copy into pinned memory that
+    does not wait for the device, and an event the first reader waits on."""
+
+    def __init__(self, chosen: torch.Tensor) -> None:
+        self._event = None
+        if chosen.is_cuda:
+            self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+            self._host.copy_(chosen, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = chosen
+        self._rows: list[list[int]] | None = None
+
+    def row(self, row: int) -> list[int]:
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._host.T.tolist()
+        return self._rows[row]
+
+
+class DraftTokens(Sequence):
+    """A request's drafts from one propose(): len() and leading slices without waiting for the device; their values
+    (indexing, iteration, comparison) wait for the copy, once per propose()."""
+
+    __slots__ = ("_pending", "_row", "_count")
+
+    def __init__(self, pending: PendingDrafts, row: int, count: int) -> None:
+        self._pending, self._row, self._count = pending, row, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.step is None and not index.start and (index.stop or 0) >= 0:
+            stop = self._count if index.stop is None else min(self._count, index.stop)
+            return DraftTokens(self._pending, self._row, stop)
+        return self.tolist()[index]
+
+    def tolist(self) -> list[int]:
+        return self._pending.row(self._row)[: self._count]
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and self.tolist() == list(other)
+
+    def __repr__(self) -> str:
+        return f"DraftTokens({self.tolist()})"

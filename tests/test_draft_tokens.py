@@ -1,0 +1,60 @@
+"""A model drafter's tokens reach the host lazily: the engine updates from the step and schedules the verification
+while the drafts are computed, and reads their values only when it writes the verification's inputs."""
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.worker.drafter import DraftTokens, PendingDrafts
+
+
+def test_draft_tokens_give_length_and_leading_slices_without_reading():
+    chosen = torch.tensor([[11, 21], [12, 22], [13, 23]])  # [k_max, requests]
+    pending = PendingDrafts(chosen)
+    first, second = DraftTokens(pending, 0, 3), DraftTokens(pending, 1, 2)
+    assert len(first) == 3 and len(second) == 2 and bool(second)
+    head = first[:2]
+    assert isinstance(head, DraftTokens) and len(head) == 2 and len(first[:0]) == 0 and len(second[:9]) == 2
+    assert pending._rows is None  # nothing read yet
+    assert head == [11, 12] and list(first) == [11, 12, 13] and second.tolist() == [21, 22]
+    assert first[-1] == 13 and first[1:] == [12, 13] and first[:-1] == [11, 12] and first != [11]
+
+
+def test_the_verification_step_reads_the_drafts_after_the_update_and_schedule(tiny_model, monkeypatch):
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True,
+              speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3})  # fmt: skip
+    core = llm.engine.core
+    events = []
+    read = PendingDrafts.row
+
+    def row(self, i):
+        if self._rows is None:
+            events.append("read")
+        return read(self, i)
+
+    monkeypatch.setattr(PendingDrafts, "row", row)
+    llm.engine.add_request("r", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0, max_tokens=24))
+    verified = 0
+    while core.has_unfinished():
+        work = core.schedule()
+        events.append("scheduled")
+        done = core.execute(work)
+        if work.sched.verifies:
+            verified += 1
+            # the drafts the step before proposed: not read by its update nor by this schedule, but by this launch
+            assert events[-3:] == ["updated", "scheduled", "read"]
+        core.update(work, done)
+        events.append("updated")
+    assert verified > 1
+
+
+@pytest.mark.parametrize("engine", [{}, {"num_gpu_blocks_override": 8, "max_model_len": 128}])
+def test_lazy_drafts_keep_greedy_outputs(tiny_model, engine):
+    prompts = [{"prompt_token_ids": [5 + i % 7 for i in range(n)]} for n in (9, 30, 51)]
+    params = SamplingParams(temperature=0, max_tokens=30)
+    plain = LLM(tiny_model, dtype="float32", enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(tiny_model, dtype="float32", enforce_eager=True, debug_invariants=True, **engine,
+               speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 4})  # fmt: skip
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+    assert spec.engine.stats.spec_draft_tokens_total > 0
