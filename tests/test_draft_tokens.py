@@ -58,3 +58,34 @@ def test_lazy_drafts_keep_greedy_outputs(tiny_model, engine):
                speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 4})  # fmt: skip
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
     assert spec.engine.stats.spec_draft_tokens_total > 0
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_an_int8_draft_head_drafts_and_keeps_outputs(tiny_model, temperature):
+    """layer_skip through an int8 copy of the head: drafts accepted, greedy tokens and seeded samples unchanged
+    (verification uses the model's own head)."""
+    prompts = [{"prompt_token_ids": [5 + i % 7 for i in range(n)]} for n in (9, 30)]
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=24)
+    spec = {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3}
+    runs = {}
+    for head in ("model", "int8"):
+        llm = LLM(tiny_model, dtype="float32", enforce_eager=True, debug_invariants=True,
+                  speculative_config={**spec, "draft_head": head})  # fmt: skip
+        runs[head] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.stats.spec_accepted_tokens_total > 0
+        drafter = llm.engine.core.runner.drafter
+        assert (drafter.lm_head is None) == (head == "model")
+    if temperature == 0:
+        plain = LLM(tiny_model, dtype="float32", enforce_eager=True)
+        assert runs["int8"] == runs["model"] == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert drafter.lm_head.weight.dtype == torch.int8
+
+
+def test_draft_head_is_checked():
+    from aserve.spec.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="draft_head must be one of model, int8"):
+        SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1, "draft_head": "fp4"})
+    with pytest.raises(ValueError, match="unknown speculative_config keys for ngram: draft_head"):
+        SpeculativeConfig.parse({"method": "ngram", "draft_head": "int8"})
+    assert SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1, "draft_head": "int8"}).draft_head == "int8"

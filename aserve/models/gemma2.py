@@ -185,8 +185,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         """(cos, sin) of the step's positions for each rotary table the layers use."""
         return (self.rotary(positions, dtype),)
 
-    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        logits = self.lm_head(self.gemma_ops.norm(hidden, self.norm.weight, self.norm.eps))
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32,
+                       lm_head: nn.Module | None = None) -> torch.Tensor:  # fmt: skip
+        head = self.lm_head if lm_head is None else lm_head
+        logits = head(self.gemma_ops.norm(hidden, self.norm.weight, self.norm.eps))
         if self.final_logit_softcapping is not None:
             logits = self.soft_cap(logits, self.final_logit_softcapping)
         return logits if dtype is None else logits.to(dtype)

@@ -225,9 +225,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in `dtype` (None: the model's)."""
-        logits = self.lm_head(self.norm(hidden)[0])
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32,
+                       lm_head: nn.Module | None = None) -> torch.Tensor:  # fmt: skip
+        """hidden [N, hidden] of the positions that sample -> logits [N, vocab] in `dtype` (None: the model's).
+        `lm_head`: another head over the same vocabulary (a drafter's)."""
+        logits = (self.lm_head if lm_head is None else lm_head)(self.norm(hidden)[0])
         return logits if dtype is None else logits.to(dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

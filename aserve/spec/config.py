@@ -2,9 +2,12 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}
-    {"method": "layer_skip", "num_layers": L, "num_speculative_tokens": 4}
+    {"method": "layer_skip", "num_layers": L, "num_speculative_tokens": 4, "draft_head": "model" | "int8"}
 
-"num_speculative_tokens": "auto" lets the adaptive policy choose k per request and step (up to `max_k`)."""
+"num_speculative_tokens": "auto" lets the adaptive policy choose k per request and step (up to `max_k`).
+layer_skip's "draft_head": "int8" drafts through an int8 copy of the target's lm_head (one scale per vocabulary row):
+half the bytes a 16-bit head reads per draft step, at the cost of holding the copy (vocabulary x hidden bytes);
+verification still uses the model's own head, so outputs are unchanged."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import json
 from dataclasses import dataclass
 
 _METHODS = ("ngram", "draft_model", "layer_skip")
+_DRAFT_HEADS = ("model", "int8")
 _AUTO_MAX_K = 5
 
 
@@ -24,6 +28,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     model: str | None = None  # draft_model
     num_layers: int | None = None  # layer_skip
+    draft_head: str = "model"  # layer_skip: the target's head ("model") or an int8 copy of it ("int8")
 
     @property
     def needs_kv(self) -> bool:
@@ -67,7 +72,12 @@ class SpeculativeConfig:
             layers = cfg.pop("num_layers", None)
             if not isinstance(layers, int) or layers < 1:
                 raise ValueError("speculative_config.num_layers (an integer >= 1) is required for layer_skip")
-            kwargs = dict(num_layers=layers)
+            head = cfg.pop("draft_head", "model")
+            if head not in _DRAFT_HEADS:
+                raise ValueError(
+                    f"speculative_config.draft_head must be one of {', '.join(_DRAFT_HEADS)}, got {head!r}"
+                )
+            kwargs = dict(num_layers=layers, draft_head=head)
         if cfg:
             raise ValueError(f"unknown speculative_config keys for {method}: {', '.join(sorted(cfg))}")
         return cls(**{**out.__dict__, **kwargs})

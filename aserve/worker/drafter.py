@@ -1,8 +1,8 @@
 """Model-based drafting, run by the model runner right after the target's step.
 
-layer_skip   the target's first L layers, its final norm and lm_head are the draft model. Its KV cache is the
-             target's own (layers 0..L-1): for accepted tokens the target wrote exactly what the draft would, so
-             there is nothing to keep in sync.
+layer_skip   the target's first L layers, its final norm and lm_head (or an int8 copy of the head: "draft_head")
+             are the draft model. Its KV cache is the target's own (layers 0..L-1): for accepted tokens the target
+             wrote exactly what the draft would, so there is nothing to keep in sync.
 draft_model  a separate small model with its own KV cache tensor, indexed by the same block ids (the target's block
              tables and slots serve both). It "mirrors" every target step over the same tokens to keep its KV
              complete.
@@ -27,6 +27,7 @@ import torch
 
 from aserve.layers.attention import select_attention_backend
 from aserve.layers.attention.backend import AttentionMetadata
+from aserve.layers.quantization.lm_head import int8_copy
 from aserve.models.loader import build_model
 from aserve.models.model_path import resolve_model
 from aserve.spec.config import SpeculativeConfig
@@ -47,6 +48,7 @@ class ModelDrafter:
                     f"got {config.num_layers}"
                 )
             self.model, self.num_layers, self.backend = target, config.num_layers, runner.backend
+            self.lm_head = int8_copy(target.lm_head) if config.draft_head == "int8" else None
             self.needs_mirror = False
             self.kv_bytes_per_block = 0
             self.cost_fraction = config.num_layers / len(target.layers)
@@ -65,7 +67,7 @@ class ModelDrafter:
             self.model = build_model(
                 hf_config, model_dir, runner.dtype, runner.device, runner.max_model_len, self.backend, "auto", seed
             )
-            self.num_layers = None
+            self.num_layers, self.lm_head = None, None
             self.needs_mirror = True
             self.kv_bytes_per_block = kv_bytes_per_block(self.model, runner.block_size, runner.dtype)
             target_params = sum(p.numel() for p in target.parameters())
@@ -177,9 +179,9 @@ class ModelDrafter:
             else:
                 hidden = self._forward_eager(n, width, stage[j, 2, :n])
             if greedy_t is None:
-                chosen[j] = self.model.compute_logits(hidden, None).argmax(dim=-1)
+                chosen[j] = self.model.compute_logits(hidden, None, self.lm_head).argmax(dim=-1)
                 continue
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden, lm_head=self.lm_head)
             p = sampler.probs(logits, sample_rows)
             u = torch.rand(n, generator=sampler.generator, device=logits.device)
             chosen[j] = torch.where(greedy_t, logits.argmax(dim=-1), sampler.draw(p, u))

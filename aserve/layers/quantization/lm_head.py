@@ -28,7 +28,7 @@ from aserve.layers.quantization.awq import AWQConfig
 from aserve.layers.quantization.awq_format import pack_linear
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.layers.quantization.fp8 import FP8, Fp8LinearMethod, quantize_per_channel
-from aserve.layers.quantization.int8 import Int8LinearMethod
+from aserve.layers.quantization.int8 import Int8Config, Int8LinearMethod
 
 HEAD_GROUP_SIZE = 128  # int4 head: inputs per group (the AWQ kernels' repacked layout on GPUs takes 128)
 PAD_ROWS = 128  # int4 head: vocabulary rows padded (zero rows) to a multiple of this, which every AWQ kernel takes
@@ -121,3 +121,19 @@ def quantize_lm_head(model: nn.Module, quant_config: QuantizationConfig | None) 
     with torch.device("meta"):
         head.quant_method.create_weights(head, head.in_features, head.out_features, False, head.weight.dtype)
     model.tie_weights()
+
+
+def int8_copy(head: Linear) -> Linear:
+    """An int8 copy (Int8LinearMethod: one scale per vocabulary row) of a loaded head, beside it: layer_skip's
+    `"draft_head": "int8"`. A head that is int8 already is its own copy."""
+    w = head.weight
+    if w.dtype == torch.int8:
+        return head
+    if not isinstance(head.quant_method, UnquantizedLinearMethod) or head.bias is not None or w.numel() == 0:
+        raise ValueError(f"an int8 draft head needs a 16-bit lm_head without bias; this one is "
+                         f"{type(head.quant_method).__name__} with {w.dtype} weights")  # fmt: skip
+    with torch.device("meta"):
+        copy = Linear(head.in_features, head.out_features, bias=False, quant_config=Int8Config(), params_dtype=w.dtype)
+    copy.weight = nn.Parameter(w.detach(), requires_grad=False)  # replaced by its int8 rounding
+    copy.process_weights_after_loading()
+    return copy
