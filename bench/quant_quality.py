@@ -13,6 +13,7 @@ Rows (the baseline is the model in --dtype, unquantised):
             rows but not beyond (per-token e4m3 activations into torch._scaled_mm)
     awq     `aserve quantize --method awq` (int4, AutoAWQ format), group --group-size
     gptq    `aserve quantize --method gptq --format gptq` (int4, GPTQ format), group --group-size
+    gptq-head  the same with `--quantize-lm-head`: the head quantised too, by GPTQ on the calibration tokens
     ROW+head  ROW with `--quantize-lm-head` (base+head: the unquantised model's): the lm_head rounded at load, int8
             per channel (base, int8), fp8 per channel (fp8) or int4 (awq, gptq: per group of 128 inputs, or of
             --group-size where 128 does not divide the hidden size); the tied embedding keeps its table
@@ -47,13 +48,15 @@ from aserve.quantize.quantize import data_path, quantize_model
 MC_QUESTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_task", "questions.jsonl")
 SMOLLM2_HIDDEN = 576  # the int4 head's group: 128 where it divides the hidden size (not SmolLM2's), else --group-size
 ONLINE = {"int8": "int8", "fp8": "fp8"}  # row -> --quantization
-CHECKPOINTS = {"awq": ("awq", "awq"), "gptq": ("gptq", "gptq")}  # row -> (aserve quantize --method, --format)
+# row -> (aserve quantize --method, --format, --quantize-lm-head)
+CHECKPOINTS = {"awq": ("awq", "awq", False), "gptq": ("gptq", "gptq", False), "gptq-head": ("gptq", "gptq", True)}
 LABELS = {
     "fp32": "float32, unquantised",
     "int8": "int8 per channel (`--quantization int8`)",
     "fp8": "fp8 e4m3 per channel (`--quantization fp8`, weight-only on CPU)",
     "awq": "AWQ int4 g{g} (`aserve quantize --method awq`)",
     "gptq": "GPTQ int4 g{g} (`aserve quantize --method gptq --format gptq`)",
+    "gptq-head": "GPTQ int4 g{g} with its lm_head GPTQ int4 g{g} (`aserve quantize ... --quantize-lm-head`)",
     "base": "{dtype}, unquantised",
 }
 HEAD_KINDS = {"fp8": "fp8", "awq": "int4 g{hg}", "gptq": "int4 g{hg}"}  # row -> its quantised head (else int8)
@@ -120,12 +123,12 @@ def agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, flo
 
 def checkpoint(row: str, args) -> tuple[str, float | None]:
     """The int4 checkpoint of `row` under --out (written first if absent) -> (its directory, seconds to write)."""
-    method, fmt = CHECKPOINTS[row]
-    out = os.path.join(args.out, f"{method}-{fmt}-g{args.group_size}-n{args.num_samples}")
+    method, fmt, head = CHECKPOINTS[row]
+    out = os.path.join(args.out, f"{method}-{fmt}-g{args.group_size}-n{args.num_samples}{'-head' if head else ''}")
     if os.path.exists(os.path.join(out, "model.safetensors")):
         return out, None
     report = quantize_model(None, out, group_size=args.group_size, method=method, num_samples=args.num_samples,
-                            device="cpu", fmt=fmt, progress=False)  # fmt: skip
+                            device="cpu", fmt=fmt, progress=False, quantize_lm_head=head)  # fmt: skip
     return out, report["seconds"]
 
 

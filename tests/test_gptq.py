@@ -179,7 +179,7 @@ def test_legacy_quantize_config_and_clear_errors(tiny_model_factory, tmp_path):
                             ({"bits": 8}, "8-bit GPTQ with group_size 32: not supported"),
                             ({"group_size": 24}, "group_size 24 is not supported"),
                             ({"checkpoint_format": "marlin"}, "format 'marlin' is not supported"),
-                            ({"lm_head": True}, "quantised lm_head")]:  # fmt: skip
+                            ({"lm_head": True}, "the checkpoint holds a 16-bit lm_head.weight")]:  # fmt: skip
         with open(os.path.join(gptq_dir, "quantize_config.json"), "w") as f:
             json.dump({**entry, **change}, f)
         with pytest.raises(ValueError, match=message):

@@ -64,6 +64,9 @@ def check_shardable(hf_config, size: int, quant_config: QuantizationConfig | Non
     if quant_config is None or not hasattr(quant_config, "group_size"):
         return
     name = quant_config.name.upper()
+    if getattr(quant_config, "lm_head", False):
+        raise ValueError(f"{name} with a quantised lm_head cannot split across ranks: run it with "
+                         "tensor_parallel_size 1")  # fmt: skip
     if getattr(quant_config, "desc_act", False):
         raise ValueError(f"{name} with act order (desc_act) cannot split across ranks: run it with "
                          "tensor_parallel_size 1")  # fmt: skip

@@ -16,6 +16,7 @@ from aserve.layers.elementwise import select_elementwise_ops
 from aserve.layers.quantization import ONLINE_QUANTIZATION, QUANTIZATION_CONFIGS, get_quantization_config
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.layers.quantization.lm_head import quantize_lm_head as quantize_lm_head_of
+from aserve.layers.quantization.lm_head import use_checkpoint_head
 from aserve.models.model_path import ModelNotFoundError
 from aserve.models.registry import get_model_class
 
@@ -74,7 +75,11 @@ def build_model(
     try:
         with torch.device("meta"):
             model = model_class(hf_config, backend, ops, quant_config, max_position=max_model_len)
-            if quantize_lm_head:
+            if getattr(quant_config, "lm_head", False):
+                if quantize_lm_head:
+                    raise ValueError("--quantize-lm-head: this checkpoint's lm_head is quantised already")
+                use_checkpoint_head(model, quant_config)
+            elif quantize_lm_head:
                 quantize_lm_head_of(model, quant_config)
             if shard is not None:
                 shard.apply(model)

@@ -23,6 +23,7 @@ with error feedback (gptq.py), the weights are packed, and the float layer's out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -46,7 +47,7 @@ from aserve.models.loader import iterate_safetensors
 from aserve.models.model_path import resolve_model
 from aserve.quantize.awq_search import awq_layer
 from aserve.quantize.dense_layer import DenseDecoderLayer
-from aserve.quantize.gptq import gptq_layer
+from aserve.quantize.gptq import dequantize, gptq_layer, gptq_quantize, gram, output_error
 from aserve.quantize.tune import tune_end_to_end
 from aserve.sampling_params import SamplingParams
 
@@ -118,6 +119,7 @@ def quantize_model(
     tune_batch: int = 2,
     device: str = "auto",
     fmt: str = "awq",
+    quantize_lm_head: bool = False,
 ) -> dict:
     """Writes the quantised checkpoint to out_dir. -> a report {"layers": [{group: {"rtn", "awq"}}], "linears":
     [{linear: {"rtn", "gptq"}}], "seconds"} (per layer: AWQ's block errors, GPTQ's linear output errors).
@@ -129,13 +131,17 @@ def quantize_model(
     model on all the calibration text's windows (tune.py; report["tune"]), plus `tune_generated` windows the
     float model writes itself (self_generated_windows); `tune_batch` windows per step. `device` (auto: a GPU if
     there is one) runs all of it: calibration forwards, rounding, self-generation and tuning; the checkpoint's
-    tensors come back to the CPU. `fmt`: the checkpoint format, awq or gptq (FORMATS)."""
+    tensors come back to the CPU. `fmt`: the checkpoint format, awq or gptq (FORMATS). `quantize_lm_head` (GPTQ
+    format only: GPTQModel's `"lm_head": true`): the head too, by GPTQ on the final norm's outputs (round-to-nearest
+    with `rtn`), untied from the embedding, which stays 16-bit."""
     from transformers import AutoConfig, AutoTokenizer  # heavy: imported when a quantisation runs
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if quantize_lm_head and fmt != "gptq":
+        raise ValueError("--quantize-lm-head needs --format gptq (AutoAWQ's format has no quantised lm_head)")
     for name, value, least in (("tune_steps", tune_steps, 0), ("tune_generated", tune_generated, 0),
                                ("tune_batch", tune_batch, 1), ("num_samples", num_samples, 1)):  # fmt: skip
         if value < least:
@@ -202,6 +208,9 @@ def quantize_model(
                 out[f"{prefix}{name}.bias"] = weights.pop(f"{name}.bias").to("cpu", stored[f"{name}.bias"].dtype)
         for key, tensor in weights.items():  # norms (with AWQ scales folded in)
             out[prefix + key] = tensor.to("cpu", stored[key].dtype)
+    if quantize_lm_head:
+        report["lm_head"] = quantize_head(state, out, cfg, x, group_size, gptq_search if clip else "minmax",
+                                          act_order)  # fmt: skip
     if tune_steps:
         windows = calibration_ids(tokenizer, calib_text, 1 << 30, seq_len)
         if tune_generated:
@@ -214,7 +223,8 @@ def quantize_model(
     config = AWQConfig(group_size=group_size)
     if fmt == "gptq":
         out, config = gptq_tensors(out, group_size)
-    write_checkpoint(model_dir, out_dir, out, config, tokenizer)
+        config = dataclasses.replace(config, lm_head=quantize_lm_head)
+    write_checkpoint(model_dir, out_dir, out, config, tokenizer, untie=quantize_lm_head)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 
@@ -232,11 +242,36 @@ def gptq_tensors(tensors: dict, group_size: int) -> tuple[dict, GPTQConfig]:
     return out, GPTQConfig(group_size=group_size, desc_act=False, sym=False, checkpoint_format=fmt)
 
 
-def write_checkpoint(src_dir: str, out_dir: str, tensors: dict, config: QuantizationConfig, tokenizer) -> None:
+def quantize_head(state: dict, out: dict, cfg, x: torch.Tensor | None, group_size: int, search: str,
+                  act_order: bool) -> dict[str, float]:  # fmt: skip
+    """The lm_head (or the tied embedding's table) as int4 into `out` (AutoAWQ tensors, lm_head.*): GPTQ on the
+    final norm of the residual stream `x` [T, hidden] leaving the last layer, or round-to-nearest without one.
+    -> its output errors on those inputs {"rtn", "gptq"} (empty without x)."""
+    w = state.get("lm_head.weight", state["model.embed_tokens.weight"]).to(torch.float32)
+    if x is None:
+        packed, errors = pack_linear(w, group_size), {}
+    else:
+        w = w.to(x.device)
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+        h = gram(normed * state["model.norm.weight"].to(x.device, torch.float32))
+        grid = gptq_quantize(w, h, group_size, search, act_order=act_order)
+        errors = {"rtn": output_error(w, fake_quantize(w, group_size), h),
+                  "gptq": output_error(w, dequantize(*grid), h)}  # fmt: skip
+        packed = pack_quantized(*grid)
+    out.update({f"lm_head.{key}": tensor.cpu() for key, tensor in packed.items()})
+    out.pop("lm_head.weight", None)
+    return errors
+
+
+def write_checkpoint(src_dir: str, out_dir: str, tensors: dict, config: QuantizationConfig, tokenizer,
+                     untie: bool = False) -> None:  # fmt: skip
+    """`untie`: the head has tensors of its own (a quantised head beside a tied 16-bit embedding)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(src_dir, "config.json")) as f:
         hf_config = json.load(f)
     hf_config["quantization_config"] = config.to_hf()
+    if untie:
+        hf_config["tie_word_embeddings"] = False
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
@@ -268,6 +303,12 @@ def add_quantize_parser(sub) -> None:
         default="awq",
         help="checkpoint format: awq (AutoAWQ gemm) or gptq "
         "(AutoGPTQ / GPTQModel: groups in input order, desc_act false)",
+    )
+    p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="with --format gptq, quantise the lm_head too (GPTQ on the final norm's outputs; GPTQModel's "
+        '"lm_head": true); the embedding stays 16-bit',
     )
     p.add_argument("--calib", default=None, help="calibration text file (default: the text shipped with aserve)")
     p.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
@@ -325,7 +366,7 @@ def run_quantize(ns: argparse.Namespace) -> None:
                             clip=not ns.no_clip, sequential=ns.sequential, act_order=not ns.no_act_order,
                             tune_steps=ns.tune_steps, tune_lr=ns.tune_lr, tune_codes_lr=ns.tune_codes_lr,
                             tune_generated=ns.tune_generated, tune_batch=ns.tune_batch, device=ns.device,
-                            fmt=ns.format)  # fmt: skip
+                            fmt=ns.format, quantize_lm_head=ns.quantize_lm_head)  # fmt: skip
     print(
         f"aserve: wrote {ns.method.upper()} int4 (group {ns.group_size}, {ns.format.upper()} format) to {ns.out} "
         f"in {report['seconds']} s"
@@ -338,6 +379,9 @@ def run_quantize(ns: argparse.Namespace) -> None:
         rtn = sum(sum(e["rtn"] for e in layer.values()) for layer in report["linears"])
         gptq = sum(sum(e["gptq"] for e in layer.values()) for layer in report["linears"])
         print(f"aserve: calibration linear output error, summed over linears: RTN {rtn:.4g} -> GPTQ {gptq:.4g}")
+    if report.get("lm_head"):
+        head = report["lm_head"]
+        print(f"aserve: lm_head calibration output error: RTN {head['rtn']:.4g} -> GPTQ {head['gptq']:.4g}")
     if "tune" in report:
         tune = report["tune"]
         print(

@@ -7,9 +7,10 @@ Where a checkpoint says it is GPTQ:
     quantize_config.json   (older AutoGPTQ, beside config.json) the same fields, without quant_method
 
 Supported: 4 bits; group sizes that are multiples of 16 (32, 64, 128) and -1 (one group per output channel);
-symmetric and asymmetric; desc_act false and true (act order: g_idx); formats v1 ("gptq") and v2 ("gptq_v2"). And
-8 bits with group_size -1, on the int8 kernels (gptq_int8.py). Each other variant is refused with a message naming
-it. The tensors and their layout: gptq_format.py.
+symmetric and asymmetric; desc_act false and true (act order: g_idx); formats v1 ("gptq") and v2 ("gptq_v2"); a
+quantised lm_head (GPTQModel's `"lm_head": true`: lm_head.qweight etc., run as the other linears; the embedding
+stays 16-bit, so a tied model's head is untied). And 8 bits with group_size -1, on the int8 kernels (gptq_int8.py).
+Each other variant is refused with a message naming it. The tensors and their layout: gptq_format.py.
 
 A fused layer (qkv_proj = q|k|v, gate_up_proj = gate|up) concatenates its parts along the output dimension (the
 last one of qweight, qzeros and scales). Its parts share one input, so GPTQ gave them one g_idx (the input order
@@ -25,7 +26,7 @@ Experts of mixture-of-experts blocks (4-bit only): int4_moe.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ class GPTQConfig(QuantizationConfig):
     desc_act: bool = False
     sym: bool = True
     checkpoint_format: str = "gptq"
+    lm_head: bool = False  # GPTQModel's `lm_head`: the output projection is quantised too (lm_head.qweight, ...)
 
     @classmethod
     def from_config(cls, raw: dict[str, Any]) -> GPTQConfig:
@@ -71,12 +73,12 @@ class GPTQConfig(QuantizationConfig):
             raise ValueError(f"GPTQ checkpoint format {fmt!r} is not supported (gptq, gptq_v2)")
         if str(raw.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
             raise ValueError(f"GPTQ pack_dtype {raw['pack_dtype']!r} is not supported (int32)")
-        if raw.get("lm_head"):
-            raise ValueError("GPTQ checkpoint with a quantised lm_head: not supported")
+        if raw.get("lm_head") and bits != 4:
+            raise ValueError(f"GPTQ checkpoint with a {bits}-bit quantised lm_head: not supported (4-bit heads are)")
         if raw.get("dynamic"):
             raise ValueError("GPTQ checkpoint with per-module overrides (dynamic): not supported")
         return cls(bits=bits, group_size=group_size, desc_act=bool(raw.get("desc_act", False)),
-                   sym=bool(raw.get("sym", True)), checkpoint_format=fmt)  # fmt: skip
+                   sym=bool(raw.get("sym", True)), checkpoint_format=fmt, lm_head=bool(raw.get("lm_head")))  # fmt: skip
 
     def to_hf(self) -> dict[str, Any]:
         return {
@@ -86,7 +88,15 @@ class GPTQConfig(QuantizationConfig):
             "desc_act": self.desc_act,
             "sym": self.sym,
             "checkpoint_format": self.checkpoint_format,
+            "lm_head": self.lm_head,
         }
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            if self.lm_head and name == "lm_head.weight":
+                raise ValueError('the GPTQ config says the lm_head is quantised ("lm_head": true), but the checkpoint '
+                                 "holds a 16-bit lm_head.weight")  # fmt: skip
+            yield name, tensor
 
     def get_linear_method(self, checkpoint_names: Sequence[str]) -> LinearMethodBase:
         if self.bits == 8:

@@ -123,15 +123,30 @@ def quantize_lm_head(model: nn.Module, quant_config: QuantizationConfig | None) 
     model.tie_weights()
 
 
+def use_checkpoint_head(model: nn.Module, quant_config: QuantizationConfig) -> None:
+    """A checkpoint whose lm_head is quantised as its linears are (GPTQ's `"lm_head": true`): the head of a model
+    built on the meta device takes the checkpoint's method and parameters instead of its 16-bit weight, and no
+    longer shares the embedding's table."""
+    head = model.lm_head
+    if not isinstance(head, Linear) or head.bias is not None:
+        raise ValueError(f"{type(model).__name__}'s lm_head is not a linear layer without bias: its quantised "
+                         "checkpoint head cannot load")  # fmt: skip
+    dtype = head.weight.dtype
+    del head.weight
+    head.quant_method = quant_config.get_linear_method(("lm_head",))
+    head.quant_method.create_weights(head, head.in_features, head.out_features, False, dtype)
+    model.tie_word_embeddings = False
+
+
 def int8_copy(head: Linear) -> Linear:
     """An int8 copy (Int8LinearMethod: one scale per vocabulary row) of a loaded head, beside it: layer_skip's
     `"draft_head": "int8"`. A head that is int8 already is its own copy."""
-    w = head.weight
-    if w.dtype == torch.int8:
+    w = getattr(head, "weight", None)
+    if w is not None and w.dtype == torch.int8:
         return head
     if not isinstance(head.quant_method, UnquantizedLinearMethod) or head.bias is not None or w.numel() == 0:
-        raise ValueError(f"an int8 draft head needs a 16-bit lm_head without bias; this one is "
-                         f"{type(head.quant_method).__name__} with {w.dtype} weights")  # fmt: skip
+        raise ValueError(f"an int8 draft head needs a 16-bit lm_head without bias; this one runs "
+                         f"{type(head.quant_method).__name__}")  # fmt: skip
     with torch.device("meta"):
         copy = Linear(head.in_features, head.out_features, bias=False, quant_config=Int8Config(), params_dtype=w.dtype)
     copy.weight = nn.Parameter(w.detach(), requires_grad=False)  # replaced by its int8 rounding
