@@ -71,6 +71,18 @@ def test_include_stop_string_and_earliest_match(tokenizer):
     assert stop == "two" and detok.text == "one two"
 
 
+def test_no_stop_string_ends_within_the_first_min_tokens(tokenizer):
+    """vLLM's rule: the text of the first min_tokens tokens is not searched (a match may begin there and end after)."""
+    ids = tokenizer.encode("a cat and a dog and a cow")
+    for min_tokens in range(len(ids)):
+        detok = IncrementalDetokenizer(tokenizer, [], ["a"], False, skip_special_tokens=True, min_tokens=min_tokens)
+        stop = next((s for s in map(detok.add_token, ids) if s), None)
+        floor = len(tokenizer.decode(ids[:min_tokens]))
+        full = tokenizer.decode(ids)
+        first = full.find("a", floor)  # the first "a" ending after the text of the first min_tokens tokens
+        assert (stop, detok.text) == ("a", full[:first]) if first != -1 else (stop is None and detok.text == full)
+
+
 def test_special_tokens_skipped(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], [], False, skip_special_tokens=True)
     for token_id in tokenizer.encode("Hi") + [tokenizer.eos_token_id]:

@@ -100,7 +100,7 @@ async def test_chat_completion_stream_shapes(client, llm_engine):
     req = {"model": MODEL, "messages": msgs, "max_completion_tokens": 6, "temperature": 0, "ignore_eos": True}
     whole = await (await client.post("/v1/chat/completions", json=req)).json()
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["role"] == "assistant"
-    prompt_ids = llm_engine.tokenizer.encode("user: Hi there\nassistant:", add_special_tokens=False)
+    prompt_ids = llm_engine.tokenizer.encode("user: Hi\n there\nassistant:", add_special_tokens=False)  # parts: "\n"
     assert whole["usage"]["prompt_tokens"] == len(prompt_ids)
     events = await sse_events(await client.post("/v1/chat/completions", json={**req, "stream": True}))
     assert all(e["object"] == "chat.completion.chunk" for e in events)

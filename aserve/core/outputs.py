@@ -51,6 +51,15 @@ class RunnerOutput:
     prompt_logprobs: list[tuple[ScheduledRequest, int, list[SampledLogprobs]]] = field(default_factory=list)
 
 
+# A request's own constraints leave it no token to sample: the engine ends it with this error, which the server
+# reports as the client's (HTTP 400), not as an internal fault.
+NO_ALLOWED_TOKEN = (
+    "no token satisfies every constraint of the request: its grammar (structured output) allows only tokens "
+    "outside allowed_token_ids"
+)
+CLIENT_ERRORS = frozenset({NO_ALLOWED_TOKEN})
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     """What a step (or an abort) changed for one sequence: the tokens it gained, and how it ended if it did."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from aserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from aserve.core.kv_cache_manager import InvariantError, KVCacheManager
 from aserve.core.metrics import EngineStats
-from aserve.core.outputs import EngineCoreOutput, RunnerOutput
+from aserve.core.outputs import NO_ALLOWED_TOKEN, EngineCoreOutput, RunnerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.spec.ngram import FollowIndex, propose_ngram
 
@@ -381,6 +381,8 @@ class Scheduler:
             if self.vocab_size is not None and not 0 <= token_id < self.vocab_size:
                 return appended, f"internal error: the model produced token id {token_id}, outside the vocabulary"
             if request.grammar is not None and not request.grammar.accept(token_id):
+                if request.sampling_params.allowed_token_ids:  # every token the grammar allows was masked
+                    return appended, NO_ALLOWED_TOKEN
                 return appended, f"internal error: token id {token_id} was sampled against the request's grammar"
             self.stats.on_token(request, now)
             appended.append(token_id)

@@ -132,9 +132,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         token_bytes: TokenBytes | None = None,
         byte_ids: frozenset[int] = frozenset(),
+        min_tokens: int = 0,
     ) -> None:
-        """`byte_ids`: the ids that continue a run of byte tokens (`byte_fallback_ids`), for DecodeStream."""
+        """`byte_ids`: the ids that continue a run of byte tokens (`byte_fallback_ids`), for DecodeStream.
+        `min_tokens`: no stop string ends within the text of the first min_tokens tokens (as vLLM)."""
         self.stop_strings = stop_strings
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.include_stop_str_in_output = include_stop_str_in_output
         self.holdback = max((len(s) for s in stop_strings), default=1) - 1
         self.text = ""
@@ -219,6 +223,7 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str | None:
         """Appends one token's text. Returns the stop string it completed, if any (the text is then cut)."""
+        self.num_tokens += 1
         return self._append(self._step(token_id))
 
     def flush(self) -> str | None:
@@ -242,7 +247,7 @@ class IncrementalDetokenizer:
         if not new_text:
             return None
         self.text += new_text
-        if not self.stop_strings:
+        if not self.stop_strings or self.num_tokens <= self.min_tokens:
             return None
         search_from = len(self.text) - len(new_text)
         matches = []

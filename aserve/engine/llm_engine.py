@@ -222,6 +222,13 @@ class LLMEngine:
                 code="context_length_exceeded",
             )
         if params.max_tokens is None:
+            if max_tokens_must_fit and n >= config.max_model_len:  # nothing left to generate into
+                raise ParamError(
+                    "prompt",
+                    f"This model's maximum context length is {config.max_model_len} tokens. However, your prompt has "
+                    f"{n} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+                    code="context_length_exceeded",
+                )
             params = params.clone(max_tokens=max(1, config.max_model_len - n))
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if config.args.enable_prefix_caching:

@@ -94,6 +94,7 @@ class OutputProcessor:
                 params.skip_special_tokens,
                 self.token_bytes,
                 self.byte_ids[params.skip_special_tokens],
+                params.min_tokens,
             )
             for _ in sequence_ids
         ]

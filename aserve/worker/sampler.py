@@ -21,7 +21,9 @@ samples do not depend on what else is in the batch.
 Structured output: the rows of constrained requests are masked to what their grammar allows before anything else
 (aserve/worker/grammar_bitmask.py), drafts included; their finite check is taken before the mask, their logprobs
 after it (as vLLM's: of the distribution sampled from). A greedy batch on the CPU keeps each row's argmax where the
-grammar accepts it and masks only the others (the same tokens, without writing most of the logits).
+grammar accepts it and masks only the others (the same tokens, without writing most of the logits). Where min_tokens
+would mask the last tokens a row's grammar or allowed_token_ids leave (a stop token), min_tokens gives way: the
+output ends complete rather than broken.
 """
 
 from __future__ import annotations
@@ -314,7 +316,14 @@ class Sampler:
         # One reduction: the sum of a row is finite iff every logit in it is (a quarter of an argmax's cost on CPU).
         nonfinite = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        return self._apply_logit_bias(self._mask_min_tokens(logits, rows), rows), nonfinite, raw_logprobs
+        masked = self._mask_min_tokens(logits, rows)
+        out = self._apply_logit_bias(masked, rows)
+        if masked is not logits:
+            # min_tokens gives way in a row where it would leave no token (a grammar or allowed_token_ids that
+            # allow only a stop token now): the request ends there rather than sample a token nothing allows.
+            stuck = torch.isneginf(out.amax(dim=-1, keepdim=True))
+            out = torch.where(stuck, self._apply_logit_bias(logits, rows), out)
+        return out, nonfinite, raw_logprobs
 
     def _greedy_pick(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every row greedy with nothing that changes its logits (penalties, logit_bias, min_tokens still to reach):

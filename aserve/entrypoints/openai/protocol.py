@@ -190,6 +190,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     prompt: str | list  # a string, token ids, or a list of either (validated by prompts())
+    max_tokens: int | None = 16  # OpenAI's default when absent; null: up to the context length (as vLLM)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -346,7 +347,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                     ):
                         raise ParamError(f"messages[{i}].content", "only text content parts are supported")
                     texts.append(part["text"])
-                content = "".join(texts)
+                content = "\n".join(texts)  # as vLLM joins text parts
             elif content is not None and not isinstance(content, str):
                 raise ParamError(f"messages[{i}].content", "content must be a string or a list of text parts")
             msg = {**msg, "role": role, "content": content or ""}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from aserve.core.outputs import CLIENT_ERRORS
 from aserve.entrypoints.openai.prompt_scoring import Echo
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -31,7 +32,8 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.error_status = 500  # 500: an internal fault; 503: the server ended the request (shutting down)
+        self.error_status = 500  # 500: an internal fault; 503: the server ended the request (shutting down); 400:
+        # the request's own constraints conflict (core.outputs.CLIENT_ERRORS)
         self.echo: Echo | None = None  # completions' echo: the prompt goes first (prompt_scoring.Echo)
         self.prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, once known (reported once)
         self.prompt_logprobs_sent = False
@@ -59,6 +61,8 @@ class ChoiceState:
             self.finish_reason, self.stop_reason = comp.finish_reason, comp.stop_reason
             if comp.finish_reason == "error":
                 self.error = error or "the request failed"
+                if error in CLIENT_ERRORS:
+                    self.error_status = 400
             elif comp.finish_reason == "abort":  # clients never see their own aborts: the server ended it
                 self.error, self.error_status = error or "the request was aborted", 503
 
@@ -250,8 +254,13 @@ def absorb(choices: list[ChoiceState], prompt_index: int, n: int, out: RequestOu
     return touched
 
 
+def error_type(status: int) -> str:
+    """The OpenAI error type of a request the engine ended (Choice.error_status)."""
+    return {400: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+
+
 def error_events(message: str, status: int) -> bytes:
     """The last events of a stream that cannot finish: the error (vLLM's shape: the HTTP status as the code), then
     [DONE]."""
-    error = error_body(message, "server_error" if status == 500 else "service_unavailable", code=status)
+    error = error_body(message, error_type(status), code=status)
     return sse(error) + DONE

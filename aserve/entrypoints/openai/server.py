@@ -37,6 +37,7 @@ from aserve.entrypoints.openai.responses import (
     chat_chunk,
     completion_chunk,
     error_body,
+    error_type,
     usage,
 )
 from aserve.entrypoints.openai.structured_request import structured_outputs_field
@@ -104,11 +105,10 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    def sampling_params(self, req: _GenerationRequest, default_max_tokens: int | None):
+    def sampling_params(self, req: _GenerationRequest):
         """The request's parameters; max_tokens None: up to the context length (the engine resolves it per prompt,
         and checks that prompt + max_tokens fits)."""
-        requested = req.requested_max_tokens()
-        return req.to_sampling_params(requested if requested is not None else default_max_tokens)
+        return req.to_sampling_params(req.requested_max_tokens())
 
     async def compile_grammar(self, req: _GenerationRequest, params) -> None:
         """A structured-output grammar compiles (off the loop) before the request is queued; one that does not is a
@@ -211,7 +211,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if len(raw_prompts) * req.n > MAX_SEQUENCES:
         raise APIError(400, f"prompts x n must be <= {MAX_SEQUENCES}, got {len(raw_prompts) * req.n}", param="n")
     state.engine.check_queue(len(raw_prompts) * req.n)  # overloaded: refuse before spending time on tokenising
-    params = state.sampling_params(req, default_max_tokens=16)
+    params = state.sampling_params(req)
     await state.compile_grammar(req, params)
     prompts = []
     max_model_len = state.engine.config.max_model_len
@@ -231,7 +231,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req.check_limits()
     state.engine.check_queue(req.n)
     tools = tool_call_output(req, state.tool_parser, state.enable_auto_tool_choice) if req.tools else None
-    params = state.sampling_params(req, default_max_tokens=None)
+    params = state.sampling_params(req)
     if tools is not None:
         tools.adjust(params)
     await state.compile_grammar(req, params)
@@ -289,8 +289,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
         await group.aclose()
     failed = next((c for c in choices if c.error), None)
     if failed is not None:
-        type_ = "server_error" if failed.error_status == 500 else "service_unavailable"
-        raise APIError(failed.error_status, failed.error, type_=type_)
+        raise APIError(failed.error_status, failed.error, type_=error_type(failed.error_status))
     builder = chat_chunk if chat else completion_chunk
     body = builder(request_id, created, state.model_name, choices, final=True)
     if tools is not None:

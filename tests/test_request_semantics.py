@@ -1,0 +1,91 @@
+"""Request fields whose meaning follows vLLM's, over HTTP (aiohttp test server, tiny model): min_tokens against stop
+strings, structured output and allowed_token_ids; max_tokens absent, null and past the context; chat content parts."""
+
+import json
+
+import pytest
+from test_server import MODEL, assert_idle, make_client
+
+PROMPT = [5, 9, 33, 2, 71, 14, 15, 16]
+
+
+@pytest.fixture(scope="module")
+def llm_engine(tiny_model):
+    from aserve import EngineArgs, LLMEngine
+
+    return LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=64,
+                                served_model_name=MODEL, debug_invariants=True))  # fmt: skip
+
+
+@pytest.fixture
+async def client(llm_engine):
+    client = await make_client(llm_engine)
+    yield client
+    await client.close()
+
+
+async def complete(client, status=200, **fields):
+    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "temperature": 0, **fields})
+    body = await resp.json()
+    assert resp.status == status, body
+    return body
+
+
+async def test_stop_strings_wait_for_min_tokens(client, llm_engine):
+    base = await complete(client, max_tokens=12, ignore_eos=True, return_token_ids=True)
+    ids = base["choices"][0]["token_ids"]
+    text = llm_engine.tokenizer.decode(ids[:2])
+    stop = text.strip()[-1]  # a character of the first two tokens' text
+    early = await complete(client, max_tokens=12, ignore_eos=True, stop=[stop])
+    assert early["usage"]["completion_tokens"] <= 2 and early["choices"][0]["finish_reason"] == "stop"
+    late = await complete(client, max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=6, return_token_ids=True)
+    assert late["usage"]["completion_tokens"] >= 6 and late["choices"][0]["token_ids"][:6] == ids[:6]
+    assert_idle(llm_engine)
+
+
+async def test_min_tokens_gives_way_to_a_finished_grammar(client, llm_engine):
+    """The grammar allows only EOS once "yes" or "no" is out: min_tokens does not mask it (no 500, a valid output)."""
+    for stream in (False, True):
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8,
+                                                          "min_tokens": 5, "guided_choice": ["yes", "no"],
+                                                          "stream": stream})  # fmt: skip
+        assert resp.status == 200
+        text = await resp.text()
+        assert "error" not in text
+        if not stream:
+            body = json.loads(text)
+            assert body["choices"][0]["text"] in ("yes", "no") and body["choices"][0]["finish_reason"] == "stop"
+    assert_idle(llm_engine)
+
+
+async def test_a_grammar_outside_allowed_token_ids_is_the_clients_error(client, llm_engine):
+    yes = llm_engine.tokenizer.encode("yes", add_special_tokens=False)
+    others = [t for t in range(3, 40) if t not in yes][:4]
+    body = await complete(client, 400, max_tokens=4, guided_choice=["yes"], allowed_token_ids=others)
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "no token satisfies every constraint" in body["error"]["message"]
+    assert (await complete(client, max_tokens=4))["choices"][0]["text"] is not None  # still serving
+    assert_idle(llm_engine)
+
+
+async def test_max_tokens_absent_null_and_past_the_context(client, llm_engine):
+    assert (await complete(client, ignore_eos=True))["usage"]["completion_tokens"] == 16  # absent: 16
+    body = await complete(client, ignore_eos=True, max_tokens=None)  # null: up to the context length (64)
+    assert body["usage"]["completion_tokens"] == 64 - len(PROMPT)
+    full = [7] * 64
+    for fields in ({"max_tokens": None}, {}):  # a prompt that fills the context leaves nothing to generate
+        body = await complete(client, 400, **{**fields, "prompt": full})
+        assert body["error"]["code"] == "context_length_exceeded"
+    resp = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi " * 80}]})  # fmt: skip
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "context_length_exceeded"
+    assert_idle(llm_engine)
+
+
+async def test_chat_text_parts_join_with_newlines(client):
+    async def tokens(content):
+        resp = await client.post("/tokenize", json={"messages": [{"role": "user", "content": content}]})
+        return (await resp.json())["tokens"]
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert await tokens(parts) == await tokens("Hello\nworld") != await tokens("Helloworld")
