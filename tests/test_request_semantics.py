@@ -89,3 +89,25 @@ async def test_chat_text_parts_join_with_newlines(client):
 
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
     assert await tokens(parts) == await tokens("Hello\nworld") != await tokens("Helloworld")
+
+
+async def test_tokenize_messages_takes_the_chat_template_arguments(client, llm_engine):
+    async def tokenize(status=200, **fields):
+        resp = await client.post("/tokenize", json=fields)
+        body = await resp.json()
+        assert resp.status == status, body
+        return body
+
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    closed = (await tokenize(messages=msgs, add_generation_prompt=False))["tokens"]
+    body = await tokenize(messages=msgs, add_generation_prompt=False, continue_final_message=True,
+                          return_token_strs=True)  # fmt: skip
+    assert body["tokens"] != closed and closed[: len(body["tokens"])] == body["tokens"]  # the reply left open
+    assert body["token_strs"] == llm_engine.tokenizer.convert_ids_to_tokens(body["tokens"])
+    prompt = await tokenize(prompt="Hi there", return_token_strs=True, add_special_tokens=False)
+    assert prompt["tokens"] == llm_engine.tokenizer.encode("Hi there", add_special_tokens=False)
+    assert len(prompt["token_strs"]) == prompt["count"]
+    for fields, param in (({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
+                          ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                          ({"add_special_tokens": True}, "add_special_tokens")):  # fmt: skip
+        assert (await tokenize(400, messages=msgs, **fields))["error"]["param"] == param

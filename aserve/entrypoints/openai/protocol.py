@@ -356,11 +356,29 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a prompt, or messages rendered as /v1/chat/completions renders them (the same template
+    arguments); return_token_strs adds each token's string."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[dict] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # prompt: default true; messages: the template's own only (vLLM's false)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The messages and template arguments as a chat request, checked as one."""
+        if self.add_special_tokens:
+            raise ParamError("add_special_tokens", "add_special_tokens is not supported with messages (the chat "
+                             "template places the special tokens)")  # fmt: skip
+        chat = ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)  # fmt: skip
+        chat.check_unsupported()
+        return chat
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

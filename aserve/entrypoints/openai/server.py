@@ -176,11 +176,15 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.prompt is not None:
-        ids = await state.engine.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
+        add_special = req.add_special_tokens is not False
+        ids = await state.engine.tokenize(req.prompt, add_special_tokens=add_special)
     else:
-        conv = ChatCompletionRequest(messages=req.messages).conversation()
-        ids = await state.engine.render_chat(conv, req.add_generation_prompt)
-    return json_response({"tokens": ids, "count": len(ids), "max_model_len": state.engine.config.max_model_len})
+        chat = req.chat_request()
+        ids = await state.engine.render_chat(chat.conversation(), chat.add_generation_prompt, chat.template_kwargs())
+    body = {"tokens": ids, "count": len(ids), "max_model_len": state.engine.config.max_model_len}
+    if req.return_token_strs:
+        body["token_strs"] = state.engine.config.tokenizer.convert_ids_to_tokens(ids)
+    return json_response(body)
 
 
 async def detokenize(request: web.Request) -> web.Response:
