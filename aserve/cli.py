@@ -16,10 +16,15 @@ from aiohttp import web
 from aserve.config import EngineArgs
 from aserve.core.metrics import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
-from aserve.engine.llm_engine import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
+from aserve.entrypoints.openai.cli_args import (
+    add_frontend_args,
+    check_frontend_args,
+    cors_options,
+    load_chat_template,
+    set_log_levels,
+)
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits
 from aserve.entrypoints.openai.server import STATE_KEY, begin_drain, build_app, drain
-from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from aserve.quantize.quantize import add_quantize_parser, run_quantize
 from aserve.version import __version__
 
@@ -57,6 +62,7 @@ _HELP = {
 
 
 _ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short flags
+_NARGS = {"served_model_name": "+"}  # several names: requests may use any, responses carry the first
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -70,11 +76,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        parser.add_argument(flag, *_ALIASES.get(f.name, ()), type=base, default=f.default, help=help_text)
+        parser.add_argument(flag, *_ALIASES.get(f.name, ()), type=base, default=f.default, help=help_text,
+                            **({"nargs": _NARGS[f.name]} if f.name in _NARGS else {}))  # fmt: skip
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    if values["served_model_name"] is not None:
+        values["served_model_name"] = values["served_model_name"][0]
+    return EngineArgs(**values)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -99,60 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
-    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    serve.add_argument("--log-level", default="info", help="debug, info, warning or error")
-    serve.add_argument(
-        "--shutdown-timeout", type=float, default=30.0,
-        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended (default: 30)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--timeout-headers",
-        type=float,
-        default=30.0,
-        help="seconds a request's headers may take to arrive (then 408 and close; default: 30)",
-    )
-    serve.add_argument(
-        "--timeout-body",
-        type=float,
-        default=60.0,
-        help="seconds a request body may go without new data (then 408 and close; default: 60)",
-    )
-    serve.add_argument(
-        "--timeout-keep-alive",
-        type=float,
-        default=5.0,
-        help="seconds an idle kept-alive connection stays open (default: 5)",
-    )
-    serve.add_argument(
-        "--limit-concurrency",
-        type=int,
-        default=None,
-        help="most open client connections; more get 503 (default: the open-files limit, raised to "
-        "its hard maximum, less 256)",
-    )
-    serve.add_argument(
-        "--tokenizer-pool-size",
-        type=int,
-        default=DEFAULT_POOL_SIZE,
-        help=f"threads that tokenise long prompts and render chats (default: {DEFAULT_POOL_SIZE})",
-    )
-    serve.add_argument("--max-pending-prompt-chars", type=int, default=DEFAULT_MAX_PENDING_CHARS,
-                       help="characters of prompt text that may be tokenising at once; more get 429 "
-                            f"(default: {DEFAULT_MAX_PENDING_CHARS})")  # fmt: skip
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="parse tool calls from the output when a chat request's tool_choice is 'auto' (the default "
-                            "with tools); needs --tool-call-parser (default: off, such requests get 400)")  # fmt: skip
-    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                       help="the model's tool-call format: hermes (Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.x), "
-                            "mistral (default: none)")  # fmt: skip
-    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
-                       help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
-                            "cache; default: off, the field is absent)")  # fmt: skip
-    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
-                       help="serve GET /tokenizer_info (the tokenizer's class, special tokens and chat template, for "
-                            "clients that tokenise through /tokenize; default: off, 404)")  # fmt: skip
+    add_frontend_args(serve)
     add_engine_args(serve)
     add_quantize_parser(sub)
     for command in sub.choices.values():
@@ -166,16 +123,16 @@ def serve(ns: argparse.Namespace) -> None:
         args.model = ns.model_tag
     limits = ConnectionLimits(ns.timeout_headers, ns.timeout_body, ns.timeout_keep_alive, ns.limit_concurrency)
     limits.validate()
-    if ns.tokenizer_pool_size < 1 or ns.max_pending_prompt_chars < 1:
-        raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
-    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    check_frontend_args(ns)
+    set_log_levels(ns)
     t0 = time.perf_counter()
     print(f"aserve: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
     engine = AsyncEngine.from_engine_args(
         args, tokenizer_pool_size=ns.tokenizer_pool_size, max_pending_prompt_chars=ns.max_pending_prompt_chars
     )
     config = engine.config
+    if ns.chat_template is not None:
+        config.tokenizer.chat_template = load_chat_template(ns.chat_template)
     print(
         f"aserve: loaded {config.served_model_name} ({engine.num_params / 1e6:.1f}M params, "
         f"{str(config.dtype).removeprefix('torch.')}, {config.device}) in {time.perf_counter() - t0:.1f} s; "
@@ -185,8 +142,11 @@ def serve(ns: argparse.Namespace) -> None:
     run = uvloop.run if uvloop is not None else asyncio.run
     api = {"tool_call_parser": ns.tool_call_parser, "enable_auto_tool_choice": ns.enable_auto_tool_choice,
            "enable_prompt_tokens_details": ns.enable_prompt_tokens_details,
-           "enable_tokenizer_info_endpoint": ns.enable_tokenizer_info_endpoint}  # fmt: skip
-    serving = _serve(engine, config.served_model_name, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, api)
+           "enable_tokenizer_info_endpoint": ns.enable_tokenizer_info_endpoint, "response_role": ns.response_role,
+           "cors_options": cors_options(ns)}  # fmt: skip
+    names = ns.served_model_name or [config.served_model_name]
+    serving = _serve(engine, names, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, api,
+                     log_stats=not ns.disable_log_stats)  # fmt: skip
     code = run(serving)
     if code:
         sys.exit(code)
@@ -194,20 +154,21 @@ def serve(ns: argparse.Namespace) -> None:
 
 async def _serve(
     engine,
-    served_model_name: str,
+    served_model_name: str | list[str],
     host: str,
     port: int,
     api_key: str | None,
     shutdown_timeout: float = 30.0,
     limits: ConnectionLimits | None = None,
     api: dict | None = None,
+    log_stats: bool = True,
 ) -> int:
-    """api: build_app's tool_call_parser, enable_auto_tool_choice, enable_prompt_tokens_details and
-    enable_tokenizer_info_endpoint. -> the exit
-    status: 0 after a signal, 1 when the engine stopped by itself (its step loop failed: a dead tensor-parallel
-    worker, ...)."""
+    """api: build_app's keyword arguments (tool calling, usage details, /tokenizer_info, the reply role, CORS).
+    -> the exit status: 0 after a signal, 1 when the engine stopped by itself (its step loop failed: a dead
+    tensor-parallel worker, ...)."""
     app = build_app(engine, served_model_name, api_key, **(api or {}))
-    engine.stats.add_listener(PeriodicLogger(logger.info))
+    if log_stats:
+        engine.stats.add_listener(PeriodicLogger(logger.info))
     # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
     # client that stopped reading.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -85,11 +86,12 @@ class EventStream(OutputSink):
 
     def __init__(self, request: web.Request, model: str, req, request_id: str, created: int,
                  choices: list[ChoiceState], prompt_tokens: int, chat: bool, flow: FlowControl,
-                 tools=None, echo: str = "", prompt_tokens_details: bool = False) -> None:  # fmt: skip
+                 tools=None, echo: str = "", prompt_tokens_details: bool = False,
+                 role: str = "assistant") -> None:  # fmt: skip
         super().__init__()
         self.request, self.model, self.request_id, self.created = request, model, request_id, created
         self.choices, self.prompt_tokens, self.chat, self.n = choices, prompt_tokens, chat, req.n
-        self.builder = chat_chunk if chat else completion_chunk
+        self.builder = functools.partial(chat_chunk, role=role) if chat else completion_chunk
         self.include_usage = req.include_usage
         self.continuous_usage = req.continuous_usage  # usage so far on every chunk
         self.prompt_tokens_details = prompt_tokens_details  # the usage chunk reports cached prompt tokens

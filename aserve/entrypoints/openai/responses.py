@@ -188,14 +188,15 @@ def completion_chunk(request_id, created, model, choices: list[ChoiceState], fin
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": out}
 
 
-def chat_chunk(request_id, created, model, choices: list[ChoiceState], final: bool = False, role_only=False) -> dict:
+def chat_chunk(request_id, created, model, choices: list[ChoiceState], final: bool = False, role_only=False,
+               role: str = "assistant") -> dict:  # fmt: skip
     out = []
     for c in choices:
         if role_only:
             out.append(
                 {
                     "index": c.index,
-                    "delta": {"role": "assistant", "content": ""},
+                    "delta": {"role": role, "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
@@ -209,7 +210,7 @@ def chat_chunk(request_id, created, model, choices: list[ChoiceState], final: bo
             out.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": {"role": role, "content": text},
                     "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,

@@ -16,7 +16,9 @@ from aserve import envs
 from aserve.core.metrics import PrometheusMetrics
 from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
+from aserve.entrypoints.openai import cors
 from aserve.entrypoints.openai.connections import MAX_BODY_BYTES, BodyReader, ConnectionGuard
+from aserve.entrypoints.openai.cors import CorsOptions
 from aserve.entrypoints.openai.event_stream import EventStream, FlowControl, stream_response
 from aserve.entrypoints.openai.openapi import openapi_spec
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs, make_echoes
@@ -68,12 +70,14 @@ def json_response(obj, status: int = 200) -> web.Response:
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None) -> None:
         self.engine = engine
-        self.model_name = served_model_name
+        # --served-model-name A B: requests may name any; responses and metrics carry the first
+        self.model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.model_name = self.model_names[0]
         self.api_key = api_key
         self.created = int(time.time())
-        self.metrics = PrometheusMetrics(served_model_name)
+        self.metrics = PrometheusMetrics(self.model_name)
         engine.stats.add_listener(self.metrics)
         self.draining = False  # graceful shutdown began: new requests get 503, in-flight ones finish
         self.inflight = 0  # requests being handled, /health and /metrics aside
@@ -84,6 +88,7 @@ class ServerState:
         self.tool_parser: ToolParser | None = None  # --tool-call-parser
         self.enable_auto_tool_choice = False  # --enable-auto-tool-choice: tool_choice "auto" is parsed
         self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
+        self.response_role = "assistant"  # --response-role: the role of chat replies
         # what a streaming client that stopped reading may hold (event_stream.py's flow control)
         self.flow_control = FlowControl(envs.ASERVE_STREAM_BUFFER, envs.ASERVE_STREAM_STALL_TIMEOUT,
                                         self.metrics.on_stream_paused, self.on_slow_client)  # fmt: skip
@@ -102,7 +107,7 @@ class ServerState:
             self.metrics.on_connection_closed("slow_client")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def sampling_params(self, req: _GenerationRequest):
@@ -143,9 +148,9 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-def _model_card(state: ServerState) -> dict:
+def _model_card(state: ServerState, name: str) -> dict:
     return {
-        "id": state.model_name,
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "aserve",
@@ -155,14 +160,15 @@ def _model_card(state: ServerState) -> dict:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_model_card(request.app[STATE_KEY])]})
+    state: ServerState = request.app[STATE_KEY]
+    return json_response({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     """GET /v1/models/{model}: the served model's card; 404 model_not_found for any other name."""
     state: ServerState = request.app[STATE_KEY]
     state.check_model(request.match_info["model"])
-    return json_response(_model_card(state))
+    return json_response(_model_card(state, request.match_info["model"]))
 
 
 async def version(request: web.Request) -> web.Response:
@@ -264,7 +270,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     if req.stream:
         sink = EventStream(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
                            state.flow_control, tools, echo,
-                           state.enable_prompt_tokens_details)  # fmt: skip
+                           state.enable_prompt_tokens_details, state.response_role)  # fmt: skip
     streams = []
     # Checked again now that tokenising is done; nothing below awaits before the requests are queued.
     state.engine.check_queue(len(prompts) * n)
@@ -294,8 +300,10 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     failed = next((c for c in choices if c.error), None)
     if failed is not None:
         raise APIError(failed.error_status, failed.error, type_=error_type(failed.error_status))
-    builder = chat_chunk if chat else completion_chunk
-    body = builder(request_id, created, state.model_name, choices, final=True)
+    if chat:
+        body = chat_chunk(request_id, created, state.model_name, choices, final=True, role=state.response_role)
+    else:
+        body = completion_chunk(request_id, created, state.model_name, choices, final=True)
     if tools is not None:
         for body_choice, choice in zip(body["choices"], choices):
             tools.message(body_choice, choice)
@@ -425,16 +433,22 @@ async def _wait_idle(state: ServerState, timeout: float, force: asyncio.Event | 
 
 def build_app(
     engine: AsyncEngine,
-    served_model_name: str,
+    served_model_name: str | list[str],
     api_key: str | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     enable_prompt_tokens_details: bool = False,
     enable_tokenizer_info_endpoint: bool = False,
+    response_role: str = "assistant",
+    cors_options: CorsOptions | None = cors.ALLOW_ALL,
 ) -> web.Application:
+    """`cors_options` None: no CORS headers and no preflight answers (OPTIONS gets 405)."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
+    if cors_options is not None:
+        cors.install(app, cors_options)
     app[ENGINE_KEY] = engine
     state = app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
+    state.response_role = response_role
     state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     state.enable_auto_tool_choice = enable_auto_tool_choice
     state.enable_prompt_tokens_details = enable_prompt_tokens_details

@@ -1,0 +1,147 @@
+"""`aserve serve`'s server options (the engine's own are EngineArgs fields: aserve/cli.py), with vLLM's flag names,
+and what they make of the app: the chat template, the reply role, CORS, the log levels.
+
+Some of vLLM's flags name things aserve does in one way only; they are accepted where their value is the way aserve
+works and refused otherwise (never taken and ignored): --enable-chunked-prefill (prompts are always chunked),
+--tokenizer-mode auto, --trust-remote-code (architectures are built in: no checkpoint code ever runs),
+--disable-log-requests (requests are not logged), --swap-space (preemption recomputes; nothing is swapped)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from aserve.engine.llm_engine import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
+from aserve.entrypoints.openai.cors import CorsOptions
+from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_frontend_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are ended (default: 30)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--timeout-headers",
+        type=float,
+        default=30.0,
+        help="seconds a request's headers may take to arrive (then 408 and close; default: 30)",
+    )
+    serve.add_argument(
+        "--timeout-body",
+        type=float,
+        default=60.0,
+        help="seconds a request body may go without new data (then 408 and close; default: 60)",
+    )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open (default: 5)",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="most open client connections; more get 503 (default: the open-files limit, raised to "
+        "its hard maximum, less 256)",
+    )
+    serve.add_argument(
+        "--tokenizer-pool-size",
+        type=int,
+        default=DEFAULT_POOL_SIZE,
+        help=f"threads that tokenise long prompts and render chats (default: {DEFAULT_POOL_SIZE})",
+    )
+    serve.add_argument("--max-pending-prompt-chars", type=int, default=DEFAULT_MAX_PENDING_CHARS,
+                       help="characters of prompt text that may be tokenising at once; more get 429 "
+                            f"(default: {DEFAULT_MAX_PENDING_CHARS})")  # fmt: skip
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="parse tool calls from the output when a chat request's tool_choice is 'auto' (the default "
+                            "with tools); needs --tool-call-parser (default: off, such requests get 400)")  # fmt: skip
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model's tool-call format: hermes (Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.x), "
+                            "mistral (default: none)")  # fmt: skip
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+                            "cache; default: off, the field is absent)")  # fmt: skip
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve GET /tokenizer_info (the tokenizer's class, special tokens and chat template, for "
+                            "clients that tokenise through /tokenize; default: off, 404)")  # fmt: skip
+    serve.add_argument("--chat-template", default=None,
+                       help="the chat template: a Jinja file, or the template itself (default: the "
+                            "tokenizer's)")  # fmt: skip
+    serve.add_argument("--response-role", default="assistant", help="the role of chat completion replies")
+    serve.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                       help='CORS: origins browsers may call from, a JSON list (default: ["*"])')  # fmt: skip
+    serve.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                       help='CORS: allowed methods, a JSON list (default: ["*"])')  # fmt: skip
+    serve.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                       help='CORS: allowed request headers, a JSON list (default: ["*"])')  # fmt: skip
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic log line of throughput, running / waiting requests and KV use")  # fmt: skip
+    serve.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
+                       help="the HTTP server's own loggers' level (aiohttp's; vLLM's name)")  # fmt: skip
+    serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="accepted on: aserve always chunks prompts within --max-num-batched-tokens")  # fmt: skip
+    serve.add_argument("--tokenizer-mode", default="auto",
+                       help="accepted as auto: the model's fast (Rust) tokenizer")  # fmt: skip
+    serve.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted: aserve builds every architecture itself and never runs a checkpoint's "
+                            "code")  # fmt: skip
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted: aserve does not log requests")  # fmt: skip
+    serve.add_argument("--swap-space", type=float, default=None,
+                       help="accepted: preempted requests are recomputed, never swapped to CPU memory")  # fmt: skip
+
+
+def _json_list(value: str) -> list[str]:
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError('must be a JSON list of strings, e.g. ["*"]')
+    return parsed
+
+
+def check_frontend_args(ns: argparse.Namespace) -> None:
+    """ValueError for a value aserve cannot honour (the module docstring)."""
+    if not ns.enable_chunked_prefill:
+        raise ValueError("--no-enable-chunked-prefill: aserve always chunks prompts (a prompt runs in steps of at "
+                         "most --max-num-batched-tokens tokens)")  # fmt: skip
+    if ns.tokenizer_mode != "auto":
+        raise ValueError(f"--tokenizer-mode {ns.tokenizer_mode}: aserve runs the model's fast tokenizer (auto) only")
+    if ns.tokenizer_pool_size < 1 or ns.max_pending_prompt_chars < 1:
+        raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
+def cors_options(ns: argparse.Namespace) -> CorsOptions:
+    return CorsOptions(tuple(ns.allowed_origins), tuple(ns.allowed_methods), tuple(ns.allowed_headers),
+                       ns.allow_credentials)  # fmt: skip
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself where it names no file (vLLM's rule)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{%"):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def set_log_levels(ns: argparse.Namespace) -> None:
+    level = "DEBUG" if ns.uvicorn_log_level == "trace" else ns.uvicorn_log_level.upper()
+    logging.getLogger("aiohttp").setLevel(level)

@@ -1,0 +1,99 @@
+"""`aserve serve` with vLLM's server flags: a chat template from a file, several served names, the reply role, CORS
+for browser clients; the flags aserve accepts as what it always does, and the values it refuses."""
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from aserve_server import running_server
+from test_server import make_client
+
+from aserve.cli import main as cli_main
+from aserve.entrypoints.openai.cors import CorsOptions
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<bot>{% endif %}"
+)
+
+
+def call(url: str, path: str, body: dict | None = None, method: str | None = None, headers=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            raw = resp.read()
+            is_json = resp.headers.get("Content-Type", "").startswith("application/json")
+            return resp.status, dict(resp.headers), json.loads(raw) if is_json else raw
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_vllm_server_flags(tiny_model, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    flags = ["--model", tiny_model, "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+             "--chat-template", str(template), "--served-model-name", "first", "second", "--response-role", "bot",
+             "--disable-log-stats", "--disable-log-requests", "--trust-remote-code", "--swap-space", "4",
+             "--enable-chunked-prefill", "--tokenizer-mode", "auto", "--uvicorn-log-level", "warning",
+             "--api-key", "k"]  # fmt: skip
+    with running_server(*flags) as url:
+        auth = {"Authorization": "Bearer k"}
+        status, _, models = call(url, "/v1/models", headers=auth)
+        assert status == 200 and [m["id"] for m in models["data"]] == ["first", "second"]
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+        _, _, tok = call(url, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+        assert tok["tokens"] == tokenizer.encode("<user>Hi\n<bot>", add_special_tokens=False)
+        status, headers, chat = call(url, "/v1/chat/completions", {
+            "model": "second", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}, headers={
+            **auth, "Origin": "http://example.com"})  # fmt: skip
+        assert status == 200 and chat["model"] == "first" and chat["choices"][0]["message"]["role"] == "bot"
+        assert headers["Access-Control-Allow-Origin"] == "*"
+        # a browser's preflight carries no API key
+        status, headers, _ = call(url, "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})  # fmt: skip
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-enable-chunked-prefill"], "always chunks prompts"),
+    (["--tokenizer-mode", "slow"], "--tokenizer-mode slow"),
+    (["--chat-template", "no/such/file"], "neither a file nor a Jinja template"),
+])  # fmt: skip
+def test_values_aserve_cannot_honour_are_refused(flags, message, capsys, tiny_model):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["serve", "--model", tiny_model, "--enforce-eager", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+async def test_cors_options(tiny_model):
+    from aserve import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=128))
+    client = await make_client(engine, cors_options=CorsOptions(("http://ok.example",), ("POST",), ("content-type",),
+                                                                allow_credentials=True))  # fmt: skip
+    try:
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+        ok = await client.options("/v1/completions", headers={"Origin": "http://ok.example", **preflight})
+        assert ok.status == 200 and ok.headers["Access-Control-Allow-Origin"] == "http://ok.example"
+        assert ok.headers["Access-Control-Allow-Credentials"] == "true"
+        for origin, extra in (("http://evil.example", {}), ("http://ok.example", {"Access-Control-Request-Method":
+                                                                                    "DELETE"})):  # fmt: skip
+            bad = await client.options("/v1/completions", headers={"Origin": origin, **preflight, **extra})
+            assert bad.status == 400
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "stream": True}
+        streamed = await client.post("/v1/completions", json=body, headers={"Origin": "http://ok.example"})
+        assert streamed.headers["Access-Control-Allow-Origin"] == "http://ok.example"
+        await streamed.read()
+        other = await client.post("/v1/completions", json=body, headers={"Origin": "http://evil.example"})
+        assert "Access-Control-Allow-Origin" not in other.headers
+        await other.read()
+    finally:
+        await client.close()
