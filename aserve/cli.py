@@ -179,7 +179,8 @@ async def _serve(
     listener = await asyncio.get_running_loop().create_server(guard.protocol_factory, host, port, reuse_address=True)
     logger.info("connections: at most %d open; timeouts: headers %g s, body %g s, keep-alive %g s", guard.limit,
                 guard.limits.timeout_headers, guard.limits.timeout_body, guard.limits.timeout_keep_alive)  # fmt: skip
-    print(f"aserve: serving {served_model_name} at http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+    name = served_model_name if isinstance(served_model_name, str) else served_model_name[0]
+    print(f"aserve: serving {name} at http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
     stop, force = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first signal drains, a second one stops waiting

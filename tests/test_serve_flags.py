@@ -97,3 +97,21 @@ async def test_cors_options(tiny_model):
         await other.read()
     finally:
         await client.close()
+
+
+def test_unparseable_http_is_one_warning_line():
+    import logging
+    import sys
+
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from aserve.entrypoints.openai.cli_args import _bad_http_in_one_line
+
+    try:
+        raise BadHttpMessage("Invalid character in Content-Length:\n\n  b'Content-Length: abc'")
+    except BadHttpMessage:
+        record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
+                                   ("127.0.0.1",), sys.exc_info())  # fmt: skip
+    assert _bad_http_in_one_line(record)
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert record.getMessage() == "Invalid HTTP request: Invalid character in Content-Length: b'Content-Length: abc'"

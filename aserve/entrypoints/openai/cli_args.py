@@ -145,3 +145,18 @@ def load_chat_template(value: str) -> str:
 def set_log_levels(ns: argparse.Namespace) -> None:
     level = "DEBUG" if ns.uvicorn_log_level == "trace" else ns.uvicorn_log_level.upper()
     logging.getLogger("aiohttp").setLevel(level)
+    logging.getLogger("aiohttp.server").addFilter(_bad_http_in_one_line)
+
+
+def _bad_http_in_one_line(record: logging.LogRecord) -> bool:
+    """A request that does not parse as HTTP is the client's fault: aiohttp logs it as an ERROR with a traceback,
+    which any client could repeat to fill the log; it becomes one WARNING line without the traceback (as uvicorn
+    logs it). The client got its 400 either way."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, HttpProcessingError):
+        reason = " ".join(str(error.message).split())[:200]
+        record.msg, record.args, record.exc_info, record.exc_text = "Invalid HTTP request: %s", (reason,), None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
