@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 import time
 import typing
@@ -20,6 +21,7 @@ from aserve.entrypoints.openai.cli_args import (
     add_frontend_args,
     check_frontend_args,
     cors_options,
+    listen_socket,
     load_chat_template,
     set_log_levels,
 )
@@ -125,6 +127,7 @@ def serve(ns: argparse.Namespace) -> None:
     limits.validate()
     check_frontend_args(ns)
     set_log_levels(ns)
+    sock = listen_socket(ns.host, ns.port)  # before minutes of loading: a port in use is an error at once
     t0 = time.perf_counter()
     print(f"aserve: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
     engine = AsyncEngine.from_engine_args(
@@ -146,7 +149,7 @@ def serve(ns: argparse.Namespace) -> None:
            "cors_options": cors_options(ns)}  # fmt: skip
     names = ns.served_model_name or [config.served_model_name]
     serving = _serve(engine, names, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, api,
-                     log_stats=not ns.disable_log_stats)  # fmt: skip
+                     log_stats=not ns.disable_log_stats, sock=sock)  # fmt: skip
     code = run(serving)
     if code:
         sys.exit(code)
@@ -162,11 +165,13 @@ async def _serve(
     limits: ConnectionLimits | None = None,
     api: dict | None = None,
     log_stats: bool = True,
+    sock: socket.socket | None = None,
 ) -> int:
     """api: build_app's keyword arguments (tool calling, usage details, /tokenizer_info, the reply role, CORS).
     -> the exit status: 0 after a signal, 1 when the engine stopped by itself (its step loop failed: a dead
     tensor-parallel worker, ...)."""
     app = build_app(engine, served_model_name, api_key, **(api or {}))
+    sock = sock or listen_socket(host, port)
     if log_stats:
         engine.stats.add_listener(PeriodicLogger(logger.info))
     # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
@@ -176,7 +181,7 @@ async def _serve(
     # Every connection goes through the guard (read timeouts, connection limit) in front of aiohttp's protocol.
     guard = ConnectionGuard(runner.server, limits or ConnectionLimits())
     app[STATE_KEY].attach_connections(guard)
-    listener = await asyncio.get_running_loop().create_server(guard.protocol_factory, host, port, reuse_address=True)
+    listener = await asyncio.get_running_loop().create_server(guard.protocol_factory, sock=sock)
     logger.info("connections: at most %d open; timeouts: headers %g s, body %g s, keep-alive %g s", guard.limit,
                 guard.limits.timeout_headers, guard.limits.timeout_body, guard.limits.timeout_keep_alive)  # fmt: skip
     name = served_model_name if isinstance(served_model_name, str) else served_model_name[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -41,7 +42,7 @@ class EngineArgs:
     # a 16-bit checkpoint: quantise weights at load
     # The lm_head rounded at load: int8 (unquantised / int8 models), fp8 (FP8 models), int4 (AWQ / GPTQ)
     quantize_lm_head: bool = False
-    seed: int = 0
+    seed: int | None = 0  # None: a random seed
     device: str = "auto"  # auto | cpu | cuda
     speculative_config: str | dict | None = None  # JSON or dict, vLLM's shape (see aserve/spec/config.py)
     attention_backend: str = "auto"  # auto (triton on GPU, torch on CPU) | torch | triton
@@ -59,12 +60,26 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # The KV cache's element type: auto (the model's dtype) | fp8 / fp8_e4m3 (aserve/layers/attention/backend.py)
     kv_cache_dtype: str = "auto"
+    # The most logprobs a request may ask for per token (logprobs, prompt_logprobs; -1: the whole vocabulary)
+    max_logprobs: int = 20
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
     def validate(self) -> None:
+        if self.seed is None:  # vLLM's "no seed": a fresh one per engine
+            self.seed = int.from_bytes(os.urandom(4), "little")
+        if isinstance(self.dtype, torch.dtype):  # LLM(dtype=torch.float16), as vLLM takes it
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.load_format == "safetensors":  # the only weights format aserve reads: the same as auto
+            self.load_format = "auto"
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -80,7 +95,8 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+            raise ValueError(f"load_format must be auto (safetensors, or a .gguf file) or dummy, got "
+                             f"{self.load_format!r}")  # fmt: skip
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.quantize_lm_head and self.deterministic:
@@ -97,7 +113,12 @@ class EngineArgs:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA GPU here (use auto or cpu)")
     return resolved

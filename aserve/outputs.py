@@ -24,6 +24,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs (with logprobs asked for)
 
     @property
     def finished(self) -> bool:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class ParamError(ValueError):
@@ -94,47 +99,61 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
-        else:
+        elif self.stop is None or isinstance(self.stop, (list, tuple)):
             self.stop_strings = list(self.stop or [])
+        else:
+            raise ParamError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")  # fmt: skip
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ParamError:
             return ParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def real(name: str, low: float, high: float, low_open: bool = False) -> None:
+            """A finite number in [low, high] ((low, high] with low_open)."""
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise bad(name, "must be a finite number")
+            if x < low or (low_open and x == low) or x > high:
+                raise bad(name, f"must be in {'(' if low_open else '['}{low:g}, {high:g}]")
+
+        if not _is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        real("temperature", 0, math.inf)
+        real("top_p", 0, 1, low_open=True)
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        real("min_p", 0, 1)
+        real("presence_penalty", -2, 2)
+        real("frequency_penalty", -2, 2)
+        real("repetition_penalty", 0, math.inf, low_open=True)
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer (or None)")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", "must be an integer >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise bad(name, "must be an integer >= 0 (-1: the whole vocabulary)")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", "must be a dict of token id -> bias")

@@ -280,7 +280,7 @@ def test_max_tokens_defaults_to_context_left(tiny_model):
         dict(max_tokens=0),
         dict(min_p=2),
         dict(stop=[""]),
-        dict(logprobs=-1),
+        dict(logprobs=-2),
         dict(min_tokens=5, max_tokens=2),
         dict(presence_penalty=3),
         dict(logit_bias={-1: 1.0}),

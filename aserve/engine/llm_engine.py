@@ -143,7 +143,10 @@ class LLMEngine:
         """-> (the prompt's text if it has one, its token ids)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ParamError("prompt", f"prompt_token_ids must be a list, got {type(ids).__name__}")
+                return prompt.get("prompt"), list(ids)
             prompt = prompt.get("prompt", prompt)
         if isinstance(prompt, str):
             self.check_prompt_chars(len(prompt))
@@ -175,16 +178,24 @@ class LLMEngine:
                 "Please reduce the length of the prompt.",
                 code="context_length_exceeded",
             )
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise ParamError("prompt", f"prompt token ids must be integers, got {bad!r}")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ParamError("prompt", f"prompt token id {bad!r} is out of range [0, {vocab_size})")
 
     def validate_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check without the model: values the step would fail on (which would end every
         request batched with this one)."""
-        vocab_size = self.config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ParamError("logprobs", f"logprobs must be <= the vocabulary size ({vocab_size})")
+        vocab_size, limit = self.config.vocab_size, self.config.args.max_logprobs
+        limit = vocab_size if limit == -1 else min(limit, vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and (value > limit or (value == -1 and limit < vocab_size)):
+                asked = "the whole vocabulary" if value == -1 else value
+                raise ParamError(name, f"{name}: {asked} per token asked for, at most {limit} allowed "
+                                 "(max_logprobs; -1 allows the whole vocabulary)")  # fmt: skip
         if params.seed is not None and not -(2**63) <= params.seed <= 2**63 - params.n:  # sibling i uses seed + i
             raise ParamError("seed", "seed must be a 64-bit signed integer")
         if params.logit_bias and max(params.logit_bias) >= vocab_size:
@@ -221,6 +232,9 @@ class LLMEngine:
                 "Please reduce the length of the prompt or completion.",
                 code="context_length_exceeded",
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) == -1:  # the whole vocabulary (max_logprobs allowed it)
+                params = params.clone(**{name: config.vocab_size})
         if params.max_tokens is None:
             if max_tokens_must_fit and n >= config.max_model_len:  # nothing left to generate into
                 raise ParamError(

@@ -42,6 +42,7 @@ class RequestState:
     delta: bool  # stream deltas (AsyncEngine) or report once, cumulatively, when finished (LLM.generate)
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
+    cumulative_logprobs: list[float] = field(default_factory=list)  # per sequence: the sum of its tokens' logprobs
     finish_reasons: list[str | None] = field(default_factory=list)
     stop_reasons: list[int | str | None] = field(default_factory=list)
     sent_text: list[int] = field(default_factory=list)
@@ -101,7 +102,8 @@ class OutputProcessor:
         n = len(sequence_ids)
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, list(sequence_ids), detokenizers, delta,
-            token_ids=[[] for _ in range(n)], logprobs=[[] for _ in range(n)], finish_reasons=[None] * n,
+            token_ids=[[] for _ in range(n)], logprobs=[[] for _ in range(n)], cumulative_logprobs=[0.0] * n,
+            finish_reasons=[None] * n,
             stop_reasons=[None] * n, sent_text=[0] * n, sent_tokens=[0] * n, finish_sent=[False] * n,
         )  # fmt: skip
         self.states[request_id] = state
@@ -159,6 +161,7 @@ class OutputProcessor:
             state.token_ids[index].append(token_id)
             if out.new_logprobs is not None:
                 state.logprobs[index].append(self._logprob_dict(out.new_logprobs[i]))
+                state.cumulative_logprobs[index] += out.new_logprobs[i].logprobs[0]  # the sampled token's
             if stop is not None:  # tokens after it (accepted drafts) are dropped
                 state.finish_reasons[index], state.stop_reasons[index] = "stop", stop
                 if not ended:
@@ -219,7 +222,9 @@ class OutputProcessor:
             state.sent_text[i], state.sent_tokens[i] = text_end, n_tokens
             state.finish_sent[i] = finished
             reason = state.finish_reasons[i]
-            completions.append(CompletionOutput(i, text, token_ids, reason, state.stop_reasons[i], logprobs))
+            cumulative = state.cumulative_logprobs[i] if want_logprobs else None  # of all its tokens (as vLLM)
+            completions.append(CompletionOutput(i, text, token_ids, reason, state.stop_reasons[i], logprobs,
+                                                cumulative))  # fmt: skip
         if not completions:
             return None
         prompt_logprobs = state.prompt_logprobs

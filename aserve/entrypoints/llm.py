@@ -11,20 +11,47 @@ from tqdm import tqdm
 from aserve.config import EngineArgs
 from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine, PromptType
+from aserve.entrypoints.chat_utils import parse_conversation
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
+
+_ANY = object()
+# vLLM's arguments for what aserve does one way only: (the value that means that way, or _ANY, why); other values are
+# refused, never taken and ignored
+_FIXED = {
+    "trust_remote_code": (_ANY, "architectures are built in; no checkpoint code runs"),
+    "swap_space": (_ANY, "preemption recomputes; nothing is swapped"),
+    "disable_log_stats": (_ANY, "the offline API logs no stats"),
+    "enable_chunked_prefill": (True, "prompts are always chunked"),
+    "tokenizer_mode": ("auto", "the model's fast tokenizer runs"),
+    "revision": (None, "there is no model hub here: pass a local directory"),
+    "tokenizer_revision": (None, "there is no model hub here: pass a local directory"),
+}
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        for name in set(engine_args) & set(_FIXED):
+            value, (wanted, why) = engine_args.pop(name), _FIXED[name]
+            if wanted is not _ANY and value != wanted:
+                raise ValueError(f"{name}={value!r} is not supported: {why}")
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses when given none."""
+        return SamplingParams()
 
     def generate(
         self,
@@ -35,28 +62,41 @@ class LLM:
         """Runs every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        return self._generate(tokenized, sampling_params, use_tqdm)
+
+    def _generate(self, tokenized: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool):
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(tokenized)
         else:
             params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        # Validate everything first, so a bad prompt leaves nothing half-queued.
+            if len(params_list) != len(tokenized):
+                raise ValueError(f"{len(tokenized)} prompts but {len(params_list)} sampling params")
+            if not all(isinstance(p, SamplingParams) for p in params_list):
+                raise TypeError("sampling_params must be a SamplingParams or a list of them")
+        # Validate everything first, so bad input leaves nothing half-queued.
         max_model_len = self.engine.config.max_model_len
-        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         tokenized = [(text, params.truncate_prompt(ids, max_model_len)) for (text, ids), params in
                      zip(tokenized, params_list)]  # fmt: skip
-        for _, ids in tokenized:
+        for (_, ids), params in zip(tokenized, params_list):
             self.engine.validate_prompt(ids)
+            self.engine.validate_params(params)
         # Structured-output grammars compile in parallel in the engine's pool; one that does not raises here.
         for grammar in [self.engine.grammar_future(params) for params in params_list]:
             if grammar is not None and (error := compile_error(grammar)) is not None:  # (waits for it)
                 raise error
         request_ids = []
-        for (text, ids), params in zip(tokenized, params_list):
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, text, params, prompt_token_ids=ids)
-            request_ids.append(request_id)
+        try:
+            for (text, ids), params in zip(tokenized, params_list):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, text, params, prompt_token_ids=ids)
+                request_ids.append(request_id)
+        except BaseException:
+            for request_id in request_ids:  # what one request's checks let through, none of the batch runs
+                self.engine.abort_request(request_id)
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -64,16 +104,47 @@ class LLM:
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the tokenizer's chat template, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(conv)} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        """Renders each conversation with the chat template (the tokenizer's, or `chat_template`), then generates;
+        each output's prompt is the rendered text. OpenAI content parts (text) are joined with newlines, as vLLM's
+        "string" content format does."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r} is not supported (auto, "
+                             "string: content parts are joined into one string)")  # fmt: skip
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        tokenized = [self.render_chat(conv, add_generation_prompt, continue_final_message, chat_template, kwargs)
+                     for conv in conversations]  # fmt: skip
+        return self._generate(tokenized, sampling_params, use_tqdm)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:  # fmt: skip
+        """A conversation through the chat template -> (its text, its token ids)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template=..., or use generate()")
+        text = tokenizer.apply_chat_template(parse_conversation(messages), chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))  # fmt: skip
+        return text, tokenizer.encode(text, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
+        """A conversation's prompt token ids (the tokenizer's template, with the generation prompt)."""
+        return self.render_chat(messages)[1]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 from aserve.engine.llm_engine import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
 from aserve.entrypoints.openai.cors import CorsOptions
@@ -115,7 +116,11 @@ def _json_list(value: str) -> list[str]:
 
 
 def check_frontend_args(ns: argparse.Namespace) -> None:
-    """ValueError for a value aserve cannot honour (the module docstring)."""
+    """ValueError for a value aserve cannot honour (the module docstring), or out of range."""
+    if not 1 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {ns.port}")
+    if ns.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {ns.log_level!r}")
     if not ns.enable_chunked_prefill:
         raise ValueError("--no-enable-chunked-prefill: aserve always chunks prompts (a prompt runs in steps of at "
                          "most --max-num-batched-tokens tokens)")  # fmt: skip
@@ -160,3 +165,22 @@ def _bad_http_in_one_line(record: logging.LogRecord) -> bool:
         record.msg, record.args, record.exc_info, record.exc_text = "Invalid HTTP request: %s", (reason,), None, None
         record.levelno, record.levelname = logging.WARNING, "WARNING"
     return True
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now (ValueError naming the address when it cannot be)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.setblocking(False)
+    return sock

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import msgspec
 
+from aserve.entrypoints.chat_utils import parse_conversation
 from aserve.entrypoints.openai.request_fields import REFUSED_FIELDS
 from aserve.entrypoints.openai.structured_request import (
     STRUCTURED_FIELDS,
     ResponseFormat,
     structured_outputs_params,
 )
-from aserve.entrypoints.openai.tool_request import check_tools, forced_output, template_message
+from aserve.entrypoints.openai.tool_request import check_tools, forced_output
 from aserve.sampling_params import ParamError, SamplingParams
 
 # What one API request may ask for. A client can always split work across requests; these bound what a single
@@ -111,13 +112,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             raise ParamError(name, f"{name} is not supported: {why}")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "Stream options can only be defined when `stream=True`.")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ParamError("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise ParamError("best_of", "best_of is not supported (only best_of = n)")
 
-    def check_limits(self) -> None:
-        """The caps above, plus integers that must fit in 64 bits (JSON integers are unbounded)."""
+    def check_limits(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """The caps above, plus integers that must fit in 64 bits (JSON integers are unbounded). max_logprobs: the
+        engine's (--max-logprobs; -1: the vocabulary, which the engine checks)."""
         self.check_unsupported()
         self.structured_outputs_params()
         if isinstance(self.n, int) and self.n > MAX_N:
@@ -129,9 +129,14 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             raise ParamError("stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ParamError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
+        cap = None if max_logprobs == -1 else max_logprobs
         num_logprobs = self.num_logprobs()
-        if num_logprobs is not None and num_logprobs > MAX_LOGPROBS:
-            raise ParamError(self.logprobs_param, f"at most {MAX_LOGPROBS} logprobs per token are allowed")
+        if num_logprobs is not None and cap is not None and num_logprobs > cap:
+            raise ParamError(self.logprobs_param, f"at most {cap} logprobs per token are allowed")
+        if self.prompt_logprobs is not None and (
+            self.prompt_logprobs < -1 or (cap is not None and not 0 <= self.prompt_logprobs <= cap)
+        ):
+            raise ParamError("prompt_logprobs", f"prompt_logprobs must be in [0, {cap}]")
         for name in ("seed", "top_k", "min_tokens", "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and not _INT64[0] <= value <= _INT64[1]:
@@ -328,31 +333,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         return self.top_logprobs or 0
 
     def conversation(self) -> list[dict]:
-        """Messages in the shape chat templates expect; content parts are joined into one string."""
-        if not self.messages:
-            raise ParamError("messages", "messages must not be empty")
-        out = []
-        for i, msg in enumerate(self.messages):
-            role = msg.get("role")
-            if not isinstance(role, str):
-                raise ParamError(f"messages[{i}].role", "every message needs a string role")
-            content = msg.get("content")
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if (
-                        not isinstance(part, dict)
-                        or part.get("type") != "text"
-                        or not isinstance(part.get("text"), str)
-                    ):
-                        raise ParamError(f"messages[{i}].content", "only text content parts are supported")
-                    texts.append(part["text"])
-                content = "\n".join(texts)  # as vLLM joins text parts
-            elif content is not None and not isinstance(content, str):
-                raise ParamError(f"messages[{i}].content", "content must be a string or a list of text parts")
-            msg = {**msg, "role": role, "content": content or ""}
-            out.append(template_message(msg) if msg.get("tool_calls") else msg)
-        return out
+        """Messages in the shape chat templates expect (chat_utils.parse_conversation)."""
+        return parse_conversation(self.messages)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

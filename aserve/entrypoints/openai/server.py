@@ -216,7 +216,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     req = await state.bodies.parse(request, CompletionRequest, has_prompt=True)
     state.check_model(req.model)
-    req.check_limits()
+    req.check_limits(state.engine.config.args.max_logprobs)
     raw_prompts = req.prompts()
     if len(raw_prompts) * req.n > MAX_SEQUENCES:
         raise APIError(400, f"prompts x n must be <= {MAX_SEQUENCES}, got {len(raw_prompts) * req.n}", param="n")
@@ -238,7 +238,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     req = await state.bodies.parse(request, ChatCompletionRequest, has_prompt=True)
     state.check_model(req.model)
-    req.check_limits()
+    req.check_limits(state.engine.config.args.max_logprobs)
     state.engine.check_queue(req.n)
     tools = tool_call_output(req, state.tool_parser, state.enable_auto_tool_choice) if req.tools else None
     params = state.sampling_params(req)

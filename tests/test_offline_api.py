@@ -1,0 +1,115 @@
+"""The offline API as a vLLM user drives it: LLM's arguments, SamplingParams' checks, chat's arguments, output fields,
+and bad input refused before anything is queued."""
+
+import math
+import socket
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.cli import main as cli_main
+from aserve.sampling_params import ParamError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model, dtype=torch.float32, enforce_eager=True, max_model_len=128, trust_remote_code=True,
+               swap_space=4, disable_log_stats=True, enable_chunked_prefill=True, tokenizer_mode="auto",
+               load_format="safetensors", seed=None)  # fmt: skip
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"),
+    ({"temperature": "0.5"}, "temperature"), ({"top_p": math.nan}, "top_p"), ({"stop": 5}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"), ({"seed": "a"}, "seed"),
+    ({"n": True}, "n"), ({"top_k": True}, "top_k"), ({"logprobs": -2}, "logprobs"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+])  # fmt: skip
+def test_sampling_params_refuse_what_is_not_a_value(fields, param):
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**fields)
+    assert e.value.param == param
+
+
+def test_vllm_conventions(llm):
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(top_k=-1).top_k == 0
+    assert llm.llm_engine is llm.engine and isinstance(llm.get_default_sampling_params(), SamplingParams)
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0].outputs[0]
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)))
+    assert llm.generate("Hello", GREEDY)[0].outputs[0].cumulative_logprob is None
+    for logprobs in (21, -1):  # max_logprobs 20 by default
+        with pytest.raises(ParamError, match="max_logprobs"):
+            llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=logprobs))
+
+
+def test_max_logprobs_minus_one_gives_the_vocabulary(tiny_model):
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=64, max_logprobs=-1)
+    out = llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=-1))[0].outputs[0]
+    assert len(out.logprobs[0]) >= llm.engine.config.vocab_size
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"max_model_len": 0}, "max_model_len must be >= 1"), ({"device": "tpu"}, "device must be auto, cpu or cuda"),
+    ({"enable_chunked_prefill": False}, "prompts are always chunked"), ({"revision": "main"}, "no model hub"),
+    ({"kv_cache_memory_gb": -1}, "kv_cache_memory_gb must be > 0"), ({"tokenizer_mode": "slow"}, "fast tokenizer"),
+    ({"load_format": "pt"}, "load_format must be auto"),
+])  # fmt: skip
+def test_engine_arguments_refused_clearly(tiny_model, args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, enforce_eager=True, **args)
+
+
+def test_bad_input_leaves_nothing_queued(llm):
+    for prompts, params in ((["a", "b"], [GREEDY, SamplingParams(seed=2**70)]),
+                            (["a", "b"], [GREEDY, SamplingParams(logit_bias={10**6: 1.0})]),
+                            (["a", {"prompt_token_ids": "abc"}], GREEDY)):  # fmt: skip
+        with pytest.raises(ValueError):
+            llm.generate(prompts, params)
+        assert not llm.engine.output_processor.states and not llm.engine.core.scheduler.has_unfinished()
+    for prompts in (5, None):
+        with pytest.raises(TypeError, match="prompts must be"):
+            llm.generate(prompts)
+    with pytest.raises(ParamError, match="prompt token ids must be integers"):
+        llm.generate({"prompt_token_ids": [1.0]})
+
+
+def test_chat_takes_vllms_arguments(llm):
+    tokenizer = llm.get_tokenizer()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    out = llm.chat(msgs, GREEDY)[0]
+    assert out.prompt == tokenizer.apply_chat_template([{"role": "user", "content": "Hi\nthere"}],
+                                                       add_generation_prompt=True, tokenize=False)  # fmt: skip
+    assert out.prompt_token_ids == tokenizer.encode(out.prompt, add_special_tokens=False)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    closed = llm.chat(history, GREEDY, add_generation_prompt=False)[0].prompt
+    open_ = llm.chat(history, GREEDY, add_generation_prompt=False, continue_final_message=True)[0].prompt
+    assert closed.startswith(open_) and open_.endswith("Hel") and closed != open_
+    template = "{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}|{{ flavour }}]{% endfor %}"
+    custom = llm.chat(history, GREEDY, chat_template=template, chat_template_kwargs={"flavour": "x"})[0].prompt
+    assert custom == "[user|Hi|x][assistant|Hel|x]"
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(history, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(history, GREEDY, chat_template_content_format="openai")
+
+
+@pytest.mark.parametrize("flags, message", [(["--port", "99999"], "--port must be in 1..65535"),
+                                            (["--log-level", "bogus"], "--log-level must be")])  # fmt: skip
+def test_serve_flag_values_refused(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_refused_before_loading(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            cli_main(["serve", "--port", str(port), "--model", "/no/such/model"])  # fails on the port, not the model
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err
