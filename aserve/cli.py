@@ -39,6 +39,20 @@ logger = logging.getLogger("aserve")
 
 _HELP = {
     "model": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "tokenizer": "a tokenizer directory other than the model's (default: the model's)",
+    "served_model_name": "the name(s) requests use; responses and metrics carry the first (default: the model's "
+    "directory or file name)",
+    "block_size": "tokens per KV-cache block (a power of two <= 128)",
+    "max_model_len": "the longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    "max_num_seqs": "the most sequences in one step",
+    "max_num_batched_tokens": "the most tokens in one step, prompts chunked to fit (default: 8192 on GPU, 2048 on CPU)",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
+    "gpu_memory_utilization": "the share of GPU memory the model, activations and KV cache may take",
+    "num_gpu_blocks_override": "exactly this many KV-cache blocks (tests, experiments)",
+    "seed": "the engine's random seed (unseeded requests draw from it; none: a random one)",
+    "speculative_config": "speculative decoding, vLLM's JSON: ngram / draft_model / layer_skip (README)",
+    "attention_backend": "auto (triton on GPU, torch on CPU) | torch | triton",
+    "max_logprobs": "the most logprobs / prompt_logprobs a request may ask for per token (-1: the vocabulary)",
     "dtype": "auto | bfloat16 | float16 | float32",
     "load_format": "auto | dummy (random weights at the model's real shapes)",
     "kv_cache_memory_gb": "KV cache budget in GiB (CPU default: 2)",
@@ -46,7 +60,7 @@ _HELP = {
     "enforce_eager": "CPU: do not torch.compile element-wise ops (faster start)",
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
     "max_queue_len": "serving: answer 429 (with Retry-After) when more sequences than this would wait for a slot",
-    "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on for CUDA)",
+    "async_scheduling": "prepare step N+1 while the GPU runs step N (default: on for CUDA, off on CPU)",
     "deterministic": "bitwise-reproducible tokens and logprobs per request whatever else is batched with it, "
     "however its prompt is chunked, with or without a prefix-cache hit, preemption or speculation (batch-invariant "
     "kernels; seeded sampling keyed by output position)",
@@ -73,7 +87,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        help_text = _HELP.get(f.name, "") + f" (default: {f.default})"
+        help_text = _HELP.get(f.name, "")
+        if "default:" not in help_text:
+            help_text += f" (default: {f.default})"
         if hint is bool or hint == bool | None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue

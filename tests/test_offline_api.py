@@ -113,3 +113,15 @@ def test_a_port_in_use_is_refused_before_loading(capsys):
             cli_main(["serve", "--port", str(port), "--model", "/no/such/model"])  # fails on the port, not the model
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_engine_level_api(llm):
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.get_tokenizer()
+    for request_id in ("x", "y"):
+        engine.add_request(request_id, "Hello", SamplingParams(max_tokens=50, ignore_eos=True))
+    assert engine.get_num_unfinished_requests() == 2
+    assert engine.abort_request(["x", "y"]) is None  # vLLM's list form
+    assert engine.get_num_unfinished_requests() == 0 and not engine.core.scheduler.has_unfinished()
+    with pytest.raises(ParamError, match="stop_token_ids must be < the vocabulary size"):
+        llm.generate("Hello", SamplingParams(stop_token_ids=[10**9]))

@@ -24,7 +24,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from aserve.config import EngineArgs
@@ -198,6 +198,8 @@ class LLMEngine:
                                  "(max_logprobs; -1 allows the whole vocabulary)")  # fmt: skip
         if params.seed is not None and not -(2**63) <= params.seed <= 2**63 - params.n:  # sibling i uses seed + i
             raise ParamError("seed", "seed must be a 64-bit signed integer")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+            raise ParamError("stop_token_ids", f"stop_token_ids must be < the vocabulary size ({vocab_size})")
         if params.logit_bias and max(params.logit_bias) >= vocab_size:
             raise ParamError("logit_bias", f"logit_bias token ids must be < the vocabulary size ({vocab_size})")
         allowed = params.allowed_token_ids
@@ -263,9 +265,14 @@ class LLMEngine:
             children.append(Request(f"{request_id}#{i}", prompt_token_ids, child_params, eos, hasher, arrival_time))
         return params, children
 
-    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+    def abort_request(self, request_id: str | Iterable[str], error: str | None = None) -> RequestOutput | None:
         """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort", with
-        `error` as its reason when the server, not the client, ended it), or None for an unknown or finished one."""
+        `error` as its reason when the server, not the client, ended it), or None for an unknown or finished one.
+        Several ids (vLLM's form): each is ended; None is returned."""
+        if not isinstance(request_id, str):
+            for one in list(request_id):
+                self.abort_request(one, error)
+            return None
         sequence_ids = self.output_processor.live_sequence_ids(request_id, error)
         outputs = self.process(self.core.finish_requests(sequence_ids))
         return next((out for out in outputs if out.request_id == request_id), None)
@@ -277,6 +284,16 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.states) or self.core.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    def get_tokenizer(self):
+        return self.config.tokenizer
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
 
     # -- the step ---------------------------------------------------------------------------------------------
 
