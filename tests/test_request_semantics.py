@@ -111,3 +111,11 @@ async def test_tokenize_messages_takes_the_chat_template_arguments(client, llm_e
                           ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
                           ({"add_special_tokens": True}, "add_special_tokens")):  # fmt: skip
         assert (await tokenize(400, messages=msgs, **fields))["error"]["param"] == param
+
+
+async def test_errors_name_the_chat_requests_own_fields(client):
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    for fields, param in (({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": 0}, "max_tokens"),
+                          ({"logprobs": True, "top_logprobs": -1}, "top_logprobs")):  # fmt: skip
+        resp = await client.post("/v1/chat/completions", json={**base, **fields})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == param

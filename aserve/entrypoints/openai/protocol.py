@@ -157,6 +157,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
 
     logprobs_param = "logprobs"
 
+    def param_names(self) -> dict[str, str]:
+        """SamplingParams' field -> this request's name for it, where they differ (for the `param` of errors)."""
+        return {}
+
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """After check_limits (which the handler runs once, before tokenising)."""
         return SamplingParams(
@@ -321,6 +325,12 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         return forced
 
     logprobs_param = "top_logprobs"
+
+    def param_names(self) -> dict[str, str]:
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -237,6 +237,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     req = await state.bodies.parse(request, ChatCompletionRequest, has_prompt=True)
+    try:
+        return await _chat_completions(request, state, req)
+    except ParamError as e:  # named as this request names the field (top_logprobs, max_completion_tokens)
+        e.param = req.param_names().get(e.param, e.param)
+        raise
+
+
+async def _chat_completions(request: web.Request, state: ServerState, req: ChatCompletionRequest):
     state.check_model(req.model)
     req.check_limits(state.engine.config.args.max_logprobs)
     state.engine.check_queue(req.n)
