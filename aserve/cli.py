@@ -53,6 +53,9 @@ _HELP = {
     "speculative_config": "speculative decoding, vLLM's JSON: ngram / draft_model / layer_skip (README)",
     "attention_backend": "auto (triton on GPU, torch on CPU) | torch | triton",
     "max_logprobs": "the most logprobs / prompt_logprobs a request may ask for per token (-1: the vocabulary)",
+    "generation_config": "sampling defaults for requests that leave them unset: auto (the model's "
+    "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty), vllm (aserve's own), or a "
+    "directory holding one",
     "dtype": "auto | bfloat16 | float16 | float32",
     "load_format": "auto | dummy (random weights at the model's real shapes)",
     "kv_cache_memory_gb": "KV cache budget in GiB (CPU default: 2)",

@@ -62,6 +62,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     # The most logprobs a request may ask for per token (logprobs, prompt_logprobs; -1: the whole vocabulary)
     max_logprobs: int = 20
+    # Sampling defaults: auto (the model's generation_config.json), vllm (aserve's own) or a directory holding one
+    generation_config: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:

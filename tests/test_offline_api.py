@@ -125,3 +125,43 @@ def test_engine_level_api(llm):
     assert engine.get_num_unfinished_requests() == 0 and not engine.core.scheduler.has_unfinished()
     with pytest.raises(ParamError, match="stop_token_ids must be < the vocabulary size"):
         llm.generate("Hello", SamplingParams(stop_token_ids=[10**9]))
+
+
+async def test_generation_config_gives_the_sampling_defaults(tiny_model, tmp_path):
+    """generation_config.json's sampling fields are the defaults (vLLM's --generation-config auto): top_k 1 makes a
+    request that sets no sampling field greedy; --generation-config vllm ignores them."""
+    import json
+    import shutil
+
+    from test_server import MODEL, make_client
+
+    from aserve import EngineArgs, LLMEngine
+
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny_model, model)
+    path = f"{model}/generation_config.json"
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, "top_k": 1, "temperature": 0.7, "do_sample": True}, f)
+    llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=64)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.top_k, defaults.temperature, defaults.top_p) == (1, 0.7, 1.0)
+    assert LLM(model, dtype="float32", enforce_eager=True, max_model_len=64,
+               generation_config="vllm").engine.config.default_sampling == {}  # fmt: skip
+    engine = LLMEngine(EngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=64,
+                                  served_model_name=MODEL))  # fmt: skip
+    client = await make_client(engine)
+    try:
+        body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True}
+        texts = []
+        for extra in ({}, {"seed": 1}, {"temperature": 0}):
+            resp = await client.post("/v1/completions", json={**body, **extra})
+            texts.append((await resp.json())["choices"][0]["text"])
+        assert texts[0] == texts[1] == texts[2]  # top_k 1 by default: greedy whatever the seed
+        resp = await client.post("/v1/completions", json={**body, "top_k": 0, "temperature": 5.0, "seed": 3})
+        assert (await resp.json())["choices"][0]["text"] != texts[0]  # a request's own fields win
+    finally:
+        await client.close()
+    with pytest.raises(ValueError, match="no generation_config.json there"):
+        LLM(model, enforce_eager=True, generation_config=str(tmp_path))

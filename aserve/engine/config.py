@@ -3,7 +3,9 @@ the step's token budget. Built once per engine; the engine core and the input / 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -14,6 +16,8 @@ from aserve.layers.elementwise import longrope_switch_length
 from aserve.models.model_path import resolve_model
 from aserve.models.registry import architecture_of
 from aserve.spec.config import SpeculativeConfig
+
+logger = logging.getLogger("aserve")
 
 
 @dataclass
@@ -42,6 +46,10 @@ class EngineConfig:
     # Prompts longer than this are computed with other rotary tables (LongRoPE's long factors, aserve/models/phi3.py):
     # their blocks are cached apart from those of shorter prompts. None: every prompt alike.
     long_prompt_len: int | None = None
+    # The model's recommended sampling (generation_config.json's temperature, top_p, top_k, min_p,
+    # repetition_penalty: what it sets other than transformers' defaults, as vLLM reads it under --generation-config
+    # auto): the defaults of requests that leave them unset (server) or of generate() given no SamplingParams
+    default_sampling: dict = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -79,6 +87,7 @@ class EngineConfig:
             max_chars_per_token=chars_per_token,
             max_prompt_chars=max_model_len * chars_per_token,
             extra_eos_token_ids=_extra_eos_token_ids(model_dir, hf_config, eos_token_id),
+            default_sampling=default_sampling(args.generation_config, model_dir),
             long_prompt_len=longrope_switch_length(hf_config),
         )
 
@@ -91,6 +100,29 @@ def max_chars_per_token(tokenizer) -> int:
     that drops characters (stripping runs of spaces) could fit a longer, degenerate text: it is refused all the same.
     """
     return max(1, max((len(piece) for piece in tokenizer.get_vocab()), default=1))
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def default_sampling(generation_config: str, model_dir: str) -> dict:
+    """--generation-config: auto (the model directory's generation_config.json), vllm (none: aserve's own defaults)
+    or a directory holding one -> the sampling defaults it sets (EngineConfig.default_sampling)."""
+    if generation_config == "vllm":
+        return {}
+    source = model_dir if generation_config == "auto" else generation_config
+    if generation_config != "auto" and not os.path.isfile(os.path.join(source, "generation_config.json")):
+        raise ValueError(f"--generation-config {generation_config!r}: no generation_config.json there (auto, vllm, "
+                         "or a directory holding one)")  # fmt: skip
+    try:
+        diff = GenerationConfig.from_pretrained(source).to_diff_dict()
+    except OSError:  # none in the model directory
+        return {}
+    defaults = {k: diff[k] for k in SAMPLING_DEFAULTS if diff.get(k) is not None}
+    if defaults:
+        logger.info("Default sampling parameters from the model's generation config: %s (--generation-config vllm: "
+                    "aserve's own)", defaults)  # fmt: skip
+    return defaults
 
 
 def _extra_eos_token_ids(model_dir: str, hf_config, eos_token_id: int | None) -> tuple[int, ...]:

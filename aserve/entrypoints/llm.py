@@ -50,8 +50,8 @@ class LLM:
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What generate() uses when given none."""
-        return SamplingParams()
+        """What generate() uses when given none: the model's generation config's sampling (generation_config)."""
+        return SamplingParams(**self.engine.config.default_sampling)
 
     def generate(
         self,

@@ -61,8 +61,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     use_beam_search: bool = False
     # vLLM's extras
     top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -161,17 +161,24 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         """SamplingParams' field -> this request's name for it, where they differ (for the `param` of errors)."""
         return {}
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """After check_limits (which the handler runs once, before tokenising)."""
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
+        """After check_limits (which the handler runs once, before tokenising). `defaults`: the sampling fields a
+        request leaves unset (EngineConfig.default_sampling: the model's generation config), else SamplingParams'."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

@@ -113,7 +113,7 @@ class ServerState:
     def sampling_params(self, req: _GenerationRequest):
         """The request's parameters; max_tokens None: up to the context length (the engine resolves it per prompt,
         and checks that prompt + max_tokens fits)."""
-        return req.to_sampling_params(req.requested_max_tokens())
+        return req.to_sampling_params(req.requested_max_tokens(), self.engine.config.default_sampling)
 
     async def compile_grammar(self, req: _GenerationRequest, params) -> None:
         """A structured-output grammar compiles (off the loop) before the request is queued; one that does not is a
