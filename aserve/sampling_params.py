@@ -94,6 +94,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Keep only the last N prompt tokens (-1: the last max_model_len); more than max_model_len is an error
     truncate_prompt_tokens: int | None = None
+    # False: token ids only, no text (and so no stop strings), as vLLM's
+    detokenize: bool = True
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -151,9 +153,11 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if not self.detokenize and self.stop_strings:
+            raise ParamError("stop", "stop strings need the text: they cannot be used with detokenize=False")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", "must be a dict of token id -> bias")

@@ -165,3 +165,11 @@ async def test_generation_config_gives_the_sampling_defaults(tiny_model, tmp_pat
         await client.close()
     with pytest.raises(ValueError, match="no generation_config.json there"):
         LLM(model, enforce_eager=True, generation_config=str(tmp_path))
+
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    with_text = llm.generate("Hello", GREEDY)[0].outputs[0]
+    ids_only = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, detokenize=False))[0].outputs[0]
+    assert ids_only.token_ids == with_text.token_ids and ids_only.text == "" and with_text.text
+    with pytest.raises(ParamError, match="detokenize=False"):
+        SamplingParams(stop=["x"], detokenize=False)

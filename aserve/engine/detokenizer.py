@@ -268,6 +268,21 @@ class IncrementalDetokenizer:
         return max(0, len(self.text) - self.holdback)
 
 
+class NoText:
+    """The detokenizer of a sequence with SamplingParams(detokenize=False): token ids only, no text."""
+
+    text = ""
+
+    def add_token(self, token_id: int) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def streamable_len(self, finished: bool) -> int:
+        return 0
+
+
 def single_token_decoder(tokenizer):
     """ids -> each id's text alone, as tokenizer.batch_decode([[id] for id in ids]) gives it: through a fast
     tokenizer's Rust decode, one id at a time (decode_batch's thread pool costs more than it saves on the 21 ids of

@@ -22,7 +22,13 @@ import logging
 from dataclasses import dataclass, field
 
 from aserve.core.outputs import EngineCoreOutput, SampledLogprobs
-from aserve.engine.detokenizer import IncrementalDetokenizer, TokenBytes, byte_fallback_ids, single_token_decoder
+from aserve.engine.detokenizer import (
+    IncrementalDetokenizer,
+    NoText,
+    TokenBytes,
+    byte_fallback_ids,
+    single_token_decoder,
+)
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.sampling_params import SamplingParams
 
@@ -38,7 +44,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     sequence_ids: list[str]
-    detokenizers: list[IncrementalDetokenizer]
+    detokenizers: list[IncrementalDetokenizer | NoText]
     delta: bool  # stream deltas (AsyncEngine) or report once, cumulatively, when finished (LLM.generate)
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
@@ -97,6 +103,8 @@ class OutputProcessor:
                 self.byte_ids[params.skip_special_tokens],
                 params.min_tokens,
             )
+            if params.detokenize
+            else NoText()
             for _ in sequence_ids
         ]
         n = len(sequence_ids)
