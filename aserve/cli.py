@@ -17,6 +17,7 @@ from aiohttp import web
 from aserve.config import EngineArgs
 from aserve.core.metrics import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
+from aserve.entrypoints.cli_client import add_client_parsers, run_client
 from aserve.entrypoints.openai.cli_args import (
     add_frontend_args,
     check_frontend_args,
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_frontend_args(serve)
     add_engine_args(serve)
     add_quantize_parser(sub)
+    add_client_parsers(sub)
     for command in sub.choices.values():
         command.formatter_class = HelpWithDefaults
     return parser
@@ -240,7 +242,7 @@ async def _serve(
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, ns.log_level.upper(), logging.INFO),
+        level=getattr(logging, getattr(ns, "log_level", "info").upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if ns.command == "serve":
@@ -249,6 +251,14 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:  # bad model path, impossible KV budget, ...
             print(f"aserve: error: {e}", file=sys.stderr)
             sys.exit(2)
+    elif ns.command in ("chat", "complete"):
+        try:
+            run_client(ns)
+        except ValueError as e:  # the server unreachable, or an error answer
+            print(f"aserve: error: {e}", file=sys.stderr)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            sys.exit(130)
     elif ns.command == "quantize":
         try:
             run_quantize(ns)

@@ -31,7 +31,7 @@ def call(url: str, path: str, body: dict | None = None, method: str | None = Non
         return e.code, dict(e.headers), e.read()
 
 
-def test_vllm_server_flags(tiny_model, tmp_path):
+def test_vllm_server_flags(tiny_model, tmp_path, capsys):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
     flags = ["--model", tiny_model, "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
@@ -60,6 +60,14 @@ def test_vllm_server_flags(tiny_model, tmp_path):
         assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
         assert "POST" in headers["Access-Control-Allow-Methods"]
         assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        # vLLM's clients: aserve chat / complete against the server
+        for command in ("chat", "complete"):
+            cli_main([command, "--url", f"{url}/v1", "--api-key", "k", "--max-tokens", "3", "-q", "Hi"])
+            printed = capsys.readouterr().out
+            assert printed.endswith("\n") and len(printed) > 1
+        with pytest.raises(SystemExit) as e:
+            cli_main(["complete", "--url", f"{url}/v1", "-q", "Hi"])  # no API key
+        assert e.value.code == 1 and "HTTP 401" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
