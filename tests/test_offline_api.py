@@ -72,6 +72,10 @@ def test_bad_input_leaves_nothing_queued(llm):
     for prompts in (5, None):
         with pytest.raises(TypeError, match="prompts must be"):
             llm.generate(prompts)
+    for kwargs in ({"lora_request": object()}, {"priority": [1]}):
+        with pytest.raises(ValueError, match="lora_request|priority"):
+            llm.generate("Hello", GREEDY, **kwargs)
+    assert llm.generate("Hello", GREEDY, lora_request=None, priority=None)[0].outputs[0].token_ids
     with pytest.raises(ParamError, match="prompt token ids must be integers"):
         llm.generate({"prompt_token_ids": [1.0]})
 

@@ -37,7 +37,7 @@ def test_vllm_server_flags(tiny_model, tmp_path, capsys):
     flags = ["--model", tiny_model, "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
              "--chat-template", str(template), "--served-model-name", "first", "second", "--response-role", "bot",
              "--disable-log-stats", "--disable-log-requests", "--trust-remote-code", "--swap-space", "4",
-             "--enable-chunked-prefill", "--tokenizer-mode", "auto", "--uvicorn-log-level", "warning",
+             "--enable-chunked-prefill", "--tokenizer-mode", "auto", "--uvicorn-log-level", "warning", "-pp", "1",
              "--api-key", "k"]  # fmt: skip
     with running_server(*flags) as url:
         auth = {"Authorization": "Bearer k"}
@@ -73,6 +73,7 @@ def test_vllm_server_flags(tiny_model, tmp_path, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--no-enable-chunked-prefill"], "always chunks prompts"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode slow"),
+    (["-pp", "2"], "tensor parallelism only"), (["--revision", "main"], "no model hub"),
     (["--chat-template", "no/such/file"], "neither a file nor a Jinja template"),
 ])  # fmt: skip
 def test_values_aserve_cannot_honour_are_refused(flags, message, capsys, tiny_model):

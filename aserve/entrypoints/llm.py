@@ -58,8 +58,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in prompt order."""
+        """Runs every prompt to completion; outputs come back in prompt order. vLLM's lora_request and priority are
+        refused unless None (no LoRA adapters; first-come scheduling)."""
+        if lora_request is not None:
+            raise ValueError("lora_request: aserve does not run LoRA adapters")
+        if priority is not None:
+            raise ValueError("priority: aserve schedules first come, first served")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):

@@ -4,7 +4,8 @@ and what they make of the app: the chat template, the reply role, CORS, the log 
 Some of vLLM's flags name things aserve does in one way only; they are accepted where their value is the way aserve
 works and refused otherwise (never taken and ignored): --enable-chunked-prefill (prompts are always chunked),
 --tokenizer-mode auto, --trust-remote-code (architectures are built in: no checkpoint code ever runs),
---disable-log-requests (requests are not logged), --swap-space (preemption recomputes; nothing is swapped)."""
+--disable-log-requests (requests are not logged), --swap-space (preemption recomputes; nothing is swapped),
+--pipeline-parallel-size 1 (tensor parallelism only), --revision unset (nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,10 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
                             "code")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="accepted: aserve does not log requests")  # fmt: skip
+    serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="accepted as 1: aserve splits models by tensor parallelism only")  # fmt: skip
+    serve.add_argument("--revision", default=None,
+                       help="refused: nothing is downloaded (pass a local model directory)")  # fmt: skip
     serve.add_argument("--swap-space", type=float, default=None,
                        help="accepted: preempted requests are recomputed, never swapped to CPU memory")  # fmt: skip
 
@@ -124,6 +129,11 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
     if not ns.enable_chunked_prefill:
         raise ValueError("--no-enable-chunked-prefill: aserve always chunks prompts (a prompt runs in steps of at "
                          "most --max-num-batched-tokens tokens)")  # fmt: skip
+    if ns.pipeline_parallel_size != 1:
+        raise ValueError(f"--pipeline-parallel-size {ns.pipeline_parallel_size}: aserve splits models by tensor "
+                         "parallelism only (--tensor-parallel-size)")  # fmt: skip
+    if ns.revision is not None:
+        raise ValueError(f"--revision {ns.revision}: there is no model hub here; pass a local model directory")
     if ns.tokenizer_mode != "auto":
         raise ValueError(f"--tokenizer-mode {ns.tokenizer_mode}: aserve runs the model's fast tokenizer (auto) only")
     if ns.tokenizer_pool_size < 1 or ns.max_pending_prompt_chars < 1:
