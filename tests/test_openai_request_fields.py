@@ -309,6 +309,10 @@ def _chat_template_kwargs(client, chat, base):
     refused(client, chat, "chat_template_kwargs", chat_template_kwargs={"add_generation_prompt": False})
 
 
+def _include_reasoning(client, chat, base):  # no --reasoning-parser here: nothing to drop (test_reasoning.py)
+    assert text(call(client, chat, include_reasoning=False)) == text(base[chat])
+
+
 def _reasoning_effort(client, chat, base):  # the default model's template has no reasoning switch
     assert text(call(client, chat, reasoning_effort="low")) == text(base[chat])
     refused(client, chat, "reasoning_effort", reasoning_effort="extreme")
@@ -339,6 +343,7 @@ IMPLEMENTED = {
     "truncate_prompt_tokens": _truncate_prompt_tokens, "return_token_ids": _return_token_ids,
     "add_generation_prompt": _add_generation_prompt, "continue_final_message": _continue_final_message,
     "chat_template_kwargs": _chat_template_kwargs, "reasoning_effort": _reasoning_effort,
+    "include_reasoning": _include_reasoning,
 }  # fmt: skip
 
 

@@ -16,6 +16,7 @@ import socket
 
 from aserve.engine.llm_engine import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
 from aserve.entrypoints.openai.cors import CorsOptions
+from aserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -80,6 +81,10 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
                        help="the chat template: a Jinja file, or the template itself (default: the "
                             "tokenizer's)")  # fmt: skip
     serve.add_argument("--response-role", default="assistant", help="the role of chat completion replies")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="chat replies' thinking (up to </think>) as reasoning_content apart from content: "
+                            "deepseek_r1 (replies start in their reasoning), qwen3 (where they start with "
+                            "<think>)")  # fmt: skip
     serve.add_argument("--allowed-origins", type=_json_list, default=["*"],
                        help='CORS: origins browsers may call from, a JSON list (default: ["*"])')  # fmt: skip
     serve.add_argument("--allowed-methods", type=_json_list, default=["*"],

@@ -265,6 +265,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     echo: bool = False  # vLLM's: the reply starts with the last message's text when it continues that message
     chat_template_kwargs: dict | None = None
     reasoning_effort: str | None = None  # to the chat template, as vLLM passes it (with enable_thinking)
+    include_reasoning: bool = True  # with --reasoning-parser: false drops reasoning_content (reasoning.py)
     tools: list[dict] | None = None  # tool calling: tool_request.py (the request), tool_output.py (the response)
     tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
     parallel_tool_calls: bool = True

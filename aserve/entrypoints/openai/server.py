@@ -31,6 +31,7 @@ from aserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     _GenerationRequest,
 )
+from aserve.entrypoints.openai.reasoning import ReasoningOutput
 from aserve.entrypoints.openai.responses import (
     ChoiceState,
     absorb,
@@ -89,6 +90,7 @@ class ServerState:
         self.enable_auto_tool_choice = False  # --enable-auto-tool-choice: tool_choice "auto" is parsed
         self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
         self.response_role = "assistant"  # --response-role: the role of chat replies
+        self.reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content apart (reasoning.py)
         # what a streaming client that stopped reading may hold (event_stream.py's flow control)
         self.flow_control = FlowControl(envs.ASERVE_STREAM_BUFFER, envs.ASERVE_STREAM_STALL_TIMEOUT,
                                         self.metrics.on_stream_paused, self.on_slow_client)  # fmt: skip
@@ -171,10 +173,6 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return json_response(_model_card(state, request.match_info["model"]))
 
 
-async def version(request: web.Request) -> web.Response:
-    return json_response({"version": __version__})
-
-
 async def tokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
     req = await state.bodies.parse(request, TokenizeRequest, has_prompt=True)
@@ -250,6 +248,9 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
     state.engine.check_queue(req.n)
     tools = tool_call_output(req, state.tool_parser, state.enable_auto_tool_choice) if req.tools else None
     params = state.sampling_params(req)
+    if state.reasoning_parser is not None:  # the tool parser, if any, reads the content only
+        tools = ReasoningOutput(state.reasoning_parser, tools, req.include_reasoning,
+                                constrained=params.structured_outputs is not None)  # fmt: skip
     if tools is not None:
         tools.adjust(params)
     await state.compile_grammar(req, params)
@@ -439,6 +440,16 @@ async def _wait_idle(state: ServerState, timeout: float, force: asyncio.Event | 
             w.cancel()
 
 
+def _static_json(obj):
+    """A handler answering `obj`, encoded once."""
+    body = _encode(obj)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    return handler
+
+
 def build_app(
     engine: AsyncEngine,
     served_model_name: str | list[str],
@@ -449,6 +460,7 @@ def build_app(
     enable_tokenizer_info_endpoint: bool = False,
     response_role: str = "assistant",
     cors_options: CorsOptions | None = cors.ALLOW_ALL,
+    reasoning_parser: str | None = None,
 ) -> web.Application:
     """`cors_options` None: no CORS headers and no preflight answers (OPTIONS gets 405)."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
@@ -457,6 +469,7 @@ def build_app(
     app[ENGINE_KEY] = engine
     state = app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
     state.response_role = response_role
+    state.reasoning_parser = reasoning_parser
     state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     state.enable_auto_tool_choice = enable_auto_tool_choice
     state.enable_prompt_tokens_details = enable_prompt_tokens_details
@@ -464,24 +477,14 @@ def build_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
-    app.router.add_get("/version", version)
+    app.router.add_get("/version", _static_json({"version": __version__}))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     if enable_tokenizer_info_endpoint:
-        info = _encode(tokenizer_info(engine))
-
-        async def get_tokenizer_info(request: web.Request) -> web.Response:
-            return web.Response(body=info, content_type="application/json")
-
-        app.router.add_get("/tokenizer_info", get_tokenizer_info)
-    spec = _encode(openapi_spec())
-
-    async def openapi(request: web.Request) -> web.Response:
-        return web.Response(body=spec, content_type="application/json")
-
-    app.router.add_get("/openapi.json", openapi)
+        app.router.add_get("/tokenizer_info", _static_json(tokenizer_info(engine)))
+    app.router.add_get("/openapi.json", _static_json(openapi_spec()))
 
     async def on_startup(app):
         engine.start()

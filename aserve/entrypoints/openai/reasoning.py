@@ -1,0 +1,121 @@
+"""Reasoning models' thinking apart from their answer (`aserve serve --reasoning-parser deepseek_r1 | qwen3`, vLLM's
+flag): a chat reply's text up to `</think>` becomes `reasoning_content` (streamed as `delta.reasoning_content`), the
+rest `content`; a request's `include_reasoning: false` drops the reasoning.
+
+    deepseek_r1  the reply starts in its reasoning (the chat template may have written `<think>` into the prompt; a
+                 leading `<think>` in the reply is dropped): reasoning until `</think>`, all of it if there is none
+    qwen3        reasoning only where the reply starts with `<think>` (Qwen3's thinking mode), until `</think>`;
+                 a reply that does not (enable_thinking false) is all content
+
+With tool calling the tool parser reads the content only. Structured output (and a forced tool call) constrains the
+whole reply (aserve does not hold the grammar back until the reasoning ends, as vLLM does): a constrained reply is
+split as qwen3 splits, so it is all content unless its grammar itself writes the `<think>` block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aserve.entrypoints.openai.responses import ChoiceState
+
+START, END = "<think>", "</think>"
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
+    """A whole reply -> (its reasoning or None, its content)."""
+    stripped = text.lstrip()
+    if stripped.startswith(START):
+        text = stripped[len(START) :]
+    elif parser == "qwen3":
+        return None, text
+    reasoning, end, content = text.partition(END)
+    return reasoning, content if end else ""
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (held back: the marker may be forming)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass(slots=True)
+class _Stream:
+    phase: str = "start"  # start (before the reply shows whether it reasons) | reasoning | content
+    sent: int = 0  # characters of the reply consumed
+    content_start: int = -1  # where the content begins in the reply (-1: not yet)
+
+
+class _ContentView:
+    """A choice as the tool parser sees it under a reasoning parser: its content only."""
+
+    __slots__ = ("index", "text", "delta_text", "finish_reason")
+
+    def __init__(self, choice: ChoiceState, text: str, delta_text: str) -> None:
+        self.index, self.finish_reason = choice.index, choice.finish_reason
+        self.text, self.delta_text = text, delta_text
+
+
+class ReasoningOutput:
+    """One chat request's reasoning split, wrapping its tool-call handling if it has one (the same interface as
+    tool_output.ToolCallOutput: adjust, message, delta)."""
+
+    def __init__(self, parser: str, tools=None, include_reasoning: bool = True, constrained: bool = False) -> None:
+        """constrained: the request's output follows a grammar from its first token (the module docstring)."""
+        self.parser = "qwen3" if constrained else parser
+        self.tools, self.include_reasoning = tools, include_reasoning
+        self.streams: dict[int, _Stream] = {}
+
+    def adjust(self, params) -> None:
+        if self.tools is not None:
+            self.tools.adjust(params)
+
+    def message(self, body_choice: dict, choice: ChoiceState) -> None:
+        reasoning, content = split_reasoning(self.parser, choice.text)
+        message = body_choice["message"]
+        message["content"] = content or None
+        if reasoning is not None and self.include_reasoning:
+            message["reasoning_content"] = reasoning
+        if self.tools is not None:
+            self.tools.message(body_choice, _ContentView(choice, content, ""))
+
+    def delta(self, body_choice: dict, choice: ChoiceState) -> bool:
+        """Rewrites a stream chunk's choice -> whether it still has anything to send."""
+        state = self.streams.setdefault(choice.index, _Stream())
+        reasoning, content = self._advance(state, choice.text, choice.finish_reason is not None)
+        if self.tools is not None:
+            whole = choice.text[state.content_start :] if state.content_start >= 0 else ""
+            has_more = self.tools.delta(body_choice, _ContentView(choice, whole, content))
+        else:
+            body_choice["delta"] = {"content": content} if content else {}
+            has_more = bool(content) or choice.finish_reason is not None or body_choice.get("logprobs") is not None
+        if reasoning and self.include_reasoning:
+            body_choice["delta"] = {"reasoning_content": reasoning, **body_choice["delta"]}
+            has_more = True
+        return has_more
+
+    def _advance(self, state: _Stream, text: str, finished: bool) -> tuple[str, str]:
+        """The reply so far -> (reasoning, content) not sent yet, holding back a marker that may be forming."""
+        reasoning = ""
+        if state.phase == "start":
+            head = text.lstrip()
+            if head.startswith(START):
+                state.phase, state.sent = "reasoning", len(text) - len(head) + len(START)
+            elif START.startswith(head) and not finished:
+                return "", ""  # too short to tell
+            elif self.parser == "qwen3":
+                state.phase, state.content_start = "content", 0
+            else:
+                state.phase = "reasoning"
+        if state.phase == "reasoning":
+            end = text.find(END, max(0, state.sent - len(END) + 1))
+            if end < 0:
+                stop = len(text) if finished else len(text) - _partial_suffix(text[state.sent :], END)
+                reasoning, state.sent = text[state.sent : stop], max(state.sent, stop)
+                return reasoning, ""
+            reasoning = text[state.sent : end]
+            state.phase, state.sent = "content", end + len(END)
+            state.content_start = state.sent
+        content, state.sent = text[state.sent :], len(text)
+        return reasoning, content

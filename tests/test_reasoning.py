@@ -1,0 +1,104 @@
+"""--reasoning-parser: a chat reply's thinking apart from its answer, whole and streamed (any chunking), with
+include_reasoning and with tool calls read from the content only."""
+
+import json
+import random
+
+import pytest
+from test_server import MODEL, assert_idle, sse_events
+
+from aserve.entrypoints.openai.reasoning import ReasoningOutput, split_reasoning
+
+
+class _Choice:  # what ReasoningOutput reads of a ChoiceState
+    def __init__(self) -> None:
+        self.index, self.text, self.delta_text, self.finish_reason = 0, "", "", None
+
+
+CASES = [  # (parser, reply) -> (reasoning, content)
+    ("deepseek_r1", "<think>\nhmm</think>\n\nParis.", ("\nhmm", "\n\nParis.")),
+    ("deepseek_r1", "hmm, well</think>Paris.", ("hmm, well", "Paris.")),
+    ("deepseek_r1", "still thinking", ("still thinking", "")),
+    ("qwen3", "<think>\nhmm</think>\n\nParis.", ("\nhmm", "\n\nParis.")),
+    ("qwen3", "Paris.", (None, "Paris.")),
+    ("qwen3", "  <think>cut short", ("cut short", "")),
+    ("qwen3", "<thin", (None, "<thin")),
+]
+
+
+@pytest.mark.parametrize("parser, reply, expected", CASES)
+def test_streamed_in_any_chunking_equals_whole(parser, reply, expected):
+    assert split_reasoning(parser, reply) == expected
+    rng = random.Random(0)
+    for _ in range(30):
+        out, choice, got = ReasoningOutput(parser), _Choice(), {"reasoning_content": "", "content": ""}
+        cuts = sorted(rng.sample(range(1, len(reply)), k=min(len(reply) - 1, rng.randint(0, 6))))
+        for end in [*cuts, len(reply)]:
+            choice.text, choice.finish_reason = reply[:end], "stop" if end == len(reply) else None
+            body = {"delta": {}}
+            out.delta(body, choice)
+            for key in got:
+                got[key] += body["delta"].get(key, "")
+        assert (got["reasoning_content"] or None, got["content"]) == (expected[0] or None, expected[1])
+
+
+@pytest.fixture(scope="module")
+def llm_engine(tiny_model):
+    from aserve import EngineArgs, LLMEngine
+
+    return LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=256,
+                                served_model_name=MODEL))  # fmt: skip
+
+
+async def client_for(llm_engine, **api):
+    from test_server import make_client
+
+    return await make_client(llm_engine, **api)
+
+
+# The tiny model writes what the grammar lets it: a reply in a thinking model's shape
+THINKING = "<think>[a-z]{2,6}</think>[a-z]{2,6}"
+
+
+async def test_reasoning_content_over_http(llm_engine):
+    client = await client_for(llm_engine, reasoning_parser="qwen3")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,
+                "structured_outputs": {"regex": THINKING}}  # fmt: skip
+        whole = await (await client.post("/v1/chat/completions", json=body)).json()
+        message = whole["choices"][0]["message"]
+        assert message["reasoning_content"].isalpha() and message["content"].isalpha()
+        events = await sse_events(await client.post("/v1/chat/completions", json={**body, "stream": True}))
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+        assert "".join(d.get("content", "") for d in deltas) == message["content"]
+        hidden = await (await client.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()
+        assert "reasoning_content" not in hidden["choices"][0]["message"]
+        assert hidden["choices"][0]["message"]["content"] == message["content"]
+        assert_idle(llm_engine)
+    finally:
+        await client.close()
+
+
+async def test_tool_calls_are_read_from_the_content(llm_engine):
+    """A named tool call's arguments are the whole content; the reasoning before it stays reasoning."""
+    client = await client_for(llm_engine, reasoning_parser="deepseek_r1")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}  # fmt: skip
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30, "temperature": 0,
+                "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}  # fmt: skip
+        whole = await (await client.post("/v1/chat/completions", json=body)).json()
+        message = whole["choices"][0]["message"]
+        # the grammar forces the arguments from the first token: no reasoning (deepseek_r1 would otherwise take a
+        # reply without </think> for all reasoning), the call read from the content
+        assert message["content"] is None and "reasoning_content" not in message
+        call = message["tool_calls"][0]["function"]
+        assert call["name"] == "f" and isinstance(json.loads(call["arguments"])["a"], int)
+        events = await sse_events(await client.post("/v1/chat/completions", json={**body, "stream": True}))
+        pieces = [c for e in events if e["choices"] for c in e["choices"][0]["delta"].get("tool_calls", [])]
+        assert pieces[0]["function"]["name"] == "f"
+        assert "".join(p["function"]["arguments"] for p in pieces) == call["arguments"]
+        assert_idle(llm_engine)
+    finally:
+        await client.close()
