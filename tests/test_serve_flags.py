@@ -124,3 +124,15 @@ def test_unparseable_http_is_one_warning_line():
     assert _bad_http_in_one_line(record)
     assert record.levelno == logging.WARNING and record.exc_info is None
     assert record.getMessage() == "Invalid HTTP request: Invalid character in Content-Length: b'Content-Length: abc'"
+
+
+def test_vllms_api_server_module_starts_the_same_server():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "aserve.entrypoints.openai.api_server", "--help"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and "usage: aserve serve" in out.stdout and "--reasoning-parser" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "aserve.entrypoints.openai.api_server", "--port", "0"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "--port must be in 1..65535" in bad.stderr
