@@ -22,11 +22,9 @@ from aserve.entrypoints.openai.cli_args import (
     add_frontend_args,
     check_frontend_args,
     cors_options,
-    listen_socket,
-    load_chat_template,
     set_log_levels,
 )
-from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits
+from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket
 from aserve.entrypoints.openai.server import STATE_KEY, begin_drain, build_app, drain
 from aserve.quantize.quantize import add_quantize_parser, run_quantize
 from aserve.version import __version__
@@ -155,8 +153,8 @@ def serve(ns: argparse.Namespace) -> None:
         args, tokenizer_pool_size=ns.tokenizer_pool_size, max_pending_prompt_chars=ns.max_pending_prompt_chars
     )
     config = engine.config
-    if ns.chat_template is not None:
-        config.tokenizer.chat_template = load_chat_template(ns.chat_template)
+    if ns.chat_template is not None:  # (read by check_frontend_args)
+        config.tokenizer.chat_template = ns.chat_template
     print(
         f"aserve: loaded {config.served_model_name} ({engine.num_params / 1e6:.1f}M params, "
         f"{str(config.dtype).removeprefix('torch.')}, {config.device}) in {time.perf_counter() - t0:.1f} s; "

@@ -5,6 +5,8 @@ lightly edit a passage) against `aserve serve` started once per configuration:
 
 c1   concurrency 1, greedy: no speculation vs n-gram (fixed k = 4 and auto)
 sat  concurrency 32, temperature 1 (saturation): no speculation vs n-gram and layer-skip, fixed k = 4 and auto
+c1skip  concurrency 1, greedy: no speculation vs layer-skip k = 4 drafting through the model's head and through an
+     int8 copy of it ("draft_head": "int8")
 
 Prints TPOT (mean), output throughput and mean acceptance length per configuration; writes each loadgen JSON
 under --out.
@@ -29,10 +31,22 @@ SPECS = {
     "ngram auto": {"method": "ngram", "num_speculative_tokens": "auto"},
     "layer_skip(15) k=4": {"method": "layer_skip", "num_layers": 15, "num_speculative_tokens": 4},
     "layer_skip(15) auto": {"method": "layer_skip", "num_layers": 15, "num_speculative_tokens": "auto"},
+    "layer_skip(15) k=4 int8 head": {
+        "method": "layer_skip",
+        "num_layers": 15,
+        "num_speculative_tokens": 4,
+        "draft_head": "int8",
+    },
 }
 SCENARIOS = {
     "c1": dict(concurrency=1, temperature=0.0, num_requests=12, specs=["none", "ngram k=4", "ngram auto"]),
-    "sat": dict(concurrency=32, temperature=1.0, num_requests=96, specs=list(SPECS)),
+    "sat": dict(concurrency=32, temperature=1.0, num_requests=96, specs=list(SPECS)[:5]),
+    "c1skip": dict(
+        concurrency=1,
+        temperature=0.0,
+        num_requests=12,
+        specs=["none", "layer_skip(15) k=4", "layer_skip(15) k=4 int8 head"],
+    ),
 }
 
 

@@ -48,10 +48,12 @@ def test_the_verification_step_reads_the_drafts_after_the_update_and_schedule(ti
     assert verified > 1
 
 
-@pytest.mark.parametrize("engine", [{}, {"num_gpu_blocks_override": 8, "max_model_len": 128}])
-def test_lazy_drafts_keep_greedy_outputs(tiny_model, engine):
+@pytest.mark.parametrize("engine, penalty", [({}, 1.0), ({"num_gpu_blocks_override": 8, "max_model_len": 128}, 1.0),
+                                             ({}, 1.3)])  # fmt: skip
+def test_lazy_drafts_keep_greedy_outputs(tiny_model, engine, penalty):
+    """Penalties read the drafts as output tokens (the sampler takes them as lists)."""
     prompts = [{"prompt_token_ids": [5 + i % 7 for i in range(n)]} for n in (9, 30, 51)]
-    params = SamplingParams(temperature=0, max_tokens=30)
+    params = SamplingParams(temperature=0, max_tokens=30, repetition_penalty=penalty, presence_penalty=penalty - 1)
     plain = LLM(tiny_model, dtype="float32", enforce_eager=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     spec = LLM(tiny_model, dtype="float32", enforce_eager=True, debug_invariants=True, **engine,
@@ -62,8 +64,8 @@ def test_lazy_drafts_keep_greedy_outputs(tiny_model, engine):
 
 @pytest.mark.parametrize("temperature", [0, 0.8])
 def test_an_int8_draft_head_drafts_and_keeps_outputs(tiny_model, temperature):
-    """layer_skip through an int8 copy of the head: drafts accepted, greedy tokens and seeded samples unchanged
-    (verification uses the model's own head)."""
+    """layer_skip through an int8 copy of the head: drafts accepted; greedy tokens unchanged (verification uses the
+    model's own head); sampled requests run and accept drafts (their draws differ with the draft distribution)."""
     prompts = [{"prompt_token_ids": [5 + i % 7 for i in range(n)]} for n in (9, 30)]
     params = SamplingParams(temperature=temperature, seed=7, max_tokens=24)
     spec = {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3}

@@ -119,3 +119,24 @@ async def test_errors_name_the_chat_requests_own_fields(client):
                           ({"logprobs": True, "top_logprobs": -1}, "top_logprobs")):  # fmt: skip
         resp = await client.post("/v1/chat/completions", json={**base, **fields})
         assert resp.status == 400 and (await resp.json())["error"]["param"] == param
+
+
+async def test_logprobs_minus_one_lists_the_vocabulary_when_allowed(tiny_model):
+    from aserve import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=64,
+                                  served_model_name=MODEL, max_logprobs=-1))  # fmt: skip
+    client = await make_client(engine)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True,
+                "top_logprobs": -1}  # fmt: skip
+        resp = await client.post("/v1/chat/completions", json=body)
+        content = (await resp.json())["choices"][0]["logprobs"]["content"]
+        assert len(content[0]["top_logprobs"]) == engine.config.vocab_size
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 1,
+                                                          "logprobs": -1})  # fmt: skip
+        top = (await resp.json())["choices"][0]["logprobs"]["top_logprobs"][0]  # keyed by text: tokens may share one
+        texts = {engine.tokenizer.decode([t]) for t in range(engine.config.vocab_size)}
+        assert len(top) > 20 and len(top) == len(texts)
+    finally:
+        await client.close()

@@ -114,14 +114,14 @@ def test_unparseable_http_is_one_warning_line():
 
     from aiohttp.http_exceptions import BadHttpMessage
 
-    from aserve.entrypoints.openai.cli_args import _bad_http_in_one_line
+    from aserve.entrypoints.openai.connections import bad_http_in_one_line
 
     try:
         raise BadHttpMessage("Invalid character in Content-Length:\n\n  b'Content-Length: abc'")
     except BadHttpMessage:
         record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
                                    ("127.0.0.1",), sys.exc_info())  # fmt: skip
-    assert _bad_http_in_one_line(record)
+    assert bad_http_in_one_line(record)
     assert record.levelno == logging.WARNING and record.exc_info is None
     assert record.getMessage() == "Invalid HTTP request: Invalid character in Content-Length: b'Content-Length: abc'"
 

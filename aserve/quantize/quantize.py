@@ -142,6 +142,11 @@ def quantize_model(
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if quantize_lm_head and fmt != "gptq":
         raise ValueError("--quantize-lm-head needs --format gptq (AutoAWQ's format has no quantised lm_head)")
+    if quantize_lm_head and tune_steps:
+        raise ValueError(
+            "--quantize-lm-head cannot be combined with --tune-steps (the tuning trains the final norm "
+            "against the 16-bit head, which the int4 head's calibration would no longer match)"
+        )
     for name, value, least in (("tune_steps", tune_steps, 0), ("tune_generated", tune_generated, 0),
                                ("tune_batch", tune_batch, 1), ("num_samples", num_samples, 1)):  # fmt: skip
         if value < least:

@@ -124,7 +124,7 @@ class Sampler:
     ) -> SamplerOutput:
         """logits: len(drafts[i]) + 1 rows per request, in request order. draft_probs[i] (optional) holds the draft
         distributions [k, vocab] the drafts were sampled from; None means one-hot (n-gram)."""
-        drafts = drafts or [[] for _ in requests]
+        drafts = [list(d) for d in drafts] if drafts else [[] for _ in requests]  # (a model drafter's DraftTokens)
         rows = [SampleRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = None
@@ -318,11 +318,16 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         masked = self._mask_min_tokens(logits, rows)
         out = self._apply_logit_bias(masked, rows)
-        if masked is not logits:
-            # min_tokens gives way in a row where it would leave no token (a grammar or allowed_token_ids that
-            # allow only a stop token now): the request ends there rather than sample a token nothing allows.
-            stuck = torch.isneginf(out.amax(dim=-1, keepdim=True))
-            out = torch.where(stuck, self._apply_logit_bias(logits, rows), out)
+        # min_tokens gives way in a row where it would leave no token (a grammar or allowed_token_ids that allow only
+        # a stop token now): the request ends there rather than sample a token nothing allows. Only such rows can be
+        # left with nothing, so only they are checked.
+        narrow = [i for i, row in enumerate(rows) if row.num_output_tokens < row.params.min_tokens
+                  and (row.params.allowed_token_ids or row.request.grammar is not None)]  # fmt: skip
+        if narrow:
+            idx = self._tensor(narrow, torch.long)
+            stuck = torch.isneginf(out[idx].amax(dim=-1, keepdim=True))
+            unmasked = self._apply_logit_bias(logits, rows)[idx]
+            out = out.index_copy(0, idx, torch.where(stuck, unmasked, out[idx]))
         return out, nonfinite, raw_logprobs
 
     def _greedy_pick(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor] | None:

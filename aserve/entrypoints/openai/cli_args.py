@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 
 from aserve.engine.llm_engine import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
+from aserve.entrypoints.openai.connections import bad_http_in_one_line
 from aserve.entrypoints.openai.cors import CorsOptions
 from aserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -145,6 +145,8 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
         raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if ns.chat_template is not None:  # read now, before minutes of loading
+        ns.chat_template = load_chat_template(ns.chat_template)
 
 
 def cors_options(ns: argparse.Namespace) -> CorsOptions:
@@ -165,37 +167,4 @@ def load_chat_template(value: str) -> str:
 def set_log_levels(ns: argparse.Namespace) -> None:
     level = "DEBUG" if ns.uvicorn_log_level == "trace" else ns.uvicorn_log_level.upper()
     logging.getLogger("aiohttp").setLevel(level)
-    logging.getLogger("aiohttp.server").addFilter(_bad_http_in_one_line)
-
-
-def _bad_http_in_one_line(record: logging.LogRecord) -> bool:
-    """A request that does not parse as HTTP is the client's fault: aiohttp logs it as an ERROR with a traceback,
-    which any client could repeat to fill the log; it becomes one WARNING line without the traceback (as uvicorn
-    logs it). The client got its 400 either way."""
-    from aiohttp.http_exceptions import HttpProcessingError
-
-    error = record.exc_info[1] if record.exc_info else None
-    if isinstance(error, HttpProcessingError):
-        reason = " ".join(str(error.message).split())[:200]
-        record.msg, record.args, record.exc_info, record.exc_text = "Invalid HTTP request: %s", (reason,), None, None
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-    return True
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound now (ValueError naming the address when it cannot be)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.setblocking(False)
-    return sock
+    logging.getLogger("aiohttp.server").addFilter(bad_http_in_one_line)

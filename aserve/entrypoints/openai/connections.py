@@ -27,13 +27,18 @@ loop in three places, each bounded here:
   the loop to finish what is waiting (a /health probe takes three passes of the loop: accept, read, answer). A body
   with a prompt is first measured without decoding its strings (protocol.min_prompt_chars), and a prompt that cannot
   fit the context however it is tokenised is refused before it is made into a string.
+
+The listening socket is bound before the model loads (listen_socket: a port in use fails at once), and a request
+that does not parse as HTTP is logged in one line (bad_http_in_one_line).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import mmap
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -326,3 +331,36 @@ def _decode(body: bytes | mmap.mmap, struct_type):
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
     except RecursionError as e:  # msgspec's guard against deep nesting (Python's recursion limit, ~1,000 levels)
         raise APIError(400, "the request body is nested too deeply", code="json_too_deep") from e
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now (ValueError naming the address when it cannot be)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def bad_http_in_one_line(record: logging.LogRecord) -> bool:
+    """A request that does not parse as HTTP is the client's fault: aiohttp logs it as an ERROR with a traceback,
+    which any client could repeat to fill the log; it becomes one WARNING line without the traceback (as uvicorn
+    logs it). The client got its 400 either way."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, HttpProcessingError):
+        reason = " ".join(str(error.message).split())[:200]
+        record.msg, record.args, record.exc_info, record.exc_text = "Invalid HTTP request: %s", (reason,), None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True

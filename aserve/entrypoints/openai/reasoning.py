@@ -7,6 +7,9 @@ rest `content`; a request's `include_reasoning: false` drops the reasoning.
     qwen3        reasoning only where the reply starts with `<think>` (Qwen3's thinking mode), until `</think>`;
                  a reply that does not (enable_thinking false) is all content
 
+A reply cut off inside its reasoning (no `</think>`: max_tokens) is all reasoning, whole and streamed alike (vLLM's
+qwen3 parser returns such a whole reply as content while streaming it as reasoning).
+
 With tool calling the tool parser reads the content only. Structured output (and a forced tool call) constrains the
 whole reply (aserve does not hold the grammar back until the reasoning ends, as vLLM does): a constrained reply is
 split as qwen3 splits, so it is all content unless its grammar itself writes the `<think>` block."""

@@ -268,6 +268,8 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     n = req.n
     created = int(time.time())
     num_top = req.num_logprobs()
+    if num_top == -1:  # the whole vocabulary (--max-logprobs -1 allowed it)
+        num_top = state.engine.config.vocab_size
     choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
     for choice in choices:
         choice.prompt_token_ids = prompts[choice.index // n][1]
