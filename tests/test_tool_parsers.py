@@ -4,6 +4,7 @@ and a named function, and the request checks."""
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -92,8 +93,24 @@ def _joined(sent: list[dict]) -> tuple[str, list[ToolCall], str]:
             call["id"] = call["id"] or d.get("id")
             call["name"] += d.get("function", {}).get("name", "")
             call["arguments"] += d["function"]["arguments"]
-    assert all(call["id"].startswith("call_") for call in calls.values())
+    assert all(re.fullmatch(ID_FORMS, call["id"]) for call in calls.values())
     return content, [ToolCall(c["name"], c["arguments"]) for _, c in sorted(calls.items())], sent[-1]["finish_reason"]
+
+
+ID_FORMS = r"call_[0-9a-f]{24}|[A-Za-z0-9]{9}"  # OpenAI-style; Mistral's
+
+
+def test_mistral_call_ids_are_what_its_templates_take_back():
+    """Mistral's chat templates refuse a tool_call_id that is not 9 letters or digits."""
+    text = '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]'
+    for name, form in (("mistral", r"[A-Za-z0-9]{9}"), ("hermes", r"call_[0-9a-f]{24}")):
+        output = ToolCallOutput(AUTO, get_tool_parser(name))
+        choice = ChoiceState(0, None)
+        choice.text = text if name == "mistral" else '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+        body = {"message": {"content": choice.text}, "finish_reason": "stop"}
+        output.message(body, choice)
+        assert re.fullmatch(form, body["message"]["tool_calls"][0]["id"])
+        assert len({output.new_id() for _ in range(50)}) == 50
 
 
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
@@ -185,7 +202,7 @@ def test_each_parser_streams_arguments_piece_by_piece(name, text, content, chunk
     for index, call in enumerate(calls):
         (n_first, first), *rest = [(n, d) for n, d in deltas if d["index"] == index]
         # OpenAI's shape: a first delta with the index, id, type and name, then only argument pieces
-        assert first["id"].startswith("call_") and first["type"] == "function"
+        assert re.fullmatch(ID_FORMS, first["id"]) and first["type"] == "function"
         assert first["function"]["name"] == call.name
         assert all(d == {"index": index, "function": {"arguments": d["function"]["arguments"]}} for _, d in rest)
         assert len({n for n, _ in rest}) == len(rest) and all(n > n_first for n, _ in rest)

@@ -54,6 +54,9 @@ class ToolCallOutput:
         self.mode, self.parser, self.name = mode, parser, name
         self.states: dict[int, _StreamState] = {}
 
+    def new_id(self) -> str:
+        return self.parser.new_call_id() if self.parser is not None else call_id()
+
     def adjust(self, params: SamplingParams) -> None:
         """A parser whose markers are special tokens needs them in the decoded text."""
         if self.parser is not None and self.parser.needs_special_tokens:
@@ -79,7 +82,7 @@ class ToolCallOutput:
             return
         message = body_choice["message"]
         message["content"] = content or None
-        message["tool_calls"] = [openai_call(call) for call in calls]
+        message["tool_calls"] = [openai_call(call, self.new_id()) for call in calls]
         if body_choice["finish_reason"] == "stop":
             body_choice["finish_reason"] = "tool_calls"
 
@@ -110,7 +113,7 @@ class ToolCallOutput:
         if not piece:
             return []
         if state.named_id is None:
-            state.named_id = call_id()
+            state.named_id = self.new_id()
             state.calls_sent = 1
             return [{"index": 0, "id": state.named_id, "type": "function",
                      "function": {"name": self.name, "arguments": piece}}]  # fmt: skip
@@ -162,7 +165,7 @@ class ToolCallOutput:
                     deltas.append({"index": i, "function": {"arguments": piece}})
                     state.args_sent[i] = len(call.arguments)
             elif call.name is not None and (call.complete or not finished):
-                deltas.append({"index": i, "id": call_id(), "type": "function",
+                deltas.append({"index": i, "id": self.new_id(), "type": "function",
                                "function": {"name": call.name, "arguments": call.arguments}})  # fmt: skip
                 state.args_sent.append(len(call.arguments))
             else:
@@ -171,6 +174,7 @@ class ToolCallOutput:
         return deltas
 
     def _new_calls(self, state: _StreamState, calls: list[ToolCall]) -> list[dict]:
-        new = [{"index": state.calls_sent + i, **openai_call(call)} for i, call in enumerate(calls[state.calls_sent :])]
+        new = [{"index": state.calls_sent + i, **openai_call(call, self.new_id())}
+               for i, call in enumerate(calls[state.calls_sent :])]  # fmt: skip
         state.calls_sent = max(state.calls_sent, len(calls))
         return new

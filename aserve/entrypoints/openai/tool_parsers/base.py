@@ -85,6 +85,10 @@ class ToolParser:
         """The whole output -> (text outside the calls, the calls); no calls: (text, [])."""
         raise NotImplementedError
 
+    def new_call_id(self) -> str:
+        """A new call's id (the family's own form where its chat template checks the ids it renders back)."""
+        return call_id()
+
     def partial_calls(self, text: str) -> list[PartialCall]:
         """The output so far -> its calls so far, in order (see PartialCall). Here: the complete ones, whole."""
         return [PartialCall(call.name, call.arguments, True) for call in self.extract(text)[1]]

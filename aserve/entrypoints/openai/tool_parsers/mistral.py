@@ -3,10 +3,14 @@ content). Streamed, a call is reported once its name is written, then its argume
 
 from __future__ import annotations
 
+import secrets
+import string
+
 from aserve.entrypoints.openai.tool_parsers.base import PartialCall, ToolCall, ToolParser, json_values
 from aserve.entrypoints.openai.tool_parsers.partial_json import partial_call, sequence_values
 
 _MARKER = "[TOOL_CALLS]"
+_ID_CHARS = string.ascii_letters + string.digits
 
 
 def _items(body: str) -> list[tuple[int, int | None]]:
@@ -27,6 +31,10 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     start_markers = (_MARKER,)
     needs_special_tokens = True  # [TOOL_CALLS] is a special token in Mistral's v3 tokenizers
+
+    def new_call_id(self) -> str:
+        """Mistral's templates refuse a tool_call_id that is not 9 letters or digits (as vLLM makes them)."""
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         start = text.find(_MARKER)
