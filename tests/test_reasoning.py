@@ -7,7 +7,7 @@ import random
 import pytest
 from test_server import MODEL, assert_idle, sse_events
 
-from aserve.entrypoints.openai.reasoning import ReasoningOutput, split_reasoning
+from aserve.entrypoints.openai.reasoning import ReasoningOutput, reading, split_reasoning
 
 
 class _Choice:  # what ReasoningOutput reads of a ChoiceState
@@ -15,23 +15,30 @@ class _Choice:  # what ReasoningOutput reads of a ChoiceState
         self.index, self.text, self.delta_text, self.finish_reason = 0, "", "", None
 
 
-CASES = [  # (parser, reply) -> (reasoning, content)
-    ("deepseek_r1", "<think>\nhmm</think>\n\nParis.", ("\nhmm", "\n\nParis.")),
-    ("deepseek_r1", "hmm, well</think>Paris.", ("hmm, well", "Paris.")),
-    ("deepseek_r1", "still thinking", ("still thinking", "")),
-    ("qwen3", "<think>\nhmm</think>\n\nParis.", ("\nhmm", "\n\nParis.")),
-    ("qwen3", "Paris.", (None, "Paris.")),
-    ("qwen3", "  <think>cut short", ("cut short", "")),
-    ("qwen3", "<thin", (None, "<thin")),
+THINKING_OFF, CONSTRAINED = {"thinking": False}, {"constrained": True}
+CASES = [  # (parser, reading's switches, reply) -> (reasoning, content)
+    ("deepseek_r1", {}, "<think>\nhmm</think>\n\nParis.", ("\nhmm", "\n\nParis.")),
+    ("deepseek_r1", {}, "hmm, well</think>Paris.", ("hmm, well", "Paris.")),
+    ("deepseek_r1", {}, "still thinking", ("still thinking", "")),
+    ("deepseek_r1", THINKING_OFF, "hmm</think>Paris.", ("hmm", "Paris.")),  # (deepseek_r1 has no switch)
+    ("qwen3", {}, "<think>\nhmm</think>\n\nParis.", ("\nhmm", "\n\nParis.")),
+    ("qwen3", {}, "ab</think>Hello", ("ab", "Hello")),  # <think> in the prompt (Qwen3-Thinking-2507)
+    ("qwen3", {}, "  <think>cut short", ("cut short", "")),
+    ("qwen3", THINKING_OFF, "Paris.", (None, "Paris.")),
+    ("qwen3", THINKING_OFF, "<think>x</think>y", (None, "<think>x</think>y")),
+    ("qwen3", CONSTRAINED, '{"a": 1}', (None, '{"a": 1}')),
+    ("deepseek_r1", CONSTRAINED, "<thin", (None, "<thin")),
+    ("deepseek_r1", CONSTRAINED, "<think>ab</think>{}", ("ab", "{}")),
 ]
 
 
-@pytest.mark.parametrize("parser, reply, expected", CASES)
-def test_streamed_in_any_chunking_equals_whole(parser, reply, expected):
-    assert split_reasoning(parser, reply) == expected
+@pytest.mark.parametrize("parser, switches, reply, expected", CASES)
+def test_streamed_in_any_chunking_equals_whole(parser, switches, reply, expected):
+    mode = reading(parser, **switches)
+    assert split_reasoning(mode, reply) == expected
     rng = random.Random(0)
     for _ in range(30):
-        out, choice, got = ReasoningOutput(parser), _Choice(), {"reasoning_content": "", "content": ""}
+        out, choice, got = ReasoningOutput(mode), _Choice(), {"reasoning_content": "", "content": ""}
         cuts = sorted(rng.sample(range(1, len(reply)), k=min(len(reply) - 1, rng.randint(0, 6))))
         for end in [*cuts, len(reply)]:
             choice.text, choice.finish_reason = reply[:end], "stop" if end == len(reply) else None
@@ -72,6 +79,9 @@ async def test_reasoning_content_over_http(llm_engine):
         deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
         assert "".join(d.get("content", "") for d in deltas) == message["content"]
+        off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+        plain = (await (await client.post("/v1/chat/completions", json=off)).json())["choices"][0]["message"]
+        assert "reasoning_content" not in plain and plain["content"].startswith("<think>")
         hidden = await (await client.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()
         assert "reasoning_content" not in hidden["choices"][0]["message"]
         assert hidden["choices"][0]["message"]["content"] == message["content"]

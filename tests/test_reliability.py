@@ -212,7 +212,7 @@ def test_sigterm_after_timeout_ends_streams_with_error_event(tiny_model):
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**20},
-            "max_tokens",
+            "max_completion_tokens",
             "maximum context length is 256",
         ),
     ],

@@ -2,17 +2,15 @@
 flag): a chat reply's text up to `</think>` becomes `reasoning_content` (streamed as `delta.reasoning_content`), the
 rest `content`; a request's `include_reasoning: false` drops the reasoning.
 
-    deepseek_r1  the reply starts in its reasoning (the chat template may have written `<think>` into the prompt; a
-                 leading `<think>` in the reply is dropped): reasoning until `</think>`, all of it if there is none
-    qwen3        reasoning only where the reply starts with `<think>` (Qwen3's thinking mode), until `</think>`;
-                 a reply that does not (enable_thinking false) is all content
-
-A reply cut off inside its reasoning (no `</think>`: max_tokens) is all reasoning, whole and streamed alike (vLLM's
-qwen3 parser returns such a whole reply as content while streaming it as reasoning).
+Both parsers read a reply as starting in its reasoning (the chat template may have written `<think>` into the
+prompt, as Qwen3-Thinking-2507's and DeepSeek-R1's do; a leading `<think>` in the reply is dropped) until `</think>`;
+a reply cut off before `</think>` is all reasoning. qwen3 also follows the request's thinking switch: with
+`chat_template_kwargs: {"enable_thinking": false}` the reply is all content.
 
 With tool calling the tool parser reads the content only. Structured output (and a forced tool call) constrains the
-whole reply (aserve does not hold the grammar back until the reasoning ends, as vLLM does): a constrained reply is
-split as qwen3 splits, so it is all content unless its grammar itself writes the `<think>` block."""
+whole reply (aserve does not hold the grammar back until the reasoning ends, as vLLM does): a constrained reply has
+reasoning only where it starts with `<think>` (its grammar writes the block), else it is all content.
+"""
 
 from __future__ import annotations
 
@@ -24,12 +22,23 @@ START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
+# How a reply is read: FIRST (it starts in its reasoning), MARKED (reasoning only after a leading <think>), NONE
+FIRST, MARKED, NONE = "first", "marked", "none"
+
+
+def reading(parser: str, constrained: bool = False, thinking: bool = True) -> str:
+    """The parser, a grammar over the whole reply, the request's thinking switch -> how its reply is read."""
+    if parser == "qwen3" and not thinking:
+        return NONE
+    return MARKED if constrained else FIRST
+
+
+def split_reasoning(mode: str, text: str) -> tuple[str | None, str]:
     """A whole reply -> (its reasoning or None, its content)."""
     stripped = text.lstrip()
-    if stripped.startswith(START):
+    if stripped.startswith(START) and mode != NONE:
         text = stripped[len(START) :]
-    elif parser == "qwen3":
+    elif mode != FIRST:
         return None, text
     reasoning, end, content = text.partition(END)
     return reasoning, content if end else ""
@@ -64,10 +73,9 @@ class ReasoningOutput:
     """One chat request's reasoning split, wrapping its tool-call handling if it has one (the same interface as
     tool_output.ToolCallOutput: adjust, message, delta)."""
 
-    def __init__(self, parser: str, tools=None, include_reasoning: bool = True, constrained: bool = False) -> None:
-        """constrained: the request's output follows a grammar from its first token (the module docstring)."""
-        self.parser = "qwen3" if constrained else parser
-        self.tools, self.include_reasoning = tools, include_reasoning
+    def __init__(self, mode: str, tools=None, include_reasoning: bool = True) -> None:
+        """mode: how replies are read (`reading`)."""
+        self.mode, self.tools, self.include_reasoning = mode, tools, include_reasoning
         self.streams: dict[int, _Stream] = {}
 
     def adjust(self, params) -> None:
@@ -75,7 +83,7 @@ class ReasoningOutput:
             self.tools.adjust(params)
 
     def message(self, body_choice: dict, choice: ChoiceState) -> None:
-        reasoning, content = split_reasoning(self.parser, choice.text)
+        reasoning, content = split_reasoning(self.mode, choice.text)
         message = body_choice["message"]
         message["content"] = content or None
         if reasoning is not None and self.include_reasoning:
@@ -103,11 +111,13 @@ class ReasoningOutput:
         reasoning = ""
         if state.phase == "start":
             head = text.lstrip()
-            if head.startswith(START):
+            if self.mode == NONE:
+                state.phase, state.content_start = "content", 0
+            elif head.startswith(START):
                 state.phase, state.sent = "reasoning", len(text) - len(head) + len(START)
             elif START.startswith(head) and not finished:
                 return "", ""  # too short to tell
-            elif self.parser == "qwen3":
+            elif self.mode == MARKED:
                 state.phase, state.content_start = "content", 0
             else:
                 state.phase = "reasoning"

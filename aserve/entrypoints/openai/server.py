@@ -31,7 +31,7 @@ from aserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     _GenerationRequest,
 )
-from aserve.entrypoints.openai.reasoning import ReasoningOutput
+from aserve.entrypoints.openai.reasoning import ReasoningOutput, reading
 from aserve.entrypoints.openai.responses import (
     ChoiceState,
     absorb,
@@ -249,8 +249,9 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
     tools = tool_call_output(req, state.tool_parser, state.enable_auto_tool_choice) if req.tools else None
     params = state.sampling_params(req)
     if state.reasoning_parser is not None:  # the tool parser, if any, reads the content only
-        tools = ReasoningOutput(state.reasoning_parser, tools, req.include_reasoning,
-                                constrained=params.structured_outputs is not None)  # fmt: skip
+        mode = reading(state.reasoning_parser, params.structured_outputs is not None,
+                       (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False)  # fmt: skip
+        tools = ReasoningOutput(mode, tools, req.include_reasoning)
     if tools is not None:
         tools.adjust(params)
     await state.compile_grammar(req, params)
