@@ -25,7 +25,8 @@ from aserve.entrypoints.openai.cli_args import (
     set_log_levels,
 )
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket
-from aserve.entrypoints.openai.server import STATE_KEY, begin_drain, build_app, drain
+from aserve.entrypoints.openai.server import STATE_KEY, build_app
+from aserve.entrypoints.openai.shutdown import begin_drain, drain
 from aserve.quantize.quantize import add_quantize_parser, run_quantize
 from aserve.version import __version__
 

@@ -6,6 +6,8 @@ import json
 import pytest
 from test_server import MODEL, assert_idle, make_client
 
+from aserve import SamplingParams
+
 PROMPT = [5, 9, 33, 2, 71, 14, 15, 16]
 
 
@@ -140,3 +142,37 @@ async def test_logprobs_minus_one_lists_the_vocabulary_when_allowed(tiny_model):
         assert len(top) > 20 and len(top) == len(texts)
     finally:
         await client.close()
+
+
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for item in m['content'] %}[{{ item['text'] }}]{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+async def test_templates_that_loop_over_content_get_the_parts(tiny_model):
+    """vLLM's content-format detection: a template that loops over a message's content gets the text parts as a list
+    (Gemma 3's does); others get them joined with newlines."""
+    from aserve import LLM, EngineArgs, LLMEngine
+    from aserve.entrypoints.chat_utils import takes_content_parts
+
+    assert takes_content_parts(PARTS_TEMPLATE) and takes_content_parts("{%- for item in message.content -%}")
+    assert not takes_content_parts("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    parts = [{"type": "text", "text": "Thanks"}, {"type": "text", "text": "again"}]
+    engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=64,
+                                  served_model_name=MODEL))  # fmt: skip
+    engine.config.tokenizer.chat_template = PARTS_TEMPLATE
+    client = await make_client(engine)
+    try:
+        resp = await client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}],
+                                                    "add_generation_prompt": False})  # fmt: skip
+        expected = engine.tokenizer.encode("<user>[Thanks][again]", add_special_tokens=False)
+        assert (await resp.json())["tokens"] == expected
+    finally:
+        await client.close()
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=64)
+    params = SamplingParams(max_tokens=1)
+    out = llm.chat(
+        [{"role": "user", "content": parts}], params, chat_template=PARTS_TEMPLATE, add_generation_prompt=False
+    )
+    assert out[0].prompt == "<user>[Thanks][again]"

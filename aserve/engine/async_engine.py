@@ -216,7 +216,8 @@ class AsyncEngine:
         """A conversation through the tokenizer's chat template -> its prompt token ids. Messages whose text alone
         cannot fit the context are refused before rendering; rendering and tokenising run in the tokenizer pool."""
         check = self.engine.check_prompt_chars
-        text_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        text_chars = sum(len(c) if isinstance(c := m.get("content"), str) else sum(len(p["text"]) for p in c or ())
+                         for m in messages)  # fmt: skip
         check(text_chars, "messages")
         return await self.tokenizer_pool.render_chat(
             messages, add_generation_prompt, template_kwargs, text_chars, lambda n: check(n, "messages")

@@ -3,14 +3,26 @@
 
 from __future__ import annotations
 
+import re
+
 from aserve.entrypoints.openai.tool_request import template_message
 from aserve.sampling_params import ParamError
 
+# A template that loops over a message's content takes OpenAI's content parts as they are (vLLM's "openai" content
+# format, which it detects the same way): Gemma 3's renders each part's text
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+[\w.]+(\[\s*['\"]content['\"]\s*\]|\.content)")
 
-def parse_conversation(messages: list[dict]) -> list[dict]:
+
+def takes_content_parts(template: str | None) -> bool:
+    """Does this chat template read a message's content as a list of parts?"""
+    return bool(template) and _LOOPS_OVER_CONTENT.search(template) is not None
+
+
+def parse_conversation(messages: list[dict], keep_parts: bool = False) -> list[dict]:
     """Each message with a string role and string content: OpenAI's text content parts joined with newlines (as vLLM
-    joins them), null content as ""; earlier tool calls in the shape templates render. ParamError names the message
-    that is not one."""
+    joins them for templates that take a string), or with `keep_parts` (takes_content_parts) kept as a list of text
+    parts; null content as ""; earlier tool calls in the shape templates render. ParamError names the message that
+    is not one."""
     if not messages:
         raise ParamError("messages", "messages must not be empty")
     out = []
@@ -27,7 +39,7 @@ def parse_conversation(messages: list[dict]) -> list[dict]:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ParamError(f"messages[{i}].content", "only text content parts are supported")
                 texts.append(part["text"])
-            content = "\n".join(texts)
+            content = [{"type": "text", "text": t} for t in texts] if keep_parts else "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise ParamError(f"messages[{i}].content", "content must be a string or a list of text parts")
         msg = {**msg, "role": role, "content": content or ""}

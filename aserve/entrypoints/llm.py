@@ -11,7 +11,7 @@ from tqdm import tqdm
 from aserve.config import EngineArgs
 from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine, PromptType
-from aserve.entrypoints.chat_utils import parse_conversation
+from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 
@@ -143,7 +143,8 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if chat_template is None and tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template: pass chat_template=..., or use generate()")
-        text = tokenizer.apply_chat_template(parse_conversation(messages), chat_template=chat_template,
+        parts = takes_content_parts(chat_template or tokenizer.chat_template)
+        text = tokenizer.apply_chat_template(parse_conversation(messages, parts), chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message,
                                              **(template_kwargs or {}))  # fmt: skip

@@ -319,7 +319,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         last = conversation[-1]
         if not self.echo or (self.add_generation_prompt and last["role"] != "assistant"):
             return ""
-        return last["content"] or ""
+        content = last["content"]
+        return content if isinstance(content, str) else "".join(part["text"] for part in content)
 
     def structured_outputs_params(self):
         """tool_choice "required" or a named function forces the output's shape (tool_request.forced_output), which
@@ -350,9 +351,9 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             return None
         return self.top_logprobs or 0
 
-    def conversation(self) -> list[dict]:
+    def conversation(self, keep_parts: bool = False) -> list[dict]:
         """Messages in the shape chat templates expect (chat_utils.parse_conversation)."""
-        return parse_conversation(self.messages)
+        return parse_conversation(self.messages, keep_parts)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

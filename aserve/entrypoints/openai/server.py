@@ -16,6 +16,7 @@ from aserve import envs
 from aserve.core.metrics import PrometheusMetrics
 from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
+from aserve.entrypoints.chat_utils import takes_content_parts
 from aserve.entrypoints.openai import cors
 from aserve.entrypoints.openai.connections import MAX_BODY_BYTES, BodyReader, ConnectionGuard
 from aserve.entrypoints.openai.cors import CorsOptions
@@ -57,7 +58,6 @@ STATE_KEY = web.AppKey("server_state", object)
 
 _encode = msgspec.json.encode
 
-_SHUTDOWN_FLUSH_S = 5.0  # after a forced shutdown ends the last requests, how long their handlers get to say so
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 
 
@@ -91,6 +91,8 @@ class ServerState:
         self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
         self.response_role = "assistant"  # --response-role: the role of chat replies
         self.reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content apart (reasoning.py)
+        # the chat template reads content parts as a list (chat_utils.takes_content_parts), or takes a string
+        self.content_parts = takes_content_parts(getattr(engine.config.tokenizer, "chat_template", None))
         # what a streaming client that stopped reading may hold (event_stream.py's flow control)
         self.flow_control = FlowControl(envs.ASERVE_STREAM_BUFFER, envs.ASERVE_STREAM_STALL_TIMEOUT,
                                         self.metrics.on_stream_paused, self.on_slow_client)  # fmt: skip
@@ -184,7 +186,8 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = await state.engine.tokenize(req.prompt, add_special_tokens=add_special)
     else:
         chat = req.chat_request()
-        ids = await state.engine.render_chat(chat.conversation(), chat.add_generation_prompt, chat.template_kwargs())
+        conversation = chat.conversation(state.content_parts)
+        ids = await state.engine.render_chat(conversation, chat.add_generation_prompt, chat.template_kwargs())
     body = {"tokens": ids, "count": len(ids), "max_model_len": state.engine.config.max_model_len}
     if req.return_token_strs:
         body["token_strs"] = state.engine.config.tokenizer.convert_ids_to_tokens(ids)
@@ -255,7 +258,7 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
     if tools is not None:
         tools.adjust(params)
     await state.compile_grammar(req, params)
-    conversation = req.conversation()
+    conversation = req.conversation(state.content_parts)
     ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs())
     ids = params.truncate_prompt(ids, state.engine.config.max_model_len)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -410,37 +413,6 @@ async def _handle(request: web.Request, handler, state: ServerState):
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal server error", type_="server_error")
-
-
-def begin_drain(app: web.Application) -> None:
-    """From now on new requests get 503 and /health turns 503 (called from the signal handler itself)."""
-    app[STATE_KEY].draining = True
-
-
-async def drain(app: web.Application, timeout: float, force: asyncio.Event | None = None) -> None:
-    """Graceful shutdown, before the runner's cleanup: new requests get 503 (and /health turns 503, so balancers
-    move on) while in-flight ones get up to `timeout` seconds to finish (`force` set: stop waiting). What is still
-    running then is ended: streams get a final error event and [DONE], other requests a 503 error body."""
-    begin_drain(app)
-    state: ServerState = app[STATE_KEY]
-    if state.inflight:
-        logger.info("draining %d in-flight requests (up to %g s; signal again to stop now)", state.inflight, timeout)
-        await _wait_idle(state, timeout, force)
-    ended = state.engine.abort_all(SHUTTING_DOWN)
-    if state.inflight:
-        logger.warning("shutdown timeout: ending %d requests (%d sequences) still running", state.inflight, ended)
-        await _wait_idle(state, _SHUTDOWN_FLUSH_S, None)
-
-
-async def _wait_idle(state: ServerState, timeout: float, force: asyncio.Event | None) -> None:
-    waits = [asyncio.ensure_future(state.idle.wait())]
-    if force is not None:
-        waits.append(asyncio.ensure_future(force.wait()))
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
 
 
 def _static_json(obj):
