@@ -87,7 +87,7 @@ def test_named_function_is_called_with_valid_arguments(plain, name):
     r = plain.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=60,
                                       temperature=0)  # fmt: skip
     [call] = r.choices[0].message.tool_calls
-    assert call.function.name == name and r.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == name and r.choices[0].finish_reason == "stop"  # forced: OpenAI's "stop"
     _check_calls([call])
 
 
@@ -96,7 +96,7 @@ def test_named_function_streams_argument_pieces(plain):
     stream = plain.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60, stream=True,
                                            tool_choice=choice, temperature=0)  # fmt: skip
     content, [call], finish = _streamed(stream)
-    assert content == "" and finish == "tool_calls" and call["id"].startswith("call_")
+    assert content == "" and finish == "stop" and call["id"].startswith("call_")
     assert call["name"] == "get_weather"
     jsonschema.validate(json.loads(call["arguments"]), SCHEMAS["get_weather"])
 

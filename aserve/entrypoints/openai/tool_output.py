@@ -7,7 +7,8 @@ call's index, id, type and name once the name is written, then its arguments pie
 mistral: tool_parsers/partial_json.py); a parser that reads only complete calls sends each whole.
 named: the output is the named function's arguments (forced by its schema); streamed as argument pieces after a first
 delta with the call's id and name. required: the output is a JSON list of {"name", "parameters"} (forced); streamed
-as whole calls at the end. A choice with calls finishing on "stop" finishes on "tool_calls"."""
+as whole calls at the end. A choice with calls finishing on "stop" finishes on "tool_calls", but for a named
+function, which the request forced (OpenAI's and vLLM's "stop")."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class ToolCallOutput:
         message = body_choice["message"]
         message["content"] = content or None
         message["tool_calls"] = [openai_call(call, self.new_id()) for call in calls]
-        if body_choice["finish_reason"] == "stop":
+        if body_choice["finish_reason"] == "stop" and self.mode != NAMED:
             body_choice["finish_reason"] = "tool_calls"
 
     def delta(self, body_choice: dict, choice: ChoiceState) -> bool:
@@ -105,7 +106,7 @@ class ToolCallOutput:
         if calls:
             delta["tool_calls"] = calls
         body_choice["delta"] = delta
-        if finished and state.calls_sent and body_choice["finish_reason"] == "stop":
+        if finished and state.calls_sent and body_choice["finish_reason"] == "stop" and self.mode != NAMED:
             body_choice["finish_reason"] = "tool_calls"
         return bool(delta) or finished or body_choice.get("logprobs") is not None
 
