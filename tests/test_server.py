@@ -298,8 +298,16 @@ async def test_metrics_names(client):
         "e2e_request_latency_seconds_count",
         "request_queue_time_seconds_count",
         "iteration_tokens_total_count",
+        "request_prompt_tokens_count",
+        "request_generation_tokens_count",
+        "request_params_max_tokens_count",
+        "request_inference_time_seconds_count",
+        "request_prefill_time_seconds_count",
+        "request_decode_time_seconds_count",
     ]:
         assert f"aserve:{name}{{" in text, name
+    assert metric(text, "aserve:request_generation_tokens_sum") >= 3  # the completion's 3 (ignore_eos)
+    assert metric(text, "aserve:request_params_max_tokens_count") >= 1
     assert 'model_name="tiny"' in text
     assert "_created" not in text  # no creation-time series beside counters and histograms (vLLM turns them off)
     assert metric(text, "aserve:generation_tokens_total") >= 3

@@ -26,6 +26,12 @@ class StepStats:
     queue_time: list[float] = field(default_factory=list)
     e2e_latency: list[float] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)
+    # Per finished sequence: (prompt tokens, generated tokens, max_tokens), and its times first scheduled -> finish,
+    # first scheduled -> first token (prefill), first token -> finish (decode)
+    finished_tokens: list[tuple[int, int, int | None]] = field(default_factory=list)
+    inference_time: list[float] = field(default_factory=list)
+    prefill_time: list[float] = field(default_factory=list)
+    decode_time: list[float] = field(default_factory=list)
     # Speculative decoding: draft runs verified, their tokens, accepted tokens by draft position.
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
@@ -82,9 +88,16 @@ class EngineStats:
             step.spec_accepted_by_position[i] += 1
 
     def on_request_finished(self, request, now: float) -> None:
-        reason = request.status.finish_reason
-        self._pending.finished_reasons.append(reason)
-        self._pending.e2e_latency.append(now - request.arrival_time)
+        step = self._pending
+        step.finished_reasons.append(request.status.finish_reason)
+        step.e2e_latency.append(now - request.arrival_time)
+        step.finished_tokens.append((request.num_prompt_tokens, request.num_output_tokens,
+                                     request.sampling_params.max_tokens))  # fmt: skip
+        if request.scheduled_time is not None:
+            step.inference_time.append(now - request.scheduled_time)
+            if request.first_token_time is not None:
+                step.prefill_time.append(request.first_token_time - request.scheduled_time)
+                step.decode_time.append(now - request.first_token_time)
 
     def on_step(self, num_scheduled_tokens: int, scheduler, kv_manager) -> None:
         self._pending.iteration_tokens = num_scheduled_tokens
@@ -224,6 +237,19 @@ class PrometheusMetrics:
             "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
         )
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
+        # vLLM's per-request histograms (here per finished sequence: each of n samples counts)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished sequence.",
+                                               _TOKEN_BUCKETS)  # fmt: skip
+        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated per finished "
+                                                   "sequence.", _TOKEN_BUCKETS)  # fmt: skip
+        self.request_params_max_tokens = histogram("request_params_max_tokens", "max_tokens per finished sequence.",
+                                                   _TOKEN_BUCKETS)  # fmt: skip
+        self.request_inference_time = histogram("request_inference_time_seconds", "First scheduled to finish.",
+                                                _LATENCY_BUCKETS)  # fmt: skip
+        self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                              _LATENCY_BUCKETS)  # fmt: skip
+        self.request_decode_time = histogram("request_decode_time_seconds", "First token to finish.",
+                                             _LATENCY_BUCKETS)  # fmt: skip
         self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (requests x steps).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -260,6 +286,16 @@ class PrometheusMetrics:
             self.request_queue_time.observe(value)
         if step.iteration_tokens:
             self.iteration_tokens.observe(step.iteration_tokens)
+        for prompt, generated, max_tokens in step.finished_tokens:
+            self.request_prompt_tokens.observe(prompt)
+            self.request_generation_tokens.observe(generated)
+            if max_tokens is not None:
+                self.request_params_max_tokens.observe(max_tokens)
+        for histogram, values in ((self.request_inference_time, step.inference_time),
+                                  (self.request_prefill_time, step.prefill_time),
+                                  (self.request_decode_time, step.decode_time)):  # fmt: skip
+            for value in values:
+                histogram.observe(value)
 
     def on_rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
