@@ -166,7 +166,7 @@ def serve(ns: argparse.Namespace) -> None:
     api = {"tool_call_parser": ns.tool_call_parser, "enable_auto_tool_choice": ns.enable_auto_tool_choice,
            "enable_prompt_tokens_details": ns.enable_prompt_tokens_details,
            "enable_tokenizer_info_endpoint": ns.enable_tokenizer_info_endpoint, "response_role": ns.response_role,
-           "reasoning_parser": ns.reasoning_parser,
+           "reasoning_parser": ns.reasoning_parser, "log_requests": ns.enable_log_requests,
            "cors_options": cors_options(ns)}  # fmt: skip
     names = ns.served_model_name or [config.served_model_name]
     serving = _serve(engine, names, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, api,

@@ -82,6 +82,28 @@ def test_values_aserve_cannot_honour_are_refused(flags, message, capsys, tiny_mo
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+async def test_enable_log_requests(tiny_model, caplog):
+    import logging
+
+    from aserve import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=128,
+                                  served_model_name="tiny"))  # fmt: skip
+    for enabled in (False, True):
+        client = await make_client(engine, log_requests=enabled)
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="aserve"):
+                resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2,
+                                                                  "temperature": 0.5})  # fmt: skip
+                assert resp.status == 200
+            logged = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
+            assert len(logged) == enabled and (not enabled or ("3 prompt tokens" in logged[0]
+                                                               and "temperature=0.5" in logged[0]))  # fmt: skip
+        finally:
+            await client.close()
+
+
 async def test_cors_options(tiny_model):
     from aserve import EngineArgs, LLMEngine
 

@@ -4,8 +4,8 @@ and what they make of the app: the chat template, the reply role, CORS, the log 
 Some of vLLM's flags name things aserve does in one way only; they are accepted where their value is the way aserve
 works and refused otherwise (never taken and ignored): --enable-chunked-prefill (prompts are always chunked),
 --tokenizer-mode auto, --trust-remote-code (architectures are built in: no checkpoint code ever runs),
---disable-log-requests (requests are not logged), --swap-space (preemption recomputes; nothing is swapped),
---pipeline-parallel-size 1 (tensor parallelism only), --revision unset (nothing is downloaded)."""
+--disable-log-requests (requests are logged only with --enable-log-requests), --swap-space (preemption recomputes;
+nothing is swapped), --pipeline-parallel-size 1 (tensor parallelism only), --revision unset (nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -103,8 +103,10 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--trust-remote-code", action="store_true",
                        help="accepted: aserve builds every architecture itself and never runs a checkpoint's "
                             "code")  # fmt: skip
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's id, prompt length and sampling parameters")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",
-                       help="accepted: aserve does not log requests")  # fmt: skip
+                       help="accepted: requests are logged only with --enable-log-requests")  # fmt: skip
     serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="accepted as 1: aserve splits models by tensor parallelism only")  # fmt: skip
     serve.add_argument("--revision", default=None,

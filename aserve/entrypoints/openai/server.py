@@ -91,6 +91,7 @@ class ServerState:
         self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
         self.response_role = "assistant"  # --response-role: the role of chat replies
         self.reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content apart (reasoning.py)
+        self.log_requests = False  # --enable-log-requests: a log line per request with its parameters
         # the chat template reads content parts as a list (chat_utils.takes_content_parts), or takes a string
         self.content_parts = takes_content_parts(getattr(engine.config.tokenizer, "chat_template", None))
         # what a streaming client that stopped reading may hold (event_stream.py's flow control)
@@ -271,6 +272,9 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     echoed text (the reply's start)."""
     n = req.n
     created = int(time.time())
+    if state.log_requests:  # --enable-log-requests
+        for i, (_, ids, params) in enumerate(prompts):
+            logger.info("request %s (prompt %d): %d prompt tokens, %s", request_id, i, len(ids), params)
     num_top = req.num_logprobs()
     if num_top == -1:  # the whole vocabulary (--max-logprobs -1 allowed it)
         num_top = state.engine.config.vocab_size
@@ -436,6 +440,7 @@ def build_app(
     response_role: str = "assistant",
     cors_options: CorsOptions | None = cors.ALLOW_ALL,
     reasoning_parser: str | None = None,
+    log_requests: bool = False,
 ) -> web.Application:
     """`cors_options` None: no CORS headers and no preflight answers (OPTIONS gets 405)."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
@@ -445,6 +450,7 @@ def build_app(
     state = app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
     state.response_role = response_role
     state.reasoning_parser = reasoning_parser
+    state.log_requests = log_requests
     state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     state.enable_auto_tool_choice = enable_auto_tool_choice
     state.enable_prompt_tokens_details = enable_prompt_tokens_details
