@@ -158,6 +158,7 @@ async def test_templates_that_loop_over_content_get_the_parts(tiny_model):
 
     assert takes_content_parts(PARTS_TEMPLATE) and takes_content_parts("{%- for item in message.content -%}")
     assert not takes_content_parts("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    assert takes_content_parts({"default": "x", "tool_use": PARTS_TEMPLATE}) and not takes_content_parts(None)
     parts = [{"type": "text", "text": "Thanks"}, {"type": "text", "text": "again"}]
     engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=64,
                                   served_model_name=MODEL))  # fmt: skip

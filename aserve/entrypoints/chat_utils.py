@@ -13,9 +13,12 @@ from aserve.sampling_params import ParamError
 _LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+[\w.]+(\[\s*['\"]content['\"]\s*\]|\.content)")
 
 
-def takes_content_parts(template: str | None) -> bool:
-    """Does this chat template read a message's content as a list of parts?"""
-    return bool(template) and _LOOPS_OVER_CONTENT.search(template) is not None
+def takes_content_parts(template: str | dict | None) -> bool:
+    """Does this chat template (or any of a tokenizer's named templates) read a message's content as a list of
+    parts?"""
+    if isinstance(template, dict):
+        return any(takes_content_parts(t) for t in template.values())
+    return isinstance(template, str) and _LOOPS_OVER_CONTENT.search(template) is not None
 
 
 def parse_conversation(messages: list[dict], keep_parts: bool = False) -> list[dict]:
