@@ -96,6 +96,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # False: token ids only, no text (and so no stop strings), as vLLM's
     detokenize: bool = True
+    # Words never generated (vLLM's bad_words): each word's token sequence, with and without a leading space, cannot
+    # be completed (its last token is masked where the output ends with the others)
+    bad_words: list[str] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -156,6 +159,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):  # fmt: skip
+            raise bad("bad_words", "must be a list of non-empty strings")
         if not self.detokenize and self.stop_strings:
             raise ParamError("stop", "stop strings need the text: they cannot be used with detokenize=False")
         if self.logit_bias is not None:
@@ -188,8 +194,8 @@ class SamplingParams:
 
     @property
     def needs_logit_bias(self) -> bool:
-        """The logits change before sampling: logit_bias, or allowed_token_ids masking the others."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """The logits change before sampling: logit_bias, allowed_token_ids masking the others, bad_words."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def truncate_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's last truncate_prompt_tokens tokens (all of it without truncate_prompt_tokens)."""

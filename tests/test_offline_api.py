@@ -177,3 +177,23 @@ def test_detokenize_false_gives_token_ids_only(llm):
     assert ids_only.token_ids == with_text.token_ids and ids_only.text == "" and with_text.text
     with pytest.raises(ParamError, match="detokenize=False"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_bad_words_are_never_completed(llm):
+    """vLLM's bad_words: a one-token word is never sampled; a longer word's last token is masked only where the output
+    ends with its other tokens."""
+    from aserve.core.request import Request
+    from aserve.worker.sampler import Sampler, SampleRow
+
+    tokenizer = llm.get_tokenizer()
+    base = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    token = next(t for t in base.token_ids if tokenizer.encode(tokenizer.decode([t]).strip(), add_special_tokens=False)
+                 == [t])  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[tokenizer.decode([token])])
+    banned = llm.generate("Hello", params)[0].outputs[0]
+    assert token not in banned.token_ids and banned.token_ids != base.token_ids
+    request = Request("r", [1, 2], SamplingParams(bad_words=["x"]), None)
+    request.bad_words_token_ids = [[5, 6, 7], [9], [4, 8]]
+    request.all_token_ids += [3, 5, 6]  # output so far: 3, 5, 6
+    logits = Sampler(torch.device("cpu"), 0)._mask_bad_words(torch.zeros(1, 12), [SampleRow(request, [])])
+    assert torch.isinf(logits[0]).nonzero().flatten().tolist() == [7, 9]

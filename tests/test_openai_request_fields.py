@@ -247,6 +247,13 @@ def _min_tokens(client, chat, base):
     assert call(client, chat, min_tokens=7)["usage"]["completion_tokens"] >= 7
 
 
+def _bad_words(client, chat, base):
+    word = text(base[chat]).split()[0]  # the default reply's first word, never written with it banned
+    banned = text(call(client, chat, bad_words=[word]))
+    assert banned != text(base[chat]) and word not in banned.split()
+    refused(client, chat, "bad_words", bad_words=[""])
+
+
 def _skip_special_tokens(client, chat, base):
     special = prompt_ids(base[True])[0]  # <|im_start|>
     assert text(call(client, chat, allowed_token_ids=[special], max_tokens=2)) == ""
@@ -339,6 +346,7 @@ IMPLEMENTED = {
     "guided_grammar": _structured("guided_grammar", 'root ::= "hi" | "ho"', lambda t: t in ("hi", "ho")),
     "tools": _tools, "tool_choice": _tool_choice, "parallel_tool_calls": _parallel_tool_calls,
     "ignore_eos": _ignore_eos, "min_tokens": _min_tokens, "skip_special_tokens": _skip_special_tokens,
+    "bad_words": _bad_words,
     "cache_salt": _cache_salt, "allowed_token_ids": _allowed_token_ids,
     "truncate_prompt_tokens": _truncate_prompt_tokens, "return_token_ids": _return_token_ids,
     "add_generation_prompt": _add_generation_prompt, "continue_final_message": _continue_final_message,

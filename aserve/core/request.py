@@ -72,6 +72,8 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; set when first scheduled
         self.num_preemptions = 0
         self.paused = False  # its client stopped reading its stream (Scheduler.set_paused): not scheduled
+        # SamplingParams.bad_words as token sequences (the engine tokenises them): the sampler bans their completion
+        self.bad_words_token_ids: list[list[int]] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 

@@ -248,7 +248,8 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
-        if params.needs_penalties or request.grammar is not None or params.prompt_logprobs is not None:
+        if (params.needs_penalties or request.grammar is not None or params.prompt_logprobs is not None
+                or request.bad_words_token_ids):  # fmt: skip
             self._sync_requests.add(request.request_id)
         self.scheduler.add_request(request)
 

@@ -258,12 +258,30 @@ class LLMEngine:
             hasher = None
         eos = config.eos_token_id
         if params.n == 1:
-            return params, [Request(request_id, prompt_token_ids, params, eos, hasher, arrival_time)]
-        children = []
-        for i in range(params.n):
-            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            children.append(Request(f"{request_id}#{i}", prompt_token_ids, child_params, eos, hasher, arrival_time))
-        return params, children
+            sequences = [Request(request_id, prompt_token_ids, params, eos, hasher, arrival_time)]
+        else:
+            sequences = [Request(f"{request_id}#{i}", prompt_token_ids,
+                                 params.clone(n=1, seed=None if params.seed is None else params.seed + i), eos, hasher,
+                                 arrival_time) for i in range(params.n)]  # fmt: skip
+        if params.bad_words:
+            bad = self._bad_words_token_ids(params.bad_words)
+            for sequence in sequences:
+                sequence.bad_words_token_ids = bad
+        return params, sequences
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens, and with a leading space where that makes another word token of the same length
+        (vLLM's rule: a word is banned at the start of the text and after a space)."""
+        encode, out = self.config.tokenizer.encode, []
+        for word in words:
+            plain = encode(word.lstrip(), add_special_tokens=False)
+            spaced = encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(plain)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        if any(t >= self.config.vocab_size for ids in out for t in ids):
+            raise ParamError("bad_words", f"bad_words spell token ids past the vocabulary ({self.config.vocab_size})")
+        return [ids for ids in out if ids]
 
     def abort_request(self, request_id: str | Iterable[str], error: str | None = None) -> RequestOutput | None:
         """Ends a request at once and frees its blocks. Returns its final output (finish_reason "abort", with

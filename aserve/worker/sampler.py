@@ -236,7 +236,8 @@ class Sampler:
         return self._mask_allowed(logits, rows)
 
     def _mask_allowed(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """allowed_token_ids: every other token of the row to -inf."""
+        """allowed_token_ids: every other token of the row to -inf; and bad_words (_mask_bad_words)."""
+        logits = self._mask_bad_words(logits, rows)
         masked = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids]
         if not masked:
             return logits
@@ -245,6 +246,24 @@ class Sampler:
             keep[i] = False
             keep[i, self._tensor(allowed, torch.long)] = True
         return logits.masked_fill(~keep, float("-inf"))
+
+    def _mask_bad_words(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """bad_words: a word's last token to -inf where the row's output ends with its other tokens (always, for a
+        one-token word). Its requests run without overlap (EngineCore), so every output token is on the host."""
+        row_idx, cols = [], []
+        for i, row in enumerate(rows):
+            if not row.params.bad_words:
+                continue
+            words, out = row.request.bad_words_token_ids, row.output_token_ids
+            for ids in words:
+                if len(ids) == 1 or (len(out) >= len(ids) - 1 and out[len(out) - len(ids) + 1 :] == ids[:-1]):
+                    row_idx.append(i)
+                    cols.append(ids[-1])
+        if not row_idx:
+            return logits
+        logits = logits.clone()
+        logits[self._tensor(row_idx), self._tensor(cols)] = float("-inf")
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         logits = logits.clone()

@@ -64,6 +64,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -194,6 +195,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             structured_outputs=self.structured_outputs_params(),
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words,
         )
 
     def structured_outputs_params(self):
