@@ -84,6 +84,23 @@ _ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short flags
 _NARGS = {"served_model_name": "+"}  # several names: requests may use any, responses carry the first
 
 
+def human_readable_int(value: str) -> int:
+    """vLLM's token counts: 4096, 32k (32,000), 32K (32,768), 1m / 1M (10**6 / 2**20)."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        if value and value[-1] in units:
+            number = float(value[:-1]) * units[value[-1]]
+            if number != int(number):
+                raise ValueError
+            return int(number)
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {value!r} (e.g. 4096, 32k, 32K)") from None
+
+
+_TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineArgs field: --max-num-seqs, --enable-prefix-caching/--no-enable-prefix-caching, ..."""
     hints = typing.get_type_hints(EngineArgs)
@@ -97,7 +114,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        parser.add_argument(flag, *_ALIASES.get(f.name, ()), type=base, default=f.default, help=help_text,
+        parser.add_argument(flag, *_ALIASES.get(f.name, ()), type=_TYPES.get(f.name, base), default=f.default,
+                            help=help_text,
                             **({"nargs": _NARGS[f.name]} if f.name in _NARGS else {}))  # fmt: skip
 
 

@@ -158,3 +158,13 @@ def test_vllms_api_server_module_starts_the_same_server():
     bad = subprocess.run([sys.executable, "-m", "aserve.entrypoints.openai.api_server", "--port", "0"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "--port must be in 1..65535" in bad.stderr
+
+
+def test_token_counts_take_vllms_suffixes():
+    from aserve.cli import build_parser
+
+    ns = build_parser().parse_args(["serve", "--max-model-len", "32k", "--max-num-batched-tokens", "8K"])
+    assert (ns.max_model_len, ns.max_num_batched_tokens) == (32000, 8192)
+    assert build_parser().parse_args(["serve", "--max-model-len", "4096"]).max_model_len == 4096
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model-len", "lots"])
