@@ -369,3 +369,15 @@ def test_tools_and_earlier_calls_render_through_the_template(tmp_path):
         'assistant: <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
         "tool: 12:00assistant:"
     )
+
+
+def test_only_parsers_whose_markers_are_special_tokens_keep_them_in_the_text():
+    """Mistral's [TOOL_CALLS] is a special token the parser must see; Llama 3's calls start with "{" once
+    <|python_tag|> is skipped, so its requests keep skip_special_tokens (no stray special token in the content)."""
+    from aserve import SamplingParams
+
+    for name, keeps in (("mistral", True), ("llama3_json", False), ("hermes", False)):
+        params = SamplingParams()
+        ToolCallOutput(AUTO, get_tool_parser(name)).adjust(params)
+        assert params.skip_special_tokens is not keeps
+    assert get_tool_parser("llama3_json").extract('{"name": "get_time", "parameters": {"zone": "UTC"}}')[1] == [TIME]

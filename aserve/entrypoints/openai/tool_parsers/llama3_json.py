@@ -19,7 +19,9 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     start_markers = (_PYTHON_TAG, "{")
     only_at_start = True
-    needs_special_tokens = True  # <|python_tag|> is a special token
+    # <|python_tag|> is a special token: decoded as usual (skip_special_tokens) the text has none, and a call starts it
+    # with "{" (as vLLM reads it); no other special token reaches the content. Text that keeps it is read too.
+    needs_special_tokens = False
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         parsed = json_values(_body(text))
