@@ -217,9 +217,14 @@ class Sampler:
                     stop_ids.append(row.request.eos_token_id)
                 row_idx += [i] * len(stop_ids)
                 cols += stop_ids
-        if row_idx:
-            logits = logits.clone()
-            logits[self._tensor(row_idx), self._tensor(cols)] = float("-inf")
+        return self._mask_tokens(logits, row_idx, cols)
+
+    def _mask_tokens(self, logits: torch.Tensor, row_idx: list[int], cols: list[int]) -> torch.Tensor:
+        """logits[row_idx[j], cols[j]] to -inf (a copy; the logits as they are when there is nothing to mask)."""
+        if not row_idx:
+            return logits
+        logits = logits.clone()
+        logits[self._tensor(row_idx), self._tensor(cols)] = float("-inf")
         return logits
 
     def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -233,11 +238,10 @@ class Sampler:
             logits = logits.clone()
             logits.index_put_((self._tensor(row_idx), self._tensor(cols)), self._tensor(biases, logits.dtype),
                               accumulate=True)  # fmt: skip
-        return self._mask_allowed(logits, rows)
+        return self._mask_allowed(self._mask_bad_words(logits, rows), rows)
 
     def _mask_allowed(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """allowed_token_ids: every other token of the row to -inf; and bad_words (_mask_bad_words)."""
-        logits = self._mask_bad_words(logits, rows)
+        """allowed_token_ids: every other token of the row to -inf."""
         masked = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids]
         if not masked:
             return logits
@@ -259,11 +263,7 @@ class Sampler:
                 if len(ids) == 1 or (len(out) >= len(ids) - 1 and out[len(out) - len(ids) + 1 :] == ids[:-1]):
                     row_idx.append(i)
                     cols.append(ids[-1])
-        if not row_idx:
-            return logits
-        logits = logits.clone()
-        logits[self._tensor(row_idx), self._tensor(cols)] = float("-inf")
-        return logits
+        return self._mask_tokens(logits, row_idx, cols)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         logits = logits.clone()
