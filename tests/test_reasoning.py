@@ -1,8 +1,9 @@
 """--reasoning-parser: a chat reply's thinking apart from its answer, whole and streamed (any chunking), with
-include_reasoning and with tool calls read from the content only."""
+include_reasoning and with tool calls read from the content only; a structured-output grammar waiting for `</think>`."""
 
 import json
 import random
+import re
 
 import pytest
 from test_server import MODEL, assert_idle, sse_events
@@ -110,5 +111,79 @@ async def test_tool_calls_are_read_from_the_content(llm_engine):
         assert pieces[0]["function"]["name"] == "f"
         assert "".join(p["function"]["arguments"] for p in pieces) == call["arguments"]
         assert_idle(llm_engine)
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def thinking_engine(tmp_path_factory):
+    """The tiny model with `<think>` and `</think>` as tokens of its vocabulary (ids 384, 385), as Qwen3's are."""
+    import torch
+    from tiny_models import VOCAB_SIZE, build_tokenizer, make_config
+    from transformers import AutoModelForCausalLM
+
+    from aserve import EngineArgs, LLMEngine
+
+    path = str(tmp_path_factory.mktemp("thinking"))
+    config = make_config("gqa")
+    config.vocab_size = VOCAB_SIZE + 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer = build_tokenizer(path)
+    tokenizer.add_tokens([START := "<think>", "</think>"])
+    tokenizer.save_pretrained(path)
+    assert tokenizer.convert_tokens_to_ids([START, "</think>"]) == [VOCAB_SIZE, VOCAB_SIZE + 1]
+    return LLMEngine(EngineArgs(model=path, dtype="float32", enforce_eager=True, max_model_len=256,
+                                served_model_name=MODEL))  # fmt: skip
+
+
+async def test_grammar_waits_for_the_end_of_the_reasoning(thinking_engine):
+    """Where `</think>` is one token the grammar applies after it: the reasoning is free, the content follows the
+    grammar (streamed the same); with thinking off the grammar applies from the start and the reply is content."""
+    client = await client_for(thinking_engine, reasoning_parser="qwen3")
+    try:
+        # the random model reaches </think> sooner with a bias on it (which the grammar masks in the content)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 1,
+                "seed": 4, "logit_bias": {"385": 6}, "structured_outputs": {"regex": "[a-z]{2,6}"}}  # fmt: skip
+        whole = await (await client.post("/v1/chat/completions", json=body)).json()
+        message = whole["choices"][0]["message"]
+        assert whole["choices"][0]["finish_reason"] == "stop" and re.fullmatch("[a-z]{2,6}", message["content"])
+        assert re.search("[^a-z]", message["reasoning_content"])  # written outside the grammar
+        events = await sse_events(await client.post("/v1/chat/completions", json={**body, "stream": True}))
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+        assert "".join(d.get("content", "") for d in deltas) == message["content"]
+        off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+        plain = (await (await client.post("/v1/chat/completions", json=off)).json())["choices"][0]["message"]
+        assert "reasoning_content" not in plain and re.fullmatch("[a-z]{2,6}", plain["content"])
+        assert_idle(thinking_engine)
+    finally:
+        await client.close()
+
+
+async def test_forced_tool_call_after_the_reasoning(thinking_engine):
+    """A named tool call's grammar waits for `</think>` too: the call is read from the content after it."""
+    client = await client_for(thinking_engine, reasoning_parser="deepseek_r1")
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60, "temperature": 1,
+                "seed": 4, "logit_bias": {"385": 6}, "tools": [tool],
+                "tool_choice": {"type": "function", "function": {"name": "f"}}}  # fmt: skip
+        message = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["message"]
+        assert message["reasoning_content"] and message["content"] is None
+        call = message["tool_calls"][0]["function"]
+        assert call["name"] == "f" and json.loads(call["arguments"])["a"] in range(10)
+        assert_idle(thinking_engine)
     finally:
         await client.close()

@@ -294,6 +294,31 @@ def test_bitmask_masks_only_constrained_rows(llm, dtype):
     assert requests[0].grammar.matcher.accept_string("xj") and requests[2].grammar.matcher.accept_string("xq")
 
 
+def test_bitmask_rows_wait_for_the_grammars_start_token(llm):
+    """A grammar waiting for its start token leaves the rows up to the one whose draft is that token free and masks
+    the rows after it; the wait holds until the start token is accepted into the sequence."""
+    engine = llm.engine
+    manager = engine.core.structured_output
+    grammar = manager.compile(StructuredOutputsParams(choice=["xq", "xj"])).result()
+    x, q, j, end = engine.tokenizer.convert_tokens_to_ids(["x", "q", "j", "z"])
+    state = manager.sequence_state(Future(), after=end)
+    state.matcher = xgr.GrammarMatcher(grammar)
+
+    class Row:
+        grammar = state
+
+    logits = torch.randn(5, 384)
+    raw = logits.clone()
+    GrammarBitmask(torch.device("cpu")).apply(logits, [Row()], [[q, end, x, q]])
+    assert torch.equal(logits[:2], raw[:2])  # before `end` and at it: free
+    allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits[2:]]
+    assert allowed == [[x], sorted([q, j]), [1]]
+    assert GrammarBitmask(torch.device("cpu")).fill([Row()], [[q, x]], 384) is None  # nothing constrained yet
+    assert state.accept(q) and not state.terminated and state.after == end  # free tokens leave the matcher alone
+    assert state.accept(end) and state.after is None
+    assert not state.accept(q) and state.accept(x)  # the grammar applies now
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [384, 395])
 def test_apply_bitmask_cpu_equals_xgrammar(dtype, vocab):
@@ -319,3 +344,34 @@ def test_choice_grammar_escapes():
                                     "enum": [{"type": "string", "maxLength": 1}]})  # fmt: skip
     assert escaped["properties"]["enum"] == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\]{0,3}$'}
     assert escaped["enum"] == [{"type": "string", "maxLength": 1}]  # data, not a schema
+
+
+def _run_engine(engine, params, prompt, **kw) -> list[list[int]]:
+    engine.add_request("r", prompt, params, **kw)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    return [c.token_ids for c in finished[0].outputs]
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}])
+def test_grammar_waits_for_its_start_token(tiny_model, llm, spec):
+    """grammar_after (a reasoning model's `</think>`): the tokens up to and including it are the model's own, the
+    grammar constrains the rest; a reply that never samples it is free throughout. Drafts through the start token are
+    verified against the grammar from the row after it."""
+    engine = llm.engine
+    if spec is not None:
+        engine = LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=256, debug_invariants=True,
+                     speculative_config=spec).engine  # fmt: skip
+    prompt = "The quick brown fox"
+    free = _run_engine(engine, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), prompt)[0]
+    k = next(i for i in range(2, 12) if free[i] not in free[:i])
+    constrained = SamplingParams(structured_outputs=KINDS["regex"], temperature=0, max_tokens=60, n=2)
+    for ids in _run_engine(engine, constrained, prompt, grammar_after=free[k]):
+        assert ids[: k + 1] == free[: k + 1]
+        assert follows("regex", engine.tokenizer.decode(ids[k + 1 :], skip_special_tokens=True))
+    never = next(t for t in range(3, 300) if t not in free)
+    assert _run_engine(engine, SamplingParams(structured_outputs=KINDS["regex"], temperature=0, max_tokens=12),
+                       prompt, grammar_after=never) == [free]  # fmt: skip
+    core = engine.core
+    assert not core.scheduler.has_unfinished() and core.kv_manager.pool.num_free_blocks == core.num_kv_blocks

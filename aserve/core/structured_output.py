@@ -5,7 +5,9 @@
                               compiles grammars (xgrammar releases the GIL while it compiles: the event loop runs on)
                               and the compiled grammars, cached by (kind, spec, options)
     GrammarState              one per sequence (each of `n` has its own): the compile's future, then, once the
-                              request is admitted, a GrammarMatcher that every token appended to it advances
+                              request is admitted, a GrammarMatcher that every token appended to it advances; with
+                              `after` (a reasoning model's end-of-thinking token) the grammar applies only to the
+                              tokens after that token's first appearance: the reasoning before it is free
 
 A waiting request is not admitted until its grammar is compiled (vLLM's WAITING_FOR_FSM); the scheduler skips it
 meanwhile. The sampler masks each constrained row of a step with the matcher's bitmask
@@ -112,12 +114,13 @@ def _problem(error: Exception) -> str:
 class GrammarState:
     """A sequence's grammar: compiled (`future`), then matched (`start()` makes the matcher)."""
 
-    __slots__ = ("future", "matcher", "terminate_without_stop_token")
+    __slots__ = ("future", "matcher", "terminate_without_stop_token", "after")
 
-    def __init__(self, future: Future, terminate_without_stop_token: bool = False) -> None:
+    def __init__(self, future: Future, terminate_without_stop_token: bool = False, after: int | None = None) -> None:
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.terminate_without_stop_token = terminate_without_stop_token
+        self.after = after  # a token id the grammar waits for (None: it applies from the first token)
 
     @property
     def error(self) -> str | None:
@@ -138,11 +141,15 @@ class GrammarState:
 
     def accept(self, token_id: int) -> bool:
         """Advances the matcher by a token appended to the sequence; False if the grammar does not allow it."""
+        if self.after is not None:  # before the grammar applies every token is allowed; `after` starts it
+            if token_id == self.after:
+                self.after = None
+            return True
         return self.matcher.accept_token(token_id)
 
     @property
     def terminated(self) -> bool:
-        return self.matcher is not None and self.matcher.is_terminated()
+        return self.matcher is not None and self.after is None and self.matcher.is_terminated()
 
     def free(self) -> None:
         """The sequence finished: its matcher goes (a step still filling its bitmask holds its own reference)."""
@@ -176,9 +183,9 @@ class StructuredOutputManager:
             self._cache.popitem(last=False)  # sequences holding an evicted grammar keep their own reference
         return future
 
-    def sequence_state(self, future: Future) -> GrammarState:
+    def sequence_state(self, future: Future, after: int | None = None) -> GrammarState:
         # Without a stop token the grammar's completion ends the sequence (with one, the stop token must follow).
-        return GrammarState(future, terminate_without_stop_token=self.eos_token_id is None)
+        return GrammarState(future, terminate_without_stop_token=self.eos_token_id is None, after=after)
 
     def _compiler_for_pool(self) -> xgr.GrammarCompiler:
         """Built by the first compile (in the pool): tokenizer info for every vocabulary entry takes ~0.15 s."""

@@ -324,12 +324,14 @@ class AsyncEngine:
         max_tokens_must_fit: bool = False,
         sink: OutputSink | None = None,
         tag: int = 0,
+        grammar_after: int | None = None,
     ) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineOverloadedError when the waiting queue is
         full; both before anything is queued). The caller must iterate the returned stream to its end or aclose()
         it: closing early aborts the request. check_queue=False: the caller already called check_queue() for a
         group of requests it adds together. sink/tag: deliver the outputs, tagged, to a sink the caller shares
-        between several requests (see OutputSink) instead of a sink of the stream's own."""
+        between several requests (see OutputSink) instead of a sink of the stream's own. grammar_after: see
+        LLMEngine.add_request."""
         self.start()
         if not self.is_running:
             raise EngineDeadError("the engine's step loop is not running")
@@ -345,7 +347,7 @@ class AsyncEngine:
             raise EngineClosedError(self._closed_reason)
         self.engine.add_request(
             request_id, prompt, params, delta=True, prompt_token_ids=prompt_token_ids,
-            max_tokens_must_fit=max_tokens_must_fit,
+            max_tokens_must_fit=max_tokens_must_fit, grammar_after=grammar_after,
         )  # fmt: skip
         stream = RequestStream(self, request_id, sink, tag)
         self._streams[request_id] = stream

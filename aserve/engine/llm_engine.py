@@ -105,9 +105,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         max_tokens_must_fit: bool = False,
+        grammar_after: int | None = None,
     ) -> None:
         """Validates and queues a request. Raises ValueError (bad input) without changing any state.
-        max_tokens_must_fit: see _make_sequences."""
+        max_tokens_must_fit: see _make_sequences. grammar_after: a token id (a reasoning model's end of thinking)
+        before which the structured-output grammar does not apply: it constrains the tokens after that one."""
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
             raise ParamError("request_id", f"request id {request_id!r} is already in use")
@@ -126,7 +128,7 @@ class LLMEngine:
             raise ParamError("request_id", f"request id {request_id!r} is already in use")
         if grammar is not None:  # one matcher per sequence; they wait for the compile in the scheduler's queue
             for sequence in sequences:
-                sequence.grammar = self.core.structured_output.sequence_state(grammar)
+                sequence.grammar = self.core.structured_output.sequence_state(grammar, grammar_after)
         sequence_ids = [s.request_id for s in sequences]
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params, sequence_ids, delta)
         for sequence in sequences:

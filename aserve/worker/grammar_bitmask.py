@@ -67,15 +67,20 @@ class GrammarBitmask:
     def _walk(requests: list[Request], drafts: list[list[int]], visit) -> None:
         """visit(matcher, row) for each logits row of each constrained request, the matcher in its state after the
         drafts before that row; a draft the grammar refuses (or its stop token) ends the request's rows. The drafts
-        are rolled back after."""
+        are rolled back after. A grammar still waiting for its start token (`GrammarState.after`) leaves free
+        the rows up to the one whose draft is that token."""
         base = 0
         for request, request_drafts in zip(requests, drafts):
             grammar = request.grammar
             matcher = grammar.matcher if grammar is not None else None  # None: finished since it was scheduled
             if matcher is not None:
-                accepted = 0
+                after, accepted = grammar.after, 0
                 try:
                     for j in range(len(request_drafts) + 1):
+                        if after is not None:  # the grammar waits for `after`: rows up to it are free
+                            if j < len(request_drafts) and request_drafts[j] == after:
+                                after = None
+                            continue
                         if matcher.is_terminated():
                             break  # a draft was the stop token: the sequence ends there
                         visit(matcher, base + j)

@@ -7,8 +7,10 @@ prompt, as Qwen3-Thinking-2507's and DeepSeek-R1's do; a leading `<think>` in th
 a reply cut off before `</think>` is all reasoning. qwen3 also follows the request's thinking switch: with
 `chat_template_kwargs: {"enable_thinking": false}` the reply is all content.
 
-With tool calling the tool parser reads the content only. Structured output (and a forced tool call) constrains the
-whole reply (aserve does not hold the grammar back until the reasoning ends, as vLLM does): a constrained reply has
+With tool calling the tool parser reads the content only. Structured output (and a forced tool call) constrains
+the answer: where `</think>` is one token of the vocabulary (Qwen3's, DeepSeek-R1's) the grammar waits for that token
+and applies to what follows it (vLLM's rule), so the reasoning is free; with thinking off (qwen3's switch) it applies
+from the start. Where `</think>` is not one token the grammar constrains the whole reply: a constrained reply has
 reasoning only where it starts with `<think>` (its grammar writes the block), else it is all content.
 """
 
@@ -26,11 +28,28 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 FIRST, MARKED, NONE = "first", "marked", "none"
 
 
-def reading(parser: str, constrained: bool = False, thinking: bool = True) -> str:
-    """The parser, a grammar over the whole reply, the request's thinking switch -> how its reply is read."""
+def reading(parser: str, constrained: bool = False, thinking: bool = True, deferred: bool = False) -> str:
+    """The parser, a grammar over the reply, the request's thinking switch, whether the grammar waits for the end of
+    the reasoning -> how its reply is read."""
     if parser == "qwen3" and not thinking:
         return NONE
-    return MARKED if constrained else FIRST
+    return MARKED if constrained and not deferred else FIRST
+
+
+def think_end_token(tokenizer) -> int | None:
+    """The id of `</think>` where it is one token of the tokenizer's vocabulary, else None."""
+    ids = tokenizer.encode(END, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def reasoning_output(parser: str, params, req, tools, end_token: int | None):
+    """A chat request's ReasoningOutput (wrapping its tool-call handling `tools`, already applied to `params`) ->
+    (it, the token its grammar waits for or None)."""
+    constrained = params.structured_outputs is not None
+    thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    mode = reading(parser, constrained, thinking, deferred=end_token is not None)
+    after = end_token if constrained and mode == FIRST else None
+    return ReasoningOutput(mode, tools, req.include_reasoning), after
 
 
 def split_reasoning(mode: str, text: str) -> tuple[str | None, str]:
@@ -71,16 +90,12 @@ class _ContentView:
 
 class ReasoningOutput:
     """One chat request's reasoning split, wrapping its tool-call handling if it has one (the same interface as
-    tool_output.ToolCallOutput: adjust, message, delta)."""
+    tool_output.ToolCallOutput: message, delta)."""
 
     def __init__(self, mode: str, tools=None, include_reasoning: bool = True) -> None:
         """mode: how replies are read (`reading`)."""
         self.mode, self.tools, self.include_reasoning = mode, tools, include_reasoning
         self.streams: dict[int, _Stream] = {}
-
-    def adjust(self, params) -> None:
-        if self.tools is not None:
-            self.tools.adjust(params)
 
     def message(self, body_choice: dict, choice: ChoiceState) -> None:
         reasoning, content = split_reasoning(self.mode, choice.text)

@@ -32,7 +32,7 @@ from aserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     _GenerationRequest,
 )
-from aserve.entrypoints.openai.reasoning import ReasoningOutput, reading
+from aserve.entrypoints.openai.reasoning import reasoning_output, think_end_token
 from aserve.entrypoints.openai.responses import (
     ChoiceState,
     absorb,
@@ -91,6 +91,7 @@ class ServerState:
         self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
         self.response_role = "assistant"  # --response-role: the role of chat replies
         self.reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content apart (reasoning.py)
+        self.think_end_token: int | None = None  # its `</think>` token: a grammar waits for it
         self.log_requests = False  # --enable-log-requests: a log line per request with its parameters
         # the chat template reads content parts as a list (chat_utils.takes_content_parts), or takes a string
         self.content_parts = takes_content_parts(getattr(engine.config.tokenizer, "chat_template", None))
@@ -252,24 +253,24 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
     state.engine.check_queue(req.n)
     tools = tool_call_output(req, state.tool_parser, state.enable_auto_tool_choice) if req.tools else None
     params = state.sampling_params(req)
-    if state.reasoning_parser is not None:  # the tool parser, if any, reads the content only
-        mode = reading(state.reasoning_parser, params.structured_outputs is not None,
-                       (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False)  # fmt: skip
-        tools = ReasoningOutput(mode, tools, req.include_reasoning)
     if tools is not None:
         tools.adjust(params)
+    grammar_after = None  # the token a grammar waits for (a reasoning model's end of thinking)
+    if state.reasoning_parser is not None:  # the tool parser, if any, reads the content only
+        tools, grammar_after = reasoning_output(state.reasoning_parser, params, req, tools, state.think_end_token)
     await state.compile_grammar(req, params)
     conversation = req.conversation(state.content_parts)
     ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs())
     ids = params.truncate_prompt(ids, state.engine.config.max_model_len)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True, tools=tools,
-                           echo=req.echo_text(conversation))  # fmt: skip
+                           echo=req.echo_text(conversation), grammar_after=grammar_after)  # fmt: skip
 
 
-async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool, tools=None, echo=""):
+async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool, tools=None, echo="",
+                    grammar_after: int | None = None):  # fmt: skip
     """Runs every (text, ids, params) prompt; choice index = prompt index * n + sample index. `echo`: a chat's
-    echoed text (the reply's start)."""
+    echoed text (the reply's start); grammar_after: see LLMEngine.add_request."""
     n = req.n
     created = int(time.time())
     if state.log_requests:  # --enable-log-requests
@@ -296,8 +297,9 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     try:
         for i, (text, ids, params) in enumerate(prompts):
             stream = await state.engine.add_request(
-                text, params, f"{request_id}-{i}", ids, check_queue=False, max_tokens_must_fit=True, sink=sink, tag=i
-            )
+                text, params, f"{request_id}-{i}", ids, check_queue=False, max_tokens_must_fit=True, sink=sink,
+                tag=i, grammar_after=grammar_after,
+            )  # fmt: skip
             streams.append(stream)
     except BaseException as e:
         for stream in streams:
@@ -450,6 +452,7 @@ def build_app(
     state = app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
     state.response_role = response_role
     state.reasoning_parser = reasoning_parser
+    state.think_end_token = think_end_token(engine.config.tokenizer) if reasoning_parser else None
     state.log_requests = log_requests
     state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     state.enable_auto_tool_choice = enable_auto_tool_choice
