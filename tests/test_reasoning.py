@@ -64,6 +64,18 @@ async def client_for(llm_engine, **api):
     return await make_client(llm_engine, **api)
 
 
+async def assert_streamed_the_same(client, body: dict, message: dict) -> None:
+    events = await sse_events(await client.post("/v1/chat/completions", json={**body, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
+
+async def thinking_off(client, body: dict) -> dict:
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    return (await (await client.post("/v1/chat/completions", json=off)).json())["choices"][0]["message"]
+
+
 # The tiny model writes what the grammar lets it: a reply in a thinking model's shape
 THINKING = "<think>[a-z]{2,6}</think>[a-z]{2,6}"
 
@@ -76,12 +88,8 @@ async def test_reasoning_content_over_http(llm_engine):
         whole = await (await client.post("/v1/chat/completions", json=body)).json()
         message = whole["choices"][0]["message"]
         assert message["reasoning_content"].isalpha() and message["content"].isalpha()
-        events = await sse_events(await client.post("/v1/chat/completions", json={**body, "stream": True}))
-        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
-        assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
-        assert "".join(d.get("content", "") for d in deltas) == message["content"]
-        off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
-        plain = (await (await client.post("/v1/chat/completions", json=off)).json())["choices"][0]["message"]
+        await assert_streamed_the_same(client, body, message)
+        plain = await thinking_off(client, body)
         assert "reasoning_content" not in plain and plain["content"].startswith("<think>")
         hidden = await (await client.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()
         assert "reasoning_content" not in hidden["choices"][0]["message"]
@@ -149,12 +157,8 @@ async def test_grammar_waits_for_the_end_of_the_reasoning(thinking_engine):
         message = whole["choices"][0]["message"]
         assert whole["choices"][0]["finish_reason"] == "stop" and re.fullmatch("[a-z]{2,6}", message["content"])
         assert re.search("[^a-z]", message["reasoning_content"])  # written outside the grammar
-        events = await sse_events(await client.post("/v1/chat/completions", json={**body, "stream": True}))
-        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
-        assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
-        assert "".join(d.get("content", "") for d in deltas) == message["content"]
-        off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
-        plain = (await (await client.post("/v1/chat/completions", json=off)).json())["choices"][0]["message"]
+        await assert_streamed_the_same(client, body, message)
+        plain = await thinking_off(client, body)
         assert "reasoning_content" not in plain and re.fullmatch("[a-z]{2,6}", plain["content"])
         assert_idle(thinking_engine)
     finally:
