@@ -20,6 +20,7 @@ from aserve.engine.async_engine import AsyncEngine
 from aserve.entrypoints.cli_client import add_client_parsers, run_client
 from aserve.entrypoints.openai.cli_args import (
     add_frontend_args,
+    api_keys,
     check_frontend_args,
     cors_options,
     set_log_levels,
@@ -164,6 +165,7 @@ def serve(ns: argparse.Namespace) -> None:
     limits = ConnectionLimits(ns.timeout_headers, ns.timeout_body, ns.timeout_keep_alive, ns.limit_concurrency)
     limits.validate()
     check_frontend_args(ns)
+    keys = api_keys(ns)
     set_log_levels(ns)
     sock = listen_socket(ns.host, ns.port)  # before minutes of loading: a port in use is an error at once
     t0 = time.perf_counter()
@@ -185,9 +187,10 @@ def serve(ns: argparse.Namespace) -> None:
            "enable_prompt_tokens_details": ns.enable_prompt_tokens_details,
            "enable_tokenizer_info_endpoint": ns.enable_tokenizer_info_endpoint, "response_role": ns.response_role,
            "reasoning_parser": ns.reasoning_parser, "log_requests": ns.enable_log_requests,
-           "cors_options": cors_options(ns)}  # fmt: skip
+           "cors_options": cors_options(ns), "trust_request_chat_template": ns.trust_request_chat_template,
+           "default_chat_template_kwargs": ns.default_chat_template_kwargs}  # fmt: skip
     names = ns.served_model_name or [config.served_model_name]
-    serving = _serve(engine, names, ns.host, ns.port, ns.api_key, ns.shutdown_timeout, limits, api,
+    serving = _serve(engine, names, ns.host, ns.port, keys, ns.shutdown_timeout, limits, api,
                      log_stats=not ns.disable_log_stats, sock=sock)  # fmt: skip
     code = run(serving)
     if code:
@@ -199,7 +202,7 @@ async def _serve(
     served_model_name: str | list[str],
     host: str,
     port: int,
-    api_key: str | None,
+    api_key: str | list[str] | None,
     shutdown_timeout: float = 30.0,
     limits: ConnectionLimits | None = None,
     api: dict | None = None,

@@ -43,17 +43,24 @@ REFUSED_VALUES = {
     "functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "One, two,"}, "verbosity": "low", "web_search_options": {},
-    "moderation": {}, "suffix": " ten.", "use_beam_search": True,
+    "moderation": {}, "suffix": " ten.", "use_beam_search": True, "priority": 1, "watermarking": True,
+    "thinking_token_budget": 10, "logprob_token_ids": [1], "repetition_detection": {"max_pattern_size": 3},
+    "kv_transfer_params": {"do_remote_prefill": True}, "ec_transfer_params": {"x": 1}, "vllm_xargs": {"a": 1},
+    "stream_interval": 4, "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
+    "prompt_embeds": "AAAA", "return_prompt_text": True, "guided_decoding_backend": "outlines",
+    "guided_whitespace_pattern": " ",
 }  # fmt: skip
 IGNORED_VALUES = {
     "user": "u-1", "safety_identifier": "s-1", "store": True, "metadata": {"k": "v"}, "service_tier": "flex",
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "explicit"},
+    "session_id": "s-1", "spaces_between_special_tokens": False, "length_penalty": 0.5,
+    "return_token_offsets": True, "return_mm_kwargs": False, "routed_experts_prompt_start": 3,
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def client():
-    with running_server("--enable-prompt-tokens-details") as url:
+    with running_server("--enable-prompt-tokens-details", "--trust-request-chat-template") as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
@@ -325,6 +332,48 @@ def _reasoning_effort(client, chat, base):  # the default model's template has n
     refused(client, chat, "reasoning_effort", reasoning_effort="extreme")
 
 
+def _add_special_tokens(client, chat, base):  # the default model's tokenizer adds none (test_server.py: one that does)
+    body = call(client, chat, add_special_tokens=not chat, return_token_ids=True)
+    assert prompt_ids(body) == prompt_ids(base[chat]) and text(body) == text(base[chat])
+
+
+def _truncation_side(client, chat, base):
+    body = call(client, chat, truncate_prompt_tokens=4, truncation_side="right", return_token_ids=True)
+    assert prompt_ids(body) == prompt_ids(base[chat])[:4]
+    refused(client, chat, "truncation_side", truncation_side="middle")
+
+
+def _request_id(client, chat, base):
+    assert call(client, chat, request_id="job-7")["id"] == ("chatcmpl-job-7" if chat else "cmpl-job-7")
+
+
+def _return_tokens_as_token_ids(client, chat, base):
+    fields = {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}
+    body = call(client, chat, return_tokens_as_token_ids=True, return_token_ids=True, **fields)
+    lp = body["choices"][0]["logprobs"]
+    tokens = [entry["token"] for entry in lp["content"]] if chat else lp["tokens"]
+    assert tokens == [f"token_id:{t}" for t in ids(body)]
+    tops = [[t["token"] for t in e["top_logprobs"]] for e in lp["content"]] if chat else lp["top_logprobs"]
+    assert all(all(re.fullmatch(r"token_id:\d+", t) for t in top) for top in tops)
+
+
+LAST_MESSAGE_TEMPLATE = "{{ messages[-1]['content'] }}"
+DOCUMENTS_TEMPLATE = "{% for d in documents %}{{ d['text'] }} {% endfor %}" + LAST_MESSAGE_TEMPLATE
+
+
+def _chat_template(client, chat, base):  # (the server runs with --trust-request-chat-template)
+    body = call(client, chat, chat_template=LAST_MESSAGE_TEMPLATE, return_token_ids=True)
+    tokenized = client.post("/../tokenize", cast_to=object, body={"prompt": COUNT[-1]["content"]})
+    assert prompt_ids(body) == tokenized["tokens"]
+
+
+def _documents(client, chat, base):
+    body = call(client, chat, chat_template=DOCUMENTS_TEMPLATE, documents=[{"title": "t", "text": "Numbers:"}],
+                return_token_ids=True)  # fmt: skip
+    tokenized = client.post("/../tokenize", cast_to=object, body={"prompt": "Numbers: " + COUNT[-1]["content"]})
+    assert prompt_ids(body) == tokenized["tokens"]
+
+
 _JSON_ENUM = {"type": "string", "enum": ["yes", "no"]}
 IMPLEMENTED = {
     "model": _model, "messages": _messages, "prompt": _prompt,
@@ -351,7 +400,10 @@ IMPLEMENTED = {
     "truncate_prompt_tokens": _truncate_prompt_tokens, "return_token_ids": _return_token_ids,
     "add_generation_prompt": _add_generation_prompt, "continue_final_message": _continue_final_message,
     "chat_template_kwargs": _chat_template_kwargs, "reasoning_effort": _reasoning_effort,
-    "include_reasoning": _include_reasoning,
+    "include_reasoning": _include_reasoning, "add_special_tokens": _add_special_tokens,
+    "truncation_side": _truncation_side, "request_id": _request_id,
+    "return_tokens_as_token_ids": _return_tokens_as_token_ids, "chat_template": _chat_template,
+    "documents": _documents,
 }  # fmt: skip
 
 

@@ -69,6 +69,8 @@ async def assert_streamed_the_same(client, body: dict, message: dict) -> None:
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)  # vLLM's newer name, the same
+    assert message.get("reasoning") == message.get("reasoning_content")
 
 
 async def thinking_off(client, body: dict) -> dict:
@@ -160,6 +162,10 @@ async def test_grammar_waits_for_the_end_of_the_reasoning(thinking_engine):
         await assert_streamed_the_same(client, body, message)
         plain = await thinking_off(client, body)
         assert "reasoning_content" not in plain and re.fullmatch("[a-z]{2,6}", plain["content"])
+        # without include_reasoning the grammar applies from the start, as in vLLM
+        hidden = {**body, "include_reasoning": False}
+        message = (await (await client.post("/v1/chat/completions", json=hidden)).json())["choices"][0]["message"]
+        assert "reasoning" not in message and re.fullmatch("[a-z]{2,6}", message["content"])
         assert_idle(thinking_engine)
     finally:
         await client.close()

@@ -1,5 +1,5 @@
-"""Security: the API key guard on every /v1 route, binding to localhost by default, a random prefix-hash seed per
-process, and cache_salt isolation of prefix-cache sharing between tenants."""
+"""Security: the API key guard on every /v1 route (several keys, or vLLM's VLLM_API_KEY), binding to localhost by
+default, a random prefix-hash seed per process, and cache_salt isolation of prefix-cache sharing between tenants."""
 
 import subprocess
 import sys
@@ -9,6 +9,7 @@ from reliability_common import make_llm_engine
 from test_server import make_client, metric
 
 from aserve.cli import build_parser
+from aserve.entrypoints.openai.cli_args import api_keys
 
 llm_engine = reliability_common.llm_engine  # a fixture, found by its name
 
@@ -34,6 +35,21 @@ async def test_api_key_guards_every_v1_route(llm_engine):
         assert (await client.get("/health")).status == 200 and (await client.get("/metrics")).status == 200
     finally:
         await client.close()
+
+
+async def test_several_api_keys_and_vllms_variable(llm_engine, monkeypatch):
+    """--api-key takes several keys (any opens /v1); without the flag $VLLM_API_KEY sets one, as in vLLM."""
+    client = await make_client(llm_engine, api_key=["first", "second"])
+    try:
+        for key, status in (("first", 200), ("second", 200), ("firs", 401), ("first second", 401)):
+            assert (await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})).status == status
+    finally:
+        await client.close()
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert api_keys(build_parser().parse_args(["serve"])) == ["from-env"]
+    assert api_keys(build_parser().parse_args(["serve", "--api-key", "a", "b"])) == ["a", "b"]
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert api_keys(build_parser().parse_args(["serve"])) is None
 
 
 def test_serve_binds_localhost_by_default():

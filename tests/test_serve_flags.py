@@ -75,11 +75,42 @@ def test_vllm_server_flags(tiny_model, tmp_path, capsys):
     (["--tokenizer-mode", "slow"], "--tokenizer-mode slow"),
     (["-pp", "2"], "tensor parallelism only"), (["--revision", "main"], "no model hub"),
     (["--chat-template", "no/such/file"], "neither a file nor a Jinja template"),
+    (["--default-chat-template-kwargs", '{"tools": []}'], "may not set 'tools'"),
+    (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
 ])  # fmt: skip
 def test_values_aserve_cannot_honour_are_refused(flags, message, capsys, tiny_model):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["serve", "--model", tiny_model, "--enforce-eager", *flags])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+async def test_request_chat_templates_and_default_kwargs(tiny_model):
+    """--trust-request-chat-template lets a request bring its template (and documents to it);
+    --default-chat-template-kwargs reach every template unless the request's chat_template_kwargs say otherwise."""
+    from transformers import AutoTokenizer
+
+    from aserve import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=128,
+                                  served_model_name="tiny"))  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    template = "{{ greeting }}{% for d in documents or [] %} {{ d['text'] }}{% endfor %} {{ messages[-1]['content'] }}"
+    client = await make_client(engine, trust_request_chat_template=True,
+                               default_chat_template_kwargs={"greeting": "Hello"})  # fmt: skip
+    try:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": template, "max_tokens": 1,
+                "return_token_ids": True}  # fmt: skip
+        cases = (({}, "Hello Hi"), ({"chat_template_kwargs": {"greeting": "Bye"}}, "Bye Hi"),
+                 ({"documents": [{"title": "a", "text": "doc"}]}, "Hello doc Hi"))  # fmt: skip
+        for extra, rendered in cases:
+            expected = tokenizer.encode(rendered, add_special_tokens=False)
+            chat = await (await client.post("/v1/chat/completions", json={**body, **extra})).json()
+            assert chat["prompt_token_ids"] == expected
+            tok = await (await client.post("/tokenize", json={"messages": body["messages"], "chat_template": template,
+                                                              **extra})).json()  # fmt: skip
+            assert tok["tokens"] == expected
+    finally:
+        await client.close()
 
 
 async def test_enable_log_requests(tiny_model, caplog):

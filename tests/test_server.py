@@ -186,6 +186,16 @@ async def test_stop_and_logprobs(client, llm_engine):
             "tool_choice",  # "auto" (the default with tools) needs --enable-auto-tool-choice
         ),
         ("/v1/nope", {}, 404, None),
+        ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),  # unrecognised
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "regex": "a"}, 400, "regex"),
+        ("/tokenize", {"prompt": "x", "unknown": True}, 400, "unknown"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+            400,
+            "chat_template",
+        ),  # without --trust-request-chat-template
+        ("/v1/completions", {"prompt": "x", "priority": 2}, 400, "priority"),
     ],
 )
 async def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, llm_engine, path, body, status, param):
@@ -238,6 +248,47 @@ async def test_api_key(llm_engine):
         )
         assert resp.status == 200
         assert (await client.get("/health")).status == 200  # health is not behind the key
+    finally:
+        await client.close()
+
+
+async def test_request_id_and_x_request_id(client, llm_engine):
+    """The response's id after its prefix: an X-Request-Id header, else the request_id field; two requests may carry
+    the same one at once (the engine's own ids stay unique)."""
+    body = {"prompt": "x", "max_tokens": 2, "request_id": "mine"}
+    assert (await (await client.post("/v1/completions", json=body)).json())["id"] == "cmpl-mine"
+    both = [client.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr"}) for _ in range(2)]
+    assert [(await r.json())["id"] for r in await asyncio.gather(*both)] == ["cmpl-hdr"] * 2
+    assert_idle(llm_engine)
+
+
+async def test_add_special_tokens(tmp_path, tiny_model):
+    """With a tokenizer that adds BOS: completions' prompts get it unless add_special_tokens is false; chat's only
+    with add_special_tokens true (the template places the rest), as in vLLM."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "bos"
+    shutil.copytree(tiny_model, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", tokenizer.bos_token_id)])  # fmt: skip
+    tokenizer.save_pretrained(path)
+    bos = tokenizer.bos_token_id
+    engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128,
+                                  served_model_name=MODEL))  # fmt: skip
+    client = await make_client(engine)
+    try:
+        base = {"max_tokens": 1, "return_token_ids": True}
+        for extra, first in (({}, bos), ({"add_special_tokens": False}, None), ({"add_special_tokens": True}, bos)):
+            body = await (await client.post("/v1/completions", json={"prompt": "Hi", **base, **extra})).json()
+            ids = body["choices"][0]["prompt_token_ids"]
+            assert (ids[0] == bos) == (first is not None) and ids[-1] != bos
+            chat = {"messages": [{"role": "user", "content": "Hi"}], **base, **extra}
+            ids = (await (await client.post("/v1/chat/completions", json=chat)).json())["prompt_token_ids"]
+            assert (ids[0] == bos) == (extra.get("add_special_tokens") is True)
     finally:
         await client.close()
 

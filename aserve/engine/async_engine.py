@@ -212,16 +212,19 @@ class AsyncEngine:
             raise ParamError("tokens", f"token ids must be in [0, {vocab})")
         return await self.tokenizer_pool.decode(token_ids)
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs=None):
-        """A conversation through the tokenizer's chat template -> its prompt token ids. Messages whose text alone
-        cannot fit the context are refused before rendering; rendering and tokenising run in the tokenizer pool."""
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs=None,
+                          add_special_tokens: bool = False):  # fmt: skip
+        """A conversation through the tokenizer's chat template -> its prompt token ids (add_special_tokens: the
+        tokenizer's own, e.g. BOS, on top of the template's). Messages whose text alone cannot fit the context are
+        refused before rendering; rendering and tokenising run in the tokenizer pool."""
         check = self.engine.check_prompt_chars
         text_chars = sum(len(c) if isinstance(c := m.get("content"), str) else sum(len(p["text"]) for p in c or ())
                          for m in messages)  # fmt: skip
         check(text_chars, "messages")
         return await self.tokenizer_pool.render_chat(
-            messages, add_generation_prompt, template_kwargs, text_chars, lambda n: check(n, "messages")
-        )
+            messages, add_generation_prompt, template_kwargs, text_chars, lambda n: check(n, "messages"),
+            add_special_tokens,
+        )  # fmt: skip
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 

@@ -407,12 +407,13 @@ class TokenizerPool:
         template_kwargs: dict | None,
         text_chars: int,
         check_chars: Callable[[int], None],
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """A conversation through the tokenizer's chat template -> its token ids, both in the pool. The messages'
         text (`text_chars` characters) counts against the cap; `check_chars(len(rendered))` may refuse the rendered
         text before it is tokenised."""
         tokenizer = self.tokenizer
-        if tokenizer.chat_template is None:
+        if tokenizer.chat_template is None and not (template_kwargs or {}).get("chat_template"):
             raise ParamError("messages", "this model's tokenizer has no chat template; use /v1/completions")
 
         def render() -> list[int]:
@@ -423,7 +424,7 @@ class TokenizerPool:
             except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
                 raise ParamError("messages", f"the chat template rejected the messages: {e}") from e
             check_chars(len(text))
-            return tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         return await self._run(text_chars, render)
 

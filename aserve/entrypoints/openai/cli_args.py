@@ -16,6 +16,7 @@ import os
 from aserve.engine.llm_engine import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
 from aserve.entrypoints.openai.connections import bad_http_in_one_line
 from aserve.entrypoints.openai.cors import CorsOptions
+from aserve.entrypoints.openai.protocol import TEMPLATE_CONTROLS
 from aserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -25,7 +26,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def add_frontend_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--api-key", nargs="+", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes, one of these keys (default: "
+                            "$VLLM_API_KEY if set, else none)")  # fmt: skip
     serve.add_argument("--log-level", default="info", help="debug, info, warning or error")
     serve.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
@@ -80,11 +83,17 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--chat-template", default=None,
                        help="the chat template: a Jinja file, or the template itself (default: the "
                             "tokenizer's)")  # fmt: skip
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="chat requests may bring their own chat_template (default: off, such requests get "
+                            "400)")  # fmt: skip
+    serve.add_argument("--default-chat-template-kwargs", type=_json_dict, default=None,
+                       help='chat template arguments for every request, a JSON object (e.g. {"enable_thinking": '
+                            "false}); a request's chat_template_kwargs override them")  # fmt: skip
     serve.add_argument("--response-role", default="assistant", help="the role of chat completion replies")
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                       help="chat replies' thinking (up to </think>) as reasoning_content apart from content: "
-                            "deepseek_r1 (replies start in their reasoning), qwen3 (where they start with "
-                            "<think>)")  # fmt: skip
+                       help="chat replies' thinking (up to </think>) as reasoning (and reasoning_content) apart "
+                            "from content: deepseek_r1 (replies start in their reasoning), qwen3 (where they start "
+                            "with <think>)")  # fmt: skip
     serve.add_argument("--allowed-origins", type=_json_list, default=["*"],
                        help='CORS: origins browsers may call from, a JSON list (default: ["*"])')  # fmt: skip
     serve.add_argument("--allowed-methods", type=_json_list, default=["*"],
@@ -127,6 +136,26 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
+def _json_dict(value: str) -> dict:
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
+
+
+def api_keys(ns: argparse.Namespace) -> list[str] | None:
+    """--api-key's keys, else $VLLM_API_KEY's (vLLM's variable), else None: no key needed."""
+    keys = ns.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else None)
+    if keys is not None and not all(keys):
+        raise ValueError("--api-key: a key may not be empty")
+    return keys
+
+
 def check_frontend_args(ns: argparse.Namespace) -> None:
     """ValueError for a value aserve cannot honour (the module docstring), or out of range."""
     if not 1 <= ns.port <= 65535:
@@ -147,6 +176,9 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
         raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    reserved = sorted(set(ns.default_chat_template_kwargs or ()) & TEMPLATE_CONTROLS)
+    if reserved:
+        raise ValueError(f"--default-chat-template-kwargs may not set {reserved[0]!r} (requests set it)")
     if ns.chat_template is not None:  # read now, before minutes of loading
         ns.chat_template = load_chat_template(ns.chat_template)
 

@@ -325,6 +325,9 @@ def _decode(body: bytes | mmap.mmap, struct_type):
         return msgspec.json.decode(body, type=struct_type)
     except msgspec.ValidationError as e:
         msg = str(e)
+        if msg.startswith("Object contains unknown field `") and "at `$." not in msg:  # OpenAI's answer to it
+            field = msg.split("`")[1]
+            raise APIError(400, f"Unrecognized request argument supplied: {field}", param=field) from e
         param = msg.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in msg else None
         raise APIError(400, f"invalid request: {msg}", param=param) from e
     except msgspec.DecodeError as e:

@@ -3,10 +3,12 @@ what goes back)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from aserve.entrypoints.chat_utils import parse_conversation
-from aserve.entrypoints.openai.request_fields import REFUSED_FIELDS
+from aserve.entrypoints.openai.request_fields import REFUSED_FIELDS, asks_for
 from aserve.entrypoints.openai.structured_request import (
     STRUCTURED_FIELDS,
     ResponseFormat,
@@ -27,7 +29,7 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries
 _INT64 = (-(2**63), 2**63 - 1)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # apply_chat_template's own arguments: chat_template_kwargs may not set them
-_TEMPLATE_CONTROLS = frozenset({"add_generation_prompt", "continue_final_message", "tools", "tokenize", "conversation",
+TEMPLATE_CONTROLS = frozenset({"add_generation_prompt", "continue_final_message", "tools", "tokenize", "conversation",
                                 "chat_template", "return_dict", "return_tensors", "padding", "truncation",
                                 "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})  # fmt: skip
 
@@ -38,8 +40,9 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_obfuscation: bool | None = None  # accepted: aserve's chunks carry no obfuscation padding
 
 
-class _GenerationRequest(msgspec.Struct, kw_only=True):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
+class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras). A field that is none
+    of these is a 400 (connections._decode)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -80,6 +83,28 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: the last max_model_len)
     return_token_ids: bool | None = None  # the prompt's and each choice's token ids in the response
+    add_special_tokens: bool | None = None  # None: completions' prompts get them (BOS), chat's only the template's
+    truncation_side: str | None = None  # truncate_prompt_tokens keeps the last N ("left", default) or first N ("right")
+    request_id: str | None = None  # the response's id after "cmpl-" / "chatcmpl-" (an X-Request-Id header wins)
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens written "token_id:N"
+    # vLLM's fields that aserve accepts without effect or refuses (request_fields.py)
+    session_id: str | None = None
+    spaces_between_special_tokens: bool = True
+    length_penalty: float = 1.0
+    return_token_offsets: bool | None = None
+    return_mm_kwargs: bool = True
+    routed_experts_prompt_start: int = 0
+    priority: int = 0
+    watermarking: bool | None = None
+    thinking_token_budget: int | None = None
+    logprob_token_ids: list[int] | None = None
+    repetition_detection: dict | None = None
+    kv_transfer_params: dict | None = None
+    ec_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
+    stream_interval: int | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -97,6 +122,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def truncate(self, ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens keeps it, from the side truncation_side names."""
+        kept = params.truncate_prompt(ids, max_model_len)
+        return ids[: len(kept)] if self.truncation_side == "right" else kept
+
     def num_logprobs(self) -> int | None:
         return None
 
@@ -107,10 +137,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         """400 for what aserve does not do (rather than ignoring it): request_fields.REFUSED_FIELDS, best_of; and
         stream_options without stream (vLLM's 400)."""
         for name, why in REFUSED_FIELDS.items():
-            value = getattr(self, name, None)
-            if value is None or value is False or value in ("", []) or (name == "modalities" and value == ["text"]):
-                continue
-            raise ParamError(name, f"{name} is not supported: {why}")
+            if asks_for(name, getattr(self, name, None)):
+                raise ParamError(name, f"{name} is not supported: {why}")
+        if self.truncation_side not in (None, "left", "right"):
+            raise ParamError("truncation_side", "truncation_side must be 'left' or 'right'")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "Stream options can only be defined when `stream=True`.")
         if self.best_of is not None and self.best_of not in (1, self.n):
@@ -212,6 +242,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_embeds: Any = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -267,11 +298,16 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     echo: bool = False  # vLLM's: the reply starts with the last message's text when it continues that message
     chat_template_kwargs: dict | None = None
     reasoning_effort: str | None = None  # to the chat template, as vLLM passes it (with enable_thinking)
-    include_reasoning: bool = True  # with --reasoning-parser: false drops reasoning_content (reasoning.py)
+    include_reasoning: bool = True  # with --reasoning-parser: false drops the reasoning (reasoning.py)
     tools: list[dict] | None = None  # tool calling: tool_request.py (the request), tool_output.py (the response)
     tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
     parallel_tool_calls: bool = True
-    # OpenAI's fields that aserve accepts without effect or refuses (request_fields.py)
+    documents: list[dict] | None = None  # to the chat template (retrieval-augmented templates read them)
+    chat_template: str | None = None  # the request's own template (the server's --trust-request-chat-template)
+    # OpenAI's and vLLM's fields that aserve accepts without effect or refuses (request_fields.py)
+    media_io_kwargs: dict | None = None
+    mm_processor_kwargs: dict | None = None
+    return_prompt_text: bool | None = None
     store: bool | None = None
     metadata: dict | None = None
     service_tier: str | None = None
@@ -297,17 +333,22 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                              "`add_generation_prompt` to True.")  # fmt: skip
         if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
             raise ParamError("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
-        reserved = sorted(set(self.chat_template_kwargs or ()) & _TEMPLATE_CONTROLS)
+        reserved = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_CONTROLS)
         if reserved:
             raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r} (request "
                              "fields set add_generation_prompt, continue_final_message and tools)")  # fmt: skip
 
     def template_kwargs(self) -> dict | None:
-        """The chat template's extra arguments: chat_template_kwargs, tools, continue_final_message, and
-        reasoning_effort with enable_thinking (unless chat_template_kwargs sets it), as vLLM passes them."""
+        """The chat template's extra arguments: chat_template_kwargs, tools, documents, continue_final_message,
+        reasoning_effort with enable_thinking (unless chat_template_kwargs sets it), as vLLM passes them, and the
+        request's own chat_template (the server checks that it may)."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.tools:
             kwargs["tools"] = self.tools
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         if self.continue_final_message:
             kwargs["continue_final_message"] = True
         if self.reasoning_effort is not None:
@@ -358,33 +399,35 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         return parse_conversation(self.messages, keep_parts)
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's /tokenize: a prompt, or messages rendered as /v1/chat/completions renders them (the same template
     arguments); return_token_strs adds each token's string."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict] | None = None
-    add_special_tokens: bool | None = None  # prompt: default true; messages: the template's own only (vLLM's false)
+    add_special_tokens: bool | None = None  # prompt: default true; messages: default false (the template's only)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None
     tools: list[dict] | None = None
+    mm_processor_kwargs: dict | None = None
     return_token_strs: bool = False
 
     def chat_request(self) -> ChatCompletionRequest:
         """The messages and template arguments as a chat request, checked as one."""
-        if self.add_special_tokens:
-            raise ParamError("add_special_tokens", "add_special_tokens is not supported with messages (the chat "
-                             "template places the special tokens)")  # fmt: skip
         chat = ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message,
-                                     chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)  # fmt: skip
+                                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
+                                     documents=self.documents, tools=self.tools,
+                                     mm_processor_kwargs=self.mm_processor_kwargs)  # fmt: skip
         chat.check_unsupported()
         return chat
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     tokens: list[int]
 

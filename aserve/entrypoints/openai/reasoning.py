@@ -1,6 +1,7 @@
 """Reasoning models' thinking apart from their answer (`aserve serve --reasoning-parser deepseek_r1 | qwen3`, vLLM's
-flag): a chat reply's text up to `</think>` becomes `reasoning_content` (streamed as `delta.reasoning_content`), the
-rest `content`; a request's `include_reasoning: false` drops the reasoning.
+flag): a chat reply's text up to `</think>` becomes `reasoning` (streamed as `delta.reasoning`; also under vLLM's
+earlier name `reasoning_content`, which clients still read), the rest `content`; a request's `include_reasoning: false`
+drops the reasoning.
 
 Both parsers read a reply as starting in its reasoning (the chat template may have written `<think>` into the
 prompt, as Qwen3-Thinking-2507's and DeepSeek-R1's do; a leading `<think>` in the reply is dropped) until `</think>`;
@@ -47,7 +48,8 @@ def reasoning_output(parser: str, params, req, tools, end_token: int | None):
     (it, the token its grammar waits for or None)."""
     constrained = params.structured_outputs is not None
     thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-    mode = reading(parser, constrained, thinking, deferred=end_token is not None)
+    # as vLLM: without include_reasoning the grammar applies from the start
+    mode = reading(parser, constrained, thinking, deferred=end_token is not None and req.include_reasoning)
     after = end_token if constrained and mode == FIRST else None
     return ReasoningOutput(mode, tools, req.include_reasoning), after
 
@@ -102,7 +104,7 @@ class ReasoningOutput:
         message = body_choice["message"]
         message["content"] = content or None
         if reasoning is not None and self.include_reasoning:
-            message["reasoning_content"] = reasoning
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if self.tools is not None:
             self.tools.message(body_choice, _ContentView(choice, content, ""))
 
@@ -117,7 +119,7 @@ class ReasoningOutput:
             body_choice["delta"] = {"content": content} if content else {}
             has_more = bool(content) or choice.finish_reason is not None or body_choice.get("logprobs") is not None
         if reasoning and self.include_reasoning:
-            body_choice["delta"] = {"reasoning_content": reasoning, **body_choice["delta"]}
+            body_choice["delta"] = {"reasoning": reasoning, "reasoning_content": reasoning, **body_choice["delta"]}
             has_more = True
         return has_more
 

@@ -42,6 +42,7 @@ class ChoiceState:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache
         self.output_token_ids: list[int] = []  # generated tokens only (token_ids may start with an echoed prompt)
         self.delta_output_token_ids: list[int] = []
+        self.ids_as_tokens = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
     def add(self, comp: CompletionOutput, error: str | None) -> None:
         """Adds an output's delta; deltas gather until `clear_delta` (a stream sent them)."""
@@ -122,28 +123,31 @@ def _top_entries(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Log
     return top[:num_top]
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, offset: int) -> dict:
-    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset. An echoed prompt's first
-    token has no logprob: its entry is a placeholder (prompt_scoring.first_token_entry), reported as nulls."""
+def _token(token_id: int, lp: Logprob, as_id: bool) -> str:
+    """A logprob entry's token: its text, or with return_tokens_as_token_ids "token_id:N" (vLLM's form)."""
+    return f"token_id:{token_id}" if as_id else lp.decoded_token or ""
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, offset: int,
+                        as_ids: bool = False) -> dict:  # fmt: skip
+    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset (of each token's text). An
+    echoed prompt's first token has no logprob: its entry is a placeholder (prompt_scoring.first_token_entry),
+    reported as nulls. as_ids: tokens named "token_id:N"."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         sampled = entry[token_id]
+        tokens.append(_token(token_id, sampled, as_ids))
+        text_offset.append(offset)
+        offset += len(sampled.decoded_token or "")
         if sampled.rank == 0:
-            tokens.append(sampled.decoded_token or "")
             token_logprobs.append(None)
             top_logprobs.append(None)
-            text_offset.append(offset)
-            offset += len(tokens[-1])
             continue
-        text = sampled.decoded_token or ""
-        tokens.append(text)
         token_logprobs.append(_clamp(sampled.logprob))
         # the top `num_top` and the sampled token, wherever it ranks (up to num_top + 1 entries, as OpenAI's)
-        top = {(lp.decoded_token or ""): _clamp(lp.logprob) for _, lp in _top_entries(entry, num_top)}
-        top.setdefault(text, _clamp(sampled.logprob))
+        top = {_token(t, lp, as_ids): _clamp(lp.logprob) for t, lp in _top_entries(entry, num_top)}
+        top.setdefault(tokens[-1], _clamp(sampled.logprob))
         top_logprobs.append(top)
-        text_offset.append(offset)
-        offset += len(text)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -152,17 +156,18 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
     }
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> dict:
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, as_ids: bool = False) -> dict:
     """OpenAI's chat shape: per token, the sampled token and its logprob, and top_logprobs: the `num_top` most likely
-    (the sampled token among them only where it ranks)."""
+    (the sampled token among them only where it ranks). as_ids: tokens named "token_id:N"."""
 
-    def item(lp: Logprob) -> dict:
-        text = lp.decoded_token or ""
+    def item(token_id: int, lp: Logprob) -> dict:
+        text = _token(token_id, lp, as_ids)
         return {"token": text, "logprob": _clamp(lp.logprob), "bytes": list(text.encode())}
 
     content = []
     for token_id, entry in zip(token_ids, entries):
-        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for _, lp in _top_entries(entry, num_top)]})
+        top = [item(t, lp) for t, lp in _top_entries(entry, num_top)]
+        content.append({**item(token_id, entry[token_id]), "top_logprobs": top})
     return {"content": content}
 
 
@@ -175,7 +180,7 @@ def completion_chunk(request_id, created, model, choices: list[ChoiceState], fin
         logprobs = None
         if c.want_logprobs:
             offset = 0 if final else len(c.text) - len(c.delta_text)
-            logprobs = completion_logprobs(ids, entries, c.num_top, offset)
+            logprobs = completion_logprobs(ids, entries, c.num_top, offset, c.ids_as_tokens)
         out.append(
             {
                 "index": c.index,
@@ -205,7 +210,7 @@ def chat_chunk(request_id, created, model, choices: list[ChoiceState], final: bo
         text, ids, entries = (
             (c.text, c.token_ids, c.logprobs) if final else (c.delta_text, c.delta_token_ids, c.delta_logprobs)
         )
-        logprobs = chat_logprobs(ids, entries, c.num_top) if c.want_logprobs else None
+        logprobs = chat_logprobs(ids, entries, c.num_top, c.ids_as_tokens) if c.want_logprobs else None
         if final:
             out.append(
                 {

@@ -5,6 +5,7 @@ same event loop (model execution itself runs in the engine's worker thread)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -12,15 +13,12 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from aserve import envs
-from aserve.core.metrics import PrometheusMetrics
 from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
-from aserve.entrypoints.chat_utils import takes_content_parts
 from aserve.entrypoints.openai import cors
-from aserve.entrypoints.openai.connections import MAX_BODY_BYTES, BodyReader, ConnectionGuard
+from aserve.entrypoints.openai.connections import MAX_BODY_BYTES
 from aserve.entrypoints.openai.cors import CorsOptions
-from aserve.entrypoints.openai.event_stream import EventStream, FlowControl, stream_response
+from aserve.entrypoints.openai.event_stream import EventStream, stream_response
 from aserve.entrypoints.openai.openapi import openapi_spec
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs, make_echoes
 from aserve.entrypoints.openai.protocol import (
@@ -30,7 +28,6 @@ from aserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    _GenerationRequest,
 )
 from aserve.entrypoints.openai.reasoning import reasoning_output, think_end_token
 from aserve.entrypoints.openai.responses import (
@@ -40,100 +37,23 @@ from aserve.entrypoints.openai.responses import (
     cached_tokens,
     chat_chunk,
     completion_chunk,
-    error_body,
     error_type,
     usage,
 )
-from aserve.entrypoints.openai.structured_request import structured_outputs_field
+from aserve.entrypoints.openai.server_state import (
+    ENGINE_KEY,
+    SHUTTING_DOWN,
+    STATE_KEY,
+    ServerState,
+    error_response,
+    json_response,
+)
 from aserve.entrypoints.openai.tool_output import tool_call_output
-from aserve.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
-from aserve.entrypoints.openai.tool_request import forces_tool_call
+from aserve.entrypoints.openai.tool_parsers import get_tool_parser
 from aserve.sampling_params import ParamError
 from aserve.version import __version__
 
 logger = logging.getLogger("aserve")
-
-ENGINE_KEY = web.AppKey("engine", AsyncEngine)
-STATE_KEY = web.AppKey("server_state", object)
-
-_encode = msgspec.json.encode
-
-SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
-
-
-def error_response(status: int, message: str, type_="invalid_request_error", param=None, code=None) -> web.Response:
-    body = error_body(message, type_, param, code)
-    return web.Response(status=status, body=_encode(body), content_type="application/json")
-
-
-def json_response(obj, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=_encode(obj), content_type="application/json")
-
-
-class ServerState:
-    def __init__(self, engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None) -> None:
-        self.engine = engine
-        # --served-model-name A B: requests may name any; responses and metrics carry the first
-        self.model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-        self.model_name = self.model_names[0]
-        self.api_key = api_key
-        self.created = int(time.time())
-        self.metrics = PrometheusMetrics(self.model_name)
-        engine.stats.add_listener(self.metrics)
-        self.draining = False  # graceful shutdown began: new requests get 503, in-flight ones finish
-        self.inflight = 0  # requests being handled, /health and /metrics aside
-        self.idle = asyncio.Event()
-        self.idle.set()
-        self.bodies = BodyReader(engine.check_prompt_chars)
-        self.connections: ConnectionGuard | None = None  # `aserve serve`'s read timeouts and connection limit
-        self.tool_parser: ToolParser | None = None  # --tool-call-parser
-        self.enable_auto_tool_choice = False  # --enable-auto-tool-choice: tool_choice "auto" is parsed
-        self.enable_prompt_tokens_details = False  # --enable-prompt-tokens-details: usage reports cached tokens
-        self.response_role = "assistant"  # --response-role: the role of chat replies
-        self.reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content apart (reasoning.py)
-        self.think_end_token: int | None = None  # its `</think>` token: a grammar waits for it
-        self.log_requests = False  # --enable-log-requests: a log line per request with its parameters
-        # the chat template reads content parts as a list (chat_utils.takes_content_parts), or takes a string
-        self.content_parts = takes_content_parts(getattr(engine.config.tokenizer, "chat_template", None))
-        # what a streaming client that stopped reading may hold (event_stream.py's flow control)
-        self.flow_control = FlowControl(envs.ASERVE_STREAM_BUFFER, envs.ASERVE_STREAM_STALL_TIMEOUT,
-                                        self.metrics.on_stream_paused, self.on_slow_client)  # fmt: skip
-
-    def attach_connections(self, guard: ConnectionGuard) -> None:
-        """`aserve serve`'s connections go through `guard`: handlers mark their phases on it."""
-        self.connections = self.bodies.connections = guard
-        self.bodies.timeout_body = guard.limits.timeout_body
-        guard.on_closed = self.metrics.on_connection_closed
-
-    def on_slow_client(self) -> None:
-        """A streaming client stopped reading and was cut off (aserve:http_connections_closed_total{reason})."""
-        if self.connections is not None:
-            self.connections.count_closed("slow_client")
-        else:
-            self.metrics.on_connection_closed("slow_client")
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-
-    def sampling_params(self, req: _GenerationRequest):
-        """The request's parameters; max_tokens None: up to the context length (the engine resolves it per prompt,
-        and checks that prompt + max_tokens fits)."""
-        return req.to_sampling_params(req.requested_max_tokens(), self.engine.config.default_sampling)
-
-    async def compile_grammar(self, req: _GenerationRequest, params) -> None:
-        """A structured-output grammar compiles (off the loop) before the request is queued; one that does not is a
-        400 naming the request field it came in."""
-        if params.structured_outputs is None:
-            return
-        try:
-            await self.engine.compile_grammar(params)
-        except ParamError as e:
-            e.param = "tools" if forces_tool_call(req) else structured_outputs_field(req)
-            raise
-
-
-# -- handlers ---------------------------------------------------------------------------------------------------
 
 
 async def health(request: web.Request) -> web.Response:
@@ -187,9 +107,11 @@ async def tokenize(request: web.Request) -> web.Response:
         add_special = req.add_special_tokens is not False
         ids = await state.engine.tokenize(req.prompt, add_special_tokens=add_special)
     else:
+        state.add_template_defaults(req)
         chat = req.chat_request()
-        conversation = chat.conversation(state.content_parts)
-        ids = await state.engine.render_chat(conversation, chat.add_generation_prompt, chat.template_kwargs())
+        conversation = chat.conversation(state.chat_content_parts(chat))
+        ids = await state.engine.render_chat(conversation, chat.add_generation_prompt, chat.template_kwargs(),
+                                             bool(req.add_special_tokens))  # fmt: skip
     body = {"tokens": ids, "count": len(ids), "max_model_len": state.engine.config.max_model_len}
     if req.return_token_strs:
         body["token_strs"] = state.engine.config.tokenizer.convert_ids_to_tokens(ids)
@@ -229,17 +151,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = []
     max_model_len = state.engine.config.max_model_len
     for p in raw_prompts:
-        ids = await state.engine.tokenize(p) if isinstance(p, str) else p
-        kept = params.truncate_prompt(ids, max_model_len)
+        ids = await state.engine.tokenize(p, req.add_special_tokens is not False) if isinstance(p, str) else p
+        kept = req.truncate(ids, params, max_model_len)
         text = p if isinstance(p, str) and len(kept) == len(ids) else None  # a truncated prompt's text: its tokens'
         prompts.append((text, kept, params))
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    return await _generate(request, state, req, request_id, prompts, chat=False)
+    return await _generate(request, state, req, f"cmpl-{response_id(request, req)}", prompts, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE_KEY]
     req = await state.bodies.parse(request, ChatCompletionRequest, has_prompt=True)
+    state.add_template_defaults(req)
     try:
         return await _chat_completions(request, state, req)
     except ParamError as e:  # named as this request names the field (top_logprobs, max_completion_tokens)
@@ -259,12 +181,19 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
     if state.reasoning_parser is not None:  # the tool parser, if any, reads the content only
         tools, grammar_after = reasoning_output(state.reasoning_parser, params, req, tools, state.think_end_token)
     await state.compile_grammar(req, params)
-    conversation = req.conversation(state.content_parts)
-    ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs())
-    ids = params.truncate_prompt(ids, state.engine.config.max_model_len)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    conversation = req.conversation(state.chat_content_parts(req))
+    ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs(),
+                                         bool(req.add_special_tokens))  # fmt: skip
+    ids = req.truncate(ids, params, state.engine.config.max_model_len)
+    request_id = f"chatcmpl-{response_id(request, req)}"
     return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True, tools=tools,
                            echo=req.echo_text(conversation), grammar_after=grammar_after)  # fmt: skip
+
+
+def response_id(request: web.Request, req) -> str:
+    """A response's id after its prefix: the X-Request-Id header, else the request_id field, else a new one (vLLM's
+    order)."""
+    return request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
 
 
 async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool, tools=None, echo="",
@@ -282,6 +211,10 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
     for choice in choices:
         choice.prompt_token_ids = prompts[choice.index // n][1]
+        choice.ids_as_tokens = bool(req.return_tokens_as_token_ids)
+    # the engine's ids: unique even where the client chose the response's id
+    engine_id = request_id if req.request_id is None and "X-Request-Id" not in request.headers else (
+        f"{request_id}-{uuid.uuid4().hex[:8]}")  # fmt: skip
     if not chat and req.echo:
         await make_echoes(state.engine, choices, n, prompts, req.score_only)
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
@@ -297,7 +230,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     try:
         for i, (text, ids, params) in enumerate(prompts):
             stream = await state.engine.add_request(
-                text, params, f"{request_id}-{i}", ids, check_queue=False, max_tokens_must_fit=True, sink=sink,
+                text, params, f"{engine_id}-{i}", ids, check_queue=False, max_tokens_must_fit=True, sink=sink,
                 tag=i, grammar_after=grammar_after,
             )  # fmt: skip
             streams.append(stream)
@@ -360,8 +293,9 @@ async def errors_and_auth(request: web.Request, handler):
 
 
 async def _admit(request: web.Request, handler, state: ServerState):
-    if state.api_key is not None and request.path.startswith("/v1"):
-        if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
+    if state.authorizations is not None and request.path.startswith("/v1"):
+        given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+        if not any(hmac.compare_digest(given, key) for key in state.authorizations):
             return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
     if request.path in _UNTRACKED:
         return await _handle(request, handler, state)
@@ -423,7 +357,7 @@ async def _handle(request: web.Request, handler, state: ServerState):
 
 def _static_json(obj):
     """A handler answering `obj`, encoded once."""
-    body = _encode(obj)
+    body = msgspec.json.encode(obj)
 
     async def handler(request: web.Request) -> web.Response:
         return web.Response(body=body, content_type="application/json")
@@ -443,6 +377,8 @@ def build_app(
     cors_options: CorsOptions | None = cors.ALLOW_ALL,
     reasoning_parser: str | None = None,
     log_requests: bool = False,
+    trust_request_chat_template: bool = False,
+    default_chat_template_kwargs: dict | None = None,
 ) -> web.Application:
     """`cors_options` None: no CORS headers and no preflight answers (OPTIONS gets 405)."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
@@ -454,6 +390,8 @@ def build_app(
     state.reasoning_parser = reasoning_parser
     state.think_end_token = think_end_token(engine.config.tokenizer) if reasoning_parser else None
     state.log_requests = log_requests
+    state.trust_request_chat_template = trust_request_chat_template
+    state.default_template_kwargs = default_chat_template_kwargs or None
     state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     state.enable_auto_tool_choice = enable_auto_tool_choice
     state.enable_prompt_tokens_details = enable_prompt_tokens_details

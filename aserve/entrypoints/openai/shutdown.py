@@ -8,7 +8,7 @@ import logging
 
 from aiohttp import web
 
-from aserve.entrypoints.openai.server import SHUTTING_DOWN, STATE_KEY, ServerState
+from aserve.entrypoints.openai.server_state import SHUTTING_DOWN, STATE_KEY, ServerState
 
 logger = logging.getLogger("aserve")
 
