@@ -23,6 +23,7 @@ from aserve.entrypoints.openai.cli_args import (
     api_keys,
     check_frontend_args,
     cors_options,
+    json_object,
     set_log_levels,
 )
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket
@@ -57,6 +58,8 @@ _HELP = {
     "generation_config": "sampling defaults for requests that leave them unset: auto (the model's "
     "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty), vllm (aserve's own), or a "
     "directory holding one",
+    "override_generation_config": "sampling defaults over --generation-config's, a JSON object (e.g. "
+    '{"temperature": 0.5, "max_new_tokens": 512}: max_new_tokens caps every request\'s max_tokens)',
     "dtype": "auto | bfloat16 | float16 | float32",
     "load_format": "auto | dummy (random weights at the model's real shapes)",
     "kv_cache_memory_gb": "KV cache budget in GiB (CPU default: 2)",
@@ -99,7 +102,8 @@ def human_readable_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"not a number of tokens: {value!r} (e.g. 4096, 32k, 32K)") from None
 
 
-_TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int}
+_TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int,
+          "override_generation_config": json_object}  # fmt: skip
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +126,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    if getattr(ns, "kv_cache_memory_bytes", None) is not None:
+        if values["kv_cache_memory_gb"] is not None:
+            raise ValueError("give --kv-cache-memory-bytes or --kv-cache-memory-gb, not both")
+        values["kv_cache_memory_gb"] = ns.kv_cache_memory_bytes / 2**30
     if values["served_model_name"] is not None:
         values["served_model_name"] = values["served_model_name"][0]
     return EngineArgs(**values)
@@ -151,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     add_frontend_args(serve)
     add_engine_args(serve)
+    serve.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
+                       help="KV cache budget in bytes, vLLM's spelling of --kv-cache-memory-gb (e.g. 8G)")  # fmt: skip
     add_quantize_parser(sub)
     add_client_parsers(sub)
     for command in sub.choices.values():
@@ -188,7 +198,10 @@ def serve(ns: argparse.Namespace) -> None:
            "enable_tokenizer_info_endpoint": ns.enable_tokenizer_info_endpoint, "response_role": ns.response_role,
            "reasoning_parser": ns.reasoning_parser, "log_requests": ns.enable_log_requests,
            "cors_options": cors_options(ns), "trust_request_chat_template": ns.trust_request_chat_template,
-           "default_chat_template_kwargs": ns.default_chat_template_kwargs}  # fmt: skip
+           "default_chat_template_kwargs": ns.default_chat_template_kwargs,
+           "force_include_usage": ns.enable_force_include_usage,
+           "return_tokens_as_token_ids": ns.return_tokens_as_token_ids,
+           "request_id_headers": ns.enable_request_id_headers, "openapi": not ns.disable_fastapi_docs}  # fmt: skip
     names = ns.served_model_name or [config.served_model_name]
     serving = _serve(engine, names, ns.host, ns.port, keys, ns.shutdown_timeout, limits, api,
                      log_stats=not ns.disable_log_stats, sock=sock)  # fmt: skip
@@ -260,8 +273,19 @@ async def _serve(
     return code
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """vLLM's flag spellings with underscores (--max_model_len 512, --max_model_len=512) as flags with dashes."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    ns = build_parser().parse_args(argv)
+    ns = build_parser().parse_args(dashed(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=getattr(logging, getattr(ns, "log_level", "info").upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -20,6 +20,17 @@ _DTYPES = {
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # aserve/layers/attention/backend.py
 
 
+# generation_config.json's keys that set sampling defaults (vLLM's), each -> the SamplingParams field it sets
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # HF directory or .gguf file; None = the embedded SmolLM2-135M-Instruct
@@ -64,6 +75,8 @@ class EngineArgs:
     max_logprobs: int = 20
     # Sampling defaults: auto (the model's generation_config.json), vllm (aserve's own) or a directory holding one
     generation_config: str = "auto"
+    # Sampling defaults set over generation_config's (vLLM's override_generation_config; GENERATION_DEFAULTS' keys)
+    override_generation_config: dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -80,6 +93,10 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        unknown = sorted(set(self.override_generation_config or ()) - set(GENERATION_DEFAULTS))
+        if unknown:
+            raise ValueError(f"override_generation_config: {unknown[0]!r} is not a sampling default (one of "
+                             f"{', '.join(GENERATION_DEFAULTS)})")  # fmt: skip
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -199,3 +199,73 @@ def test_token_counts_take_vllms_suffixes():
     assert build_parser().parse_args(["serve", "--max-model-len", "4096"]).max_model_len == 4096
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-model-len", "lots"])
+
+
+async def test_usage_token_ids_request_id_and_docs_flags(tiny_model):
+    """--enable-force-include-usage, --return-tokens-as-token-ids (a request's false wins), --enable-request-id-headers
+    and --disable-fastapi-docs, as build_app takes them."""
+    from aserve import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=128,
+                                  served_model_name="tiny"))  # fmt: skip
+    client = await make_client(engine, force_include_usage=True, return_tokens_as_token_ids=True,
+                               request_id_headers=True, openapi=False)  # fmt: skip
+    try:
+        body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "logprobs": 1}
+        resp = await client.post("/v1/completions", json={**body, "stream": True})
+        events = [json.loads(e[6:]) for e in (await resp.text()).split("\n\n") if e.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 3 and events[-1]["choices"] == []
+        assert resp.headers["X-Request-Id"] == events[0]["id"].removeprefix("cmpl-")
+        resp = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc"})
+        whole = await resp.json()
+        assert resp.headers["X-Request-Id"] == "abc" and whole["id"] == "cmpl-abc"
+        assert all(t.startswith("token_id:") for t in whole["choices"][0]["logprobs"]["tokens"])
+        plain = await (await client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False})).json()
+        assert not any(t.startswith("token_id:") for t in plain["choices"][0]["logprobs"]["tokens"])
+        assert (await client.get("/openapi.json")).status == 404
+    finally:
+        await client.close()
+
+
+def test_vllm_flag_spellings_and_accepted_values(tiny_model, capsys):
+    """Underscored flags (vLLM's FlexibleArgumentParser), --kv-cache-memory-bytes, and flags naming what aserve does
+    anyway; other values refused at start-up."""
+    from aserve.cli import build_parser, dashed, engine_args_from
+    from aserve.entrypoints.openai.cli_args import check_frontend_args
+
+    argv = ["serve", "--max_model_len=512", "--max_num_seqs", "4", "--kv-cache-memory-bytes", "512M",
+            "--structured-outputs-config", '{"backend": "xgrammar"}', "--guided_decoding_backend", "auto",
+            "--override-generation-config", '{"max_new_tokens": 7}', "--disable-uvicorn-access-log",
+            "--max-log-len", "100"]  # fmt: skip
+    ns = build_parser().parse_args(dashed(argv))
+    check_frontend_args(ns)
+    args = engine_args_from(ns)
+    assert (args.max_model_len, args.max_num_seqs, args.kv_cache_memory_gb) == (512, 4, 0.5)
+    assert args.override_generation_config == {"max_new_tokens": 7}
+    for flags, message in (
+        (["--structured-outputs-config", '{"backend": "outlines"}'], "always uses xgrammar"),
+        (["--guided-decoding-backend", "outlines"], "always uses xgrammar"),
+        (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory-gb", "1"], "not both"),
+        (["--override-generation-config", '{"do_sample": true}'], "'do_sample' is not"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["serve", "--model", tiny_model, "--enforce-eager", *flags])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+async def test_override_generation_config_caps_max_tokens(tiny_model):
+    """max_new_tokens (the generation config's, or --override-generation-config's) caps every request's max_tokens,
+    and sets the offline default, as in vLLM; the override's temperature is the default of requests that omit it."""
+    from aserve import LLM
+
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=128, served_model_name="tiny",
+              override_generation_config={"max_new_tokens": 3, "temperature": 0.0})  # fmt: skip
+    assert llm.get_default_sampling_params().max_tokens == 3 and llm.get_default_sampling_params().temperature == 0
+    client = await make_client(llm.engine)
+    try:
+        for fields in ({}, {"max_tokens": 50}, {"max_tokens": 2}):
+            body = {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True, **fields}
+            usage = (await (await client.post("/v1/chat/completions", json=body)).json())["usage"]
+            assert usage["completion_tokens"] == min(3, fields.get("max_tokens", 3))
+    finally:
+        await client.close()

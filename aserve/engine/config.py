@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from aserve.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
+from aserve.config import GENERATION_DEFAULTS, EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.layers.batch_invariant import check_supported
 from aserve.layers.elementwise import longrope_switch_length
 from aserve.models.model_path import resolve_model
@@ -87,7 +87,7 @@ class EngineConfig:
             max_chars_per_token=chars_per_token,
             max_prompt_chars=max_model_len * chars_per_token,
             extra_eos_token_ids=_extra_eos_token_ids(model_dir, hf_config, eos_token_id),
-            default_sampling=default_sampling(args.generation_config, model_dir),
+            default_sampling=default_sampling(args.generation_config, model_dir, args.override_generation_config),
             long_prompt_len=longrope_switch_length(hf_config),
         )
 
@@ -102,23 +102,22 @@ def max_chars_per_token(tokenizer) -> int:
     return max(1, max((len(piece) for piece in tokenizer.get_vocab()), default=1))
 
 
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def default_sampling(generation_config: str, model_dir: str) -> dict:
+def default_sampling(generation_config: str, model_dir: str, overrides: dict | None = None) -> dict:
     """--generation-config: auto (the model directory's generation_config.json), vllm (none: aserve's own defaults)
-    or a directory holding one -> the sampling defaults it sets (EngineConfig.default_sampling)."""
-    if generation_config == "vllm":
-        return {}
-    source = model_dir if generation_config == "auto" else generation_config
-    if generation_config != "auto" and not os.path.isfile(os.path.join(source, "generation_config.json")):
-        raise ValueError(f"--generation-config {generation_config!r}: no generation_config.json there (auto, vllm, "
-                         "or a directory holding one)")  # fmt: skip
-    try:
-        diff = GenerationConfig.from_pretrained(source).to_diff_dict()
-    except OSError:  # none in the model directory
-        return {}
-    defaults = {k: diff[k] for k in SAMPLING_DEFAULTS if diff.get(k) is not None}
+    or a directory holding one, then --override-generation-config over it -> the SamplingParams defaults they set
+    (EngineConfig.default_sampling; max_new_tokens as max_tokens, a cap on every request's, as vLLM)."""
+    diff = {}
+    if generation_config != "vllm":
+        source = model_dir if generation_config == "auto" else generation_config
+        if generation_config != "auto" and not os.path.isfile(os.path.join(source, "generation_config.json")):
+            raise ValueError(f"--generation-config {generation_config!r}: no generation_config.json there (auto, "
+                             "vllm, or a directory holding one)")  # fmt: skip
+        try:
+            diff = GenerationConfig.from_pretrained(source).to_diff_dict()
+        except OSError:  # none in the model directory
+            pass
+    diff.update(overrides or {})
+    defaults = {field: diff[k] for k, field in GENERATION_DEFAULTS.items() if diff.get(k) is not None}
     if defaults:
         logger.info("Default sampling parameters from the model's generation config: %s (--generation-config vllm: "
                     "aserve's own)", defaults)  # fmt: skip

@@ -5,11 +5,14 @@ Some of vLLM's flags name things aserve does in one way only; they are accepted 
 works and refused otherwise (never taken and ignored): --enable-chunked-prefill (prompts are always chunked),
 --tokenizer-mode auto, --trust-remote-code (architectures are built in: no checkpoint code ever runs),
 --disable-log-requests (requests are logged only with --enable-log-requests), --swap-space (preemption recomputes;
-nothing is swapped), --pipeline-parallel-size 1 (tensor parallelism only), --revision unset (nothing is downloaded)."""
+nothing is swapped), --pipeline-parallel-size 1 (tensor parallelism only), --revision unset (nothing is downloaded),
+--disable-uvicorn-access-log and --max-log-len (no access log, no prompt text logged), --structured-outputs-config /
+--guided-decoding-backend naming xgrammar (the only backend)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
@@ -86,7 +89,7 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="chat requests may bring their own chat_template (default: off, such requests get "
                             "400)")  # fmt: skip
-    serve.add_argument("--default-chat-template-kwargs", type=_json_dict, default=None,
+    serve.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
                        help='chat template arguments for every request, a JSON object (e.g. {"enable_thinking": '
                             "false}); a request's chat_template_kwargs override them")  # fmt: skip
     serve.add_argument("--response-role", default="assistant", help="the role of chat completion replies")
@@ -122,11 +125,30 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
                        help="refused: nothing is downloaded (pass a local model directory)")  # fmt: skip
     serve.add_argument("--swap-space", type=float, default=None,
                        help="accepted: preempted requests are recomputed, never swapped to CPU memory")  # fmt: skip
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream ends with a usage chunk, asked for (stream_options.include_usage) or "
+                            "not")  # fmt: skip
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name tokens 'token_id:N' unless a request sets return_tokens_as_token_ids "
+                            "false")  # fmt: skip
+    serve.add_argument("--enable-request-id-headers", action="store_true",
+                       help="responses carry X-Request-Id: the request's header, else the id in the response "
+                            "body")  # fmt: skip
+    serve.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="no GET /openapi.json (vLLM's name for turning its API docs off)")  # fmt: skip
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="accepted: aserve writes no access log")  # fmt: skip
+    serve.add_argument("--max-log-len", type=int, default=None,
+                       help="accepted: --enable-log-requests logs prompt lengths and parameters, never prompt "
+                            "text")  # fmt: skip
+    serve.add_argument("--structured-outputs-config", type=json_object, default=None,
+                       help='accepted as {"backend": "xgrammar"} or "auto": structured output always uses '
+                            "xgrammar")  # fmt: skip
+    serve.add_argument("--guided-decoding-backend", default=None,
+                       help="accepted as xgrammar or auto (vLLM's earlier flag)")  # fmt: skip
 
 
 def _json_list(value: str) -> list[str]:
-    import json
-
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as e:
@@ -136,9 +158,7 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
-def _json_dict(value: str) -> dict:
-    import json
-
+def json_object(value: str) -> dict:
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as e:
@@ -176,6 +196,13 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
         raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    outputs = dict(ns.structured_outputs_config or {})
+    if set(outputs) - {"backend"} or outputs.get("backend", "auto") not in ("xgrammar", "auto"):
+        raise ValueError(f"--structured-outputs-config {json.dumps(outputs)}: structured output always uses xgrammar "
+                         'with its defaults ({"backend": "xgrammar"} or "auto" only)')  # fmt: skip
+    if ns.guided_decoding_backend not in (None, "xgrammar", "auto"):
+        raise ValueError(f"--guided-decoding-backend {ns.guided_decoding_backend}: structured output always uses "
+                         "xgrammar")  # fmt: skip
     reserved = sorted(set(ns.default_chat_template_kwargs or ()) & TEMPLATE_CONTROLS)
     if reserved:
         raise ValueError(f"--default-chat-template-kwargs may not set {reserved[0]!r} (requests set it)")

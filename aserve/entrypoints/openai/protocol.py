@@ -196,6 +196,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
         """After check_limits (which the handler runs once, before tokenising). `defaults`: the sampling fields a
         request leaves unset (EngineConfig.default_sampling: the model's generation config), else SamplingParams'."""
         defaults = defaults or {}
+        if (cap := defaults.get("max_tokens")) is not None:  # the generation config's max_new_tokens, as vLLM
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
 
         def pick(name: str, fallback):
             value = getattr(self, name)

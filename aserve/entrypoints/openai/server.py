@@ -190,10 +190,20 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
                            echo=req.echo_text(conversation), grammar_after=grammar_after)  # fmt: skip
 
 
+_REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"  # aiohttp >= 3.12
+
+
 def response_id(request: web.Request, req) -> str:
     """A response's id after its prefix: the X-Request-Id header, else the request_id field, else a new one (vLLM's
-    order)."""
-    return request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
+    order); kept for --enable-request-id-headers."""
+    request[_REQUEST_ID] = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
+    return request[_REQUEST_ID]
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """--enable-request-id-headers: X-Request-Id on every response (the client's, else the body's id)."""
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or request.get(_REQUEST_ID) or (
+        uuid.uuid4().hex)  # fmt: skip
 
 
 async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool, tools=None, echo="",
@@ -211,7 +221,8 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     choices = [ChoiceState(i * n + j, num_top) for i in range(len(prompts)) for j in range(n)]
     for choice in choices:
         choice.prompt_token_ids = prompts[choice.index // n][1]
-        choice.ids_as_tokens = bool(req.return_tokens_as_token_ids)
+        choice.ids_as_tokens = state.tokens_as_token_ids if req.return_tokens_as_token_ids is None else (
+            req.return_tokens_as_token_ids)  # fmt: skip
     # the engine's ids: unique even where the client chose the response's id
     engine_id = request_id if req.request_id is None and "X-Request-Id" not in request.headers else (
         f"{request_id}-{uuid.uuid4().hex[:8]}")  # fmt: skip
@@ -224,6 +235,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
         sink = EventStream(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
                            state.flow_control, tools, echo,
                            state.enable_prompt_tokens_details, state.response_role)  # fmt: skip
+        sink.include_usage = sink.include_usage or state.force_include_usage
     streams = []
     # Checked again now that tokenising is done; nothing below awaits before the requests are queued.
     state.engine.check_queue(len(prompts) * n)
@@ -379,6 +391,10 @@ def build_app(
     log_requests: bool = False,
     trust_request_chat_template: bool = False,
     default_chat_template_kwargs: dict | None = None,
+    force_include_usage: bool = False,
+    return_tokens_as_token_ids: bool = False,
+    request_id_headers: bool = False,
+    openapi: bool = True,
 ) -> web.Application:
     """`cors_options` None: no CORS headers and no preflight answers (OPTIONS gets 405)."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
@@ -392,6 +408,10 @@ def build_app(
     state.log_requests = log_requests
     state.trust_request_chat_template = trust_request_chat_template
     state.default_template_kwargs = default_chat_template_kwargs or None
+    state.force_include_usage = force_include_usage
+    state.tokens_as_token_ids = return_tokens_as_token_ids
+    if request_id_headers:
+        app.on_response_prepare.append(_add_request_id)
     state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     state.enable_auto_tool_choice = enable_auto_tool_choice
     state.enable_prompt_tokens_details = enable_prompt_tokens_details
@@ -406,7 +426,8 @@ def build_app(
     app.router.add_post("/detokenize", detokenize)
     if enable_tokenizer_info_endpoint:
         app.router.add_get("/tokenizer_info", _static_json(tokenizer_info(engine)))
-    app.router.add_get("/openapi.json", _static_json(openapi_spec()))
+    if openapi:
+        app.router.add_get("/openapi.json", _static_json(openapi_spec()))
 
     async def on_startup(app):
         engine.start()

@@ -49,6 +49,8 @@ class ServerState:
         keys = [api_key] if isinstance(api_key, str) else api_key
         self.authorizations = [f"Bearer {k}".encode() for k in keys] if keys else None
         self.default_template_kwargs: dict | None = None  # --default-chat-template-kwargs
+        self.force_include_usage = False  # --enable-force-include-usage: every stream ends with its usage
+        self.tokens_as_token_ids = False  # --return-tokens-as-token-ids: the request field's default
         self.created = int(time.time())
         self.metrics = PrometheusMetrics(self.model_name)
         engine.stats.add_listener(self.metrics)
