@@ -201,7 +201,8 @@ def serve(ns: argparse.Namespace) -> None:
            "default_chat_template_kwargs": ns.default_chat_template_kwargs,
            "force_include_usage": ns.enable_force_include_usage,
            "return_tokens_as_token_ids": ns.return_tokens_as_token_ids,
-           "request_id_headers": ns.enable_request_id_headers, "openapi": not ns.disable_fastapi_docs}  # fmt: skip
+           "request_id_headers": ns.enable_request_id_headers, "openapi": not ns.disable_fastapi_docs,
+           "stream_interval": ns.stream_interval}  # fmt: skip
     names = ns.served_model_name or [config.served_model_name]
     serving = _serve(engine, names, ns.host, ns.port, keys, ns.shutdown_timeout, limits, api,
                      log_stats=not ns.disable_log_stats, sock=sock)  # fmt: skip

@@ -46,7 +46,7 @@ REFUSED_VALUES = {
     "moderation": {}, "suffix": " ten.", "use_beam_search": True, "priority": 1, "watermarking": True,
     "thinking_token_budget": 10, "logprob_token_ids": [1], "repetition_detection": {"max_pattern_size": 3},
     "kv_transfer_params": {"do_remote_prefill": True}, "ec_transfer_params": {"x": 1}, "vllm_xargs": {"a": 1},
-    "stream_interval": 4, "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
+    "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
     "prompt_embeds": "AAAA", "return_prompt_text": True, "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ",
 }  # fmt: skip
@@ -357,6 +357,16 @@ def _return_tokens_as_token_ids(client, chat, base):
     assert all(all(re.fullmatch(r"token_id:\d+", t) for t in top) for top in tops)
 
 
+def _stream_interval(client, chat, base):
+    chunks = call(client, chat, stream=True, stream_interval=3, max_tokens=10, ignore_eos=True, return_token_ids=True)
+    counts = [len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"] and c["choices"][0].get("token_ids")]
+    assert counts[0] == 1 and all(n >= 3 for n in counts[1:-1]) and sum(counts) == 10 and len(counts) < 10
+    pieces = [c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"] for c in chunks]
+    whole = text(call(client, chat, max_tokens=10, ignore_eos=True))
+    assert "".join(p or "" for p in pieces) == whole
+    refused(client, chat, "stream_interval", stream=True, stream_interval=0)
+
+
 LAST_MESSAGE_TEMPLATE = "{{ messages[-1]['content'] }}"
 DOCUMENTS_TEMPLATE = "{% for d in documents %}{{ d['text'] }} {% endfor %}" + LAST_MESSAGE_TEMPLATE
 
@@ -403,7 +413,7 @@ IMPLEMENTED = {
     "include_reasoning": _include_reasoning, "add_special_tokens": _add_special_tokens,
     "truncation_side": _truncation_side, "request_id": _request_id,
     "return_tokens_as_token_ids": _return_tokens_as_token_ids, "chat_template": _chat_template,
-    "documents": _documents,
+    "documents": _documents, "stream_interval": _stream_interval,
 }  # fmt: skip
 
 

@@ -202,19 +202,20 @@ def test_token_counts_take_vllms_suffixes():
 
 
 async def test_usage_token_ids_request_id_and_docs_flags(tiny_model):
-    """--enable-force-include-usage, --return-tokens-as-token-ids (a request's false wins), --enable-request-id-headers
-    and --disable-fastapi-docs, as build_app takes them."""
+    """--enable-force-include-usage, --return-tokens-as-token-ids (a request's false wins), --enable-request-id-headers,
+    --disable-fastapi-docs and --stream-interval, as build_app takes them."""
     from aserve import EngineArgs, LLMEngine
 
     engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=128,
                                   served_model_name="tiny"))  # fmt: skip
     client = await make_client(engine, force_include_usage=True, return_tokens_as_token_ids=True,
-                               request_id_headers=True, openapi=False)  # fmt: skip
+                               request_id_headers=True, openapi=False, stream_interval=2)  # fmt: skip
     try:
         body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "logprobs": 1}
         resp = await client.post("/v1/completions", json={**body, "stream": True})
         events = [json.loads(e[6:]) for e in (await resp.text()).split("\n\n") if e.startswith("data: {")]
         assert events[-1]["usage"]["completion_tokens"] == 3 and events[-1]["choices"] == []
+        assert [len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1]] == [1, 2]  # --stream-interval 2
         assert resp.headers["X-Request-Id"] == events[0]["id"].removeprefix("cmpl-")
         resp = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc"})
         whole = await resp.json()

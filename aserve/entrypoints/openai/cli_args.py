@@ -131,6 +131,9 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name tokens 'token_id:N' unless a request sets return_tokens_as_token_ids "
                             "false")  # fmt: skip
+    serve.add_argument("--stream-interval", type=int, default=1,
+                       help="streamed chunks carry at least this many tokens (the first and last excepted): fewer "
+                            "events per stream; a request's stream_interval may raise it")  # fmt: skip
     serve.add_argument("--enable-request-id-headers", action="store_true",
                        help="responses carry X-Request-Id: the request's header, else the id in the response "
                             "body")  # fmt: skip
@@ -200,6 +203,8 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
     if set(outputs) - {"backend"} or outputs.get("backend", "auto") not in ("xgrammar", "auto"):
         raise ValueError(f"--structured-outputs-config {json.dumps(outputs)}: structured output always uses xgrammar "
                          'with its defaults ({"backend": "xgrammar"} or "auto" only)')  # fmt: skip
+    if ns.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {ns.stream_interval}")
     if ns.guided_decoding_backend not in (None, "xgrammar", "auto"):
         raise ValueError(f"--guided-decoding-backend {ns.guided_decoding_backend}: structured output always uses "
                          "xgrammar")  # fmt: skip

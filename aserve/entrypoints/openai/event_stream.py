@@ -97,6 +97,7 @@ class EventStream(OutputSink):
         self.prompt_tokens_details = prompt_tokens_details  # the usage chunk reports cached prompt tokens
         self.return_token_ids = bool(req.return_token_ids)
         self.echo = echo  # a chat's echoed text, sent after the role chunks
+        self.interval = 1  # stream_interval: a choice's tokens go out in chunks of at least this many
         self.report_prompt_logprobs = req.prompt_logprobs is not None
         self.tools = tools  # a chat's tool-call handling (tool_output.ToolCallOutput): rewrites each delta
         self.group: StreamGroup | None = None
@@ -154,8 +155,12 @@ class EventStream(OutputSink):
             return error_events(failed.error, failed.error_status), True
         parts = []
         for choice in touched.values():
+            if self.interval > 1 and choice.chunks_sent and choice.finish_reason is None and (
+                    len(choice.delta_output_token_ids) < self.interval):  # fmt: skip
+                continue  # stream_interval: the tokens wait for the next ones (the first and last chunks do not)
             parts.append(self.chunk(choice, final=False))
             choice.clear_delta()
+            choice.chunks_sent += 1
         if self.group is not None and all(s.finished for s in self.group.streams):
             parts.append(self.tail())
             return b"".join(parts), True

@@ -87,6 +87,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     truncation_side: str | None = None  # truncate_prompt_tokens keeps the last N ("left", default) or first N ("right")
     request_id: str | None = None  # the response's id after "cmpl-" / "chatcmpl-" (an X-Request-Id header wins)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens written "token_id:N"
+    stream_interval: int | None = None  # streamed chunks of at least this many tokens (raises --stream-interval)
     # vLLM's fields that aserve accepts without effect or refuses (request_fields.py)
     session_id: str | None = None
     spaces_between_special_tokens: bool = True
@@ -102,7 +103,6 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     kv_transfer_params: dict | None = None
     ec_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
-    stream_interval: int | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
 
@@ -139,6 +139,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
         for name, why in REFUSED_FIELDS.items():
             if asks_for(name, getattr(self, name, None)):
                 raise ParamError(name, f"{name} is not supported: {why}")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ParamError("stream_interval", "stream_interval must be >= 1")
         if self.truncation_side not in (None, "left", "right"):
             raise ParamError("truncation_side", "truncation_side must be 'left' or 'right'")
         if self.stream_options is not None and not self.stream:

@@ -45,7 +45,6 @@ REFUSED_FIELDS = {
     "kv_transfer_params": "disaggregated serving (KV transfer) is not implemented",
     "ec_transfer_params": "disaggregated serving (encoder-cache transfer) is not implemented",
     "vllm_xargs": "aserve has no custom extensions to pass arguments to",
-    "stream_interval": "tokens are streamed as they are generated (stream_interval 1)",
     "media_io_kwargs": "aserve takes text only",
     "mm_processor_kwargs": "aserve takes text only",
     "prompt_embeds": "prompt embeddings are not accepted; send text or token ids",
@@ -60,7 +59,6 @@ ACCEPTED_VALUES = {
     "modalities": (["text"],),
     "priority": (0,),
     "thinking_token_budget": (-1,),
-    "stream_interval": (1,),
     "guided_decoding_backend": ("xgrammar", "auto"),
 }
 

@@ -43,6 +43,7 @@ class ChoiceState:
         self.output_token_ids: list[int] = []  # generated tokens only (token_ids may start with an echoed prompt)
         self.delta_output_token_ids: list[int] = []
         self.ids_as_tokens = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+        self.chunks_sent = 0  # stream events with this choice's tokens sent so far
 
     def add(self, comp: CompletionOutput, error: str | None) -> None:
         """Adds an output's delta; deltas gather until `clear_delta` (a stream sent them)."""

@@ -236,6 +236,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
                            state.flow_control, tools, echo,
                            state.enable_prompt_tokens_details, state.response_role)  # fmt: skip
         sink.include_usage = sink.include_usage or state.force_include_usage
+        sink.interval = max(state.stream_interval, req.stream_interval or 1)
     streams = []
     # Checked again now that tokenising is done; nothing below awaits before the requests are queued.
     state.engine.check_queue(len(prompts) * n)
@@ -395,6 +396,7 @@ def build_app(
     return_tokens_as_token_ids: bool = False,
     request_id_headers: bool = False,
     openapi: bool = True,
+    stream_interval: int = 1,
 ) -> web.Application:
     """`cors_options` None: no CORS headers and no preflight answers (OPTIONS gets 405)."""
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
@@ -410,6 +412,7 @@ def build_app(
     state.default_template_kwargs = default_chat_template_kwargs or None
     state.force_include_usage = force_include_usage
     state.tokens_as_token_ids = return_tokens_as_token_ids
+    state.stream_interval = stream_interval
     if request_id_headers:
         app.on_response_prepare.append(_add_request_id)
     state.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None

@@ -51,6 +51,7 @@ class ServerState:
         self.default_template_kwargs: dict | None = None  # --default-chat-template-kwargs
         self.force_include_usage = False  # --enable-force-include-usage: every stream ends with its usage
         self.tokens_as_token_ids = False  # --return-tokens-as-token-ids: the request field's default
+        self.stream_interval = 1  # --stream-interval: streamed chunks of at least this many tokens
         self.created = int(time.time())
         self.metrics = PrometheusMetrics(self.model_name)
         engine.stats.add_listener(self.metrics)
