@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from aserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from aserve.config import EngineArgs
 from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine, PromptType
@@ -105,6 +106,29 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:  # fmt: skip
+        """vLLM's beam search (aserve/beam_search.py): each prompt's beam_width best sequences, their text the
+        whole sequence's. concurrency_limit: prompts searched at once (default: all)."""
+        if lora_request is not None:
+            raise ValueError("lora_request: aserve does not run LoRA adapters")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenized = [self.engine.tokenize_prompt(p)[1] for p in prompts]
+        for ids in tokenized:
+            self.engine.validate_prompt(ids)
+        group = concurrency_limit or max(1, len(tokenized))
+        outputs = []
+        for start in range(0, len(tokenized), group):
+            search = BeamSearch(tokenized[start : start + group], params, self.engine.config.eos_token_id,
+                                self.engine.config.max_model_len)  # fmt: skip
+            step = params.step_params()
+            while not search.done:
+                runs = self._generate([(None, ids) for ids in search.step_prompts()], step, use_tqdm)
+                search.advance([run.outputs[0].logprobs[0] for run in runs])
+            outputs += search.outputs(self.get_tokenizer().decode)
+        return outputs
 
     def chat(
         self,

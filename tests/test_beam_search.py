@@ -1,0 +1,76 @@
+"""Beam search (vLLM's LLM.beam_search and the servers' use_beam_search): the same beams, scores and order as a beam
+search written here over transformers' float32 logits; end-of-sequence beams complete, ignore_eos keeps them going,
+length_penalty ranks, and bad parameters are refused."""
+
+import math
+
+import pytest
+import torch
+
+from aserve import LLM
+from aserve.beam_search import BeamSearchParams
+from aserve.sampling_params import ParamError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=128)
+
+
+def reference(path: str, prompt: list[int], width: int, max_tokens: int, eos: int, ignore_eos=False, penalty=1.0):
+    """The search over transformers' logprobs: 2 x width candidates per beam, EOS completes, best width go on."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def score(tokens, cum):
+        return cum / ((len(tokens) - (tokens[-1] == eos)) ** penalty)
+
+    beams, completed = [(prompt, 0.0)], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            candidates = []
+            for tokens, cum in beams:
+                logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1], dim=-1)
+                top = torch.topk(logprobs, 2 * width)
+                for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+                    child = (tokens + [t], cum + lp)
+                    (completed if t == eos and not ignore_eos else candidates).append(child)
+            beams = sorted(candidates, key=lambda b: score(*b), reverse=True)[:width]
+    return sorted(completed + beams, key=lambda b: score(*b), reverse=True)[:width]
+
+
+@pytest.mark.parametrize("width, max_tokens, ignore_eos, penalty", [(1, 5, False, 1.0), (3, 6, False, 1.0),
+                                                                    (2, 6, True, 0.5)])  # fmt: skip
+def test_beams_equal_a_search_over_transformers_logprobs(llm, tiny_model, width, max_tokens, ignore_eos, penalty):
+    prompts = ["Hello world", {"prompt_token_ids": [5, 6, 7, 8]}]
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos, length_penalty=penalty)
+    outputs = llm.beam_search(prompts, params)
+    eos = llm.engine.config.eos_token_id
+    for prompt, output in zip(prompts, outputs):
+        ids = llm.engine.tokenize_prompt(prompt)[1]
+        expected = reference(tiny_model, ids, width, max_tokens, eos, ignore_eos, penalty)
+        assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in expected]
+        for seq, (_, cum) in zip(output.sequences, expected):
+            assert math.isclose(seq.cum_logprob, cum, abs_tol=1e-4)
+            assert seq.text == llm.get_tokenizer().decode(seq.tokens)
+            assert len(seq.logprobs) == len(seq.tokens) - len(ids)
+            assert seq.finish_reason == ("stop" if seq.tokens[-1] == eos and not ignore_eos else "length")
+    core = llm.engine.core
+    assert not core.scheduler.has_unfinished() and core.kv_manager.pool.num_free_blocks == core.num_kv_blocks
+
+
+def test_concurrency_limit_and_bad_parameters(llm):
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    prompts = ["a", "bb", "ccc"]
+    one_at_a_time = llm.beam_search(prompts, params, concurrency_limit=1)
+    for alone, together in zip(one_at_a_time, llm.beam_search(prompts, params)):
+        assert [s.tokens for s in alone.sequences] == [s.tokens for s in together.sequences]
+        assert all(math.isclose(a.cum_logprob, b.cum_logprob, abs_tol=1e-4)
+                   for a, b in zip(alone.sequences, together.sequences))  # fmt: skip
+    for bad in ({"beam_width": 0, "max_tokens": 3}, {"beam_width": 2, "max_tokens": 0},
+                {"beam_width": 2, "max_tokens": 3, "temperature": -1.0}):  # fmt: skip
+        with pytest.raises(ParamError):
+            BeamSearchParams(**bad)
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.beam_search(prompts, params, lora_request=object())
