@@ -74,3 +74,35 @@ def test_concurrency_limit_and_bad_parameters(llm):
             BeamSearchParams(**bad)
     with pytest.raises(ValueError, match="lora_request"):
         llm.beam_search(prompts, params, lora_request=object())
+
+
+async def test_use_beam_search_over_http(llm):
+    """Both endpoints: the n choices are the offline search's n beams, best first, their text the generated tokens'
+    (without the end-of-sequence token); a stream, logprobs or n above --max-logprobs / 2 are refused."""
+    from test_server import assert_idle, make_client
+
+    client = await make_client(llm.engine)
+    try:
+        offline = llm.beam_search(["Hello world"], BeamSearchParams(beam_width=3, max_tokens=6))[0].sequences
+        prompt_len = len(llm.engine.tokenize_prompt("Hello world")[1])
+        eos = llm.engine.config.eos_token_id
+        expected = [s.tokens[prompt_len:] for s in offline]
+        body = {"prompt": "Hello world", "n": 3, "max_tokens": 6, "temperature": 0, "use_beam_search": True,
+                "return_token_ids": True}  # fmt: skip
+        got = await (await client.post("/v1/completions", json=body)).json()
+        assert [c["token_ids"] for c in got["choices"]] == expected
+        for choice, tokens in zip(got["choices"], expected):
+            text_ids = tokens[:-1] if tokens[-1] == eos else tokens
+            assert choice["text"] == llm.get_tokenizer().decode(text_ids)
+            assert choice["finish_reason"] == ("stop" if tokens[-1] == eos else "length")
+        assert got["usage"]["completion_tokens"] == sum(map(len, expected))
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 4, "temperature": 0,
+                "use_beam_search": True, "length_penalty": 0.5}  # fmt: skip
+        reply = await (await client.post("/v1/chat/completions", json=chat)).json()
+        assert [c["index"] for c in reply["choices"]] == [0, 1]
+        for field, extra in (("stream", {"stream": True}), ("logprobs", {"logprobs": 2}), ("n", {"n": 11})):
+            resp = await client.post("/v1/completions", json={**body, **extra})
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == field
+        assert_idle(llm.engine)
+    finally:
+        await client.close()

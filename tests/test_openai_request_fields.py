@@ -43,7 +43,7 @@ REFUSED_VALUES = {
     "functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "One, two,"}, "verbosity": "low", "web_search_options": {},
-    "moderation": {}, "suffix": " ten.", "use_beam_search": True, "priority": 1, "watermarking": True,
+    "moderation": {}, "suffix": " ten.", "priority": 1, "watermarking": True,
     "thinking_token_budget": 10, "logprob_token_ids": [1], "repetition_detection": {"max_pattern_size": 3},
     "kv_transfer_params": {"do_remote_prefill": True}, "ec_transfer_params": {"x": 1}, "vllm_xargs": {"a": 1},
     "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
@@ -53,7 +53,7 @@ REFUSED_VALUES = {
 IGNORED_VALUES = {
     "user": "u-1", "safety_identifier": "s-1", "store": True, "metadata": {"k": "v"}, "service_tier": "flex",
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "explicit"},
-    "session_id": "s-1", "spaces_between_special_tokens": False, "length_penalty": 0.5,
+    "session_id": "s-1", "spaces_between_special_tokens": False,
     "return_token_offsets": True, "return_mm_kwargs": False, "routed_experts_prompt_start": 3,
 }  # fmt: skip
 
@@ -367,6 +367,17 @@ def _stream_interval(client, chat, base):
     refused(client, chat, "stream_interval", stream=True, stream_interval=0)
 
 
+def _use_beam_search(client, chat, base):  # (test_beam_search.py: the beams equal the offline search's)
+    body = call(client, chat, use_beam_search=True, n=2, max_tokens=8)
+    assert [c["index"] for c in body["choices"]] == [0, 1] and text(body, 0) != text(body, 1)
+    assert {c["finish_reason"] for c in body["choices"]} <= {"stop", "length"}
+    refused(client, chat, "stream", use_beam_search=True, n=2, stream=True)
+
+
+def _length_penalty(client, chat, base):  # a strong one ranks the longer beams first
+    differs(client, chat, "length_penalty", 10.0, use_beam_search=True, n=2, max_tokens=8)
+
+
 LAST_MESSAGE_TEMPLATE = "{{ messages[-1]['content'] }}"
 DOCUMENTS_TEMPLATE = "{% for d in documents %}{{ d['text'] }} {% endfor %}" + LAST_MESSAGE_TEMPLATE
 
@@ -413,7 +424,8 @@ IMPLEMENTED = {
     "include_reasoning": _include_reasoning, "add_special_tokens": _add_special_tokens,
     "truncation_side": _truncation_side, "request_id": _request_id,
     "return_tokens_as_token_ids": _return_tokens_as_token_ids, "chat_template": _chat_template,
-    "documents": _documents, "stream_interval": _stream_interval,
+    "documents": _documents, "stream_interval": _stream_interval, "use_beam_search": _use_beam_search,
+    "length_penalty": _length_penalty,
 }  # fmt: skip
 
 

@@ -18,7 +18,6 @@ IGNORED_FIELDS = {
     "session_id": "vLLM's session id for routing related requests",
     "spaces_between_special_tokens": "fast tokenizers (aserve's) put no spaces between special tokens either way, "
     "as in vLLM",
-    "length_penalty": "vLLM's beam-search length normalisation (beam search is refused)",
     "return_token_offsets": "vLLM's render endpoints only (ignored by its generation endpoints too)",
     "return_mm_kwargs": "vLLM's render endpoints only (ignored by its generation endpoints too)",
     "routed_experts_prompt_start": "vLLM's routed-expert data, which aserve does not return (nor vLLM by default)",
@@ -36,7 +35,6 @@ REFUSED_FIELDS = {
     "web_search_options": "aserve has no web search",
     "moderation": "aserve does no moderation",
     "suffix": "fill-in-the-middle is not implemented",
-    "use_beam_search": "beam search is not implemented",
     "priority": "the server does not use priority scheduling (priority 0 only)",
     "watermarking": "watermarking is not implemented",
     "thinking_token_budget": "a thinking budget is not implemented (-1: unlimited)",

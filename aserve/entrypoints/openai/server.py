@@ -16,6 +16,7 @@ from aiohttp import web
 from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
 from aserve.entrypoints.openai import cors
+from aserve.entrypoints.openai.beam_request import beam_response
 from aserve.entrypoints.openai.connections import MAX_BODY_BYTES
 from aserve.entrypoints.openai.cors import CorsOptions
 from aserve.entrypoints.openai.event_stream import EventStream, stream_response
@@ -212,6 +213,11 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     echoed text (the reply's start); grammar_after: see LLMEngine.add_request."""
     n = req.n
     created = int(time.time())
+    if req.use_beam_search:
+        body, choices = await beam_response(state, req, request_id, prompts, chat, created)
+        for body_choice, choice in zip(body["choices"], choices if tools is not None else ()):
+            tools.message(body_choice, choice)  # (a reasoning parser's split: tools are refused)
+        return json_response(body)
     if state.log_requests:  # --enable-log-requests
         for i, (_, ids, params) in enumerate(prompts):
             logger.info("request %s (prompt %d): %d prompt tokens, %s", request_id, i, len(ids), params)
