@@ -21,7 +21,8 @@ def test_draft_tokens_give_length_and_leading_slices_without_reading():
 
 
 def test_the_verification_step_reads_the_drafts_after_the_update_and_schedule(tiny_model, monkeypatch):
-    llm = LLM(tiny_model, dtype="float32", enforce_eager=True,
+    # one step at a time, as the engine runs without async scheduling (the default on the CPU, not on a GPU)
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, async_scheduling=False,
               speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3})  # fmt: skip
     core = llm.engine.core
     events = []
