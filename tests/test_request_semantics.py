@@ -111,7 +111,7 @@ async def test_tokenize_messages_takes_the_chat_template_arguments(client, llm_e
     assert len(prompt["token_strs"]) == prompt["count"]
     for fields, param in (({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
                           ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
-                          ({"add_special_tokens": True}, "add_special_tokens")):  # fmt: skip
+                          ({"chat_template": "{{ 1 }}"}, "chat_template")):  # untrusted here  # fmt: skip
         assert (await tokenize(400, messages=msgs, **fields))["error"]["param"] == param
 
 
