@@ -163,7 +163,7 @@ def test_split_configs_depend_on_the_weight_alone():
     cfg = bi_matmul.config_for(4096, 4096, torch.bfloat16)
     tiles = [bi_matmul.row_tile(cfg, m, 4096) for m in (1, 17, 64, 128, 256, 384, 4096)]
     assert [(t["BLOCK_M"], t["BLOCK_N"], t["num_stages"]) for t in tiles] == [
-        (16, 32, 8), (32, 32, 8), (64, 32, 6), (64, 64, 6), (128, 64, 6), (128, 128, 6), (128, 256, 3)]  # fmt: skip
+        (16, 16, 8), (32, 32, 8), (64, 32, 6), (64, 64, 6), (128, 64, 6), (128, 128, 6), (128, 256, 3)]  # fmt: skip
     # from 65 rows the tile follows N too: the first of 128 x 256 .. 64 x 64 with >= 96 programs, 128 x 128 (three
     # stages, two programs an SM) where 128 x 256 would take more than one wave
     big = bi_matmul.config_for(28672, 4096, torch.bfloat16)
