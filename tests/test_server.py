@@ -236,6 +236,7 @@ async def test_wrong_method_and_models(client):
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 256
     assert (await client.get("/health")).status == 200
+    assert (await client.get("/ping")).status == 200 and (await client.post("/ping")).status == 200
 
 
 async def test_api_key(llm_engine):

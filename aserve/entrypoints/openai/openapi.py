@@ -94,6 +94,10 @@ def openapi_spec() -> dict:
             "/health": {
                 "get": {"summary": "200 when serving; 503 when shutting down or the engine stopped", "responses": ok}
             },
+            "/ping": {
+                "get": {"summary": "/health by vLLM's other name", "responses": ok},
+                "post": {"summary": "/health by vLLM's other name", "responses": ok},
+            },
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": ok}},
         },
         "components": {"schemas": schemas},

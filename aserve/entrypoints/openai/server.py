@@ -295,7 +295,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
 # -- app --------------------------------------------------------------------------------------------------------
 
 
-_UNTRACKED = ("/health", "/metrics")  # cheap, engine-free routes: always served, never waited for
+_UNTRACKED = ("/health", "/ping", "/metrics")  # cheap, engine-free routes: always served, never waited for
 
 
 @web.middleware
@@ -430,6 +430,8 @@ def build_app(
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_get("/version", _static_json({"version": __version__}))
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)  # vLLM's (SageMaker's) name for the same, by GET or POST
+    app.router.add_post("/ping", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
