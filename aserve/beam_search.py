@@ -109,14 +109,15 @@ class BeamSearch:
             self.beams[i] = candidates[: self.params.beam_width]
         self.steps += 1
 
-    def outputs(self, decode: Callable[[list[int]], str]) -> list[BeamSearchOutput]:
-        """The best beam_width sequences of each prompt, their text decoded (the prompt's included)."""
+    def outputs(self, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+        """The best beam_width sequences of each prompt, their text decoded (the prompt's included; without
+        `decode`, left None)."""
         outputs = []
         for beams, completed in zip(self.beams, self.completed):
             for beam in beams:
                 beam.finish_reason = beam.finish_reason or "length"
             best = sorted(completed + beams, key=self._score, reverse=True)[: self.params.beam_width]
-            for beam in best:
+            for beam in best if decode is not None else ():
                 beam.text = decode(beam.tokens)
             outputs.append(BeamSearchOutput(best))
         return outputs
