@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from aserve.outputs import Logprob
 from aserve.sampling_params import ParamError, SamplingParams
 
+# |length_penalty| at most this: length ** penalty stays a finite float at any context length (2**17 ** 50 ~ 1e255)
+MAX_LENGTH_PENALTY = 50.0
+
 
 @dataclass(slots=True)
 class BeamSearchParams:
@@ -37,6 +40,9 @@ class BeamSearchParams:
             raise ParamError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0:
             raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:  # (NaN fails too)
+            raise ParamError("length_penalty", f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, "
+                             f"{MAX_LENGTH_PENALTY}], got {self.length_penalty!r}")  # fmt: skip
 
     def step_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature,

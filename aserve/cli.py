@@ -27,7 +27,7 @@ from aserve.entrypoints.openai.cli_args import (
     set_log_levels,
 )
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket
-from aserve.entrypoints.openai.server import STATE_KEY, build_app
+from aserve.entrypoints.openai.server import SERVER_OPTIONS, STATE_KEY, build_app
 from aserve.entrypoints.openai.shutdown import begin_drain, drain
 from aserve.quantize.quantize import add_quantize_parser, run_quantize
 from aserve.version import __version__
@@ -232,7 +232,7 @@ async def _serve(
         engine.stats.add_listener(PeriodicLogger(logger.info))
     # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
     # client that stopped reading.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(app, **SERVER_OPTIONS, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     # Every connection goes through the guard (read timeouts, connection limit) in front of aiohttp's protocol.
     guard = ConnectionGuard(runner.server, limits or ConnectionLimits())

@@ -100,9 +100,15 @@ async def test_use_beam_search_over_http(llm):
                 "use_beam_search": True, "length_penalty": 0.5}  # fmt: skip
         reply = await (await client.post("/v1/chat/completions", json=chat)).json()
         assert [c["index"] for c in reply["choices"]] == [0, 1]
-        for field, extra in (("stream", {"stream": True}), ("logprobs", {"logprobs": 2}), ("n", {"n": 11})):
+        long = {"prompt": [5] * 128, "max_tokens": None}  # fills the context: no room for a token
+        for field, extra in (("stream", {"stream": True}), ("logprobs", {"logprobs": 2}), ("n", {"n": 11}),
+                             ("length_penalty", {"length_penalty": 1e308}), ("max_tokens", {"max_tokens": 500}),
+                             ("prompt", long)):  # fmt: skip
             resp = await client.post("/v1/completions", json={**body, **extra})
-            assert resp.status == 400 and (await resp.json())["error"]["param"] == field
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == field, extra
+        several = {**body, "prompt": [[5, 6], [5] * 40], "max_tokens": 20, "ignore_eos": True, "length_penalty": 50}
+        reply = await (await client.post("/v1/completions", json=several)).json()
+        assert [c["index"] for c in reply["choices"]] == list(range(6))  # prompt index x n + beam
         assert_idle(llm.engine)
     finally:
         await client.close()

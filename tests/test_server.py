@@ -8,7 +8,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from aserve import EngineArgs, LLMEngine
 from aserve.engine.async_engine import AsyncEngine
-from aserve.entrypoints.openai.server import build_app
+from aserve.entrypoints.openai.server import SERVER_OPTIONS, build_app
 
 MODEL = "tiny"
 
@@ -29,7 +29,7 @@ def llm_engine(tiny_model):
 
 async def make_client(llm_engine, api_key=None, **api):
     app = build_app(AsyncEngine(llm_engine), MODEL, api_key, **api)
-    client = TestClient(TestServer(app, handler_cancellation=True))
+    client = TestClient(TestServer(app, **SERVER_OPTIONS))
     await client.start_server()
     return client
 
@@ -196,6 +196,22 @@ async def test_stop_and_logprobs(client, llm_engine):
             "chat_template",
         ),  # without --trust-request-chat-template
         ("/v1/completions", {"prompt": "x", "priority": 2}, 400, "priority"),
+        ("/v1/completions", {"prompt": "x", "bad_words": ["w"] * 257}, 400, "bad_words"),
+        ("/v1/completions", {"prompt": "x", "bad_words": ["w" * 257]}, 400, "bad_words"),
+        (  # a tool call's arguments nested past the JSON parser's depth
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "[" * 1100 + "]" * 1100}}],
+                    },
+                ]
+            },
+            400,
+            "messages",
+        ),
     ],
 )
 async def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, llm_engine, path, body, status, param):
@@ -253,6 +269,39 @@ async def test_api_key(llm_engine):
         await client.close()
 
 
+async def test_constraints_that_leave_no_token_are_the_clients_error(client, llm_engine):
+    """A grammar whose language is empty or never ends, or allowed_token_ids that bad_words empty: a 400 naming
+    the conflict (the sampled token would lie outside the constraints), and the server goes on."""
+    letter = llm_engine.tokenizer.convert_tokens_to_ids("q")
+    for extra in ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, {"guided_grammar": "root ::= root"},
+                  {"allowed_token_ids": [letter], "bad_words": ["q"]}):  # fmt: skip
+        resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra})
+        assert resp.status == 400, (extra, await resp.text())
+        assert "no token satisfies every constraint" in (await resp.json())["error"]["message"]
+    assert_idle(llm_engine)
+
+
+async def test_compressed_bodies_are_refused(client, llm_engine):
+    """A compressed body's size says nothing of what it inflates to: refused, valid or not, and the server goes on."""
+    import gzip
+
+    import aiohttp
+
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for encoding, data in (("gzip", gzip.compress(body)), ("x-custom", body)):
+        resp = await client.post("/v1/completions", data=data, headers={
+            "Content-Encoding": encoding, "Content-Type": "application/json"})  # fmt: skip
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "unsupported_content_encoding"
+    try:  # one that does not inflate: aiohttp's parser answers 400 (or drops the connection) before the app
+        resp = await client.post("/v1/completions", data=b"not deflate", headers={"Content-Encoding": "deflate",
+                                                                                   "Connection": "close"})  # fmt: skip
+        assert resp.status == 400
+    except aiohttp.ServerDisconnectedError:
+        pass
+    assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
+    assert_idle(llm_engine)
+
+
 async def test_request_id_and_x_request_id(client, llm_engine):
     """The response's id after its prefix: an X-Request-Id header, else the request_id field; two requests may carry
     the same one at once (the engine's own ids stay unique)."""
@@ -260,6 +309,11 @@ async def test_request_id_and_x_request_id(client, llm_engine):
     assert (await (await client.post("/v1/completions", json=body)).json())["id"] == "cmpl-mine"
     both = [client.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr"}) for _ in range(2)]
     assert [(await r.json())["id"] for r in await asyncio.gather(*both)] == ["cmpl-hdr"] * 2
+    for bad in ("a\nX-Evil: 1", "", "x" * 257, "with space", "\u00e9"):  # ids go into headers and log lines
+        resp = await client.post("/v1/completions", json={**body, "request_id": bad, "stream": True})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "request_id"
+    resp = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "x" * 300})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "X-Request-Id"
     assert_idle(llm_engine)
 
 

@@ -64,6 +64,21 @@ def test_extract_whole_output(name, text, content, calls):
     assert got_content == content
 
 
+DEEP = "[" * 1100 + "]" * 1100  # nested past Python's JSON parser's depth
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + DEEP + "}}</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": ' + DEEP + "}}"),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": ' + DEEP + "}}]"),
+])  # fmt: skip
+def test_output_nested_past_the_json_parsers_depth_is_text(name, text):
+    """The model's output, not the client's: a call the parser cannot read stays text (no exception), whole and
+    streamed."""
+    assert get_tool_parser(name).extract(text) == (text, [])
+    _stream(ToolCallOutput(AUTO, get_tool_parser(name)), text, 97)
+
+
 def _stream(output: ToolCallOutput, text: str, piece: int, finish: str = "stop") -> list[dict]:
     """Feeds `text` in pieces of `piece` characters -> the chunks' choices that were sent."""
     return _feed(output, [text[start : start + piece] for start in range(0, len(text), piece)], finish)

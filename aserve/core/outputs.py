@@ -54,8 +54,9 @@ class RunnerOutput:
 # A request's own constraints leave it no token to sample: the engine ends it with this error, which the server
 # reports as the client's (HTTP 400), not as an internal fault.
 NO_ALLOWED_TOKEN = (
-    "no token satisfies every constraint of the request: its grammar (structured output) allows only tokens "
-    "outside allowed_token_ids"
+    "no token satisfies every constraint of the request: its grammar (structured output), allowed_token_ids and "
+    "bad_words leave nothing to generate (a grammar whose language is empty or never ends, or constraints that "
+    "exclude each other)"
 )
 CLIENT_ERRORS = frozenset({NO_ALLOWED_TOKEN})
 

@@ -74,6 +74,8 @@ class Request:
         self.paused = False  # its client stopped reading its stream (Scheduler.set_paused): not scheduled
         # SamplingParams.bad_words as token sequences (the engine tokenises them): the sampler bans their completion
         self.bad_words_token_ids: list[list[int]] = []
+        allowed = sampling_params.allowed_token_ids
+        self.allowed_token_set = frozenset(allowed) if allowed else None  # every sampled token must be one of these
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 

@@ -380,10 +380,12 @@ class Scheduler:
         for token_id in token_ids:
             if self.vocab_size is not None and not 0 <= token_id < self.vocab_size:
                 return appended, f"internal error: the model produced token id {token_id}, outside the vocabulary"
+            # A token outside the request's grammar or allowed_token_ids is sampled only from a row its constraints
+            # masked whole (the sampler masks the rest): the request's own doing.
             if request.grammar is not None and not request.grammar.accept(token_id):
-                if request.sampling_params.allowed_token_ids:  # every token the grammar allows was masked
-                    return appended, NO_ALLOWED_TOKEN
-                return appended, f"internal error: token id {token_id} was sampled against the request's grammar"
+                return appended, NO_ALLOWED_TOKEN
+            if request.allowed_token_set is not None and token_id not in request.allowed_token_set:
+                return appended, NO_ALLOWED_TOKEN
             self.stats.on_token(request, now)
             appended.append(token_id)
             if self._append_token(request, token_id):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from aserve.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
+from aserve.beam_search import BeamSearch, BeamSearchParams
 from aserve.engine.async_engine import AsyncEngine
 from aserve.entrypoints.openai.responses import ChoiceState, add_token_ids, chat_chunk, completion_chunk, usage
 from aserve.sampling_params import ParamError
@@ -61,13 +61,25 @@ async def beam_response(state, req, request_id: str, prompts, chat: bool, create
     check_beam_request(req, engine.config.args.max_logprobs)
     eos = engine.config.eos_token_id
 
-    async def run(i: int, ids: list[int], params) -> list[BeamSearchSequence]:
-        max_tokens = params.max_tokens or engine.config.max_model_len - len(ids)
-        beam_params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
-                                       temperature=params.temperature, length_penalty=req.length_penalty)  # fmt: skip
-        return (await search(engine, ids, beam_params, f"{request_id}-{i}")).sequences
-
-    found = await asyncio.gather(*(run(i, ids, params) for i, (_, ids, params) in enumerate(prompts)))
+    max_model_len = engine.config.max_model_len
+    searches = []
+    for _, ids, params in prompts:  # all checked before any runs
+        engine.engine.validate_prompt(ids)
+        room = max_model_len - len(ids)
+        if room < 1 or (params.max_tokens or 0) > room:
+            field = "max_tokens" if room >= 1 else "messages" if chat else "prompt"
+            raise ParamError(field, f"the prompt's {len(ids)} tokens and max_tokens {params.max_tokens} do not fit "
+                             f"the context of {max_model_len} tokens", "context_length_exceeded")  # fmt: skip
+        searches.append((ids, BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens or room,
+                                               ignore_eos=params.ignore_eos, temperature=params.temperature,
+                                               length_penalty=req.length_penalty)))  # fmt: skip
+    tasks = [asyncio.ensure_future(search(engine, ids, p, f"{request_id}-{i}")) for i, (ids, p) in enumerate(searches)]
+    try:
+        found = [output.sequences for output in await asyncio.gather(*tasks)]
+    finally:  # one search failing (or the client leaving) ends the others, and their step requests
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     choices, completion_tokens = [], 0
     for i, ((_, ids, _), sequences) in enumerate(zip(prompts, found)):
         for j, beam in enumerate(sequences):

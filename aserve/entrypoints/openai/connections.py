@@ -266,7 +266,13 @@ class BodyReader:
 
     async def read(self, request: web.Request) -> bytes | mmap.mmap:
         """The body, up to MAX_BODY_BYTES (else 413): bytes, or for one over LARGE_BODY_BYTES an anonymous memory
-        map that the caller closes."""
+        map that the caller closes. A compressed body is refused before it is read: its Content-Length says nothing
+        of what it inflates to (a small body can inflate to gigabytes before any limit applies; aiohttp's parser
+        answers one that does not inflate with its own 400)."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise APIError(400, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                           code="unsupported_content_encoding")  # fmt: skip
         length = request.content_length
         if length is not None and length > MAX_BODY_BYTES:
             raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, length)

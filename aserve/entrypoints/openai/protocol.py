@@ -23,6 +23,7 @@ MAX_N = 128  # OpenAI's documented maximum for n
 MAX_SEQUENCES = 1024  # prompts x n in one /v1/completions request
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256  # also bounds how much text a stream holds back while a stop string may be forming
+MAX_BAD_WORDS = 256  # bad_words: each tokenised twice when the request is queued, each checked every step
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs in chat
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
@@ -158,6 +159,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ParamError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if self.bad_words is not None and (len(self.bad_words) > MAX_BAD_WORDS or any(
+                isinstance(w, str) and len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words)):  # fmt: skip
+            raise ParamError("bad_words", f"at most {MAX_BAD_WORDS} bad_words of at most {MAX_STOP_STRING_CHARS} "
+                             "characters each are allowed")  # fmt: skip
         if any(len(stop) > MAX_STOP_STRING_CHARS for stop in stops):
             raise ParamError("stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 import uuid
 
@@ -194,10 +195,17 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
 _REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"  # aiohttp >= 3.12
 
 
+_ID_CHARS = re.compile(r"[!-~]{1,256}")  # printable ASCII without spaces: safe in a header, a log line, an SSE event
+
+
 def response_id(request: web.Request, req) -> str:
     """A response's id after its prefix: the X-Request-Id header, else the request_id field, else a new one (vLLM's
-    order); kept for --enable-request-id-headers."""
-    request[_REQUEST_ID] = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
+    order); kept for --enable-request-id-headers. A client's id must be 1-256 printable ASCII characters."""
+    header = request.headers.get("X-Request-Id")
+    for given, name in ((header, "X-Request-Id"), (req.request_id, "request_id")):
+        if given is not None and not _ID_CHARS.fullmatch(given):
+            raise ParamError(name, f"{name} must be 1 to 256 printable ASCII characters without spaces")
+    request[_REQUEST_ID] = header or req.request_id or uuid.uuid4().hex
     return request[_REQUEST_ID]
 
 
@@ -382,6 +390,10 @@ def _static_json(obj):
         return web.Response(body=body, content_type="application/json")
 
     return handler
+
+
+# aiohttp's server settings for the app: a handler whose client disconnects is cancelled (its requests end)
+SERVER_OPTIONS = {"handler_cancellation": True}
 
 
 def build_app(

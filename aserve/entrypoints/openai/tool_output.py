@@ -71,7 +71,7 @@ class ToolCallOutput:
             return ("", [ToolCall(self.name, text)]) if text.strip() else (text, [])
         try:
             items = json.loads(text)
-        except ValueError:  # cut short (max_tokens): no complete list
+        except (ValueError, RecursionError):  # cut short (max_tokens): no complete list
             return text, []
         calls = [ToolCall.from_json(item, "parameters") for item in items] if isinstance(items, list) else [None]
         return ("", calls) if calls and None not in calls else (text, [])

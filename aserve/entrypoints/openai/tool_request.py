@@ -111,7 +111,7 @@ def template_message(msg: dict) -> dict:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # (nesting past the parser's depth: RecursionError)
                 raise ParamError("messages", f"a tool call's arguments are not JSON: {e}") from e
         out.append({**call, "function": {**function, "arguments": args}})
     return {**msg, "tool_calls": out}

@@ -27,7 +27,7 @@ class ToolCall:
         if isinstance(args, str):  # some models write the arguments as a JSON string already
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(args, dict):
             return None
@@ -65,7 +65,7 @@ def json_values(text: str) -> tuple[list, str] | None:
             break
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             break
         values.append(value)
     return (values, text[pos:]) if values else None

@@ -16,7 +16,7 @@ _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 def _call(body: str) -> ToolCall | None:
     try:
         return ToolCall.from_json(json.loads(body))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

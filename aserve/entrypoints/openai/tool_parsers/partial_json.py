@@ -79,7 +79,7 @@ def object_members(text: str) -> list[tuple[str, int, int | None]]:
             return members
         try:
             key = json.loads(text[i:key_end])
-        except ValueError:
+        except (ValueError, RecursionError):
             return members
         i = _skip_whitespace(text, key_end)
         if i >= len(text) or text[i] != ":":
@@ -121,7 +121,7 @@ def partial_call(body: str, complete: bool, arguments_keys: tuple[str, ...] = ("
         if key == "name" and end is not None and body[start] == '"':
             try:
                 value = json.loads(body[start:end])
-            except ValueError:
+            except (ValueError, RecursionError):
                 value = None
             name = value if isinstance(value, str) else None
         elif key in arguments_keys and key_used in (None, key) and body[start] == "{":
@@ -130,7 +130,7 @@ def partial_call(body: str, complete: bool, arguments_keys: tuple[str, ...] = ("
         return PartialCall(name, arguments, False)
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         obj = None
     if isinstance(obj, dict):
         key_used = key_used or next((k for k in arguments_keys if k in obj), arguments_keys[-1])
