@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# A JSON schema nested deeper than this (objects and arrays of the schema document itself; an object property is
+# three levels) is refused: xgrammar's compile time grows steeply with nesting (SmolLM2's vocabulary, 480 nested
+# objects: 12-30 s in the compile pool, holding up every other request's grammar)
+MAX_SCHEMA_DEPTH = 100
+
+
+def _nesting(value) -> int:
+    """How deep dicts and lists nest in `value` (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            if depth > MAX_SCHEMA_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def _is_int(x) -> bool:
@@ -46,6 +66,16 @@ class StructuredOutputsParams:
             )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ParamError("structured_outputs", "structured_outputs.json must be a JSON schema (an object)")
+        if self.json is not None:
+            too_deep = ParamError("structured_outputs", f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels")
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            except RecursionError:
+                raise too_deep from None
+            except ValueError:
+                schema = None  # (not JSON: the compile says so)
+            if _nesting(schema) > MAX_SCHEMA_DEPTH:
+                raise too_deep
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ParamError("structured_outputs", f"structured_outputs.{name} must be a string")

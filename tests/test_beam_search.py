@@ -103,7 +103,8 @@ async def test_use_beam_search_over_http(llm):
         long = {"prompt": [5] * 128, "max_tokens": None}  # fills the context: no room for a token
         for field, extra in (("stream", {"stream": True}), ("logprobs", {"logprobs": 2}), ("n", {"n": 11}),
                              ("length_penalty", {"length_penalty": 1e308}), ("max_tokens", {"max_tokens": 500}),
-                             ("prompt", long)):  # fmt: skip
+                             ("prompt", long), ("stop", {"stop": ["x"]}), ("seed", {"seed": 3}),
+                             ("min_tokens", {"min_tokens": 2}), ("top_p", {"top_p": 0.5})):  # fmt: skip
             resp = await client.post("/v1/completions", json={**body, **extra})
             assert resp.status == 400 and (await resp.json())["error"]["param"] == field, extra
         several = {**body, "prompt": [[5, 6], [5] * 40], "max_tokens": 20, "ignore_eos": True, "length_penalty": 50}

@@ -197,6 +197,16 @@ async def test_stop_and_logprobs(client, llm_engine):
         ),  # without --trust-request-chat-template
         ("/v1/completions", {"prompt": "x", "priority": 2}, 400, "priority"),
         ("/v1/completions", {"prompt": "x", "bad_words": ["w"] * 257}, 400, "bad_words"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+            },
+            400,
+            "tools",
+        ),
         ("/v1/completions", {"prompt": "x", "bad_words": ["w" * 257]}, 400, "bad_words"),
         (  # a tool call's arguments nested past the JSON parser's depth
             "/v1/chat/completions",

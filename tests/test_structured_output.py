@@ -210,6 +210,12 @@ def test_what_does_not_compile_is_refused_before_anything_is_queued(llm):
         StructuredOutputsParams()
     with pytest.raises(ParamError, match="non-empty list of strings"):
         StructuredOutputsParams(choice=[])
+    deep = {"type": "string"}
+    for i in range(60):  # 120 levels of the schema document: its compile would take seconds
+        deep = {"type": "object", "properties": {f"k{i}": deep}, "required": [f"k{i}"]}
+    for schema in (deep, json.dumps(deep), "[" * 5000 + "]" * 5000):
+        with pytest.raises(ParamError, match="nests more than 100 levels"):
+            StructuredOutputsParams(json=schema)
 
 
 def test_requests_wait_for_their_grammar(llm, monkeypatch):

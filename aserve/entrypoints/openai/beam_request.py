@@ -1,7 +1,8 @@
 """`use_beam_search` on /v1/completions and /v1/chat/completions (vLLM's request field): each prompt's n best beams
 (aserve/beam_search.py; beam_width = n, with the request's max_tokens, ignore_eos, temperature and length_penalty) are
 its n choices, best first, their text the generated tokens' (an end-of-sequence token left out). The response comes
-whole: a stream, logprobs, echo, tools and structured output are refused with it."""
+whole: a stream, logprobs, echo, tools, structured output and the sampling fields its steps do not apply are refused
+with it (_REFUSED)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,33 @@ from aserve.engine.async_engine import AsyncEngine
 from aserve.entrypoints.openai.responses import ChoiceState, add_token_ids, chat_chunk, completion_chunk, usage
 from aserve.sampling_params import ParamError
 
-# what a beam-search request may not ask for -> its check
+# what a beam-search request may not ask for -> its check: the shapes of response it cannot give, and the sampling
+# fields its one-token steps do not apply (they take temperature only, as vLLM's; vLLM ignores these, aserve refuses)
 _REFUSED = {
     "stream": lambda req: req.stream,
     "logprobs": lambda req: req.num_logprobs() is not None,
     "echo": lambda req: req.echo,
     "tools": lambda req: getattr(req, "tools", None),
     "structured_outputs": lambda req: req.structured_outputs_params() is not None,
+    **{
+        name: lambda req, name=name: getattr(req, name) not in (None, [], {})
+        for name in (
+            "stop",
+            "stop_token_ids",
+            "logit_bias",
+            "allowed_token_ids",
+            "bad_words",
+            "prompt_logprobs",
+            "seed",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+        )
+    },
+    "presence_penalty": lambda req: req.presence_penalty != 0,
+    "frequency_penalty": lambda req: req.frequency_penalty != 0,
+    "min_tokens": lambda req: req.min_tokens != 0,
 }
 
 

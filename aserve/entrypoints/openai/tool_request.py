@@ -12,9 +12,15 @@ from aserve.sampling_params import ParamError, StructuredOutputsParams
 AUTO, REQUIRED, NAMED = "auto", "required", "named"
 
 
+MAX_TOOLS = 128
+
+
 def check_tools(tools: list | None, tool_choice) -> None:
-    """The shapes OpenAI documents; a named tool_choice must name one of the tools."""
+    """The shapes OpenAI documents; a named tool_choice must name one of the tools; at most MAX_TOOLS tools (OpenAI's
+    limit: a forced choice compiles one grammar over all of them)."""
     if tools is not None:
+        if len(tools) > MAX_TOOLS:
+            raise ParamError("tools", f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
         for i, tool in enumerate(tools):
             function = tool.get("function") if isinstance(tool, dict) else None
             if not isinstance(function, dict) or tool.get("type") != "function":
