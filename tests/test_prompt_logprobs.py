@@ -87,3 +87,14 @@ def test_prompt_logprobs_zero_gives_the_prompt_tokens_only(tiny_model, reference
     for i, entry in enumerate(out.prompt_logprobs[1:]):
         assert list(entry) == [PROMPTS[1][i + 1]]
         assert abs(entry[PROMPTS[1][i + 1]].logprob - references[1][i, PROMPTS[1][i + 1]].item()) < 1e-4
+
+
+def test_n_samples_score_the_prompt_once(tiny_model, references):
+    """With n > 1 the first sample alone scores the prompt; the request reports it once, equal to n = 1's."""
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, max_model_len=128)
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, prompt_logprobs=3)
+    for prompt, out, ref in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params), references):
+        assert len(out.outputs) == 3
+        assert_matches_reference(out.prompt_logprobs, prompt, ref, 3)
+    _, made = llm.engine._make_sequences("x", PROMPTS[0], params)  # the siblings' own parameters
+    assert [s.sampling_params.prompt_logprobs for s in made] == [3, None, None]

@@ -262,9 +262,11 @@ class LLMEngine:
         if params.n == 1:
             sequences = [Request(request_id, prompt_token_ids, params, eos, hasher, arrival_time)]
         else:
+            # the first sibling alone scores the prompt (prompt_logprobs): the request reports them once
             sequences = [Request(f"{request_id}#{i}", prompt_token_ids,
-                                 params.clone(n=1, seed=None if params.seed is None else params.seed + i), eos, hasher,
-                                 arrival_time) for i in range(params.n)]  # fmt: skip
+                                 params.clone(n=1, seed=None if params.seed is None else params.seed + i,
+                                              prompt_logprobs=params.prompt_logprobs if i == 0 else None),
+                                 eos, hasher, arrival_time) for i in range(params.n)]  # fmt: skip
         if params.bad_words:
             bad = self._bad_words_token_ids(params.bad_words)
             for sequence in sequences:

@@ -156,7 +156,7 @@ class OutputProcessor:
     def _absorb(self, state: RequestState, index: int, out: EngineCoreOutput, finishes: Finishes) -> None:
         if index == 0:
             state.num_cached_tokens = out.num_cached_tokens
-        if out.prompt_logprobs is not None and state.prompt_logprobs is None:  # every sequence scores the prompt
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:  # (the first sequence scores it)
             state.prompt_logprobs = [None] + [self._logprob_dict(lp) for lp in out.prompt_logprobs]
         detok = state.detokenizers[index]
         # The stop token (EOS or one of stop_token_ids) that ends a sequence is no text, as in vLLM, even where
