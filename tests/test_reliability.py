@@ -236,6 +236,28 @@ async def test_limits_at_the_cap_are_served(client, llm_engine):
     assert_idle(llm_engine)
 
 
+async def test_many_short_prompts_are_tokenised_off_the_event_loop(tiny_model, monkeypatch):
+    """A completions request of many prompts, each short enough to tokenise inline but long together: tokenised in
+    the pool, not on the loop's thread."""
+    llm_engine = make_llm_engine(tiny_model, max_model_len=512)
+    client = await make_client(llm_engine)
+    real_encode, threads = llm_engine.tokenizer.encode, []
+
+    def encode(text, *args, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(llm_engine.tokenizer, "encode", encode)
+    prompt = "the quick brown fox " * 50  # 1,000 characters
+    for prompts, on_loop in (([prompt] * 3, True), ([prompt] * 8, False)):  # 3,000 and 8,000 characters
+        threads.clear()
+        resp = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 1})
+        assert resp.status == 200 and len((await resp.json())["choices"]) == len(prompts)
+        assert threads == [on_loop] * len(prompts)
+    await client.close()
+    assert_idle(llm_engine)
+
+
 async def test_too_large_body_gets_413_json(client, llm_engine):
     body = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
     resp = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})

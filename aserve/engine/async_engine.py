@@ -202,6 +202,12 @@ class AsyncEngine:
         self.engine.check_prompt_chars(len(text))
         return await self.tokenizer_pool.encode(text, add_special_tokens=add_special_tokens)
 
+    async def tokenize_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """tokenize() for several texts at once: off the event loop unless all of them together are short."""
+        for text in texts:
+            self.engine.check_prompt_chars(len(text))
+        return await self.tokenizer_pool.encode_many(texts, add_special_tokens=add_special_tokens)
+
     def check_prompt_chars(self, num_chars: int, param: str = "prompt", at_least: bool = False) -> None:
         """ParamError (context_length_exceeded) if a text of `num_chars` characters cannot fit the context."""
         self.engine.check_prompt_chars(num_chars, param, at_least)

@@ -396,6 +396,14 @@ class TokenizerPool:
             return encode(text, add_special_tokens=add_special_tokens)
         return await self._run(len(text), lambda: encode(text, add_special_tokens=add_special_tokens))
 
+    async def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Several texts (a completions request's prompts): on the loop only while all of them together are short,
+        else in one job in the pool."""
+        encode, total = self.tokenizer.encode, sum(map(len, texts))
+        if total <= INLINE_CHARS:
+            return [encode(text, add_special_tokens=add_special_tokens) for text in texts]
+        return await self._run(total, lambda: [encode(text, add_special_tokens=add_special_tokens) for text in texts])
+
     async def decode(self, token_ids: list[int]) -> str:
         decode = self.tokenizer.decode
         if len(token_ids) <= INLINE_CHARS:

@@ -152,8 +152,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     await state.compile_grammar(req, params)
     prompts = []
     max_model_len = state.engine.config.max_model_len
+    texts = [p for p in raw_prompts if isinstance(p, str)]
+    encoded = iter(await state.engine.tokenize_many(texts, req.add_special_tokens is not False) if texts else ())
     for p in raw_prompts:
-        ids = await state.engine.tokenize(p, req.add_special_tokens is not False) if isinstance(p, str) else p
+        ids = next(encoded) if isinstance(p, str) else p
         kept = req.truncate(ids, params, max_model_len)
         text = p if isinstance(p, str) and len(kept) == len(ids) else None  # a truncated prompt's text: its tokens'
         prompts.append((text, kept, params))
