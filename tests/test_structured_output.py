@@ -195,6 +195,7 @@ def test_what_does_not_compile_is_refused_before_anything_is_queued(llm):
             "the JSON schema is not valid JSON: Expecting value: line 1 column 10",
         ),
         (StructuredOutputsParams(regex="a(b"), "the regex cannot be compiled: .*parenthesis is not closed"),
+        (StructuredOutputsParams(regex="(?=a)b"), "the regex cannot be compiled: lookahead and lookbehind"),
         (StructuredOutputsParams(grammar='root ::= "a" |'), "the EBNF grammar cannot be compiled: EBNF parser error"),
     ]
     for so, message in cases:

@@ -36,6 +36,8 @@ MAX_JSON_WHITESPACE = 20
 
 # xgrammar's messages start with where in its C++ sources they were raised: "[14:47:01] /project/cpp/x.cc:94: "
 _SOURCE_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+# a lookaround group's opening, not escaped: "(?=", "(?!", "(?<=", "(?<!"
+_LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?(?:=|!|<=|<!)")
 _WHAT = {
     "json": "the JSON schema",
     "json_object": "the JSON object grammar",
@@ -214,6 +216,9 @@ class StructuredOutputManager:
                 whitespace = MAX_JSON_WHITESPACE if any_whitespace else None
                 return compiler.compile_json_schema(spec, any_whitespace=any_whitespace, max_whitespace_cnt=whitespace)
             if kind == "regex":
+                if _LOOKAROUND.search(spec):  # xgrammar 0.2.9 compiles them and drops the assertion
+                    raise ParamError("structured_outputs", "the regex cannot be compiled: lookahead and lookbehind "
+                                     "assertions ((?=...), (?!...), (?<=...), (?<!...)) are not supported")  # fmt: skip
                 return compiler.compile_regex(spec)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(spec)))
