@@ -7,6 +7,7 @@ with it (_REFUSED)."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from aserve.beam_search import BeamSearch, BeamSearchParams
 from aserve.engine.async_engine import AsyncEngine
@@ -94,7 +95,8 @@ async def beam_response(state, req, request_id: str, prompts, chat: bool, create
         searches.append((ids, BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens or room,
                                                ignore_eos=params.ignore_eos, temperature=params.temperature,
                                                length_penalty=req.length_penalty)))  # fmt: skip
-    tasks = [asyncio.ensure_future(search(engine, ids, p, f"{request_id}-{i}")) for i, (ids, p) in enumerate(searches)]
+    base = f"{request_id}-{uuid.uuid4().hex[:8]}"  # the engine's ids: unique even where the client chose request_id
+    tasks = [asyncio.ensure_future(search(engine, ids, p, f"{base}-{i}")) for i, (ids, p) in enumerate(searches)]
     try:
         found = [output.sequences for output in await asyncio.gather(*tasks)]
     finally:  # one search failing (or the client leaving) ends the others, and their step requests
