@@ -79,7 +79,6 @@ class BeamSearch:
     def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
                  max_model_len: int) -> None:  # fmt: skip
         self.params, self.eos_token_id, self.max_model_len = params, eos_token_id, max_model_len
-        self.prompt_lens = [len(p) for p in prompts]
         self.beams = [[BeamSearchSequence(list(p))] for p in prompts]  # per prompt, the beams still going
         self.completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         self.steps = 0
@@ -113,6 +112,8 @@ class BeamSearch:
                         candidates.append(child)
             candidates.sort(key=self._score, reverse=True)
             self.beams[i] = candidates[: self.params.beam_width]
+            # a completed beam's score is final: only the beam_width best can be returned
+            self.completed[i] = sorted(self.completed[i], key=self._score, reverse=True)[: self.params.beam_width]
         self.steps += 1
 
     def outputs(self, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
