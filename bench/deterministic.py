@@ -80,7 +80,8 @@ class Engine:
 
     def step_kernels(self) -> tuple[float, list]:
         """(ms of one replay of the batch-1 decode CUDA graph, its kernel_times)."""
-        from gpu_bench import bench_ms, kernel_times
+        from gpu_bench import bench_ms
+        from kernel_profile import kernel_times
 
         graph = self.llm.engine.core.runner.graphs.graphs[(1, 1)][0]
         return bench_ms(graph.replay), kernel_times(graph.replay)

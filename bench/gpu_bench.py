@@ -29,6 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_profile import kernel_times  # noqa: E402
 
 LLAMA3_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -268,23 +270,6 @@ def parity(root: str) -> None:
         del llm, model
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def kernel_times(fn, calls: int = 20) -> list[tuple[str, float, float]]:
-    """(kernel, GPU us per call of fn, launches per call of fn), the most time first: CUPTI via torch.profiler over
-    `calls` calls after one. (With programmatic dependent launch a kernel's time includes its wait for the one
-    before: ASERVE_PDL=0 for each kernel's own.)"""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / calls, e.count / calls) for e in prof.key_averages()
-            if e.device_time_total > 0]  # fmt: skip
-    return sorted(rows, key=lambda r: -r[1])
 
 
 def top_kernels(fn, key: str, n: int = 10) -> None:
