@@ -249,6 +249,35 @@ def test_requests_wait_for_their_grammar(llm, monkeypatch):
     assert engine.core.kv_manager.pool.num_free_blocks == engine.core.num_kv_blocks
 
 
+def test_a_queued_compile_no_request_needs_is_cancelled(tiny_model):
+    """With the pool's two threads busy, a third grammar's compile waits in the pool's queue; once every request
+    that needed it has gone (aborted, or a server handler whose client left), it is cancelled and forgotten, so a
+    client cannot queue costly compiles ahead of the others and leave; a compile still needed goes on."""
+    import threading
+
+    from aserve.core.structured_output import StructuredOutputManager
+
+    gate = threading.Event()
+    manager = StructuredOutputManager(LLM(tiny_model, dtype="float32", enforce_eager=True).get_tokenizer(), 384, 1)
+    real = manager._compile
+    manager._compile = lambda key: gate.wait(10) and real(key)  # the pool's threads held until the gate opens
+    busy = [manager.compile(StructuredOutputsParams(regex=r)) for r in ("a", "b")]
+    while not all(f.running() for f in busy):  # both threads taken
+        gate.wait(0.01)
+    queued = manager.compile(StructuredOutputsParams(regex="c+"))
+    states = [manager.sequence_state(queued) for _ in range(2)]  # two sequences need it
+    states[0].free()
+    assert not queued.cancelled()  # one still does
+    states[1].free()
+    assert queued.cancelled()
+    again = manager.compile(StructuredOutputsParams(regex="c+"))  # a new request for it compiles it afresh
+    assert again is not queued
+    waiting = manager.sequence_state(busy[0])
+    waiting.free()  # running already: not cancelled, and it finishes for whoever asks next
+    gate.set()
+    assert not busy[0].cancelled() and busy[0].result() is not None and again.result() is not None
+
+
 def test_abort_frees_the_matcher(llm):
     engine = llm.engine
     engine.add_request("a", PROMPTS[0], SamplingParams(structured_outputs=KINDS["json"], max_tokens=50))

@@ -4,7 +4,8 @@
                               the model's logits, which may exceed the tokenizer's vocabulary), a thread pool that
                               compiles grammars (xgrammar releases the GIL while it compiles: the event loop runs on)
                               and the compiled grammars, cached by (kind, spec, options)
-    GrammarState              one per sequence (each of `n` has its own): the compile's future, then, once the
+    GrammarState              one per sequence (each of `n` has its own; it holds the compile: a queued compile no
+                              request holds any more is cancelled): the compile's future, then, once the
                               request is admitted, a GrammarMatcher that every token appended to it advances; with
                               `after` (a reasoning model's end-of-thinking token) the grammar applies only to the
                               tokens after that token's first appearance: the reasoning before it is free
@@ -116,13 +117,15 @@ def _problem(error: Exception) -> str:
 class GrammarState:
     """A sequence's grammar: compiled (`future`), then matched (`start()` makes the matcher)."""
 
-    __slots__ = ("future", "matcher", "terminate_without_stop_token", "after")
+    __slots__ = ("future", "matcher", "terminate_without_stop_token", "after", "_release")
 
-    def __init__(self, future: Future, terminate_without_stop_token: bool = False, after: int | None = None) -> None:
+    def __init__(self, future: Future, terminate_without_stop_token: bool = False, after: int | None = None,
+                 release=None) -> None:  # fmt: skip
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.terminate_without_stop_token = terminate_without_stop_token
         self.after = after  # a token id the grammar waits for (None: it applies from the first token)
+        self._release = release  # tells the manager the sequence no longer needs the compile (free)
 
     @property
     def error(self) -> str | None:
@@ -156,6 +159,9 @@ class GrammarState:
     def free(self) -> None:
         """The sequence finished: its matcher goes (a step still filling its bitmask holds its own reference)."""
         self.matcher = None
+        if self._release is not None:
+            self._release, release = None, self._release
+            release()
 
 
 class StructuredOutputManager:
@@ -170,6 +176,7 @@ class StructuredOutputManager:
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()  # most recently used last
+        self._holders: dict[Future, int] = {}  # compiles that requests need, and how many (hold / release)
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar, as a future: from the cache, or compiling in the pool. Its exception is a ParamError
@@ -187,7 +194,26 @@ class StructuredOutputManager:
 
     def sequence_state(self, future: Future, after: int | None = None) -> GrammarState:
         # Without a stop token the grammar's completion ends the sequence (with one, the stop token must follow).
-        return GrammarState(future, terminate_without_stop_token=self.eos_token_id is None, after=after)
+        self.hold(future)
+        return GrammarState(future, terminate_without_stop_token=self.eos_token_id is None, after=after,
+                            release=lambda: self.release(future))  # fmt: skip
+
+    def hold(self, future: Future) -> None:
+        """A request needs this compile (a sequence holding it, a server handler waiting for it)."""
+        self._holders[future] = self._holders.get(future, 0) + 1
+
+    def release(self, future: Future) -> None:
+        """A request no longer needs it; a compile nobody needs that is still queued in the pool is cancelled and
+        forgotten (a client that left with a costly grammar does not hold up the others' compiles)."""
+        left = self._holders.get(future, 0) - 1
+        if left > 0:
+            self._holders[future] = left
+            return
+        self._holders.pop(future, None)
+        if not future.done() and future.cancel():
+            for key, cached in list(self._cache.items()):
+                if cached is future:
+                    del self._cache[key]
 
     def _compiler_for_pool(self) -> xgr.GrammarCompiler:
         """Built by the first compile (in the pool): tokenizer info for every vocabulary entry takes ~0.15 s."""

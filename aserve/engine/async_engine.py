@@ -318,7 +318,12 @@ class AsyncEngine:
         if future is None:
             return
         if not future.done():
-            await asyncio.wait([asyncio.wrap_future(future)])
+            manager = self.engine.core.structured_output
+            manager.hold(future)
+            try:
+                await asyncio.wait([asyncio.wrap_future(future)])
+            finally:  # (a client that left: its compile, if still queued and no one else's, is cancelled)
+                manager.release(future)
         error = compile_error(future)
         if error is not None:
             raise error
