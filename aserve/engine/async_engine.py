@@ -199,8 +199,7 @@ class AsyncEngine:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text that cannot fit the context is refused (ParamError) before any of it is tokenised; long ones are
         tokenised in the tokenizer pool, off the event loop."""
-        self.engine.check_prompt_chars(len(text))
-        return await self.tokenizer_pool.encode(text, add_special_tokens=add_special_tokens)
+        return (await self.tokenize_many([text], add_special_tokens))[0]
 
     async def tokenize_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """tokenize() for several texts at once: off the event loop unless all of them together are short."""

@@ -391,13 +391,10 @@ class TokenizerPool:
         self._executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="aserve-tokenize")
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        encode = self.tokenizer.encode
-        if len(text) <= INLINE_CHARS:
-            return encode(text, add_special_tokens=add_special_tokens)
-        return await self._run(len(text), lambda: encode(text, add_special_tokens=add_special_tokens))
+        return (await self.encode_many([text], add_special_tokens))[0]
 
     async def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Several texts (a completions request's prompts): on the loop only while all of them together are short,
+        """Texts (one, or a completions request's prompts): on the loop only while all of them together are short,
         else in one job in the pool."""
         encode, total = self.tokenizer.encode, sum(map(len, texts))
         if total <= INLINE_CHARS:
