@@ -7,7 +7,6 @@ with it (_REFUSED)."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 from aserve.beam_search import BeamSearch, BeamSearchParams
 from aserve.engine.async_engine import AsyncEngine
@@ -77,8 +76,9 @@ async def _candidates(stream) -> dict:
     return logprobs[0]
 
 
-async def beam_response(state, req, request_id: str, prompts, chat: bool, created: int):
-    """The whole response of a beam-search request: prompts (text, ids, params) -> (its body, its choices)."""
+async def beam_response(state, req, request_id: str, engine_id: str, prompts, chat: bool, created: int):
+    """The whole response of a beam-search request: prompts (text, ids, params) -> (its body, its choices).
+    engine_id: the prefix of its step requests' engine ids."""
     engine: AsyncEngine = state.engine
     check_beam_request(req, engine.config.args.max_logprobs)
     eos = engine.config.eos_token_id
@@ -95,8 +95,7 @@ async def beam_response(state, req, request_id: str, prompts, chat: bool, create
         searches.append((ids, BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens or room,
                                                ignore_eos=params.ignore_eos, temperature=params.temperature,
                                                length_penalty=req.length_penalty)))  # fmt: skip
-    base = f"{request_id}-{uuid.uuid4().hex[:8]}"  # the engine's ids: unique even where the client chose request_id
-    tasks = [asyncio.ensure_future(search(engine, ids, p, f"{base}-{i}")) for i, (ids, p) in enumerate(searches)]
+    tasks = [asyncio.ensure_future(search(engine, ids, p, f"{engine_id}-{i}")) for i, (ids, p) in enumerate(searches)]
     try:
         found = [output.sequences for output in await asyncio.gather(*tasks)]
     finally:  # one search failing (or the client leaving) ends the others, and their step requests

@@ -21,6 +21,7 @@ from aserve.entrypoints.openai.connections import bad_http_in_one_line
 from aserve.entrypoints.openai.cors import CorsOptions
 from aserve.entrypoints.openai.protocol import TEMPLATE_CONTROLS
 from aserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from aserve.entrypoints.openai.request_fields import STRUCTURED_OUTPUT_BACKENDS
 from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -200,12 +201,12 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     outputs = dict(ns.structured_outputs_config or {})
-    if set(outputs) - {"backend"} or outputs.get("backend", "auto") not in ("xgrammar", "auto"):
+    if set(outputs) - {"backend"} or outputs.get("backend", "auto") not in STRUCTURED_OUTPUT_BACKENDS:
         raise ValueError(f"--structured-outputs-config {json.dumps(outputs)}: structured output always uses xgrammar "
                          'with its defaults ({"backend": "xgrammar"} or "auto" only)')  # fmt: skip
     if ns.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {ns.stream_interval}")
-    if ns.guided_decoding_backend not in (None, "xgrammar", "auto"):
+    if ns.guided_decoding_backend not in (None, *STRUCTURED_OUTPUT_BACKENDS):
         raise ValueError(f"--guided-decoding-backend {ns.guided_decoding_backend}: structured output always uses "
                          "xgrammar")  # fmt: skip
     reserved = sorted(set(ns.default_chat_template_kwargs or ()) & TEMPLATE_CONTROLS)

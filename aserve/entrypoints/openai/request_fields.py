@@ -52,12 +52,15 @@ REFUSED_FIELDS = {
     "removes whitespace",
 }
 
+# Structured output's backend names that mean the one aserve has (the request field, and `aserve serve`'s flags)
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "auto")
+
 # Values of refused fields that ask for what aserve does anyway.
 ACCEPTED_VALUES = {
     "modalities": (["text"],),
     "priority": (0,),
     "thinking_token_budget": (-1,),
-    "guided_decoding_backend": ("xgrammar", "auto"),
+    "guided_decoding_backend": STRUCTURED_OUTPUT_BACKENDS,
 }
 
 

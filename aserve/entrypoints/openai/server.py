@@ -223,8 +223,11 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     echoed text (the reply's start); grammar_after: see LLMEngine.add_request."""
     n = req.n
     created = int(time.time())
+    # the engine's ids: unique even where the client chose the response's id
+    engine_id = request_id if req.request_id is None and "X-Request-Id" not in request.headers else (
+        f"{request_id}-{uuid.uuid4().hex[:8]}")  # fmt: skip
     if req.use_beam_search:
-        body, choices = await beam_response(state, req, request_id, prompts, chat, created)
+        body, choices = await beam_response(state, req, request_id, engine_id, prompts, chat, created)
         for body_choice, choice in zip(body["choices"], choices if tools is not None else ()):
             tools.message(body_choice, choice)  # (a reasoning parser's split: tools are refused)
         return json_response(body)
@@ -239,9 +242,6 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
         choice.prompt_token_ids = prompts[choice.index // n][1]
         choice.ids_as_tokens = state.tokens_as_token_ids if req.return_tokens_as_token_ids is None else (
             req.return_tokens_as_token_ids)  # fmt: skip
-    # the engine's ids: unique even where the client chose the response's id
-    engine_id = request_id if req.request_id is None and "X-Request-Id" not in request.headers else (
-        f"{request_id}-{uuid.uuid4().hex[:8]}")  # fmt: skip
     if not chat and req.echo:
         await make_echoes(state.engine, choices, n, prompts, req.score_only)
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
