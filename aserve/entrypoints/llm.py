@@ -119,11 +119,10 @@ class LLM:
         for ids in tokenized:
             self.engine.validate_prompt(ids)
         group = concurrency_limit or max(1, len(tokenized))
-        outputs = []
+        step, outputs = params.step_params(), []
         for start in range(0, len(tokenized), group):
             search = BeamSearch(tokenized[start : start + group], params, self.engine.config.eos_token_id,
                                 self.engine.config.max_model_len)  # fmt: skip
-            step = params.step_params()
             while not search.done:
                 runs = self._generate([(None, ids) for ids in search.step_prompts()], step, use_tqdm)
                 search.advance([run.outputs[0].logprobs[0] for run in runs])
