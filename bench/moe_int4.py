@@ -50,7 +50,7 @@ def tune(x, logits, w13, w2, top_k, renormalize) -> dict:
     use_decode holds, else the grouped GEMMs' (each GEMM timed alone on one routing)."""
     from gpu_bench import bench_ms
 
-    from aserve.kernels import moe, moe_decode, moe_int4
+    from aserve.kernels import moe_align, moe_decode, moe_int4
 
     experts = w13.shape[0]
     if moe_decode.use_decode(x.shape[0], top_k, experts):
@@ -62,7 +62,7 @@ def tune(x, logits, w13, w2, top_k, renormalize) -> dict:
         return {which: _fastest(which, run, grid, bench_ms) for which, run in runs.items()}
     best = None
     for block_m in (16, 32) if x.shape[0] * top_k <= 16 * experts else (64, 128):
-        weights, _, sorted_slots, block_experts = moe.route_and_align(logits, top_k, renormalize, block_m)
+        weights, _, sorted_slots, block_experts = moe_align.route_and_align(logits, top_k, renormalize, block_m)
         n = x.shape[0] * top_k
         act = torch.randn(n, w2.shape[2], dtype=x.dtype, device=x.device)
         out = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)

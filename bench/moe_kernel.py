@@ -23,7 +23,7 @@ import torch
 from gpu_bench import bench_ms
 from triton.testing import do_bench_cudagraph
 
-from aserve.kernels import fp8_gemv, moe
+from aserve.kernels import fp8_gemv, moe, moe_align
 from aserve.kernels.fp8_reference import dequantize
 from aserve.layers.moe import FusedMoE, per_expert_matmuls
 from aserve.layers.quantization.fp8 import quantize_per_channel
@@ -54,7 +54,7 @@ def random_experts(shape: str, fp8: bool):
 def routed(x, logits, w13, w2, top_k, renormalize, block_m, w13_scale=None, w2_scale=None):
     """The routing done once, and the two grouped GEMMs on it as functions of their tiles. FP8 experts past
     fp8_gemv.MAX_ROWS tokens: the activations rounded to e4m3 per row once here, as fused_moe does before each GEMM."""
-    weights, _, sorted_slots, block_experts = moe.route_and_align(logits, top_k, renormalize, block_m)
+    weights, _, sorted_slots, block_experts = moe_align.route_and_align(logits, top_k, renormalize, block_m)
     n = x.shape[0] * top_k
     act = torch.empty(n, w2.shape[2], dtype=x.dtype, device=x.device)
     out = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
@@ -125,7 +125,7 @@ def main() -> None:
             cfg = tune(x, w13, w2, logits, top_k, renormalize, scales)
         gemms = routed(x, logits, w13, w2, top_k, renormalize, cfg["BLOCK_M"], *scales)
         up_ms, down_ms = (bench_ms(lambda: gemms[w](cfg[w])) for w in ("gate_up", "down"))
-        route_ms = do_bench_cudagraph(lambda: moe.route_and_align(logits, top_k, renormalize, cfg["BLOCK_M"]))
+        route_ms = do_bench_cudagraph(lambda: moe_align.route_and_align(logits, top_k, renormalize, cfg["BLOCK_M"]))
         layer_ms = do_bench_cudagraph(lambda: moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg, *scales))
         ref = per_expert_matmuls(layer, x, logits).float()
         got = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, cfg, *scales).float()

@@ -12,7 +12,7 @@ import torch
 from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import moe, moe_decode, moe_routing, reference
+from aserve.kernels import moe, moe_align, moe_decode, moe_routing, reference
 from aserve.layers.moe import FusedMoE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,7 +34,7 @@ def test_route_and_align_groups_slots_by_expert():
     logits = torch.zeros(4, 4)
     for t, (first, second) in enumerate(picks):
         logits[t, first], logits[t, second] = 3.0, 1.0
-    weights, ids, sorted_slots, block_experts = moe.route_and_align(logits.to(DEVICE), 2, True, 16)
+    weights, ids, sorted_slots, block_experts = moe_align.route_and_align(logits.to(DEVICE), 2, True, 16)
     assert ids.tolist() == [list(p) for p in picks]
     top = torch.tensor([3.0, 1.0, 0.0, 0.0]).softmax(0)[:2]
     torch.testing.assert_close(weights.cpu(), (top / top.sum()).expand(4, 2))
@@ -50,13 +50,13 @@ def test_route_and_align_groups_slots_by_expert():
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("one_program", [True, False])
 def test_route_and_align_matches_reference_routing(tokens, experts, top_k, block_m, one_program, monkeypatch):
-    """Up to moe.ROUTE_ALIGN_MAX_SLOTS slots one program routes and groups (here 2-128 slots of 4-128 experts; 192
+    """Up to moe_align.ROUTE_ALIGN_MAX_SLOTS slots one program routes and groups (here 2-128 slots of 4-128 experts; 192
     slots take the four kernels either way); without it, route, offsets and scatter: the same grouping."""
     if not one_program:
-        monkeypatch.setattr(moe, "ROUTE_ALIGN_MAX_SLOTS", 0)
+        monkeypatch.setattr(moe_align, "ROUTE_ALIGN_MAX_SLOTS", 0)
     *_, logits = random_moe(tokens, experts, 16, 16, seed=tokens)
     for renormalize in (True, False):
-        weights, ids, sorted_slots, block_experts = moe.route_and_align(logits, top_k, renormalize, block_m)
+        weights, ids, sorted_slots, block_experts = moe_align.route_and_align(logits, top_k, renormalize, block_m)
         ref_w, ref_ids = reference.select_experts(logits, top_k, renormalize)
         assert ids.tolist() == ref_ids.tolist()
         torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
@@ -306,3 +306,26 @@ def test_fixed_configuration_gives_a_token_the_same_bits_in_any_batch():
     for rows in (slice(36, 37), slice(30, 37), slice(0, 1)):
         assert torch.equal(run(rows), full[rows])
     torch.testing.assert_close(full, moe.fused_moe(x, logits, w13, w2, 2, True, moe.SMALL_CONFIG), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (2, 16, 8), (5, 6, 3)])
+def test_routed_gate_up_is_route_and_align_then_the_gate_up_gemm(dtype, tokens, experts, top_k, monkeypatch):
+    """The gate/up GEMM whose programs route the slots themselves: the same routing stored for the down GEMM and
+    the same bits as the routing's own launch then the GEMM, so a token's result does not depend on which path the
+    number of slots took."""
+    x, w13, w2, logits = (t.to(dtype) for t in random_moe(tokens, experts, 48, 40, seed=tokens))
+    for renormalize in (True, False):
+        routing = moe_align.route_and_align(logits, top_k, renormalize, 16)
+        act = torch.empty(tokens * top_k, 40, dtype=dtype, device=DEVICE)
+        moe.grouped_gemm(x, w13, act, routing[2], routing[3], 16, moe.SMALL_CONFIG["gate_up"], top_k, gated=True)
+        folded_act = torch.full_like(act, float("nan"))
+        folded = moe.routed_gate_up(x, logits, w13, folded_act, top_k, renormalize, 16, moe.SMALL_CONFIG["gate_up"])
+        for got, want in zip(folded, routing):
+            assert torch.equal(got, want)
+        assert torch.equal(folded_act, act)
+        base = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, moe.SMALL_CONFIG, fixed_order_sum=True)
+        monkeypatch.setattr(moe, "FOLD_ROUTE_MAX_SLOTS", 64)
+        assert torch.equal(moe.fused_moe(x, logits, w13, w2, top_k, renormalize, moe.SMALL_CONFIG,
+                                         fixed_order_sum=True), base)  # fmt: skip
+        monkeypatch.setattr(moe, "FOLD_ROUTE_MAX_SLOTS", 0)

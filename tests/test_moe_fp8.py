@@ -47,10 +47,11 @@ def fp8_experts(w13, w2, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 4, 2, 64, 32), (37, 8, 2, 48, 40)])
-def test_fused_moe_over_fp8_experts_matches_the_dequantised_reference(dtype, tokens, experts, top_k, hidden, inter):
+def test_fused_moe_over_fp8_experts_matches_the_dequantised_reference(dtype, tokens, experts, top_k, hidden, inter,
+                                                                      monkeypatch):  # fmt: skip
     """Every kernel path: one token through moe_decode's kernels and the grouped GEMMs' small tiles (16-bit
-    activations), 37 tokens at BLOCK_M 16 (activations rounded to e4m3 per row: FP8 MMAs); K not a multiple of the
-    tile (48, 40: the masked loop)."""
+    activations; with the routing's launch and with the gate/up GEMM routing itself), 37 tokens at BLOCK_M 16
+    (activations rounded to e4m3 per row: FP8 MMAs); K not a multiple of the tile (48, 40: the masked loop)."""
     x, w13, w2, logits = random_moe(tokens, experts, hidden, inter, seed=tokens)
     x = x.to(dtype)
     (q13, s13, q2, s2), (d13, d2) = fp8_experts(w13, w2, dtype)
@@ -63,6 +64,10 @@ def test_fused_moe_over_fp8_experts_matches_the_dequantised_reference(dtype, tok
             torch.testing.assert_close(out, ref, **TOL[dtype])
         else:  # (16-bit: a product rounded the other way moves an activation by one e4m3 step)
             assert relative_error(out, ref_fp8_activations) < (1e-5 if dtype == torch.float32 else 1e-2)
+        if config is not None:
+            monkeypatch.setattr(moe, "FOLD_ROUTE_MAX_SLOTS", 16)
+            assert torch.equal(moe.fused_moe(x, logits, q13, q2, top_k, True, config, s13, s2), out)
+            monkeypatch.setattr(moe, "FOLD_ROUTE_MAX_SLOTS", 0)
     unrounded = reference.fused_moe(x, w13.to(dtype), w2.to(dtype), *reference.select_experts(logits, top_k, True))
     assert (out - unrounded).abs().max() > 0  # the e4m3 rounding shows (the kernel did not read 16-bit experts)
 

@@ -1,17 +1,13 @@
 """Fused mixture-of-experts on the GPU: routing, tokens grouped by expert, and one grouped GEMM per projection.
 
-Each token t picks top_k experts; its `slots` are t * top_k + j. The slots are grouped by expert, each group padded
-to a multiple of BLOCK_M (vLLM's moe_align_block_size), so that every BLOCK_M rows of `sorted_slots` belong to one
-expert and a GEMM tile reads one expert's weights:
-
-    router logits [T, E] ─route─▶ weights, ids [T, k]; each slot's rank among its expert's slots; counts [E]
-                         ─offsets─▶ expert e's rows start at sum of padded counts before it; block -> expert
-                         ─scatter─▶ sorted_slots [num_blocks * BLOCK_M] (padding: the sentinel T * k)
-
-    sorted_slots:  | e0 s3 s8 s9 pad | e1 s0 pad pad pad | e3 s1 s2 s5 s6 | e3 s7 pad pad pad | (E: unused blocks)
+The routing and the grouping of each token's top_k `slots` (t * top_k + j) by expert, in blocks of BLOCK_M rows of
+`sorted_slots` that each belong to one expert, are aserve/kernels/moe_align.py's route_and_align; then
 
     x [T, H] ─GEMM 1: rows x[slot // k] · w13[e]^T, SiLU·mul in the epilogue─▶ act [T * k, I]
     act      ─GEMM 2: rows act[slot] · w2[e]^T, times the slot's routing weight─▶ out [T * k, H] ─sum over k─▶ [T, H]
+
+Up to FOLD_ROUTE_MAX_SLOTS slots, GEMM 1's programs route the slots themselves (_routed_gate_up_kernel: one launch
+fewer).
 
 FP8 experts (w13 / w2 in e4m3 with one float32 scale per row): past fp8_gemv.MAX_ROWS tokens, where the FP8
 linears quantise their activations too, each GEMM's activations are rounded to e4m3 per row first (dynamic scales:
@@ -19,12 +15,8 @@ a row's largest magnitude / 448, aserve/kernels/fp8.py) and the GEMMs run FP8 MM
 and its column's scale before the epilogue; fewer tokens keep them 16-bit (weight-only: the weight tiles converted
 to the activations' dtype as they load), as the few-token kernels of aserve/kernels/moe_decode.py do.
 
-The three routing kernels (route: aserve/kernels/moe_routing.py) need no host synchronisation (the number of blocks
-is the bound T * k + min(E, T * k) * (BLOCK_M - 1) rounded up, and blocks past the last expert return at once), so a
-decode step captures in a CUDA graph. A slot's rank within its expert comes from an atomic counter: the order of
-slots inside an expert's rows varies from run to run, each slot's result does not. Up to ROUTE_ALIGN_MAX_SLOTS
-slots, one program does all three (_route_align_kernel), the ranks counted in slot order. References:
-aserve/kernels/reference.py select_experts, fused_moe.
+Nothing reads the routing back to the host, so a decode step captures in a CUDA graph. Reference:
+aserve/kernels/reference.py fused_moe.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.kernels import fp8, fp8_gemv, fp8_reference, moe_decode, moe_routing, pdl
+from aserve.kernels import fp8, fp8_gemv, fp8_reference, moe_align, moe_decode, pdl
 from aserve.kernels.fused import silu_mul_rounded
 
 # Launch configurations: BLOCK_M (the grouping's, shared by both GEMMs) and each GEMM's tiles, by tokens per
@@ -46,123 +38,14 @@ LARGE_CONFIG = dict(BLOCK_M=64, gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
                     down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4))  # fmt: skip
 
 
-# Up to this many slots (and slots x experts, both padded to powers of two) the routing and grouping run as one
-# program (_route_align_kernel: one launch for the four of route, its zeroed counters, offsets and scatter).
-ROUTE_ALIGN_MAX_SLOTS = 128
-ROUTE_ALIGN_MAX_ELEMENTS = 16384
+# Up to this many slots on the grouped path, every program of the gate/up GEMM routes them all itself and the
+# routing's launch goes (_routed_gate_up_kernel); 0: never. Off until measured against the separate launch on a GPU.
+FOLD_ROUTE_MAX_SLOTS = 0
 
 
 def moe_config(num_slots: int, num_experts: int) -> dict:
     """The launch configuration for T * k = num_slots routed rows over num_experts experts."""
     return SMALL_CONFIG if num_slots <= 16 * num_experts else LARGE_CONFIG
-
-
-@triton.jit
-def _layout_blocks(counts, e_ok, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, BLOCK_M: tl.constexpr,
-                   CHUNK: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
-    """From the experts' counts [BLOCK_E] (e_ok: the columns below E): each block's expert (E past the last one)
-    stored, every row of sorted_slots set to the sentinel num_slots (the slots then overwrite theirs), and each
-    expert's first row returned (counts padded to BLOCK_M, summed)."""
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    for b0 in range(0, num_blocks, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        # experts whose rows end at or before the block's first row: the block's expert index
-        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
-        tl.store(block_experts_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < num_blocks)
-    for r0 in range(0, num_blocks * BLOCK_M, FILL):
-        r = r0 + tl.arange(0, FILL)
-        tl.store(sorted_slots_ptr + r, tl.full([FILL], 0, tl.int32) + num_slots, mask=r < num_blocks * BLOCK_M)
-    return ends - padded
-
-
-@triton.jit
-def _offsets_kernel(counts_ptr, starts_ptr, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, E,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-                    USE_PDL: tl.constexpr):  # fmt: skip
-    """One program: _layout_blocks from the route kernel's counts, each expert's first row stored for the
-    scatter."""
-    pdl.gdc_sync(USE_PDL)
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < E
-    counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
-    starts = _layout_blocks(counts, e_ok, block_experts_ptr, sorted_slots_ptr, num_slots, num_blocks, BLOCK_M, CHUNK,
-                            FILL)  # fmt: skip
-    tl.store(starts_ptr + e, starts, mask=e_ok)
-
-
-@triton.jit
-def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_slots_ptr, num_slots, BLOCK: tl.constexpr,
-                    USE_PDL: tl.constexpr):  # fmt: skip
-    pdl.gdc_sync(USE_PDL)
-    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = slots < num_slots
-    expert = tl.load(ids_ptr + slots, mask=ok, other=0)
-    row = tl.load(starts_ptr + expert, mask=ok, other=0) + tl.load(ranks_ptr + slots, mask=ok, other=0)
-    tl.store(sorted_slots_ptr + row, slots, mask=ok)
-
-
-@triton.jit
-def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_slots_ptr, block_experts_ptr, T, E, stride_l,
-                        num_blocks, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                        SLOTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                        FILL: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """One program for at most SLOTS slots: the route, offsets and scatter kernels' work in one launch, each slot's
-    rank within its expert counted from the slots before it (no counters to zero first)."""
-    pdl.gdc_sync(USE_PDL)
-    n = T * TOP_K
-    s = tl.arange(0, SLOTS)
-    s_ok = s < n
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < E
-    x = tl.load(logits_ptr + (s // TOP_K)[:, None].to(tl.int64) * stride_l + e[None, :],
-                mask=s_ok[:, None] & e_ok[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
-    x = tl.where(s_ok[:, None], x, 0.0)  # slots past n: finite, never stored
-    top_w, top_i = moe_routing.select_top_k(x, e_ok, TOP_K, K_PAD, RENORMALIZE)
-    pick = tl.arange(0, K_PAD)[None, :] == (s % TOP_K)[:, None]
-    expert = tl.sum(tl.where(pick, top_i, 0), 1)
-    tl.store(ids_ptr + s, expert, mask=s_ok)
-    tl.store(weights_ptr + s, tl.sum(tl.where(pick, top_w, 0.0), 1), mask=s_ok)
-    rank = tl.sum(((expert[:, None] == expert[None, :]) & (s[None, :] < s[:, None])).to(tl.int32), 1)
-    chose = (expert[:, None] == e[None, :]) & s_ok[:, None]  # [SLOTS, BLOCK_E]
-    starts = _layout_blocks(tl.sum(chose.to(tl.int32), 0), e_ok, block_experts_ptr, sorted_slots_ptr, n, num_blocks,
-                            BLOCK_M, CHUNK, FILL)  # fmt: skip
-    row = tl.sum(tl.where(chose, starts[None, :], 0), 1) + rank
-    tl.debug_barrier()  # the sentinels stored before any slot overwrites one
-    tl.store(sorted_slots_ptr + row, s, mask=s_ok)
-
-
-def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
-    """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k], sorted_slots int32 [num_blocks *
-    block_m], block_experts int32 [num_blocks]): the routing and the slots grouped by expert (module docstring)."""
-    t, e = router_logits.shape
-    n = t * top_k
-    dev = router_logits.device
-    num_blocks = triton.cdiv(n + min(e, n) * (block_m - 1), block_m)
-    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
-    block_e = triton.next_power_of_2(e)
-    chunk = max(16, 4096 // block_e)  # blocks whose experts one step of the layout finds
-    slots = triton.next_power_of_2(n)
-    if slots <= ROUTE_ALIGN_MAX_SLOTS and slots * block_e <= ROUTE_ALIGN_MAX_ELEMENTS:
-        weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
-        ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
-        _route_align_kernel[(1,)](
-            router_logits, weights, ids, sorted_slots, block_experts, t, e, router_logits.stride(0), num_blocks,
-            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, SLOTS=slots, BLOCK_E=block_e,
-            BLOCK_M=block_m, CHUNK=chunk, FILL=1024, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
-        )  # fmt: skip
-        return weights, ids, sorted_slots, block_experts
-    ranks = torch.empty(t, top_k, dtype=torch.int32, device=dev)
-    counts = torch.zeros(e, dtype=torch.int32, device=dev)
-    starts = torch.empty(e, dtype=torch.int32, device=dev)
-    weights, ids = moe_routing.route(router_logits, top_k, renormalize, ranks, counts)
-    _offsets_kernel[(1,)](counts, starts, block_experts, sorted_slots, n, num_blocks, e, BLOCK_M=block_m,
-                          BLOCK_E=block_e, CHUNK=chunk, FILL=1024, USE_PDL=pdl.ENABLED,
-                          **pdl.launch_kwargs())  # fmt: skip
-    _scatter_kernel[(triton.cdiv(n, 1024),)](ids, ranks, starts, sorted_slots, n, BLOCK=1024, USE_PDL=pdl.ENABLED,
-                                             **pdl.launch_kwargs())  # fmt: skip
-    return weights, ids, sorted_slots, block_experts
 
 
 @triton.jit
@@ -205,25 +88,12 @@ def store_tile(
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, sorted_slots_ptr,
-                         block_experts_ptr, num_slots, N, K, num_blocks, stride_a, stride_be, stride_bn, stride_c,
-                         stride_se, NUM_EXPERTS: tl.constexpr, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                         WEIGHTED: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr,
-                         IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """c[slot, n] = a[slot // ROW_DIV] . b[expert, n] for the BLOCK_M slots of one block (one expert) and BLOCK_N
-    outputs. GATED: b holds [gate (N rows) | up (N rows)] and c is silu(gate) * up; WEIGHTED: c times the slot's
-    routing weight; B_SCALED: b is e4m3 and each accumulator column times its row's scale b_scale[expert, n]
-    (float32, [E, rows of b]) before the epilogue, b's tiles converted to a's dtype as they load unless A_SCALED:
-    a is e4m3 too (FP8 MMAs) and each accumulator row times its a row's scale a_scale[slot // ROW_DIV]. Float32
-    accumulators; padding rows read row 0 and are never stored."""
-    pdl.gdc_sync(USE_PDL)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), N, num_blocks, GROUP_M, BLOCK_N)
-    expert = tl.load(block_experts_ptr + pid_m)
-    if expert >= NUM_EXPERTS:
-        return
-    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+def _gemm_tile(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, expert, slots, pid_n, num_slots, N, K,
+               stride_a, stride_be, stride_bn, stride_c, stride_se, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+               WEIGHTED: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr, IEEE: tl.constexpr,
+               EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One tile of a grouped GEMM: the rows `slots` [BLOCK_M] (num_slots: padding) of one expert, column block
+    pid_n (_grouped_gemm_kernel)."""
     valid = slots < num_slots
     rows = tl.where(valid, slots // ROW_DIV, 0).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # columns past N repeat earlier ones, never stored
@@ -273,6 +143,100 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_
     store_tile(c_ptr, acc, acc_up, weights_ptr, slots, valid, pid_n, N, stride_c, GATED, WEIGHTED, BLOCK_N)
 
 
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, sorted_slots_ptr,
+                         block_experts_ptr, num_slots, N, K, num_blocks, stride_a, stride_be, stride_bn, stride_c,
+                         stride_se, NUM_EXPERTS: tl.constexpr, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                         WEIGHTED: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr,
+                         IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """c[slot, n] = a[slot // ROW_DIV] . b[expert, n] for the BLOCK_M slots of one block (one expert) and BLOCK_N
+    outputs. GATED: b holds [gate (N rows) | up (N rows)] and c is silu(gate) * up; WEIGHTED: c times the slot's
+    routing weight; B_SCALED: b is e4m3 and each accumulator column times its row's scale b_scale[expert, n]
+    (float32, [E, rows of b]) before the epilogue, b's tiles converted to a's dtype as they load unless A_SCALED:
+    a is e4m3 too (FP8 MMAs) and each accumulator row times its a row's scale a_scale[slot // ROW_DIV]. Float32
+    accumulators; padding rows read row 0 and are never stored."""
+    pdl.gdc_sync(USE_PDL)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N, num_blocks, GROUP_M, BLOCK_N)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert >= NUM_EXPERTS:
+        return
+    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    _gemm_tile(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, expert, slots, pid_n, num_slots, N, K,
+               stride_a, stride_be, stride_bn, stride_c, stride_se, ROW_DIV, GATED, WEIGHTED, A_SCALED, B_SCALED, IEEE,
+               EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+
+
+@triton.jit
+def _routed_gate_up_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_slots_ptr, block_experts_ptr, a_ptr, b_ptr,
+                           c_ptr, b_scale_ptr, T, E, stride_l, N, K, num_blocks, stride_a, stride_be, stride_bn,
+                           stride_c, stride_se, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                           SLOTS: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                           B_SCALED: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           USE_PDL: tl.constexpr):  # fmt: skip
+    """_route_align_kernel and the gate/up _grouped_gemm_kernel in one launch, for at most SLOTS slots: every
+    program routes all the slots in its registers (moe_align.route_rows) and takes its block's expert and rows
+    from that; program 0 also stores the routing for the down GEMM. The tiles are _grouped_gemm_kernel's: each
+    slot's result is the same bits."""
+    pdl.gdc_sync(USE_PDL)
+    pid = tl.program_id(0)
+    s, s_ok, expert, weight, row, counts, e_ok = moe_align.route_rows(
+        logits_ptr, T, E, stride_l, TOP_K, K_PAD, RENORMALIZE, SLOTS, BLOCK_E, BLOCK_M
+    )
+    if pid == 0:
+        moe_align.store_routing(s, s_ok, expert, weight, row, counts, e_ok, weights_ptr, ids_ptr, sorted_slots_ptr,
+                       block_experts_ptr, num_blocks, BLOCK_M, CHUNK, FILL)  # fmt: skip
+    pid_m, pid_n = grouped_tile(pid, N, num_blocks, GROUP_M, BLOCK_N)
+    ends, _ = moe_align.expert_ends(counts, BLOCK_M)
+    block_expert = tl.sum(((ends <= pid_m * BLOCK_M) & e_ok).to(tl.int32), 0)
+    if block_expert >= E:
+        return
+    tile_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    here = (row[None, :] == tile_rows[:, None]) & s_ok[None, :]  # [BLOCK_M, SLOTS]: the slot on each tile row
+    slots = tl.sum(tl.where(here, s[None, :], 0), 1) + tl.where(tl.max(here.to(tl.int32), 1) > 0, 0, T * TOP_K)
+    _gemm_tile(a_ptr, b_ptr, c_ptr, c_ptr, c_ptr, b_scale_ptr, block_expert, slots, pid_n, T * TOP_K, N, K, stride_a,
+               stride_be, stride_bn, stride_c, stride_se, TOP_K, True, False, False, B_SCALED, IEEE, EVEN_K, BLOCK_M,
+               BLOCK_N, BLOCK_K)  # fmt: skip
+
+
+def _gemm_config(config: dict, n: int, k: int, fp8_mma: bool) -> dict:
+    """A grouped GEMM's tiles for n outputs over k inputs: `config`'s, no wider than the shape needs."""
+    cfg = dict(config)
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(n)))  # small shapes (tests): no idle tiles
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(32 if fp8_mma else 16, triton.next_power_of_2(k)))  # FP8 MMA K
+    cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
+    return cfg
+
+
+def routed_gate_up(x, router_logits, w13, act, top_k: int, renormalize: bool, block_m: int, config: dict,
+                   w13_scale=None):  # fmt: skip
+    """route_and_align and the gate/up grouped_gemm (x 16-bit or float32: no FP8 activations) in one launch where
+    one program routes all the slots (moe_align.one_program_routing); otherwise the two. -> (weights, ids, sorted_slots,
+    block_experts) as route_and_align's, act [T * k, I] written."""
+    t, e = router_logits.shape
+    one_program = moe_align.one_program_routing(t, e, top_k, renormalize, block_m)
+    if one_program is None:
+        routing = moe_align.route_and_align(router_logits, top_k, renormalize, block_m)
+        grouped_gemm(x, w13, act, routing[2], routing[3], block_m, config, top_k, gated=True, b_scale=w13_scale)
+        return routing
+    num_experts, two_i, k = w13.shape
+    n = two_i // 2
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and act.stride(-1) == 1 and act.shape == (t * top_k, n)
+    num_blocks, block_experts, sorted_slots, weights, ids = moe_align.routing_buffers(t, e, top_k, block_m, x.device)
+    cfg = _gemm_config(config, n, k, False)
+    _routed_gate_up_kernel[(num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)](
+        router_logits, weights, ids, sorted_slots, block_experts, x, w13, act,
+        w13_scale if w13_scale is not None else act, t, e, router_logits.stride(0), n, k, num_blocks, x.stride(0),
+        w13.stride(0), w13.stride(1), act.stride(0), w13_scale.stride(0) if w13_scale is not None else 0,
+        B_SCALED=w13_scale is not None, IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED,
+        **{name: v for name, v in one_program.items() if name != "BLOCK_M"}, BLOCK_M=block_m, **cfg,
+        **pdl.launch_kwargs(),
+    )  # fmt: skip
+    return weights, ids, sorted_slots, block_experts
+
+
 def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: dict, row_div: int, gated: bool,
                  weights=None, b_scale=None, a_scale=None) -> torch.Tensor:  # fmt: skip
     """out[slot] = a[slot // row_div] @ b[expert]^T for every routed slot (GATED: b is [E, 2N, K] and out is
@@ -280,7 +244,6 @@ def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: d
     block_m by route_and_align; `config`: the GEMM's tiles (moe_config's "gate_up" / "down"); b_scale: b is e4m3
     with one float32 scale per row, [E, rows of b] (None: b has a's dtype); a_scale: a is e4m3 too, with one
     float32 scale per row (a [rows, K], a_scale [rows]: FP8 MMAs). Returns out."""
-    cfg = dict(config)
     num_experts, n_rows, k = b.shape
     n = n_rows // 2 if gated else n_rows
     assert a.stride(-1) == 1 and b.stride(-1) == 1 and out.stride(-1) == 1 and out.shape[1] == n
@@ -288,8 +251,7 @@ def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: d
         assert b.dtype == torch.float8_e4m3fn and b_scale.shape == b.shape[:2] and b_scale.stride(-1) == 1
     if a_scale is not None:
         assert b_scale is not None and a.dtype == torch.float8_e4m3fn and a_scale.shape == (a.shape[0],)
-    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(n)))  # small shapes (tests): no idle tiles
-    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16 if a_scale is None else 32, triton.next_power_of_2(k)))  # FP8 MMA K
+    cfg = _gemm_config(config, n, k, a_scale is not None)
     num_blocks = block_experts.numel()
     assert sorted_slots.numel() == num_blocks * block_m, "route_and_align ran with another BLOCK_M"
     grid = (num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
@@ -299,7 +261,7 @@ def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: d
         a.stride(0), b.stride(0), b.stride(1), out.stride(0), b_scale.stride(0) if b_scale is not None else 0,
         NUM_EXPERTS=num_experts, ROW_DIV=row_div, GATED=gated, WEIGHTED=weights is not None,
         A_SCALED=a_scale is not None, B_SCALED=b_scale is not None, IEEE=a.dtype == torch.float32,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, USE_PDL=pdl.ENABLED, **cfg, **pdl.launch_kwargs(),
+        BLOCK_M=block_m, USE_PDL=pdl.ENABLED, **cfg, **pdl.launch_kwargs(),
     )  # fmt: skip
     return out
 
@@ -327,12 +289,17 @@ def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: 
         act, weights, ids = moe_decode.gate_up(x, router_logits, w13, top_k, renormalize, w13_scale)
         return moe_decode.down_sum(act, w2, ids, weights, w2_scale)
     cfg = config or moe_config(t * top_k, num_experts)
-    weights, _, sorted_slots, block_experts = route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"])
     act = torch.empty(t * top_k, two_i // 2, dtype=x.dtype, device=x.device)
     fp8_activations = w13_scale is not None and t > fp8_gemv.MAX_ROWS
-    a, a_scale = _per_token(x) if fp8_activations else (x, None)
-    grouped_gemm(a, w13, act, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["gate_up"], top_k, gated=True,
-                 b_scale=w13_scale, a_scale=a_scale)  # fmt: skip
+    if t * top_k <= FOLD_ROUTE_MAX_SLOTS and not fp8_activations:
+        weights, _, sorted_slots, block_experts = routed_gate_up(x, router_logits, w13, act, top_k, renormalize,
+                                                                 cfg["BLOCK_M"], cfg["gate_up"], w13_scale)  # fmt: skip
+    else:
+        routing = moe_align.route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"])
+        weights, _, sorted_slots, block_experts = routing
+        a, a_scale = _per_token(x) if fp8_activations else (x, None)
+        grouped_gemm(a, w13, act, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["gate_up"], top_k, gated=True,
+                     b_scale=w13_scale, a_scale=a_scale)  # fmt: skip
     out = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)
     a, a_scale = _per_token(act) if fp8_activations else (act, None)
     grouped_gemm(a, w2, out, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["down"], 1, False, weights, w2_scale,

@@ -3,11 +3,11 @@ reference are aserve/kernels/moe_int4_reference.py), weight-only: the activation
 weight tile is dequantised in registers as it loads, (q - z) * s in float32 (exact), then used as the 16-bit experts'
 tiles are. The two paths of the 16-bit experts, with the same routing and rounding:
 
-    many tokens   aserve/kernels/moe.py's routing and grouping by expert (route_and_align, sorted_slots), then one
-                  grouped GEMM per projection: a K tile of the expert's packed bytes [BLOCK_N, BLOCK_K / 2] (loaded
-                  as the 16-bit tiles are, pipelined), its low and high nibbles dequantised with the group's zero
-                  points and scales [BLOCK_N], joined into [BLOCK_N, BLOCK_K] (inputs 2i, 2i + 1) and rounded to the
-                  activations' dtype, transposed for tl.dot (so the products are those of the 16-bit stacks a
+    many tokens   aserve/kernels/moe_align.py's routing and grouping by expert (route_and_align, sorted_slots),
+                  then one grouped GEMM per projection: a K tile of the expert's packed bytes [BLOCK_N, BLOCK_K / 2]
+                  (loaded as the 16-bit tiles are, pipelined), its low and high nibbles dequantised with the group's
+                  zero points and scales [BLOCK_N], joined into [BLOCK_N, BLOCK_K] (inputs 2i, 2i + 1) and rounded
+                  to the activations' dtype, transposed for tl.dot (so the products are those of the 16-bit stacks a
                   dequantising load would make); SiLU·mul / routing weights in the epilogues
     few tokens    (moe_decode.use_decode) the two kernels of aserve/kernels/moe_decode.py, each program streaming
                   its output rows' packed bytes along K: the low nibbles times the even inputs, the high nibbles
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.kernels import moe, moe_decode, pdl
+from aserve.kernels import moe, moe_align, moe_decode, pdl
 from aserve.kernels.fused import silu_mul_rounded
 from aserve.kernels.moe import grouped_tile, store_tile
 from aserve.kernels.moe_decode import slot_rows, sum_slots
@@ -301,7 +301,8 @@ def fused_moe(x, router_logits, w13: Int4Experts, w2: Int4Experts, top_k: int, r
         act, weights, ids = gate_up(x, router_logits, w13, top_k, renormalize)
         return down_sum(act, w2, ids, weights)
     cfg = config or moe_config(t * top_k, num_experts)
-    weights, _, sorted_slots, block_experts = moe.route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"])
+    routing = moe_align.route_and_align(router_logits, top_k, renormalize, cfg["BLOCK_M"])
+    weights, _, sorted_slots, block_experts = routing
     act = torch.empty(t * top_k, two_i // 2, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, act, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["gate_up"], top_k, gated=True)
     out = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)

@@ -93,12 +93,15 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, ranks_ptr, counts_ptr, T, E,
         tl.store(ranks_ptr + slots, rank, mask=ok)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, ranks=None, counts=None):
-    """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k]); with `ranks` / `counts` (int32 [T, k] /
-    zeros [E]) each slot's rank among its expert's slots and the experts' counts too."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, ranks=None, counts=None, weights=None,
+          ids=None):  # fmt: skip
+    """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k]) (into `weights` / `ids` where given); with
+    `ranks` / `counts` (int32 [T, k] / zeros [E]) each slot's rank among its expert's slots and the experts' counts
+    too."""
     t, e = router_logits.shape
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    if weights is None:
+        weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+        ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     block_e = triton.next_power_of_2(e)
     block_t = max(1, min(16, 4096 // block_e))
     _route_kernel[(triton.cdiv(t, block_t),)](
