@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -128,15 +129,56 @@ def make_config(variant: str):
     raise ValueError(variant)
 
 
+# Vision-language checkpoints (aserve serves their language model): variant -> (class, language model's variant)
+VISION_LANGUAGE = {
+    "gemma3_vl": ("Gemma3ForConditionalGeneration", "gemma3"),
+    "mistral3": ("Mistral3ForConditionalGeneration", "gqa"),
+    "llava": ("LlavaForConditionalGeneration", "gqa"),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2"),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "qwen3"),
+}
+
+
+def make_vision_language_config(variant: str):
+    """A tiny vision tower and projector around make_config's language model (Qwen: multimodal rotary sections)."""
+    import transformers
+
+    cls_name, text_variant = VISION_LANGUAGE[variant]
+    text = make_config(text_variant).to_dict()
+    if variant == "mistral3":
+        text["model_type"] = "mistral"
+    if variant.startswith("qwen"):
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": [2, 3, 3] if text_variant == "qwen2" else [4, 6, 6]}  # fmt: skip
+    siglip = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    qwen_vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    vision = {
+        "gemma3_vl": siglip,
+        "mistral3": {**siglip, "head_dim": 16},
+        "llava": {**siglip, "model_type": "clip_vision_model", "projection_dim": 32},
+        "qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+        "qwen2_5_vl": qwen_vision,
+        "qwen3_vl": {**qwen_vision, "deepstack_visual_indexes": [0]},
+    }[variant]
+    config_cls = getattr(transformers, cls_name.replace("ForConditionalGeneration", "Config"))
+    return config_cls(text_config=text, vision_config=vision)
+
+
 def make_tiny_model(path: str, variant: str, seed: int = 0) -> str:
     """Writes config.json + model.safetensors + tokenizer to `path` (once) and returns it."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
     os.makedirs(path, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(variant), dtype=torch.float32)
+    if variant in VISION_LANGUAGE:
+        model = getattr(transformers, VISION_LANGUAGE[variant][0])(make_vision_language_config(variant)).float()
+    else:
+        model = AutoModelForCausalLM.from_config(make_config(variant), dtype=torch.float32)
     if variant.startswith("gemma"):  # transformers starts Gemma's (1 + w) norms at w = 0: make them count
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -149,9 +191,11 @@ def make_tiny_model(path: str, variant: str, seed: int = 0) -> str:
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy generate, one prompt at a time; output tokens up to and including EOS."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with open(os.path.join(path, "config.json")) as f:
+        arch = json.load(f)["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
     outs = []
     with torch.no_grad():
         for ids in prompts:

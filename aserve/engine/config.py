@@ -15,6 +15,7 @@ from aserve.layers.batch_invariant import check_supported
 from aserve.layers.elementwise import longrope_switch_length
 from aserve.models.model_path import resolve_model
 from aserve.models.registry import architecture_of
+from aserve.models.vision_language import text_side
 from aserve.spec.config import SpeculativeConfig
 
 logger = logging.getLogger("aserve")
@@ -59,7 +60,7 @@ class EngineConfig:
     def from_engine_args(cls, args: EngineArgs) -> EngineConfig:
         args.validate()
         model_dir, default_name = resolve_model(args.model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = text_side(AutoConfig.from_pretrained(model_dir), model_dir)
         if args.deterministic:
             check_supported(architecture_of(hf_config), args.quantization)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)

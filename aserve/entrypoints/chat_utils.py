@@ -40,7 +40,10 @@ def parse_conversation(messages: list[dict], keep_parts: bool = False) -> list[d
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ParamError(f"messages[{i}].content", "only text content parts are supported")
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    raise ParamError(f"messages[{i}].content", "only text content parts are supported" + (
+                        f" (this one is {kind[:40]!r}: aserve serves a model's text side only)" if isinstance(kind, str)
+                        and kind != "text" else ""))  # fmt: skip
                 texts.append(part["text"])
             content = [{"type": "text", "text": t} for t in texts] if keep_parts else "\n".join(texts)
         elif content is not None and not isinstance(content, str):

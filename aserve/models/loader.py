@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import glob
-import os
-
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
@@ -17,14 +14,13 @@ from aserve.layers.quantization import ONLINE_QUANTIZATION, QUANTIZATION_CONFIGS
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.layers.quantization.lm_head import quantize_lm_head as quantize_lm_head_of
 from aserve.layers.quantization.lm_head import use_checkpoint_head
-from aserve.models.model_path import ModelNotFoundError
+from aserve.models import vision_language
+from aserve.models.model_path import checkpoint_files
 from aserve.models.registry import get_model_class
 
 
 def iterate_safetensors(model_dir: str, show_progress: bool = False):
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+    files = checkpoint_files(model_dir)
     progress = None
     if show_progress:
         progress = tqdm(total=len(files), desc="Loading safetensors shards", leave=False, disable=None)
@@ -90,7 +86,8 @@ def build_model(
     model.to_empty(device=device)
     model.tie_weights()
     model.rotary.materialize(device)
-    load_weights(model, model_dir, load_format, seed, show_progress=True, quant_config=quant_config, shard=shard)
+    load_weights(model, model_dir, load_format, seed, show_progress=True, quant_config=quant_config, shard=shard,
+                 text_side=vision_language.is_text_side(hf_config))  # fmt: skip
     model.eval()
     model.process_weights_after_loading()
     if device.type == "cuda":
@@ -130,13 +127,16 @@ def resolve_quantization(
 
 
 def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int, show_progress: bool,
-                 quant_config: QuantizationConfig | None = None, shard=None) -> None:  # fmt: skip
+                 quant_config: QuantizationConfig | None = None, shard=None,
+                 text_side: bool = False) -> None:  # fmt: skip
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         return
     if load_format != "auto":
         raise ValueError(f"load_format {load_format!r} is not supported (auto, dummy)")
     weights = iterate_safetensors(model_dir, show_progress)
+    if text_side:  # a vision-language checkpoint: its language model's tensors
+        weights = vision_language.language_model_weights(weights)
     if quant_config is not None:  # the format's own reshaping / checks of its tensors
         weights = quant_config.checkpoint_weights(weights)
     if shard is not None:  # tensor parallelism: this rank's slice of each tensor

@@ -3,6 +3,7 @@ embedded default model."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -13,6 +14,7 @@ import tempfile
 import time
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from aserve import envs
@@ -71,6 +73,23 @@ def resolve_model(model: str | None) -> tuple[str, str]:
         f"model {model!r} is neither a directory nor a .gguf file (aserve does not download models; "
         "pass a local path, or nothing for the embedded default)"
     )
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files of an HF directory, sorted."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+    return files
+
+
+def checkpoint_tensor_names(model_dir: str) -> list[str]:
+    """Every tensor name of an HF directory's safetensors files (their headers only)."""
+    names = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
 
 
 def convert_gguf(gguf_path: str) -> str:
