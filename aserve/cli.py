@@ -60,6 +60,9 @@ _HELP = {
     "directory holding one",
     "override_generation_config": "sampling defaults over --generation-config's, a JSON object (e.g. "
     '{"temperature": 0.5, "max_new_tokens": 512}: max_new_tokens caps every request\'s max_tokens)',
+    "hf_overrides": "config.json fields to set before the model is read, a JSON object (e.g. "
+    '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}} for '
+    "Qwen3 at 128k; a nested object merges into the sub-config it names)",
     "dtype": "auto | bfloat16 | float16 | float32",
     "load_format": "auto | dummy (random weights at the model's real shapes)",
     "kv_cache_memory_gb": "KV cache budget in GiB (CPU default: 2)",
@@ -103,7 +106,7 @@ def human_readable_int(value: str) -> int:
 
 
 _TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int,
-          "override_generation_config": json_object}  # fmt: skip
+          "override_generation_config": json_object, "hf_overrides": json_object}  # fmt: skip
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

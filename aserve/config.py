@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from aserve.layers.rotary import rope_parameters
+
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -77,6 +79,9 @@ class EngineArgs:
     generation_config: str = "auto"
     # Sampling defaults set over generation_config's (vLLM's override_generation_config; GENERATION_DEFAULTS' keys)
     override_generation_config: dict | None = None
+    # Fields merged into the checkpoint's config.json before it is read (vLLM's hf_overrides), e.g. a YaRN
+    # rope_scaling for a longer context (aserve/engine/config.py load_hf_config)
+    hf_overrides: dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -97,6 +102,9 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"override_generation_config: {unknown[0]!r} is not a sampling default (one of "
                              f"{', '.join(GENERATION_DEFAULTS)})")  # fmt: skip
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object of config fields, got "
+                             f"{type(self.hf_overrides).__name__}")  # fmt: skip
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -157,7 +165,12 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
+    """The context length: `requested`, at most the model's (max_position_embeddings; with YaRN, the original
+    context times the factor where that is more, as vLLM derives it)."""
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    _, scaling = rope_parameters(hf_config)
+    if scaling["rope_type"] == "yarn":
+        limit = max(limit, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
     if requested is None:
         return limit
     if requested > limit:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aserve.kernels import cpu
-from aserve.layers import elementwise
+from aserve.layers import elementwise, rotary
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler")
 
@@ -35,7 +35,7 @@ def test_rotary_split(dtype):
     gen = torch.Generator().manual_seed(2)
     H, Hkv, D, T = 6, 2, 16, 4
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(dtype)
-    rot = elementwise.RotaryEmbedding(D, 64, 10000.0, {"rope_type": "default"})
+    rot = rotary.RotaryEmbedding(D, 64, 10000.0, {"rope_type": "default"})
     rot.materialize(torch.device("cpu"))
     cos, sin = rot(torch.tensor([0, 3, 9, 40]), dtype)
     for got, expected in zip(cpu.rotary_split(qkv, cos, sin, H, Hkv, D),

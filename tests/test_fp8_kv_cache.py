@@ -28,7 +28,7 @@ from aserve.layers.attention.backend import (
 )
 from aserve.layers.attention.torch_backend import CPUAttentionBackend, TorchAttentionBackend
 from aserve.layers.attention.triton_backend import TritonAttentionBackend
-from aserve.layers.elementwise import RotaryEmbedding
+from aserve.layers.rotary import RotaryEmbedding
 
 CASES = {
     "decode-only": ([1, 1, 1, 1], [0, 5, 31, 47]),

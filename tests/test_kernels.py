@@ -173,7 +173,7 @@ def test_fused_elementwise_kernels_match_torch(dtype):
 
     H, Hkv, D = 6, 2, 16
     qkv = torch.randn(7, (H + 2 * Hkv) * D, generator=gen).to(DEVICE, dtype)
-    from aserve.layers.elementwise import RotaryEmbedding
+    from aserve.layers.rotary import RotaryEmbedding
 
     rot = RotaryEmbedding(D, 64, 10000.0, {"rope_type": "default"})
     rot.materialize(torch.device(DEVICE))
@@ -266,7 +266,7 @@ def test_rotary_with_cache_write_matches_separate_kernels():
     """rotary_split writing k / v straight into their cache slots = rotary_split, then write_kv (padding slots
     write nothing)."""
     from aserve.kernels import fused
-    from aserve.layers.elementwise import RotaryEmbedding
+    from aserve.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
     H, Hkv, D, T, bs = 6, 2, 16, 5, 4

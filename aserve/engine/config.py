@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from aserve.config import GENERATION_DEFAULTS, EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.layers.batch_invariant import check_supported
-from aserve.layers.elementwise import longrope_switch_length
+from aserve.layers.rotary import longrope_switch_length
 from aserve.models.model_path import resolve_model
 from aserve.models.registry import architecture_of
 from aserve.models.vision_language import text_side
@@ -60,7 +60,7 @@ class EngineConfig:
     def from_engine_args(cls, args: EngineArgs) -> EngineConfig:
         args.validate()
         model_dir, default_name = resolve_model(args.model)
-        hf_config = text_side(AutoConfig.from_pretrained(model_dir), model_dir)
+        hf_config = text_side(load_hf_config(model_dir, args.hf_overrides), model_dir)
         if args.deterministic:
             check_supported(architecture_of(hf_config), args.quantization)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
@@ -91,6 +91,36 @@ class EngineConfig:
             default_sampling=default_sampling(args.generation_config, model_dir, args.override_generation_config),
             long_prompt_len=longrope_switch_length(hf_config),
         )
+
+
+def load_hf_config(model_dir: str, overrides: dict | None):
+    """config.json as transformers reads it, `overrides` (vLLM's hf_overrides) merged into it first: an object
+    merges into the object it names (a sub-config), anything else replaces the field; rope_scaling / rope_theta go
+    into rope_parameters where the file keeps them there (transformers 5)."""
+    if not overrides:
+        return AutoConfig.from_pretrained(model_dir)
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    data, _ = PretrainedConfig.get_config_dict(model_dir)
+    data = _merged(data, overrides)
+    if data.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(f"hf_overrides: model_type {data.get('model_type')!r} is not one transformers knows")
+    return CONFIG_MAPPING[data["model_type"]].from_dict(data)
+
+
+def _merged(data: dict, overrides: dict) -> dict:
+    data = dict(data)
+    for key, value in overrides.items():
+        if key in ("rope_scaling", "rope_theta") and isinstance(data.get("rope_parameters"), dict):
+            rope = value if key == "rope_scaling" else {"rope_theta": value}
+            rope = {"rope_type": "default"} if rope is None else rope  # rope_scaling null: no scaling
+            if isinstance(rope, dict) and "type" in rope:
+                rope = {"rope_type": rope["type"], **{k: v for k, v in rope.items() if k != "type"}}
+            key, value = "rope_parameters", rope
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            value = _merged(data[key], value)
+        data[key] = value
+    return data
 
 
 def max_chars_per_token(tokenizer) -> int:

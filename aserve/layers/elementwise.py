@@ -1,4 +1,4 @@
-"""The element-wise layers of a decoder (RMSNorm with the residual add folded in, the rotary position embedding) and
+"""The element-wise layers of a decoder (RMSNorm with the residual add folded in) and
 the element-wise work of a layer (add + RMSNorm, rotary, SiLU·mul): the eager torch references, which follow HF's code
 op by op, and the faster implementations a model runs instead, one of which select_elementwise_ops picks once, when
 the model is built:
@@ -8,13 +8,12 @@ the model is built:
     NativeCpuElementwiseOps    CPU: the C kernels of aserve/kernels/cpu.py, at every step size
     TritonElementwiseOps       GPU: the fused Triton kernels of aserve/kernels/fused.py
 
-Rotary is neox style (rotate halves): RotaryEmbedding precomputes cos / sin of every position (with the checkpoint's
-scaling variant) and a step looks its positions up once, for all layers; the ops apply them.
+Rotary is neox style (rotate halves): aserve/layers/rotary.py's RotaryEmbedding precomputes cos / sin of every
+position (with the checkpoint's scaling variant) and a step looks its positions up once, for all layers; the ops
+apply them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -194,92 +193,3 @@ class HeadRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.eps = eps
-
-
-def rope_parameters(hf_config) -> tuple[float, dict]:
-    """(theta, scaling dict) from a transformers config of either generation (v5 `rope_parameters`, or v4
-    `rope_theta` + `rope_scaling`)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
-    merged = {**scaling, **params}
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    merged["rope_type"] = rope_type
-    return float(theta), merged
-
-
-def longrope_switch_length(hf_config) -> int | None:
-    """LongRoPE's original_max_position_embeddings (past it the long factors apply), where the config uses
-    LongRoPE; else None."""
-    _, scaling = rope_parameters(hf_config)
-    if scaling["rope_type"] not in ("longrope", "su"):
-        return None
-    return scaling.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = scaling["rope_type"]
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        return torch.where(is_medium, smoothed, scaled)
-    if rope_type in ("longrope", "su"):  # the short factors (aserve/models/phi3.py adds the long ones)
-        return longrope_inv_freq(head_dim, theta, scaling["short_factor"])
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3, longrope)")
-
-
-def longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
-    """LongRoPE's frequencies: the default ones, each divided by its rescale factor."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
-
-
-def rope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
-    """The factor cos and sin are multiplied by: LongRoPE's (from the context extension factor), else 1."""
-    if scaling["rope_type"] not in ("longrope", "su"):
-        return 1.0
-    if scaling.get("attention_factor"):
-        return scaling["attention_factor"]
-    original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or max_position_embeddings / original
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-
-
-def cos_sin_table(inv_freq: torch.Tensor, num_positions: int, scale: float = 1.0) -> torch.Tensor:
-    """[num_positions, 2 * head_dim] float32: cos | sin of each position's angles (neox layout), times `scale`."""
-    freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos_sin = torch.cat([emb.cos(), emb.sin()], dim=-1)
-    return cos_sin * scale if scale != 1.0 else cos_sin
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin of every position for neox-style rotary embedding, precomputed in float32 by `materialize` (models
-    are built on the meta device); a step looks its positions up once, for all layers."""
-
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict, scale: float = 1.0) -> None:
-        super().__init__()
-        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
-        self.scale = scale  # cos and sin are multiplied by it (rope_attention_factor)
-        self.cos_sin: torch.Tensor | None = None
-
-    def materialize(self, device: torch.device) -> None:
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        self.cos_sin = cos_sin_table(inv_freq, self.max_position, self.scale).to(device)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype, meta=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> cos, sin [T, 1, head_dim] in `dtype` (as HF, which rotates in the model's dtype). `meta` (the step's
-        AttentionMetadata) is for tables that depend on the sequence (aserve/models/phi3.py's LongRoPE)."""
-        cos, sin = self.cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from aserve.layers.attention.backend import AttentionMetadata, AttentionParams
-from aserve.layers.elementwise import RotaryEmbedding
+from aserve.layers.rotary import RotaryEmbedding
 from aserve.models.gemma2 import (
     Gemma2Attention,
     Gemma2DecoderLayer,

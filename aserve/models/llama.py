@@ -23,9 +23,10 @@ from aserve.layers.attention.backend import (
     kv_scale_of,
     scale_value,
 )
-from aserve.layers.elementwise import ElementwiseOps, RMSNorm, RotaryEmbedding, rope_parameters
+from aserve.layers.elementwise import ElementwiseOps, RMSNorm
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
+from aserve.layers.rotary import RotaryEmbedding, rope_attention_factor, rope_parameters
 from aserve.models.cpu_one_token import OneTokenForward
 
 # HF name fragment -> (fused parameter fragment, shard id)
@@ -179,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         theta, scaling = rope_parameters(cfg)
         self.backend = backend
         self.ops = ops
-        self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, theta, scaling)
+        self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, theta, scaling,
+                                      rope_attention_factor(scaling, cfg.max_position_embeddings))  # fmt: skip
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_cls(cfg, backend, ops, qkv_bias, quant_config, f"model.layers.{i}")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from aserve.layers.attention.backend import AttentionMetadata
-from aserve.layers.elementwise import (
+from aserve.layers.rotary import (
     cos_sin_table,
     longrope_inv_freq,
     longrope_switch_length,

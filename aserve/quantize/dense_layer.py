@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from aserve.layers.elementwise import RotaryEmbedding, add_rms_norm, rope_parameters, silu_and_mul, split_rotate_qkv
+from aserve.layers.elementwise import add_rms_norm, silu_and_mul, split_rotate_qkv
+from aserve.layers.rotary import RotaryEmbedding, rope_parameters
 
 Weights = dict[str, torch.Tensor]  # HF names inside a layer: "self_attn.q_proj.weight", "mlp.down_proj.weight", ...
 
