@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.layers.elementwise import add_rms_norm, silu_and_mul, split_rotate_qkv
-from aserve.layers.rotary import RotaryEmbedding, rope_parameters
+from aserve.layers.rotary import RotaryEmbedding, rope_attention_factor, rope_parameters
 
 Weights = dict[str, torch.Tensor]  # HF names inside a layer: "self_attn.q_proj.weight", "mlp.down_proj.weight", ...
 
@@ -38,7 +38,8 @@ class DenseDecoderLayer:
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // self.num_heads
         self.eps = hf_config.rms_norm_eps
         theta, scaling = rope_parameters(hf_config)
-        rotary = RotaryEmbedding(self.head_dim, seq_len, theta, scaling)
+        rotary = RotaryEmbedding(self.head_dim, seq_len, theta, scaling,
+                                 rope_attention_factor(scaling, hf_config.max_position_embeddings))  # fmt: skip
         rotary.materialize(next(iter(weights.values())).device if weights else torch.device("cpu"))
         self.rotary = rotary
 
