@@ -19,6 +19,8 @@ import prometheus_client
 class StepStats:
     iteration_tokens: int = 0  # tokens computed in the step (prompt chunks + decodes)
     prompt_tokens: int = 0  # prompts of requests that got their first token this step
+    prompt_tokens_cached: int = 0  # of those, tokens served from the prefix cache
+    prefill_computed_tokens: list[int] = field(default_factory=list)  # per such request, tokens computed
     generation_tokens: int = 0
     num_preemptions: int = 0
     time_to_first_token: list[float] = field(default_factory=list)
@@ -30,6 +32,7 @@ class StepStats:
     # first scheduled -> first token (prefill), first token -> finish (decode)
     finished_tokens: list[tuple[int, int, int | None]] = field(default_factory=list)
     inference_time: list[float] = field(default_factory=list)
+    time_per_output_token: list[float] = field(default_factory=list)  # decode time / (generated - 1)
     prefill_time: list[float] = field(default_factory=list)
     decode_time: list[float] = field(default_factory=list)
     # Speculative decoding: draft runs verified, their tokens, accepted tokens by draft position.
@@ -70,6 +73,8 @@ class EngineStats:
         if request.first_token_time is None:
             request.first_token_time = now
             step.prompt_tokens += request.num_prompt_tokens
+            step.prompt_tokens_cached += max(0, request.num_cached_tokens)
+            step.prefill_computed_tokens.append(request.num_prompt_tokens - max(0, request.num_cached_tokens))
             step.time_to_first_token.append(now - request.arrival_time)
             if request.scheduled_time is not None:
                 step.queue_time.append(request.scheduled_time - request.arrival_time)
@@ -98,6 +103,9 @@ class EngineStats:
             if request.first_token_time is not None:
                 step.prefill_time.append(request.first_token_time - request.scheduled_time)
                 step.decode_time.append(now - request.first_token_time)
+                if request.num_output_tokens > 1:
+                    step.time_per_output_token.append((now - request.first_token_time) /
+                                                      (request.num_output_tokens - 1))  # fmt: skip
 
     def on_step(self, num_scheduled_tokens: int, scheduler, kv_manager) -> None:
         self._pending.iteration_tokens = num_scheduled_tokens
@@ -171,7 +179,9 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 
 
 class PrometheusMetrics:
-    def __init__(self, model_name: str, registry: prometheus_client.CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: prometheus_client.CollectorRegistry | None = None,
+                 cache_config: dict | None = None) -> None:  # fmt: skip
+        """`cache_config`: the KV cache's settings, exported as the labels of cache_config_info (vLLM's)."""
         # no `*_created` series beside every counter and histogram (as vLLM does)
         prometheus_client.disable_created_metrics()
         self.registry = registry or prometheus_client.CollectorRegistry()
@@ -207,6 +217,16 @@ class PrometheusMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_tokens_cached = counter("prompt_tokens_cached", "Prompt tokens of requests that started "
+                                            "generating, served from the prefix cache.")  # fmt: skip
+        self._prompt_by_source = counter_by(
+            "prompt_tokens_by_source", "Prompt tokens of requests that started generating, by where their KV came "
+            "from.", "source", ("local_compute", "local_cache_hit"),
+        )  # fmt: skip
+        if cache_config:
+            info = prometheus_client.Gauge("aserve:cache_config_info", "The KV cache's configuration.",
+                                           sorted(cache_config), registry=r)  # fmt: skip
+            info.labels(**{k: str(v) for k, v in cache_config.items()}).set(1)
         self.model_name = model_name
         self._success = counter_by(
             "request_success", "Finished requests by finish reason.", "finished_reason",
@@ -250,6 +270,14 @@ class PrometheusMetrics:
                                               _LATENCY_BUCKETS)  # fmt: skip
         self.request_decode_time = histogram("request_decode_time_seconds", "First token to finish.",
                                              _LATENCY_BUCKETS)  # fmt: skip
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "Per finished sequence: first token to finish over the tokens "
+            "after the first.", _ITL_BUCKETS,
+        )  # fmt: skip
+        self.request_prefill_kv_computed_tokens = histogram(
+            "request_prefill_kv_computed_tokens", "Per sequence that started generating: prompt tokens computed (not "
+            "served from the prefix cache).", _TOKEN_BUCKETS,
+        )  # fmt: skip
         self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (requests x steps).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -265,6 +293,11 @@ class PrometheusMetrics:
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.num_preemptions.inc(step.num_preemptions)
         self.prompt_tokens.inc(step.prompt_tokens)
+        self.prompt_tokens_cached.inc(step.prompt_tokens_cached)
+        self._prompt_by_source.labels(self.model_name, "local_cache_hit").inc(step.prompt_tokens_cached)
+        self._prompt_by_source.labels(self.model_name, "local_compute").inc(
+            step.prompt_tokens - step.prompt_tokens_cached
+        )
         self.generation_tokens.inc(step.generation_tokens)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries_total - self._last_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits_total - self._last_hits)
@@ -286,6 +319,8 @@ class PrometheusMetrics:
             self.request_queue_time.observe(value)
         if step.iteration_tokens:
             self.iteration_tokens.observe(step.iteration_tokens)
+        for value in step.prefill_computed_tokens:
+            self.request_prefill_kv_computed_tokens.observe(value)
         for prompt, generated, max_tokens in step.finished_tokens:
             self.request_prompt_tokens.observe(prompt)
             self.request_generation_tokens.observe(generated)
@@ -293,7 +328,8 @@ class PrometheusMetrics:
                 self.request_params_max_tokens.observe(max_tokens)
         for histogram, values in ((self.request_inference_time, step.inference_time),
                                   (self.request_prefill_time, step.prefill_time),
-                                  (self.request_decode_time, step.decode_time)):  # fmt: skip
+                                  (self.request_decode_time, step.decode_time),
+                                  (self.request_time_per_output_token, step.time_per_output_token)):  # fmt: skip
             for value in values:
                 histogram.observe(value)
 
