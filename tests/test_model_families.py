@@ -74,6 +74,28 @@ def test_longrope_long_factors_match_transformers(tiny_model_factory, tmp_path):
     assert llm.engine.core.kv_manager.stats.hits == hits_before  # a short prompt's blocks are not a long one's
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+     "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [1.5, 2.0, 2.5, 3.0]},
+])  # fmt: skip
+def test_partial_rotary_matches_transformers(tiny_model_factory, tmp_path, rope):
+    """Phi-4-mini's partial rotary (the first 3/4 of each head turned; with LongRoPE, half, under its attention
+    factor): prompts within and past LongRoPE's 32-token switch, greedy, as transformers'; other families refuse a
+    partial rotary by name."""
+    base = tiny_model_factory("phi3")
+    path = edited_copy(base, str(tmp_path / "partial"), rope_parameters=rope, original_max_position_embeddings=32)
+    prompts = [random_prompt(5, seed=6), random_prompt(45, seed=7)]
+    expected = hf_greedy(path, prompts, 12)
+    assert expected != hf_greedy(base, prompts, 12)
+    llm = LLM(path, dtype="float32", enforce_eager=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    llama = edited_copy(tiny_model_factory("gqa"), str(tmp_path / "llama"), partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not supported for LlamaForCausalLM"):
+        LLM(llama, dtype="float32", enforce_eager=True)
+
+
 SLIDING = ["mistral_sliding", "gemma2", "gemma3"]
 
 

@@ -31,6 +31,28 @@ def rope_parameters(hf_config) -> tuple[float, dict]:
     return float(theta), merged
 
 
+def rotary_dim(head_dim: int, scaling: dict) -> int:
+    """The dimensions of a head the rotary turns: all, or the first partial_rotary_factor of them (Phi-4-mini)."""
+    return int(head_dim * scaling.get("partial_rotary_factor", 1.0))
+
+
+def padded(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Frequencies of a partial rotary's dimensions, zeros after them up to head_dim / 2: the dimensions a
+    zero frequency pairs are turned by angle 0 (cos 1, sin 0), so left as they are."""
+    return torch.cat([inv_freq, inv_freq.new_zeros(head_dim // 2 - inv_freq.shape[0])])
+
+
+def partial_rotary_order(head_dim: int, rotary: int) -> torch.Tensor:
+    """The order a head's q / k dimensions are stored in (new position -> checkpoint dimension) so that the
+    neox rotary over the whole head, with padded() frequencies, turns a partial rotary's pairs (i, i + rotary / 2)
+    and leaves the other dimensions: those pairs go to (i, i + head_dim / 2), the rest fill the positions whose
+    frequency is zero. q and k share the order, so q.k (and the cache) are those of the checkpoint's layout."""
+    half, rest = rotary // 2, list(range(rotary, head_dim))
+    split = (head_dim - rotary) // 2
+    order = list(range(half)) + rest[:split] + list(range(half, rotary)) + rest[split:]
+    return torch.tensor(order)
+
+
 def longrope_switch_length(hf_config) -> int | None:
     """LongRoPE's original_max_position_embeddings (past it the long factors apply), where the config uses
     LongRoPE; else None."""
@@ -116,11 +138,15 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def cos_sin_table(inv_freq: torch.Tensor, num_positions: int, scale: float = 1.0) -> torch.Tensor:
-    """[num_positions, 2 * head_dim] float32: cos | sin of each position's angles (neox layout), times `scale`."""
+    """[num_positions, 2 * head_dim] float32: cos | sin of each position's angles (neox layout), times `scale`
+    where the dimension turns (a partial rotary's others, zero frequencies from padded(), keep cos 1 and sin 0:
+    transformers scales only the rotated part)."""
     freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     cos_sin = torch.cat([emb.cos(), emb.sin()], dim=-1)
-    return cos_sin * scale if scale != 1.0 else cos_sin
+    if scale == 1.0:
+        return cos_sin
+    return torch.where(torch.cat([inv_freq != 0] * 4), cos_sin * scale, cos_sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -134,7 +160,8 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin: torch.Tensor | None = None
 
     def materialize(self, device: torch.device) -> None:
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        inv_freq = padded(rope_inv_freq(rotary_dim(self.head_dim, self.scaling), self.theta, self.scaling),
+                          self.head_dim)  # fmt: skip
         self.cos_sin = cos_sin_table(inv_freq, self.max_position, self.scale).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype, meta=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from aserve.layers.attention.backend import (
 from aserve.layers.elementwise import ElementwiseOps, RMSNorm
 from aserve.layers.linear import Linear
 from aserve.layers.quantization.base import QuantizationConfig
-from aserve.layers.rotary import RotaryEmbedding, rope_attention_factor, rope_parameters
+from aserve.layers.rotary import RotaryEmbedding, rope_attention_factor, rope_parameters, rotary_dim
 from aserve.models.cpu_one_token import OneTokenForward
 
 # HF name fragment -> (fused parameter fragment, shard id)
@@ -171,6 +171,8 @@ class LlamaForCausalLM(nn.Module):
     # Can the layers read different block tables (a hybrid KV layout: aserve/core/kv_cache_groups.py)? Here every
     # layer reads meta's and the cache's slot of its index.
     supports_kv_groups = False
+    # Does the family order q / k for a partial rotary at load (models/phi3.py)? Here: every dimension turns.
+    supports_partial_rotary = False
 
     def __init__(self, cfg, backend: AttentionBackend, ops: ElementwiseOps, quant_config: QuantizationConfig | None,
                  max_position: int) -> None:  # fmt: skip
@@ -178,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
         theta, scaling = rope_parameters(cfg)
+        if rotary_dim(head_dim_of(cfg), scaling) != head_dim_of(cfg) and not self.supports_partial_rotary:
+            raise ValueError(f"partial_rotary_factor {scaling['partial_rotary_factor']} is not supported for "
+                             f"{type(self).__name__}")  # fmt: skip
         self.backend = backend
         self.ops = ops
         self.rotary = RotaryEmbedding(head_dim_of(cfg), max_position, theta, scaling,

@@ -23,8 +23,11 @@ from aserve.layers.rotary import (
     cos_sin_table,
     longrope_inv_freq,
     longrope_switch_length,
+    padded,
+    partial_rotary_order,
     rope_attention_factor,
     rope_parameters,
+    rotary_dim,
 )
 from aserve.models.llama import LlamaForCausalLM, head_dim_of
 
@@ -38,11 +41,16 @@ class LongRopeRotary(nn.Module):
         self.head_dim, self.max_position, self.theta, self.scale = head_dim, max_position, theta, scale
         self.short_factor, self.long_factor = scaling["short_factor"], scaling["long_factor"]
         self.original = scaling["original_max_position_embeddings"]
+        self.rotary_dim = rotary_dim(head_dim, scaling)
         self.cos_sin: torch.Tensor | None = None
 
     def materialize(self, device: torch.device) -> None:
         tables = [
-            cos_sin_table(longrope_inv_freq(self.head_dim, self.theta, factors), self.max_position, self.scale)
+            cos_sin_table(
+                padded(longrope_inv_freq(self.rotary_dim, self.theta, factors), self.head_dim),
+                self.max_position,
+                self.scale,
+            )  # fmt: skip
             for factors in (self.short_factor, self.long_factor)
         ]
         self.cos_sin = torch.cat(tables).to(device)
@@ -60,13 +68,35 @@ class LongRopeRotary(nn.Module):
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    supports_partial_rotary = True  # (load_weights orders q / k as partial_rotary_order says)
+
     def __init__(self, cfg, backend, ops, quant_config, max_position: int) -> None:
         super().__init__(cfg, backend, ops, quant_config, max_position)
         theta, scaling = rope_parameters(cfg)
         original = longrope_switch_length(cfg)
         if original is not None:
             scaling["original_max_position_embeddings"] = original
-            if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-                raise ValueError("partial_rotary_factor other than 1 is not supported")
             scale = rope_attention_factor(scaling, cfg.max_position_embeddings)
             self.rotary = LongRopeRotary(head_dim_of(cfg), max_position, theta, scaling, scale)
+
+    def load_weights(self, weights) -> set[str]:
+        """As Llama's; then, with a partial rotary (Phi-4-mini), each head's q and k rows in partial_rotary_order."""
+        loaded = super().load_weights(weights)
+        head_dim = head_dim_of(self.config)
+        rotary = rotary_dim(head_dim, rope_parameters(self.config)[1])
+        if rotary == head_dim:
+            return loaded
+        order = partial_rotary_order(head_dim, rotary)
+        for layer in self.layers:
+            attn = layer.self_attn
+            weight = getattr(attn.qkv_proj, "weight", None)
+            if weight is None or not weight.dtype.is_floating_point or weight.dtype.itemsize < 2:
+                raise ValueError("partial_rotary_factor with a quantised checkpoint is not supported: serve the "
+                                 "16-bit checkpoint (--quantization fp8 / int8 quantise it at load)")  # fmt: skip
+            for param in (weight, attn.qkv_proj.bias):
+                if param is None:
+                    continue
+                for start, heads in ((0, attn.num_heads), (attn.q_size, attn.num_kv_heads)):
+                    rows = param.data[start : start + heads * head_dim]
+                    rows.copy_(rows.view(heads, head_dim, -1)[:, order].reshape(rows.shape))
+        return loaded
