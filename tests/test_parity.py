@@ -59,7 +59,7 @@ def engine_kwargs(variant: str, config: str) -> dict:
 @pytest.mark.parametrize(
     "variant",
     ["mha", "gqa", "tied", "llama3_rope", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "mistral_sliding", "gemma2",
-     "gemma3"],
+     "gemma3", "smollm3"],
 )  # fmt: skip
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
 def test_greedy_parity_with_transformers(references, variant, config):

@@ -53,6 +53,7 @@ def make_config(variant: str):
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
+        SmolLM3Config,
     )
 
     common = dict(
@@ -115,6 +116,9 @@ def make_config(variant: str):
                                  "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
                                  "norm_topk_prob": False, "mlp_only_layers": [1],
                                  "use_sliding_window": False})  # fmt: skip
+    if variant == "smollm3":  # the fourth layer without rotary (NoPE), tied embeddings as released
+        return SmolLM3Config(**{**common, "num_hidden_layers": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+                                "no_rope_layers": [1, 1, 1, 0], "use_sliding_window": False})  # fmt: skip
     # Sliding windows shorter than most prompts (tests/test_parity.py: 3..64 tokens, 24 generated; blocks of 16).
     if variant == "mistral_sliding":  # every layer slides
         return MistralConfig(**{**common, "num_key_value_heads": 2, "sliding_window": 12})

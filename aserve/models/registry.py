@@ -10,6 +10,7 @@ from aserve.models.mixtral import MixtralForCausalLM
 from aserve.models.phi3 import Phi3ForCausalLM
 from aserve.models.qwen3 import Qwen3ForCausalLM
 from aserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from aserve.models.smollm3 import SmolLM3ForCausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -21,13 +22,15 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
 
 
 def architecture_of(hf_config) -> str:
