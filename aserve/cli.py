@@ -24,11 +24,13 @@ from aserve.entrypoints.openai.cli_args import (
     check_frontend_args,
     cors_options,
     json_object,
+    json_value,
     set_log_levels,
 )
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket
 from aserve.entrypoints.openai.server import SERVER_OPTIONS, STATE_KEY, build_app
 from aserve.entrypoints.openai.shutdown import begin_drain, drain
+from aserve.fixed_engine_args import FIXED_ENGINE_ARGS
 from aserve.quantize.quantize import add_quantize_parser, run_quantize
 from aserve.version import __version__
 
@@ -87,7 +89,8 @@ _HELP = {
 }
 
 
-_ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short flags
+_HELP.update({name: rule.help for name, rule in FIXED_ENGINE_ARGS.items()})
+_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}  # vLLM's short flags
 _NARGS = {"served_model_name": "+"}  # several names: requests may use any, responses carry the first
 
 
@@ -106,7 +109,8 @@ def human_readable_int(value: str) -> int:
 
 
 _TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int,
-          "override_generation_config": json_object, "hf_overrides": json_object}  # fmt: skip
+          "override_generation_config": json_object, "hf_overrides": json_object, "limit_mm_per_prompt": json_object,
+          "compilation_config": json_value}  # fmt: skip
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +179,7 @@ def serve(ns: argparse.Namespace) -> None:
     args = engine_args_from(ns)
     if ns.model_tag is not None:
         args.model = ns.model_tag
+    args.validate()  # a value aserve refuses fails now, before the port is taken
     limits = ConnectionLimits(ns.timeout_headers, ns.timeout_body, ns.timeout_keep_alive, ns.limit_concurrency)
     limits.validate()
     check_frontend_args(ns)

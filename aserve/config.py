@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from aserve.fixed_engine_args import check_fixed_engine_args, compilation_level
 from aserve.layers.rotary import rope_parameters
 
 _DTYPES = {
@@ -35,8 +36,14 @@ GENERATION_DEFAULTS = {
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # HF directory or .gguf file; None = the embedded SmolLM2-135M-Instruct
-    tokenizer: str | None = None
+    # HF directory, .gguf file, or a Hugging Face repo id in the local cache; None = the embedded SmolLM2-135M-Instruct
+    model: str | None = None
+    tokenizer: str | None = None  # a directory or a cached repo id; None: the model's
+    # A repo id's branch, tag or commit (None: main), and the Hugging Face cache it is read from (None: $HF_HOME's);
+    # nothing is downloaded (aserve/models/hub_cache.py)
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     block_size: int = 16
@@ -82,12 +89,36 @@ class EngineArgs:
     # Fields merged into the checkpoint's config.json before it is read (vLLM's hf_overrides), e.g. a YaRN
     # rope_scaling for a longer context (aserve/engine/config.py load_hf_config)
     hf_overrides: dict | None = None
+    # vLLM's arguments for what aserve does one way: a value meaning that way is accepted, others refused
+    # (aserve/fixed_engine_args.py says which and why)
+    trust_remote_code: bool = False
+    tokenizer_mode: str = "auto"
+    swap_space: float | None = None
+    enable_chunked_prefill: bool | None = True
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
+    distributed_executor_backend: str | None = None
+    max_seq_len_to_capture: int = 8192
+    compilation_config: int | dict | None = None  # the level: 0 is enforce_eager
+    task: str = "auto"
+    runner: str = "auto"
+    limit_mm_per_prompt: dict | None = None
+    enable_lora: bool = False
+    enable_sleep_mode: bool = False
+    skip_tokenizer_init: bool = False
+    cpu_offload_gb: float = 0
+    logprobs_mode: str = "raw_logprobs"
+    scheduling_policy: str = "fcfs"
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
     def validate(self) -> None:
+        check_fixed_engine_args(self)
+        if compilation_level(self.compilation_config) == 0:  # vLLM's "no compilation, no CUDA graphs"
+            self.enforce_eager = True
         if self.seed is None:  # vLLM's "no seed": a fresh one per engine
             self.seed = int.from_bytes(os.urandom(4), "little")
         if isinstance(self.dtype, torch.dtype):  # LLM(dtype=torch.float16), as vLLM takes it

@@ -7,6 +7,10 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
     ASERVE_CACHE          where aserve caches what it builds once per machine: GGUF files converted to HF
                           directories (aserve/models/model_path.py) and the compiled CPU kernels
                           (aserve/kernels/cpu_build.py). Default ~/.cache/aserve.
+    HF_HUB_CACHE          the Hugging Face cache where a model given as a repo id (org/name) is looked for
+                          (aserve/models/hub_cache.py; --download-dir names another), as huggingface_hub finds it:
+                          $HF_HUB_CACHE (or its older name HUGGINGFACE_HUB_CACHE), else $HF_HOME/hub, else
+                          $XDG_CACHE_HOME/huggingface/hub. Default ~/.cache/huggingface/hub.
     ASERVE_CPU_KERNELS    CPU: build (at engine start) and use aserve's C++ kernels (attention, element-wise, GEMV,
                           sampling: aserve/kernels/cpu_build.py); 0 runs the torch paths everywhere. Default on.
     CXX                   the C++ compiler those kernels are built with (torch.utils.cpp_extension's choice too).
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     ASERVE_CACHE: str
+    HF_HUB_CACHE: str
     ASERVE_CPU_KERNELS: bool
     CXX: str
     ASERVE_CPU_AMX: bool
@@ -57,8 +62,19 @@ def _switch(name: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, "1") != "0"
 
 
+def _hf_hub_cache() -> str:
+    """As huggingface_hub's constants read it (at each call here, not once at import)."""
+    home = _path(os.getenv("HF_HOME", os.path.join(os.getenv("XDG_CACHE_HOME", "~/.cache"), "huggingface")))
+    return _path(os.getenv("HF_HUB_CACHE", os.getenv("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))))
+
+
+def _path(value: str) -> str:
+    return os.path.expandvars(os.path.expanduser(value))
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     "ASERVE_CACHE": lambda: os.environ.get("ASERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "aserve")),
+    "HF_HUB_CACHE": _hf_hub_cache,
     "ASERVE_CPU_KERNELS": _switch("ASERVE_CPU_KERNELS"),
     "CXX": lambda: os.environ.get("CXX", "c++"),
     # as the C source reads it: off when the value starts with 0

@@ -48,5 +48,7 @@ def test_missing_default_model_gives_install_hint(monkeypatch):
 def test_bad_model_paths():
     with pytest.raises(ValueError, match="does not exist"):
         LLM("/nonexistent/model.gguf")
-    with pytest.raises(ValueError, match="neither a directory nor a .gguf"):
-        LLM("meta-llama/Llama-3-8B")
+    with pytest.raises(ValueError, match="not in the Hugging Face cache .* aserve does not download"):
+        LLM("meta-llama/Llama-3-8B", download_dir="/nonexistent/hf-cache")
+    with pytest.raises(ValueError, match="neither a directory, a .gguf file nor a Hugging Face repo id"):
+        LLM("no/such/model")

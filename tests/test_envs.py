@@ -26,7 +26,7 @@ def clean_env(monkeypatch):
 
 
 def test_every_variable_is_listed_and_documented():
-    others = ["ASERVE_CACHE", "CXX", "ASERVE_STREAM_BUFFER", "ASERVE_STREAM_STALL_TIMEOUT"]
+    others = ["ASERVE_CACHE", "HF_HUB_CACHE", "CXX", "ASERVE_STREAM_BUFFER", "ASERVE_STREAM_STALL_TIMEOUT"]
     assert sorted(dir(envs)) == sorted(SWITCHES + others)
     for name in envs.environment_variables:
         assert f"    {name} " in envs.__doc__, name
@@ -52,6 +52,16 @@ def test_switches_turn_off_at_zero_only(clean_env, name):
 def test_amx_reads_like_the_c_source(clean_env):
     clean_env.setenv("ASERVE_CPU_AMX", "00")  # getenv: off when the value starts with 0
     assert envs.ASERVE_CPU_AMX is False
+
+
+def test_hugging_face_cache_as_huggingface_hub_finds_it(clean_env, tmp_path):
+    for name in ("HF_HOME", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        clean_env.delenv(name, raising=False)
+    assert envs.HF_HUB_CACHE == os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")
+    clean_env.setenv("HF_HOME", str(tmp_path))
+    assert envs.HF_HUB_CACHE == str(tmp_path / "hub")
+    clean_env.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert envs.HF_HUB_CACHE == str(tmp_path / "elsewhere")
 
 
 def test_paths_and_compiler(clean_env, tmp_path):

@@ -72,8 +72,8 @@ def test_vllm_server_flags(tiny_model, tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--no-enable-chunked-prefill"], "always chunks prompts"),
-    (["--tokenizer-mode", "slow"], "--tokenizer-mode slow"),
-    (["-pp", "2"], "tensor parallelism only"), (["--revision", "main"], "no model hub"),
+    (["--tokenizer-mode", "slow"], "tokenizer_mode='slow' (--tokenizer-mode)"),
+    (["-pp", "2"], "tensor parallelism only"), (["--revision", "main"], "names a commit, branch or tag"),
     (["--chat-template", "no/such/file"], "neither a file nor a Jinja template"),
     (["--default-chat-template-kwargs", '{"tools": []}'], "may not set 'tools'"),
     (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from aserve.config import GENERATION_DEFAULTS, EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.layers.batch_invariant import check_supported
 from aserve.layers.rotary import longrope_switch_length
-from aserve.models.model_path import resolve_model
+from aserve.models.model_path import resolve_model, resolve_tokenizer
 from aserve.models.registry import architecture_of
 from aserve.models.vision_language import text_side
 from aserve.spec.config import SpeculativeConfig
@@ -59,11 +59,11 @@ class EngineConfig:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineConfig:
         args.validate()
-        model_dir, default_name = resolve_model(args.model)
+        model_dir, default_name = resolve_model(args.model, args.revision, args.download_dir)
         hf_config = text_side(load_hf_config(model_dir, args.hf_overrides), model_dir)
         if args.deterministic:
             check_supported(architecture_of(hf_config), args.quantization)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(args, model_dir))
         device = resolve_device(args.device)
         spec_config = SpeculativeConfig.parse(args.speculative_config)
         async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.type == "cuda"
@@ -91,6 +91,16 @@ class EngineConfig:
             default_sampling=default_sampling(args.generation_config, model_dir, args.override_generation_config),
             long_prompt_len=longrope_switch_length(hf_config),
         )
+
+
+def tokenizer_dir(args: EngineArgs, model_dir: str) -> str:
+    """--tokenizer (a directory or a cached repo id, at --tokenizer-revision), else the model's own: its directory,
+    or its repo at --tokenizer-revision where that differs from --revision (as vLLM reads them)."""
+    if args.tokenizer is not None:
+        return resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir)
+    if args.tokenizer_revision not in (None, args.revision):
+        return resolve_model(args.model, args.tokenizer_revision, args.download_dir)[0]
+    return model_dir
 
 
 def load_hf_config(model_dir: str, overrides: dict | None):

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from aserve import envs
+from aserve.models import hub_cache
 
 logger = logging.getLogger("aserve")
 
@@ -57,8 +58,18 @@ def gguf_cache_dir(gguf_path: str) -> str:
     return os.path.join(envs.ASERVE_CACHE, "gguf", f"{name}-{key}")
 
 
-def resolve_model(model: str | None) -> tuple[str, str]:
-    """-> (HF directory to load, default served model name)."""
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> tuple[str, str]:
+    """-> (HF directory to load, default served model name). `model`: None (the embedded default), a .gguf file, an
+    HF directory, or a Hugging Face repo id found in the local cache (at `revision`, in `download_dir` if given:
+    aserve/models/hub_cache.py); served under its repo id, as vLLM serves it."""
+    if model is not None and not os.path.exists(model) and hub_cache.is_repo_id(model):
+        snapshot = hub_cache.cached_snapshot(model, revision, download_dir)
+        if snapshot is None:
+            raise ModelNotFoundError(hub_cache.not_cached("model", model, revision, download_dir))
+        return _hf_directory(snapshot, model), model
+    if revision is not None:
+        raise ModelNotFoundError(f"revision {revision!r} names a commit, branch or tag of a Hugging Face repo id, and "
+                                 f"the model {model or '(the embedded default)'} is not one")  # fmt: skip
     if model is None:
         return convert_gguf(default_model_path()), DEFAULT_MODEL_NAME
     if model.endswith(".gguf"):
@@ -66,13 +77,34 @@ def resolve_model(model: str | None) -> tuple[str, str]:
             raise ModelNotFoundError(f"GGUF file {model!r} does not exist")
         return convert_gguf(model), os.path.basename(model).removesuffix(".gguf")
     if os.path.isdir(model):
-        if not os.path.exists(os.path.join(model, "config.json")):
-            raise ModelNotFoundError(f"{model!r} has no config.json: not a Hugging Face model directory")
-        return model, os.path.basename(os.path.normpath(model))
+        return _hf_directory(model, model), os.path.basename(os.path.normpath(model))
     raise ModelNotFoundError(
-        f"model {model!r} is neither a directory nor a .gguf file (aserve does not download models; "
-        "pass a local path, or nothing for the embedded default)"
+        f"model {model!r} is neither a directory, a .gguf file nor a Hugging Face repo id (org/name) (aserve does not "
+        "download models; pass a local path, a repo id in the local Hugging Face cache, or nothing for the embedded "
+        "default)"
     )
+
+
+def resolve_tokenizer(tokenizer: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """A tokenizer other than the model's: a local directory, or a repo id in the local Hugging Face cache."""
+    if not os.path.exists(tokenizer) and hub_cache.is_repo_id(tokenizer):
+        snapshot = hub_cache.cached_snapshot(tokenizer, revision, download_dir)
+        if snapshot is None:
+            raise ModelNotFoundError(hub_cache.not_cached("tokenizer", tokenizer, revision, download_dir))
+        return snapshot
+    if revision is not None:
+        raise ModelNotFoundError(f"tokenizer revision {revision!r} names a commit, branch or tag of a Hugging Face "
+                                 f"repo id, and the tokenizer {tokenizer!r} is not one")  # fmt: skip
+    if not os.path.exists(tokenizer):
+        raise ModelNotFoundError(f"tokenizer {tokenizer!r} is neither a directory nor a Hugging Face repo id "
+                                 "(org/name)")  # fmt: skip
+    return tokenizer
+
+
+def _hf_directory(path: str, model: str) -> str:
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ModelNotFoundError(f"{model!r} has no config.json: not a Hugging Face model directory")
+    return path
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

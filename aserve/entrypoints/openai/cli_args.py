@@ -1,13 +1,11 @@
 """`aserve serve`'s server options (the engine's own are EngineArgs fields: aserve/cli.py), with vLLM's flag names,
 and what they make of the app: the chat template, the reply role, CORS, the log levels.
 
-Some of vLLM's flags name things aserve does in one way only; they are accepted where their value is the way aserve
-works and refused otherwise (never taken and ignored): --enable-chunked-prefill (prompts are always chunked),
---tokenizer-mode auto, --trust-remote-code (architectures are built in: no checkpoint code ever runs),
---disable-log-requests (requests are logged only with --enable-log-requests), --swap-space (preemption recomputes;
-nothing is swapped), --pipeline-parallel-size 1 (tensor parallelism only), --revision unset (nothing is downloaded),
---disable-uvicorn-access-log and --max-log-len (no access log, no prompt text logged), --structured-outputs-config /
---guided-decoding-backend naming xgrammar (the only backend)."""
+Some of vLLM's server flags name things aserve does in one way only; they are accepted where their value is the way
+aserve works and refused otherwise (never taken and ignored): --disable-log-requests (requests are logged only with
+--enable-log-requests), --disable-uvicorn-access-log and --max-log-len (no access log, no prompt text logged),
+--structured-outputs-config / --guided-decoding-backend naming xgrammar (the only backend). vLLM's engine flags of
+that kind are EngineArgs fields (aserve/fixed_engine_args.py)."""
 
 from __future__ import annotations
 
@@ -109,23 +107,10 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
                        help="no periodic log line of throughput, running / waiting requests and KV use")  # fmt: skip
     serve.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="the HTTP server's own loggers' level (aiohttp's; vLLM's name)")  # fmt: skip
-    serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                       help="accepted on: aserve always chunks prompts within --max-num-batched-tokens")  # fmt: skip
-    serve.add_argument("--tokenizer-mode", default="auto",
-                       help="accepted as auto: the model's fast (Rust) tokenizer")  # fmt: skip
-    serve.add_argument("--trust-remote-code", action="store_true",
-                       help="accepted: aserve builds every architecture itself and never runs a checkpoint's "
-                            "code")  # fmt: skip
     serve.add_argument("--enable-log-requests", action="store_true",
                        help="log each request's id, prompt length and sampling parameters")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",
                        help="accepted: requests are logged only with --enable-log-requests")  # fmt: skip
-    serve.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                       help="accepted as 1: aserve splits models by tensor parallelism only")  # fmt: skip
-    serve.add_argument("--revision", default=None,
-                       help="refused: nothing is downloaded (pass a local model directory)")  # fmt: skip
-    serve.add_argument("--swap-space", type=float, default=None,
-                       help="accepted: preempted requests are recomputed, never swapped to CPU memory")  # fmt: skip
     serve.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream ends with a usage chunk, asked for (stream_options.include_usage) or "
                             "not")  # fmt: skip
@@ -162,11 +147,16 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
-def json_object(value: str) -> dict:
+def json_value(value: str):
+    """A flag's JSON value of any type (vLLM's --compilation-config takes 3 or {"level": 3})."""
     try:
-        parsed = json.loads(value)
+        return json.loads(value)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+
+
+def json_object(value: str) -> dict:
+    parsed = json_value(value)
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return parsed
@@ -186,16 +176,6 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     if ns.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {ns.log_level!r}")
-    if not ns.enable_chunked_prefill:
-        raise ValueError("--no-enable-chunked-prefill: aserve always chunks prompts (a prompt runs in steps of at "
-                         "most --max-num-batched-tokens tokens)")  # fmt: skip
-    if ns.pipeline_parallel_size != 1:
-        raise ValueError(f"--pipeline-parallel-size {ns.pipeline_parallel_size}: aserve splits models by tensor "
-                         "parallelism only (--tensor-parallel-size)")  # fmt: skip
-    if ns.revision is not None:
-        raise ValueError(f"--revision {ns.revision}: there is no model hub here; pass a local model directory")
-    if ns.tokenizer_mode != "auto":
-        raise ValueError(f"--tokenizer-mode {ns.tokenizer_mode}: aserve runs the model's fast tokenizer (auto) only")
     if ns.tokenizer_pool_size < 1 or ns.max_pending_prompt_chars < 1:
         raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:

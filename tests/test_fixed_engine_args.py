@@ -1,0 +1,63 @@
+"""vLLM's engine arguments for what aserve does one way (aserve/fixed_engine_args.py), as vLLM scripts pass them: to
+`LLM(...)` and as `aserve serve` flags. The values that mean what aserve does are accepted; others are refused at
+start-up, naming the argument and its flag."""
+
+import pytest
+import torch
+
+from aserve import LLM
+from aserve.cli import build_parser, engine_args_from
+from aserve.cli import main as cli_main
+
+ACCEPTED = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "disable_custom_all_reduce": True,
+            "distributed_executor_backend": "mp", "max_seq_len_to_capture": 8192, "compilation_config": {"level": 3},
+            "task": "generate", "runner": "auto", "limit_mm_per_prompt": {"image": 0, "video": {"count": 0}},
+            "enable_lora": False, "enable_sleep_mode": False, "skip_tokenizer_init": False, "cpu_offload_gb": 0,
+            "logprobs_mode": "raw_logprobs", "scheduling_policy": "fcfs", "download_dir": "/tmp/hf"}  # fmt: skip
+
+REFUSED = [
+    ({"pipeline_parallel_size": 2}, "tensor parallelism only"), ({"data_parallel_size": 2}, "one engine per server"),
+    ({"distributed_executor_backend": "ray"}, "no Ray"), ({"distributed_executor_backend": "uni",
+                                                          "tensor_parallel_size": 2}, "cannot split the model 2 ways"),
+    ({"compilation_config": {"level": 3, "cudagraph_capture_sizes": [1]}}, "takes a level only"),
+    ({"compilation_config": 1}, "takes a level only"), ({"task": "embed"}, "generative models only"),
+    ({"runner": "pooling"}, "generative models only"), ({"limit_mm_per_prompt": {"image": 1}}, "text only"),
+    ({"enable_lora": True}, "no LoRA"), ({"enable_sleep_mode": True}, "no sleep"),
+    ({"skip_tokenizer_init": True}, "detokenises every output"), ({"cpu_offload_gb": 4}, "no CPU offload"),
+    ({"logprobs_mode": "processed_logprobs"}, "raw_logprobs"), ({"scheduling_policy": "priority"}, "first come"),
+    ({"max_seq_len_to_capture": 0}, "a length >= 1"),
+]  # fmt: skip
+
+
+def test_llm_takes_the_values_that_mean_what_aserve_does(tiny_model):
+    llm = LLM(tiny_model, dtype=torch.float32, max_model_len=128, **ACCEPTED)
+    assert llm.engine.config.args.enforce_eager is False  # level 3: aserve's default
+    # compilation level 0 (vLLM's "no compilation, no CUDA graphs") is enforce_eager
+    eager = LLM(tiny_model, dtype=torch.float32, max_model_len=128, compilation_config=0)
+    assert eager.engine.config.args.enforce_eager
+
+
+@pytest.mark.parametrize("kwargs, message", REFUSED)
+def test_llm_refuses_other_values(tiny_model, kwargs, message):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"{name}=.*--{name.replace('_', '-')}.* is not supported: .*{message}"):
+        LLM(tiny_model, dtype=torch.float32, max_model_len=128, **kwargs)
+
+
+def test_serve_flags(tiny_model, capsys):
+    argv = ["serve", tiny_model, "-pp", "1", "--data-parallel-size", "1", "--disable-custom-all-reduce",
+            "--distributed-executor-backend", "uni", "--max-seq-len-to-capture", "4096", "--compilation-config", "3",
+            "--task", "auto", "--runner", "generate", "--limit-mm-per-prompt", '{"image": 0}', "--no-enable-lora",
+            "--cpu-offload-gb", "0", "--logprobs-mode", "raw_logprobs", "--scheduling-policy", "fcfs",
+            "--download-dir", "/tmp/hf", "--trust-remote-code", "--swap-space", "4", "--tokenizer-mode", "auto",
+            "--enable-chunked-prefill"]  # fmt: skip
+    args = engine_args_from(build_parser().parse_args(argv))
+    args.validate()
+    assert (args.compilation_config, args.limit_mm_per_prompt, args.download_dir) == (3, {"image": 0}, "/tmp/hf")
+    for flags, message in ((["--enable-lora"], "enable_lora=True (--enable-lora)"),
+                           (["--compilation-config", '{"level": 2}'], "(--compilation-config)"),
+                           (["--no-enable-chunked-prefill"], "always chunks prompts"),
+                           (["--runner", "pooling"], "(--runner)")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            cli_main(["serve", tiny_model, *flags])
+        assert e.value.code == 2 and message in capsys.readouterr().err
