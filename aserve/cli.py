@@ -18,6 +18,7 @@ from aserve.config import EngineArgs
 from aserve.core.metrics import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
 from aserve.entrypoints.cli_client import add_client_parsers, run_client
+from aserve.entrypoints.config_file import add_config_arg, expand_config
 from aserve.entrypoints.openai.cli_args import (
     add_frontend_args,
     api_keys,
@@ -28,6 +29,7 @@ from aserve.entrypoints.openai.cli_args import (
     set_log_levels,
 )
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket
+from aserve.entrypoints.openai.serve_options import ServeOptions, add_serve_option_args
 from aserve.entrypoints.openai.server import SERVER_OPTIONS, STATE_KEY, build_app
 from aserve.entrypoints.openai.shutdown import begin_drain, drain
 from aserve.fixed_engine_args import FIXED_ENGINE_ARGS
@@ -160,14 +162,16 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aserve", description="aserve: an OpenAI-compatible LLM server")
-    parser.add_argument("--version", action="version", version=f"aserve {__version__}")
+    parser.add_argument("-v", "--version", action="version", version=__version__)  # the number alone, as vLLM
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     add_frontend_args(serve)
+    add_serve_option_args(serve)
     add_engine_args(serve)
     serve.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
                        help="KV cache budget in bytes, vLLM's spelling of --kv-cache-memory-gb (e.g. 8G)")  # fmt: skip
+    add_config_arg(serve)
     add_quantize_parser(sub)
     add_client_parsers(sub)
     for command in sub.choices.values():
@@ -183,6 +187,7 @@ def serve(ns: argparse.Namespace) -> None:
     limits = ConnectionLimits(ns.timeout_headers, ns.timeout_body, ns.timeout_keep_alive, ns.limit_concurrency)
     limits.validate()
     check_frontend_args(ns)
+    options = ServeOptions.from_args(ns)
     keys = api_keys(ns)
     set_log_levels(ns)
     sock = listen_socket(ns.host, ns.port)  # before minutes of loading: a port in use is an error at once
@@ -213,7 +218,7 @@ def serve(ns: argparse.Namespace) -> None:
            "stream_interval": ns.stream_interval}  # fmt: skip
     names = ns.served_model_name or [config.served_model_name]
     serving = _serve(engine, names, ns.host, ns.port, keys, ns.shutdown_timeout, limits, api,
-                     log_stats=not ns.disable_log_stats, sock=sock)  # fmt: skip
+                     log_stats=not ns.disable_log_stats, sock=sock, options=options)  # fmt: skip
     code = run(serving)
     if code:
         sys.exit(code)
@@ -230,11 +235,15 @@ async def _serve(
     api: dict | None = None,
     log_stats: bool = True,
     sock: socket.socket | None = None,
+    options: ServeOptions | None = None,
 ) -> int:
-    """api: build_app's keyword arguments (tool calling, usage details, /tokenizer_info, the reply role, CORS).
+    """api: build_app's keyword arguments (tool calling, usage details, /tokenizer_info, the reply role, CORS);
+    options: TLS, the root path, the chat content format, GET /load.
     -> the exit status: 0 after a signal, 1 when the engine stopped by itself (its step loop failed: a dead
     tensor-parallel worker, ...)."""
     app = build_app(engine, served_model_name, api_key, **(api or {}))
+    options = options or ServeOptions()
+    options.setup_app(app)
     sock = sock or listen_socket(host, port)
     if log_stats:
         engine.stats.add_listener(PeriodicLogger(logger.info))
@@ -242,14 +251,18 @@ async def _serve(
     # client that stopped reading.
     runner = web.AppRunner(app, **SERVER_OPTIONS, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
+    options.setup_server(runner.server)
     # Every connection goes through the guard (read timeouts, connection limit) in front of aiohttp's protocol.
     guard = ConnectionGuard(runner.server, limits or ConnectionLimits())
     app[STATE_KEY].attach_connections(guard)
-    listener = await asyncio.get_running_loop().create_server(guard.protocol_factory, sock=sock)
+    tls = options.ssl_context
+    listener = await asyncio.get_running_loop().create_server(
+        guard.protocol_factory, sock=sock, ssl=tls, ssl_handshake_timeout=guard.limits.timeout_headers if tls else None
+    )
     logger.info("connections: at most %d open; timeouts: headers %g s, body %g s, keep-alive %g s", guard.limit,
                 guard.limits.timeout_headers, guard.limits.timeout_body, guard.limits.timeout_keep_alive)  # fmt: skip
     name = served_model_name if isinstance(served_model_name, str) else served_model_name[0]
-    print(f"aserve: serving {name} at http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+    print(f"aserve: serving {name} at {options.scheme}://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
     stop, force = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first signal drains, a second one stops waiting
@@ -282,6 +295,10 @@ async def _serve(
     return code
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def dashed(argv: list[str]) -> list[str]:
     """vLLM's flag spellings with underscores (--max_model_len 512, --max_model_len=512) as flags with dashes."""
     out = []
@@ -294,7 +311,14 @@ def dashed(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = build_parser().parse_args(dashed(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    argv = dashed(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config(argv, subcommands(parser))
+    except ValueError as e:  # the YAML file missing, malformed, or naming no flag of the command
+        print(f"aserve: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    ns = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, getattr(ns, "log_level", "info").upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -4,6 +4,7 @@ tests."""
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -16,11 +17,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra_args: str, timeout: float = 300, log_path: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(*extra_args: str, timeout: float = 300, log_path: str | None = None,
+                 tls: ssl.SSLContext | None = None) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """Starts the server and returns (process, base URL) once GET /health answers 200. Later flags override the
     defaults given here (argparse keeps the last); `--debug-invariants` is on (`--no-debug-invariants` turns it
     off): every step checks the KV blocks' ref counts and the queues. The server's output goes to `log_path` if
-    given (a long run would fill a pipe nobody reads), else to `proc.stdout`."""
+    given (a long run would fill a pipe nobody reads), else to `proc.stdout`. `tls`: the server speaks HTTPS (its
+    --ssl-* flags among extra_args), checked with this client context."""
     port = free_port()
     log = open(log_path, "w") if log_path is not None else subprocess.PIPE
     proc = subprocess.Popen(
@@ -30,7 +33,7 @@ def start_server(*extra_args: str, timeout: float = 300, log_path: str | None = 
     )  # fmt: skip
     if log_path is not None:
         log.close()  # the child has its own copy
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -38,7 +41,7 @@ def start_server(*extra_args: str, timeout: float = 300, log_path: str | None = 
                 output = proc.stdout.read() if proc.stdout is not None else open(log_path).read()
                 raise RuntimeError(f"aserve serve exited early:\n{output}")
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"{url}/health", timeout=1, context=tls) as r:
                     if r.status == 200:
                         return proc, url
             except OSError:
@@ -62,9 +65,9 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_server(*extra_args: str, timeout: float = 300):
+def running_server(*extra_args: str, timeout: float = 300, tls: ssl.SSLContext | None = None):
     """Yields the base URL once GET /health answers 200; terminates the server afterwards."""
-    proc, url = start_server(*extra_args, timeout=timeout)
+    proc, url = start_server(*extra_args, timeout=timeout, tls=tls)
     try:
         yield url
     finally:

@@ -79,6 +79,8 @@ class ServerState:
         self.trust_request_chat_template = False  # --trust-request-chat-template: requests may bring a template
         # the chat template reads content parts as a list (chat_utils.takes_content_parts), or takes a string
         self.content_parts = takes_content_parts(getattr(engine.config.tokenizer, "chat_template", None))
+        # --chat-template-content-format: auto (content_parts, or the request template's own), string or openai
+        self.content_format = "auto"
         # what a streaming client that stopped reading may hold (event_stream.py's flow control)
         self.flow_control = FlowControl(envs.ASERVE_STREAM_BUFFER, envs.ASERVE_STREAM_STALL_TIMEOUT,
                                         self.metrics.on_stream_paused, self.on_slow_client)  # fmt: skip
@@ -106,14 +108,14 @@ class ServerState:
             req.chat_template_kwargs = {**self.default_template_kwargs, **(req.chat_template_kwargs or {})}
 
     def chat_content_parts(self, req) -> bool:
-        """Whether the request's chat template takes content parts as a list; a template of the request's own only
-        with --trust-request-chat-template (vLLM's rule)."""
-        if req.chat_template is None:
-            return self.content_parts
-        if not self.trust_request_chat_template:
+        """Whether the request's chat template takes content parts as a list (--chat-template-content-format, else
+        detected); a template of the request's own only with --trust-request-chat-template (vLLM's rule)."""
+        if req.chat_template is not None and not self.trust_request_chat_template:
             raise ParamError("chat_template", "Chat template is passed with request, but --trust-request-chat-template "
                              "is not set. Refused request with untrusted chat template.")  # fmt: skip
-        return takes_content_parts(req.chat_template)
+        if self.content_format != "auto":
+            return self.content_format == "openai"
+        return self.content_parts if req.chat_template is None else takes_content_parts(req.chat_template)
 
     def sampling_params(self, req: _GenerationRequest):
         """The request's parameters; max_tokens None: up to the context length (the engine resolves it per prompt,

@@ -1,0 +1,135 @@
+"""`aserve serve`'s listener and app flags from vLLM: TLS (--ssl-*) answering the official openai client over https,
+--root-path, --enable-server-load-tracking (GET /load), --chat-template-content-format, the flags accepted without an
+effect and the ones refused, started from a --config YAML file as vLLM deployments start it."""
+
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import urllib.request
+
+import pytest
+from aserve_server import running_server
+from test_server import make_client
+
+from aserve import EngineArgs, LLMEngine
+from aserve.cli import main as cli_main
+from aserve.entrypoints.openai.serve_options import ServeOptions
+
+# takes a string, or loops over content parts (as Gemma 3's does): auto detects the loop and passes the list
+LOOPING_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+                    "{% for p in m['content'] %}{{ p['text'] }}|{% endfor %}{% endif %}{% endfor %}")  # fmt: skip
+
+
+def self_signed(directory) -> tuple[str, str]:
+    """(certificate, key) PEM files for 127.0.0.1 and localhost: made with `cryptography`, else the openssl command;
+    the test skips without either."""
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("neither the cryptography package nor openssl is here to make a certificate")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost", "-addext",
+                        "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)  # fmt: skip
+        return cert, key
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    names = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1)).add_extension(names, critical=False)
+                   .sign(private, hashes.SHA256()))  # fmt: skip
+    with open(cert, "wb") as f:
+        f.write(certificate.public_bytes(serialization.Encoding.PEM))
+    with open(key, "wb") as f:
+        f.write(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))  # fmt: skip
+    return cert, key
+
+
+def test_https_root_path_and_load_from_a_config_file(tiny_model, tmp_path):
+    from openai import AuthenticationError, DefaultHttpxClient, OpenAI
+
+    cert, key = self_signed(tmp_path)
+    (tmp_path / "template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {tiny_model}\ndtype: float32\nenforce_eager: true\nmax-model-len: 64\n"
+                      f"ssl-certfile: {cert}\nssl-keyfile: {key}\nroot-path: /api/\nenable-server-load-tracking: true\n"
+                      f"served-model-name: [tiny, other]\napi-key: [k]\nchat-template: {tmp_path / 'template.jinja'}\n"
+                      "chat-template-content-format: openai\nshow-hidden-metrics-for-version: '0.9'\n")  # fmt: skip
+    tls = ssl.create_default_context(cafile=cert)
+    # the command line's --max-model-len wins over the file's
+    with running_server("--config", str(config), "--max-model-len", "128", tls=tls) as url:
+        for base in (f"{url}/api/v1", f"{url}/v1"):  # under the root path, and as a proxy that strips it sends them
+            client = OpenAI(base_url=base, api_key="k", http_client=DefaultHttpxClient(verify=tls))
+            assert [m.id for m in client.models.list().data] == ["tiny", "other"]
+            assert client.models.retrieve("tiny").model_extra["max_model_len"] == 128
+            completion = client.completions.create(model="other", prompt="Hi", max_tokens=3, extra_body={
+                "ignore_eos": True})  # fmt: skip
+            assert completion.model == "tiny" and completion.usage.completion_tokens == 3
+            chat = client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user",
+                                                                                         "content": "Hi"}])  # fmt: skip
+            assert chat.choices[0].message.role == "assistant"
+            with pytest.raises(AuthenticationError):  # the API key guards /api/v1 as it guards /v1
+                OpenAI(base_url=base, api_key="wrong", http_client=DefaultHttpxClient(verify=tls)).models.list()
+        with urllib.request.urlopen(f"{url}/api/load", context=tls) as resp:
+            assert json.loads(resp.read()) == {"server_load": 0}
+        # openai: the content parts reach the template as a list, which this template prints as it is
+        body = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}).encode()
+        req = urllib.request.Request(f"{url}/tokenize", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, context=tls) as resp:
+            tokens = json.loads(resp.read())["tokens"]
+        req = urllib.request.Request(f"{url}/detokenize", data=json.dumps({"tokens": tokens}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, context=tls) as resp:
+            assert json.loads(resp.read())["prompt"] == "[{'type': 'text', 'text': 'a'}]"
+        with pytest.raises(OSError):  # plain HTTP to the TLS port gets no answer
+            urllib.request.urlopen(url.replace("https", "http") + "/health", timeout=5)
+
+
+async def test_content_format_string_joins_parts_for_every_template(tiny_model):
+    """string: content parts joined with newlines even for a template that loops over them (auto passes it the
+    list); a request's own template too."""
+    from transformers import AutoTokenizer
+
+    from aserve.entrypoints.openai.server_state import STATE_KEY
+
+    engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=128))
+    engine.config.tokenizer.chat_template = LOOPING_TEMPLATE
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    for content_format, rendered in (("auto", "a|b|"), ("string", "a\nb"), ("openai", "a|b|")):
+        client = await make_client(engine, trust_request_chat_template=True)
+        try:
+            ServeOptions(content_format=content_format).setup_app(client.server.app)
+            assert client.server.app[STATE_KEY].content_format == content_format
+            for extra in ({}, {"chat_template": LOOPING_TEMPLATE}):
+                resp = await client.post("/tokenize", json={"messages": messages, **extra})
+                tokens = (await resp.json())["tokens"]
+                assert tokenizer.decode(tokens) == rendered, (content_format, extra)
+        finally:
+            await client.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--otlp-traces-endpoint", "http://collector:4317"], "exports no OpenTelemetry traces"),
+    (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
+    (["--ssl-certfile", "/nonexistent/cert.pem"], "TLS (--ssl-certfile /nonexistent/cert.pem"),
+    (["--ssl-certfile", "c.pem", "--enable-ssl-refresh"], "reads its certificates once"),
+    (["--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"], "against --ssl-ca-certs"),
+    (["--root-path", "api"], "--root-path must start with '/'"),
+    (["--chat-template-content-format", "json"], "invalid choice: 'json'"),
+])  # fmt: skip
+def test_refused_at_start_up(tiny_model, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", tiny_model, *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
