@@ -29,6 +29,7 @@ from aserve.entrypoints.openai.cli_args import (
     set_log_levels,
 )
 from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket
+from aserve.entrypoints.openai.run_batch import add_run_batch_args, run_batch
 from aserve.entrypoints.openai.serve_options import ServeOptions, add_serve_option_args
 from aserve.entrypoints.openai.server import SERVER_OPTIONS, STATE_KEY, build_app
 from aserve.entrypoints.openai.shutdown import begin_drain, drain
@@ -172,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
                        help="KV cache budget in bytes, vLLM's spelling of --kv-cache-memory-gb (e.g. 8G)")  # fmt: skip
     add_config_arg(serve)
+    batch = sub.add_parser("run-batch", help="answer a file of OpenAI requests (vLLM's batch format) with a model")
+    add_run_batch_args(batch)
+    add_engine_args(batch)
+    add_config_arg(batch)
     add_quantize_parser(sub)
     add_client_parsers(sub)
     for command in sub.choices.values():
@@ -337,6 +342,12 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         except KeyboardInterrupt:
             sys.exit(130)
+    elif ns.command == "run-batch":
+        try:
+            run_batch(ns, engine_args_from(ns))
+        except ValueError as e:  # a URL, a missing input, a refused engine argument
+            print(f"aserve: error: {e}", file=sys.stderr)
+            sys.exit(2)
     elif ns.command == "quantize":
         try:
             run_quantize(ns)

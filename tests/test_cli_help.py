@@ -1,4 +1,5 @@
-"""`aserve serve --help` and `aserve quantize --help`: every flag has help text that states its default."""
+"""`aserve serve --help`, `aserve quantize --help` and `aserve run-batch --help`: every flag has help text that states
+its default."""
 
 import re
 
@@ -7,7 +8,7 @@ import pytest
 from aserve.cli import build_parser
 
 
-@pytest.mark.parametrize("command", ["serve", "quantize"])
+@pytest.mark.parametrize("command", ["serve", "quantize", "run-batch"])
 def test_every_flag_shows_its_default(command):
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
     text = sub.format_help()
