@@ -25,21 +25,30 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs (with logprobs asked for)
+    lora_request: None = None  # (vLLM's; aserve runs no LoRA adapters)
 
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
 @dataclass(slots=True)
 class RequestOutput:
+    """vLLM's fields; those for what aserve does not run are always None: metrics (vLLM fills them only with stats
+    logging on; aserve's engine keeps its own, `LLMEngine.stats`), lora_request, encoder_prompt and
+    encoder_prompt_token_ids (decoder-only models), kv_transfer_params (no KV transfer between instances)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
-    error: str | None = None  # set when the request ended because of an internal error
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob} for each other
     # (the prompt token and the top alternatives)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the request ended because of an internal error
+    kv_transfer_params: None = None

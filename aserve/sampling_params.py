@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import enum
+import functools
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 _GREEDY_EPS = 1e-5
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -93,6 +95,70 @@ class StructuredOutputsParams:
         return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
+class RequestOutputKind(enum.Enum):
+    """What a running request's outputs hold (vLLM's): CUMULATIVE, everything so far in each; DELTA, only what is new
+    since the last; FINAL_ONLY, one output when it ends. LLM.generate runs FINAL_ONLY whatever is asked."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+# vLLM's fields aserve does not implement: (the values that ask for nothing, why); such a value is accepted and
+# dropped, any other refused, never taken and ignored
+_UNSUPPORTED = {
+    "best_of": ((None,), "aserve returns the n sequences it samples (keeping the best n of more is not implemented)"),
+    "logits_processors": (
+        (None, []),
+        "aserve runs no custom logits processors; see logit_bias, allowed_token_ids, bad_words, structured_outputs",
+    ),
+    "thinking_token_budget": ((None, -1), "aserve does not cap reasoning tokens"),
+    "logprob_token_ids": ((None,), "ask for top logprobs (logprobs=N) instead"),
+    "prompt_logprob_token_ids": ((None,), "ask for top prompt logprobs (prompt_logprobs=N) instead"),
+    "prompt_logprob_start": ((None, 0), "prompt logprobs cover the whole prompt"),
+    "flat_logprobs": ((False,), "logprobs come as vLLM's list of dicts"),
+    "skip_reading_prefix_cache": (
+        (None, False),
+        "requests read the prefix cache unless they ask for prompt_logprobs (those skip it, vLLM's default)",
+    ),
+    "repetition_detection": ((None,), "aserve does not stop on repeated n-grams"),
+    "stream_interval": ((None, 1), "every step's output is reported (the server's --stream-interval batches)"),
+    "skip_clone": ((False, True), "it is a boolean (vLLM's hint that the parameters need no copy)"),
+    "routed_experts_prompt_start": ((0,), "aserve does not return routed experts"),
+    "trace_decode_token_ids": ((None,), "aserve does not replay token traces"),
+    "use_beam_search": ((False,), "use LLM.beam_search(prompts, BeamSearchParams(...))"),
+}
+_BOOLEAN_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                   "spaces_between_special_tokens")  # fmt: skip
+# SamplingParams.from_optional's fields where None means the default (vLLM's)
+_OPTIONAL_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p")
+
+
+def _refusing_unsupported(cls):
+    """Wraps the dataclass's __init__: vLLM's fields aserve does not implement are refused by name (a ParamError)
+    unless they ask for nothing; `guided_decoding` (vLLM's older name) is structured_outputs."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        for name in kwargs.keys() & _UNSUPPORTED.keys():
+            value, (neutral, why) = kwargs.pop(name), _UNSUPPORTED[name]
+            if name == "best_of" and value == kwargs.get("n", 1):
+                continue  # as many samples as are returned: what n does
+            if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
+                raise ParamError(name, f"{name}={value!r} is not supported: {why}")
+        guided = kwargs.pop("guided_decoding", None)
+        if guided is not None:
+            if kwargs.get("structured_outputs") is not None:
+                raise ParamError("guided_decoding", "give structured_outputs or guided_decoding (its older name)")
+            kwargs["structured_outputs"] = guided
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_refusing_unsupported
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -106,8 +172,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None  # a list once made ([] for none)
+    stop_token_ids: list[int] | None = None  # a list once made, without repeats
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (the sampled one is always included)
@@ -116,6 +182,11 @@ class SamplingParams:
     # token id -> added to its logit before sampling (OpenAI's logit_bias; -100 / 100 ban / force the token)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # False: no space between two special tokens next to each other in the text (vLLM's; only where the tokenizer's
+    # decoder would put one there, and special tokens are kept)
+    spaces_between_special_tokens: bool = True
+    # What a running request's outputs hold (AsyncEngine, LLMEngine.step); see RequestOutputKind
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Per-request salt isolating prefix-cache sharing (e.g. between tenants).
     cache_salt: str | None = None
     # The output follows a JSON schema, regex, choice or grammar (see StructuredOutputsParams).
@@ -128,25 +199,42 @@ class SamplingParams:
     detokenize: bool = True
     # Words never generated (vLLM's bad_words): each word's token sequence, with and without a leading space, cannot
     # be completed (its last token is masked where the output ends with the others)
-    bad_words: list[str] | None = None
-    stop_strings: list[str] = field(init=False, default_factory=list)
+    bad_words: list[str] | None = None  # a list once made ([] for none), without repeats
+    # vLLM's arguments for custom sampling code; aserve runs none, so only an empty one is taken
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
+            self.stop = [self.stop]
         elif self.stop is None or isinstance(self.stop, (list, tuple)):
-            self.stop_strings = list(self.stop or [])
+            self.stop = list(self.stop or [])
         else:
             raise ParamError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ParamError("stop_token_ids", f"stop_token_ids must be a list of token ids, got "
-                             f"{self.stop_token_ids!r}")  # fmt: skip
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ParamError(name, f"{name} must be a list, got {value!r}")
+            setattr(self, name, list(value or []))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's: True asks for one
+                setattr(self, name, 1)
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, bool):
+            self.output_kind = RequestOutputKind(self.output_kind) if 0 <= self.output_kind <= 2 else None
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ParamError("output_kind", "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                             "FINAL_ONLY)")  # fmt: skip
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ParamError("extra_args", f"extra_args must be a dict, got {self.extra_args!r}")
+        if self.extra_args:
+            raise ParamError("extra_args", f"extra_args {list(self.extra_args)!r} are not supported: aserve runs "
+                             "no custom sampling code that would read them")  # fmt: skip
         if self.top_k == -1:
             self.top_k = 0
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         self._validate()
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # (as vLLM: repeats dropped)
+        self.bad_words = list(dict.fromkeys(self.bad_words))
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ParamError:
@@ -182,17 +270,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < -1):
                 raise bad(name, "must be an integer >= 0 (-1: the whole vocabulary)")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in _BOOLEAN_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
-        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or not all(
-                isinstance(w, str) and w.strip() for w in self.bad_words)):  # fmt: skip
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise bad("bad_words", "must be a list of non-empty strings")
-        if not self.detokenize and self.stop_strings:
+        if not self.detokenize and self.stop:
             raise ParamError("stop", "stop strings need the text: they cannot be used with detokenize=False")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -213,6 +300,26 @@ class SamplingParams:
         n = self.truncate_prompt_tokens
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or (n < 1 and n != -1)):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (the last max_model_len tokens)")
+
+    @classmethod
+    def from_optional(cls, logit_bias: dict | None = None, **fields) -> SamplingParams:
+        """vLLM's: None for n, the penalties, temperature or top_p means the default; logit_bias keys may be token
+        ids written as strings, and biases are clamped to [-100, 100]."""
+        for name in _OPTIONAL_FIELDS:
+            if name in fields and fields[name] is None:
+                del fields[name]
+        if logit_bias is not None:
+            try:
+                logit_bias = {int(t): min(100.0, max(-100.0, b)) for t, b in logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ParamError("logit_bias", "logit_bias takes token ids (or their strings) -> numbers, got "
+                                 f"{logit_bias!r}") from None  # fmt: skip
+        return cls(logit_bias=logit_bias, **fields)
+
+    @property
+    def guided_decoding(self) -> StructuredOutputsParams | None:
+        """vLLM's older name of structured_outputs."""
+        return self.structured_outputs
 
     @property
     def greedy(self) -> bool:
@@ -242,3 +349,17 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         return replace(self, **changes)
+
+
+# vLLM's older name of the structured-output constraint
+GuidedDecodingParams = StructuredOutputsParams
+
+
+def __getattr__(name: str):
+    """`aserve.sampling_params.BeamSearchParams`, where vLLM keeps it; it lives in aserve/beam_search.py, which imports
+    this module (so it is looked up when asked for)."""
+    if name == "BeamSearchParams":
+        from aserve.beam_search import BeamSearchParams
+
+        return BeamSearchParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

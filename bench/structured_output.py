@@ -18,6 +18,7 @@ import time
 
 from aserve import LLMEngine, SamplingParams, StructuredOutputsParams
 from aserve.config import EngineArgs
+from aserve.sampling_params import RequestOutputKind
 
 # A long bounded JSON document: at least 12 objects of several fields, far more than --max-tokens tokens.
 SCHEMA = {
@@ -69,7 +70,7 @@ def run(engine: LLMEngine, batch: list[list[int]], params: SamplingParams, tag: 
     if grammar is not None:
         grammar.result()
     for i, ids in enumerate(batch):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params, output_kind=RequestOutputKind.FINAL_ONLY)
     wall, cpu, decode_tokens, finishes = 0.0, 0.0, 0, []
     scheduler = engine.core.scheduler
     while engine.has_unfinished_requests():

@@ -1,4 +1,5 @@
-"""AsyncEngine: streamed deltas, concurrent requests, aborts, failed steps, a free event loop."""
+"""AsyncEngine: streamed outputs (deltas, cumulative, final only), concurrent requests, aborts, failed steps, a free
+event loop."""
 
 import asyncio
 import random
@@ -6,6 +7,9 @@ import random
 import pytest
 
 from aserve import LLM, AsyncEngine, EngineArgs, SamplingParams
+from aserve.sampling_params import RequestOutputKind
+
+DELTA = RequestOutputKind.DELTA
 
 
 def prompt(n, seed=0):
@@ -40,7 +44,7 @@ def assert_all_blocks_free(llm_engine):
 
 
 async def test_streamed_deltas_equal_offline_output(engine, tiny_model):
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, output_kind=DELTA)
     prompts = [prompt(n, seed=n) for n in (5, 40, 70)]
     results = await asyncio.gather(*(collect(engine, p, params, f"r{i}") for i, p in enumerate(prompts)))
     offline = LLM(tiny_model, dtype="float32", enforce_eager=True).generate(prompts, params)
@@ -54,8 +58,29 @@ async def test_streamed_deltas_equal_offline_output(engine, tiny_model):
     await engine.shutdown()
 
 
+async def test_output_kind_cumulative_delta_final_only(engine):
+    """vLLM's RequestOutputKind: CUMULATIVE (the default) gives the whole output so far each time, the last one the
+    final text; DELTA's pieces join to it; FINAL_ONLY gives that one output alone."""
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cumulative = await collect(engine, prompt(9), base, "cumulative")
+    final = cumulative[-1].outputs[0]
+    assert len(cumulative) > 1 and final.finish_reason == "length" and len(final.token_ids) == 12
+    for before, after in zip(cumulative, cumulative[1:]):
+        a, b = before.outputs[0], after.outputs[0]
+        assert b.text.startswith(a.text) and b.token_ids[: len(a.token_ids)] == a.token_ids
+        assert len(b.token_ids) > len(a.token_ids)
+    deltas = await collect(engine, prompt(9), base.clone(output_kind=RequestOutputKind.DELTA), "delta")
+    assert "".join(c.outputs[0].text for c in deltas) == final.text
+    assert [t for c in deltas for t in c.outputs[0].token_ids] == final.token_ids
+    only = await collect(engine, prompt(9), base.clone(output_kind=RequestOutputKind.FINAL_ONLY), "final")
+    assert len(only) == 1 and only[0].finished
+    assert (only[0].outputs[0].text, only[0].outputs[0].token_ids) == (final.text, final.token_ids)
+    await engine.shutdown()
+
+
 async def test_n2_stream_reports_each_index(engine):
-    chunks = await collect(engine, prompt(10), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8), "n2")
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, output_kind=DELTA)
+    chunks = await collect(engine, prompt(10), params, "n2")
     per_index = {0: [], 1: []}
     finishes = {}
     for c in chunks:
@@ -160,7 +185,7 @@ async def test_a_paused_request_waits_and_resumes_with_the_same_tokens(engine, t
     """set_paused (the server's flow control for a client that stopped reading): a paused request gets no steps
     while the other runs, nor do any steps run while every request is paused; resumed, it ends with the tokens it
     gives alone."""
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=DELTA)
     prompts = [prompt(20, seed=1), prompt(9, seed=2)]
     gens = [engine.generate(p, params, f"p{i}") for i, p in enumerate(prompts)]
     tokens: list[list[int]] = [[], []]

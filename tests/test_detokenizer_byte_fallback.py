@@ -17,6 +17,7 @@ from aserve import LLM, SamplingParams
 from aserve.core.outputs import EngineCoreOutput
 from aserve.engine.detokenizer import TokenBytes, byte_fallback_ids
 from aserve.engine.output_processor import OutputProcessor
+from aserve.sampling_params import RequestOutputKind
 
 CORPUS = "The cache stores keys and values in blocks. Grüße aus Köln, 日本語 and emoji 🙂 done. " * 4
 SPECIAL = ["<unk>", "<s>", "</s>", "<end_of_turn>"]
@@ -74,7 +75,8 @@ def run(tokenizer, prompt_ids, output_ids, *, skip=True, finish="length", stop=(
     (`finish` "stop": the last token is the stop token). Returns the text (deltas joined) and the last output."""
     proc = OutputProcessor(tokenizer)
     params = SamplingParams(max_tokens=len(output_ids), skip_special_tokens=skip, stop=list(stop))
-    proc.add_request("r", None, list(prompt_ids), params, ["r"], delta=delta)
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+    proc.add_request("r", None, list(prompt_ids), params, ["r"], kind)
     texts, last = [], None
     for i, token_id in enumerate(output_ids):
         ended = i == len(output_ids) - 1

@@ -28,12 +28,12 @@ from aserve.engine.llm_engine import (
     DEFAULT_MAX_PENDING_CHARS,
     DEFAULT_POOL_SIZE,
     LLMEngine,
-    PromptType,
     TokenizerPool,
     freeze_for_serving,
 )
+from aserve.inputs import PromptType
 from aserve.outputs import RequestOutput
-from aserve.sampling_params import ParamError, SamplingParams
+from aserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("aserve")
 
@@ -338,29 +338,31 @@ class AsyncEngine:
         sink: OutputSink | None = None,
         tag: int = 0,
         grammar_after: int | None = None,
+        output_kind: RequestOutputKind | None = RequestOutputKind.DELTA,
     ) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineOverloadedError when the waiting queue is
         full; both before anything is queued). The caller must iterate the returned stream to its end or aclose()
         it: closing early aborts the request. check_queue=False: the caller already called check_queue() for a
         group of requests it adds together. sink/tag: deliver the outputs, tagged, to a sink the caller shares
         between several requests (see OutputSink) instead of a sink of the stream's own. grammar_after: see
-        LLMEngine.add_request."""
+        LLMEngine.add_request. output_kind: what the stream's outputs hold; DELTA unless asked (what the server's
+        handlers merge, slicing only new text per step), None for the params' own (generate())."""
         self.start()
         if not self.is_running:
             raise EngineDeadError("the engine's step loop is not running")
         if prompt_token_ids is None:
             if isinstance(prompt, str):
                 prompt_token_ids = await self.tokenize(prompt)
-            else:
-                prompt, prompt_token_ids = self.engine.tokenize_prompt(prompt)
+            else:  # (the dict goes on to the engine: its text and cache salt)
+                prompt_token_ids = self.engine.tokenize_prompt(prompt)[1]
         await self.compile_grammar(params)
         if check_queue:
             self.check_queue((params or SamplingParams()).n)
         elif self._closed_reason is not None:
             raise EngineClosedError(self._closed_reason)
         self.engine.add_request(
-            request_id, prompt, params, delta=True, prompt_token_ids=prompt_token_ids,
-            max_tokens_must_fit=max_tokens_must_fit, grammar_after=grammar_after,
+            request_id, prompt, params, prompt_token_ids=prompt_token_ids, max_tokens_must_fit=max_tokens_must_fit,
+            grammar_after=grammar_after, output_kind=output_kind,
         )  # fmt: skip
         stream = RequestStream(self, request_id, sink, tag)
         self._streams[request_id] = stream
@@ -374,8 +376,10 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams deltas of one request. Leaving the loop early (a client that went away) aborts it."""
-        stream = await self.add_request(prompt, params, request_id, prompt_token_ids)
+        """Streams one request's outputs as its params' output_kind asks, as vLLM's AsyncLLM.generate: the whole output
+        so far each step (CUMULATIVE, the default), only what is new (DELTA), or just the final one (FINAL_ONLY).
+        Leaving the loop early (a client that went away) aborts it."""
+        stream = await self.add_request(prompt, params, request_id, prompt_token_ids, output_kind=None)
         try:
             async for out in stream:
                 yield out

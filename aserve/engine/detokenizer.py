@@ -17,6 +17,10 @@ A sequence's text grows token by token (IncrementalDetokenizer), in one of two w
   before its window changed ("Invalid prefix"), a new stream, primed with the ids of the last text, decodes the same
   ids again (vLLM's recovery), so that no text is lost.
 
+With spaces_between_special_tokens off (and special tokens kept), an added token right after another is its content
+alone, without the space some decoders (WordPiece's) put between tokens: vLLM's rule. Byte-level BPE puts none, so
+only DecodeStream needs it.
+
 Logprobs name each candidate token by its text alone (`single_token_decoder`).
 """
 
@@ -133,10 +137,15 @@ class IncrementalDetokenizer:
         token_bytes: TokenBytes | None = None,
         byte_ids: frozenset[int] = frozenset(),
         min_tokens: int = 0,
+        joined_added_tokens: dict[int, str] | None = None,
     ) -> None:
         """`byte_ids`: the ids that continue a run of byte tokens (`byte_fallback_ids`), for DecodeStream.
-        `min_tokens`: no stop string ends within the text of the first min_tokens tokens (as vLLM)."""
+        `min_tokens`: no stop string ends within the text of the first min_tokens tokens (as vLLM).
+        `joined_added_tokens` (spaces_between_special_tokens off): added token id -> its content, each written as
+        that alone right after another added token."""
         self.stop_strings = stop_strings
+        self._joined = joined_added_tokens
+        self._last_added = False
         self.min_tokens = min_tokens
         self.num_tokens = 0
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -224,7 +233,13 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str | None:
         """Appends one token's text. Returns the stop string it completed, if any (the text is then cut)."""
         self.num_tokens += 1
-        return self._append(self._step(token_id))
+        text = self._step(token_id)
+        if self._joined is not None:
+            content = self._joined.get(token_id)
+            if content is not None and self._last_added:
+                text = content
+            self._last_added = content is not None
+        return self._append(text)
 
     def flush(self) -> str | None:
         """At the end of the sequence: appends the text of byte tokens still held back, as the tokenizer's `decode`

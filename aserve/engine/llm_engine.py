@@ -37,12 +37,11 @@ from aserve.engine.config import EngineConfig
 from aserve.engine.core import EngineCore
 from aserve.engine.errors import EngineOverloadedError
 from aserve.engine.output_processor import OutputProcessor
+from aserve.inputs import ParsedPrompt, PromptType, parse_prompt, with_prompt_salt
 from aserve.outputs import RequestOutput
-from aserve.sampling_params import ParamError, SamplingParams
+from aserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("aserve")
-
-PromptType = str | dict  # text, or {"prompt_token_ids": [...]} / {"prompt": text}
 
 # A serving process gc.freeze()s what its engine loads (freeze_for_serving); unfreeze at exit so that interpreter
 # shutdown collects it (native extensions report anything left over as a leak).
@@ -94,6 +93,12 @@ class LLMEngine:
     def stats(self):
         return self.core.stats
 
+    @property
+    def model_config(self) -> EngineConfig:
+        """vLLM's name for the model's settings as the engine resolved them (`llm.llm_engine.model_config
+        .max_model_len`): aserve's EngineConfig (max_model_len, vocab_size, dtype, tokenizer, ...)."""
+        return self.config
+
     # -- requests ---------------------------------------------------------------------------------------------
 
     def add_request(
@@ -101,25 +106,28 @@ class LLMEngine:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams | None = None,
-        delta: bool = False,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         max_tokens_must_fit: bool = False,
         grammar_after: int | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
         """Validates and queues a request. Raises ValueError (bad input) without changing any state.
-        max_tokens_must_fit: see _make_sequences. grammar_after: a token id (a reasoning model's end of thinking)
-        before which the structured-output grammar does not apply: it constrains the tokens after that one."""
+        prompt_token_ids: the prompt's ids where the caller tokenised it (`prompt` then gives its text and cache
+        salt, if any). max_tokens_must_fit: see _make_sequences. grammar_after: a token id (a reasoning model's end of
+        thinking) before which the structured-output grammar does not apply: it constrains the tokens after that
+        one. output_kind: what step()'s outputs for it hold (default: the params' output_kind)."""
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
             raise ParamError("request_id", f"request id {request_id!r} is already in use")
         grammar = self.grammar_future(params)
         if grammar is not None and grammar.done() and (error := compile_error(grammar)) is not None:
             raise error  # a ParamError naming the problem
+        parsed = parse_prompt(prompt) if prompt is not None else ParsedPrompt(None, None)
+        prompt_text = parsed.text
         if prompt_token_ids is None:
-            prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
-        else:
-            prompt_text = prompt if isinstance(prompt, str) else None
+            prompt_token_ids = parsed.token_ids if parsed.token_ids is not None else self._encode(parsed.text)
+        params = with_prompt_salt(params, parsed.cache_salt)
         prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.config.max_model_len)
         params, sequences = self._make_sequences(
             request_id, prompt_token_ids, params, arrival_time, max_tokens_must_fit
@@ -130,7 +138,8 @@ class LLMEngine:
             for sequence in sequences:
                 sequence.grammar = self.core.structured_output.sequence_state(grammar, grammar_after)
         sequence_ids = [s.request_id for s in sequences]
-        self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params, sequence_ids, delta)
+        self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params, sequence_ids,
+                                          params.output_kind if output_kind is None else output_kind)  # fmt: skip
         for sequence in sequences:
             self.core.add_request(sequence)
 
@@ -141,19 +150,17 @@ class LLMEngine:
             return None
         return self.core.structured_output.compile(params.structured_outputs)
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """-> (the prompt's text if it has one, its token ids)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)):
-                    raise ParamError("prompt", f"prompt_token_ids must be a list, got {type(ids).__name__}")
-                return prompt.get("prompt"), list(ids)
-            prompt = prompt.get("prompt", prompt)
-        if isinstance(prompt, str):
-            self.check_prompt_chars(len(prompt))
-            return prompt, self.config.tokenizer.encode(prompt)
-        raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids' or 'prompt', got {type(prompt)}")
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """-> (the prompt's text if it has one, its token ids). A prompt dict's keys are checked
+        (aserve/inputs.py)."""
+        parsed = parse_prompt(prompt)
+        if parsed.token_ids is not None:
+            return parsed.text, parsed.token_ids
+        return parsed.text, self._encode(parsed.text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_prompt_chars(len(text))
+        return self.config.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt", at_least: bool = False) -> None:
         """Refuses, before any tokenising, a text that no tokenisation fits in max_model_len tokens
@@ -359,8 +366,11 @@ class LLMEngine:
                 raise InvariantError(f"queued sequence {sequence_id!r} belongs to no live request")
         self.core.check_invariants()
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix: no later request hits the blocks computed so far (blocks a running request
+        holds stay its own). True, as vLLM's when it succeeds."""
         self.core.reset_prefix_cache()
+        return True
 
     def shutdown(self) -> None:
         """Stops the engine's worker processes (tensor parallelism); garbage collection and interpreter exit do it

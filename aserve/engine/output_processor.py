@@ -1,8 +1,10 @@
 """Between the engine core and its front ends (LLM, AsyncEngine): per-sequence token updates in, RequestOutputs out.
 
 The core knows sequences; a client request has `n` of them. Here each request's state gathers its sequences' tokens,
-turns them into text (incremental detokenizing), finds stop strings, shapes logprobs and builds outputs: deltas for
-streams, one cumulative output at the end for the offline API.
+turns them into text (incremental detokenizing), finds stop strings, shapes logprobs and builds outputs as the
+request's RequestOutputKind asks: the whole output so far after every step that changed it (CUMULATIVE), what is new
+since the last output (DELTA: the server's streams, slicing only the new text), or one output at the end (FINAL_ONLY:
+LLM.generate).
 
 Some endings start here and must reach the core: a stop string found in the text (the sequence stops), a fault while
 processing a sequence's output, or a sequence ended by an error (its siblings fail with it: the whole request fails).
@@ -30,7 +32,9 @@ from aserve.engine.detokenizer import (
     single_token_decoder,
 )
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import RequestOutputKind, SamplingParams
+
+CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 logger = logging.getLogger("aserve")
 
@@ -45,7 +49,7 @@ class RequestState:
     params: SamplingParams
     sequence_ids: list[str]
     detokenizers: list[IncrementalDetokenizer | NoText]
-    delta: bool  # stream deltas (AsyncEngine) or report once, cumulatively, when finished (LLM.generate)
+    output_kind: RequestOutputKind
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
     cumulative_logprobs: list[float] = field(default_factory=list)  # per sequence: the sum of its tokens' logprobs
@@ -90,18 +94,31 @@ class OutputProcessor:
         # logprobs would otherwise decode 21 tokens per generated token
         self.token_texts: dict[int, str] = {}
         self._decode_each = single_token_decoder(tokenizer)
+        self._added_tokens: dict[int, str] | None = None  # id -> content, built when a request first needs it
 
-    def add_request(self, request_id, prompt, prompt_token_ids, params, sequence_ids, delta: bool) -> None:
+    def _joined_added_tokens(self, params: SamplingParams) -> dict[int, str] | None:
+        """What IncrementalDetokenizer needs for spaces_between_special_tokens off: only where special tokens are kept
+        and text goes through DecodeStream (byte-level BPE puts no spaces between tokens)."""
+        if params.spaces_between_special_tokens or params.skip_special_tokens or self.token_bytes is not None:
+            return None
+        if self._added_tokens is None:
+            decoder = self.tokenizer._tokenizer.get_added_tokens_decoder()
+            self._added_tokens = {token_id: token.content for token_id, token in decoder.items()}
+        return self._added_tokens
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params, sequence_ids,
+                    output_kind: RequestOutputKind) -> None:  # fmt: skip
         detokenizers = [
             IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
-                params.stop_strings,
+                params.stop,
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
                 self.token_bytes,
                 self.byte_ids[params.skip_special_tokens],
                 params.min_tokens,
+                self._joined_added_tokens(params),
             )
             if params.detokenize
             else NoText()
@@ -109,7 +126,7 @@ class OutputProcessor:
         ]
         n = len(sequence_ids)
         state = RequestState(
-            request_id, prompt, prompt_token_ids, params, list(sequence_ids), detokenizers, delta,
+            request_id, prompt, prompt_token_ids, params, list(sequence_ids), detokenizers, output_kind,
             token_ids=[[] for _ in range(n)], logprobs=[[] for _ in range(n)], cumulative_logprobs=[0.0] * n,
             finish_reasons=[None] * n,
             stop_reasons=[None] * n, sent_text=[0] * n, sent_tokens=[0] * n, finish_sent=[False] * n,
@@ -148,7 +165,10 @@ class OutputProcessor:
                 self._fail(state, f"internal error while processing the output: {type(e).__name__}", finishes)
         outputs = []
         for state in changed.values():
-            out = self._finalize(state) if state.finished else (self._make_output(state) if state.delta else None)
+            if state.finished:
+                out = self._finalize(state)
+            else:
+                out = self._make_output(state) if state.output_kind is not FINAL_ONLY else None
             if out is not None:
                 outputs.append(out)
         return outputs, finishes
@@ -213,11 +233,14 @@ class OutputProcessor:
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         completions = []
         want_logprobs = state.params.logprobs is not None
+        delta = state.output_kind is DELTA
+        # a running request's cumulative output is a copy: the next step's must not change it
+        copy = state.output_kind is CUMULATIVE and not state.finished
         for i, detok in enumerate(state.detokenizers):
             finished = state.finish_reasons[i] is not None
             text_end = detok.streamable_len(finished)
             n_tokens = len(state.token_ids[i])
-            if state.delta:
+            if delta:
                 unchanged = text_end == state.sent_text[i] and n_tokens == state.sent_tokens[i]
                 if unchanged and (not finished or state.finish_sent[i]):
                     continue
@@ -226,7 +249,7 @@ class OutputProcessor:
                 logprobs = state.logprobs[i][state.sent_tokens[i] :] if want_logprobs else None
             else:
                 text, token_ids = detok.text[:text_end], list(state.token_ids[i])
-                logprobs = state.logprobs[i] if want_logprobs else None
+                logprobs = (list(state.logprobs[i]) if copy else state.logprobs[i]) if want_logprobs else None
             state.sent_text[i], state.sent_tokens[i] = text_end, n_tokens
             state.finish_sent[i] = finished
             reason = state.finish_reasons[i]
@@ -236,7 +259,7 @@ class OutputProcessor:
         if not completions:
             return None
         prompt_logprobs = state.prompt_logprobs
-        if state.delta:  # a stream reports them once, with the first output that has them
+        if delta:  # a stream of deltas reports them once, with the first output that has them
             prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
             state.prompt_logprobs_sent = prompt_logprobs is not None
         return RequestOutput(

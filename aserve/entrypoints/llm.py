@@ -14,7 +14,7 @@ from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine, PromptType
 from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
 from aserve.outputs import RequestOutput
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import RequestOutputKind, SamplingParams
 
 _ANY = object()
 # vLLM's arguments for what aserve does one way only: (the value that means that way, or _ANY, why); other values are
@@ -62,8 +62,9 @@ class LLM:
         lora_request=None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in prompt order. vLLM's lora_request and priority are
-        refused unless None (no LoRA adapters; first-come scheduling)."""
+        """Runs every prompt to completion; outputs come back in prompt order, each the final one (vLLM's LLM runs every
+        request FINAL_ONLY). vLLM's lora_request and priority are refused unless None (no LoRA adapters; first-come
+        scheduling)."""
         if lora_request is not None:
             raise ValueError("lora_request: aserve does not run LoRA adapters")
         if priority is not None:
@@ -99,7 +100,8 @@ class LLM:
         try:
             for (text, ids), params in zip(tokenized, params_list):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, text, params, prompt_token_ids=ids)
+                self.engine.add_request(request_id, text, params, prompt_token_ids=ids,
+                                        output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
                 request_ids.append(request_id)
         except BaseException:
             for request_id in request_ids:  # what one request's checks let through, none of the batch runs
