@@ -97,7 +97,7 @@ def test_chat_takes_vllms_arguments(llm):
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat(history, GREEDY, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template_content_format"):
-        llm.chat(history, GREEDY, chat_template_content_format="openai")
+        llm.chat(history, GREEDY, chat_template_content_format="markdown")
 
 
 @pytest.mark.parametrize("flags, message", [(["--port", "99999"], "--port must be in 1..65535"),

@@ -21,10 +21,11 @@ def takes_content_parts(template: str | dict | None) -> bool:
     return isinstance(template, str) and _LOOPS_OVER_CONTENT.search(template) is not None
 
 
-def parse_conversation(messages: list[dict], keep_parts: bool = False) -> list[dict]:
+def parse_conversation(messages: list[dict], keep_parts: bool = False, all_parts: bool = False) -> list[dict]:
     """Each message with a string role and string content: OpenAI's text content parts joined with newlines (as vLLM
     joins them for templates that take a string), or with `keep_parts` (takes_content_parts) kept as a list of text
-    parts; null content as ""; earlier tool calls in the shape templates render. ParamError names the message that
+    parts; null content as ""; earlier tool calls in the shape templates render. `all_parts` (vLLM's "openai" content
+    format): every content a list of text parts, a string one part and null none. ParamError names the message that
     is not one."""
     if not messages:
         raise ParamError("messages", "messages must not be empty")
@@ -45,9 +46,11 @@ def parse_conversation(messages: list[dict], keep_parts: bool = False) -> list[d
                         f" (this one is {kind[:40]!r}: aserve serves a model's text side only)" if isinstance(kind, str)
                         and kind != "text" else ""))  # fmt: skip
                 texts.append(part["text"])
-            content = [{"type": "text", "text": t} for t in texts] if keep_parts else "\n".join(texts)
+            content = [{"type": "text", "text": t} for t in texts] if keep_parts or all_parts else "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise ParamError(f"messages[{i}].content", "content must be a string or a list of text parts")
-        msg = {**msg, "role": role, "content": content or ""}
+        elif all_parts:
+            content = [{"type": "text", "text": content}] if content is not None else []
+        msg = {**msg, "role": role, "content": content if all_parts else content or ""}
         out.append(template_message(msg) if msg.get("tool_calls") else msg)
     return out

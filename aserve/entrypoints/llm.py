@@ -11,8 +11,10 @@ from tqdm import tqdm
 from aserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from aserve.config import EngineArgs
 from aserve.core.structured_output import compile_error
-from aserve.engine.llm_engine import LLMEngine, PromptType
+from aserve.engine.llm_engine import LLMEngine
 from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
+from aserve.entrypoints.tokenize_options import TokenizeOptions
+from aserve.inputs import PromptType
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -28,6 +30,24 @@ _FIXED = {
     "revision": (None, "there is no model hub here: pass a local directory"),
     "tokenizer_revision": (None, "there is no model hub here: pass a local directory"),
 }
+_POOLING = "aserve serves generative models only (no embeddings, scores, classes or rewards)"
+_CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def _refused(name: str, why: str, error: type[Exception] = NotImplementedError):
+    """An LLM method of vLLM's that aserve does not have: calling it raises `error` saying so."""
+
+    def method(self, *args, **kwargs):
+        raise error(f"LLM.{name}() is not supported: {why}")
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"vLLM's LLM.{name}(): not supported ({why})."
+    return method
+
+
+def _refuse_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: aserve does not run LoRA adapters")
 
 
 class LLM:
@@ -52,7 +72,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() uses when given none: the model's generation config's sampling (generation_config)."""
-        return SamplingParams(**self.engine.config.default_sampling)
+        return SamplingParams.from_optional(**self.engine.config.default_sampling)
 
     def generate(
         self,
@@ -61,22 +81,29 @@ class LLM:
         use_tqdm: bool = True,
         lora_request=None,
         priority: list[int] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in prompt order, each the final one (vLLM's LLM runs every
-        request FINAL_ONLY). vLLM's lora_request and priority are refused unless None (no LoRA adapters; first-come
-        scheduling)."""
-        if lora_request is not None:
-            raise ValueError("lora_request: aserve does not run LoRA adapters")
-        if priority is not None:
-            raise ValueError("priority: aserve schedules first come, first served")
+        """Runs every prompt (a string, TextPrompt or TokensPrompt: aserve/inputs.py) to completion; outputs come back
+        in prompt order, each the final one (vLLM's LLM runs every request FINAL_ONLY). vLLM's lora_request is
+        refused unless None (no LoRA adapters), priority unless every one is 0 (first-come scheduling);
+        tokenization_kwargs: aserve/entrypoints/tokenize_options.py."""
+        _refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+            if any(p != 0 for p in priority):
+                raise ValueError("priority: aserve schedules first come, first served (only priority 0 is taken)")
+        options = TokenizeOptions.from_kwargs(tokenization_kwargs, self.engine.config.max_model_len)
+        tokenized = [(p, options.apply(self.engine.tokenize_prompt(p, options.add_special_tokens)[1]))
+                     for p in prompts]  # fmt: skip
         return self._generate(tokenized, sampling_params, use_tqdm)
 
-    def _generate(self, tokenized: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool):
+    def _generate(self, tokenized: list[tuple[PromptType | None, list[int]]], sampling_params, use_tqdm: bool):
+        """(prompt as given, or None, its token ids) for each request -> their final outputs."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(tokenized)
         else:
@@ -87,7 +114,7 @@ class LLM:
                 raise TypeError("sampling_params must be a SamplingParams or a list of them")
         # Validate everything first, so bad input leaves nothing half-queued.
         max_model_len = self.engine.config.max_model_len
-        tokenized = [(text, params.truncate_prompt(ids, max_model_len)) for (text, ids), params in
+        tokenized = [(prompt, params.truncate_prompt(ids, max_model_len)) for (prompt, ids), params in
                      zip(tokenized, params_list)]  # fmt: skip
         for (_, ids), params in zip(tokenized, params_list):
             self.engine.validate_prompt(ids)
@@ -98,9 +125,9 @@ class LLM:
                 raise error
         request_ids = []
         try:
-            for (text, ids), params in zip(tokenized, params_list):
+            for (prompt, ids), params in zip(tokenized, params_list):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, text, params, prompt_token_ids=ids,
+                self.engine.add_request(request_id, prompt, params, prompt_token_ids=ids,
                                         output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
                 request_ids.append(request_id)
         except BaseException:
@@ -113,8 +140,7 @@ class LLM:
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:  # fmt: skip
         """vLLM's beam search (aserve/beam_search.py): each prompt's beam_width best sequences, their text the
         whole sequence's. concurrency_limit: prompts searched at once (default: all)."""
-        if lora_request is not None:
-            raise ValueError("lora_request: aserve does not run LoRA adapters")
+        _refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         tokenized = [self.engine.tokenize_prompt(p)[1] for p in prompts]
@@ -136,48 +162,85 @@ class LLM:
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the chat template (the tokenizer's, or `chat_template`), then generates;
-        each output's prompt is the rendered text. OpenAI content parts (text) are joined with newlines, as vLLM's
-        "string" content format does."""
-        if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(f"chat_template_content_format {chat_template_content_format!r} is not supported (auto, "
-                             "string: content parts are joined into one string)")  # fmt: skip
+        each output's prompt is the rendered text. chat_template_content_format (vLLM's): "string" joins a message's
+        text parts with newlines, "openai" gives the template every content as a list of text parts, "auto" the
+        list where the template loops over a message's content (else the string). tokenization_kwargs as
+        generate()'s, add_special_tokens False unless given (the template writes them)."""
+        _refuse_lora(lora_request)
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs: aserve serves text only: there is no multimodal processor")
+        if chat_template_content_format not in _CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r} is not supported "
+                             f"({', '.join(_CONTENT_FORMATS)})")  # fmt: skip
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         kwargs = dict(chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
-        tokenized = [self.render_chat(conv, add_generation_prompt, continue_final_message, chat_template, kwargs)
-                     for conv in conversations]  # fmt: skip
+        options = TokenizeOptions.from_kwargs(tokenization_kwargs, self.engine.config.max_model_len,
+                                              add_special_tokens=False)  # fmt: skip
+        tokenized = []
+        for conv in conversations:
+            text, ids = self.render_chat(conv, add_generation_prompt, continue_final_message, chat_template, kwargs,
+                                         chat_template_content_format, options.add_special_tokens)  # fmt: skip
+            tokenized.append((text, options.apply(ids)))
         return self._generate(tokenized, sampling_params, use_tqdm)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:  # fmt: skip
+                    template_kwargs: dict | None = None, content_format: str = "auto",
+                    add_special_tokens: bool = False) -> tuple[str, list[int]]:  # fmt: skip
         """A conversation through the chat template -> (its text, its token ids)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         tokenizer = self.engine.tokenizer
         if chat_template is None and tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template: pass chat_template=..., or use generate()")
-        parts = takes_content_parts(chat_template or tokenizer.chat_template)
-        text = tokenizer.apply_chat_template(parse_conversation(messages, parts), chat_template=chat_template,
+        keep_parts = content_format == "openai" or (
+            content_format == "auto" and takes_content_parts(chat_template or tokenizer.chat_template)
+        )
+        conversation = parse_conversation(messages, keep_parts, all_parts=content_format == "openai")
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message,
                                              **(template_kwargs or {}))  # fmt: skip
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """A conversation's prompt token ids (the tokenizer's template, with the generation prompt)."""
         return self.render_chat(messages)[1]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt prefix (later prompts hit none of the blocks computed so far); True, as
+        vLLM's."""
+        return self.engine.reset_prefix_cache()
+
+    # vLLM's methods for what aserve does not do: each says so when called (rather than an AttributeError)
+    encode = _refused("encode", _POOLING, ValueError)
+    embed = _refused("embed", _POOLING, ValueError)
+    score = _refused("score", _POOLING, ValueError)
+    classify = _refused("classify", _POOLING, ValueError)
+    reward = _refused("reward", _POOLING, ValueError)
+    sleep = _refused("sleep", "aserve has no sleep mode: weights and KV cache stay in memory until `del llm`")
+    wake_up = _refused("wake_up", "aserve has no sleep mode: weights and KV cache stay in memory until `del llm`")
+    start_profile = _refused("start_profile", "profile generate() with torch.profiler")
+    stop_profile = _refused("stop_profile", "profile generate() with torch.profiler")
+    collective_rpc = _refused("collective_rpc", "aserve's workers run its own steps only")
+    apply_model = _refused("apply_model", "aserve's workers run its own steps only")
+    get_metrics = _refused("get_metrics", "read llm.llm_engine.stats (token, request and prefix-cache totals), or "
+                           "serve with `aserve serve` for Prometheus metrics")  # fmt: skip
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
