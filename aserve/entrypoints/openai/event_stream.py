@@ -110,16 +110,22 @@ class EventStream(OutputSink):
         self._poll: asyncio.TimerHandle | None = None
 
     def chunk(self, choice: ChoiceState, **kw) -> bytes:
+        body = self.chunk_body(choice, **kw)
+        return b"" if body is None else sse(self.with_usage(body, choice, kw.get("role_only", False)))
+
+    def chunk_body(self, choice: ChoiceState, **kw) -> dict | None:
+        """One choice's chunk as a dict, its delta rewritten by the tool-call (and reasoning) handling; None while
+        its text is held back (a tool call may be forming)."""
         role_only = kw.get("role_only", False)
         body = self.builder(self.request_id, self.created, self.model, [choice], **kw)
         if self.return_token_ids:
             add_token_ids(body, [choice], self.chat, final=False, role_only=role_only)
         if self.tools is not None and not role_only and not self.tools.delta(body["choices"][0], choice):
             if not (self.return_token_ids and choice.delta_output_token_ids):
-                return b""  # text held back while a tool call may be forming
+                return None
         if self.report_prompt_logprobs and not role_only:
             add_prompt_logprobs(body, [choice], self.chat)
-        return sse(self.with_usage(body, choice, role_only))
+        return body
 
     def with_usage(self, body: dict, choice: ChoiceState, role_only: bool = False) -> dict:
         """A chunk's usage: null, or with continuous_usage_stats, the choice's so far (as vLLM reports it)."""
@@ -146,13 +152,13 @@ class EventStream(OutputSink):
         for i, out in batch:
             if isinstance(out, BaseException):
                 self.include_usage = False
-                return error_events(f"the engine failed: {out}", 500), True
+                return self.error_events(f"the engine failed: {out}", 500), True
             for choice in absorb(self.choices, i, self.n, out):
                 touched[choice.index] = choice
         failed = next((c for c in touched.values() if c.error), None)
         if failed is not None:
             self.include_usage = False
-            return error_events(failed.error, failed.error_status), True
+            return self.error_events(failed.error, failed.error_status), True
         parts = []
         for choice in touched.values():
             if self.interval > 1 and choice.chunks_sent and choice.finish_reason is None and (
@@ -165,6 +171,10 @@ class EventStream(OutputSink):
             parts.append(self.tail())
             return b"".join(parts), True
         return b"".join(parts), False
+
+    def error_events(self, message: str, status: int) -> bytes:
+        """The last events of a stream that cannot finish (`status`: the HTTP status the error would have had)."""
+        return error_events(message, status)
 
     def tail(self) -> bytes:
         tail = DONE
@@ -210,7 +220,7 @@ class EventStream(OutputSink):
         except Exception:  # a fault here ends this stream only (with an error event), never the step coroutine
             logger.exception("stream %s failed", self.request_id)
             with contextlib.suppress(Exception):
-                self.transport.write(self.frame(error_events("internal server error", 500)))
+                self.transport.write(self.frame(self.error_events("internal server error", 500)))
             self._end(True)
 
     def _pause(self) -> None:
@@ -278,7 +288,7 @@ async def stream_response(request: web.Request, stream: EventStream, group: Stre
     except Exception:  # headers are sent: the error can only go in the stream
         logger.exception("stream %s failed", stream.request_id)
         with contextlib.suppress(Exception):  # the client may be gone as well
-            await response.write(error_events("internal server error", 500))
+            await response.write(stream.error_events("internal server error", 500))
             await response.write_eof()
     finally:
         await group.aclose()  # a client that went away aborts its requests here
