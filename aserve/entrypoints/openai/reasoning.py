@@ -6,7 +6,7 @@ drops the reasoning.
 Both parsers read a reply as starting in its reasoning (the chat template may have written `<think>` into the
 prompt, as Qwen3-Thinking-2507's and DeepSeek-R1's do; a leading `<think>` in the reply is dropped) until `</think>`;
 a reply cut off before `</think>` is all reasoning. qwen3 also follows the request's thinking switch: with
-`chat_template_kwargs: {"enable_thinking": false}` the reply is all content.
+`chat_template_kwargs: {"enable_thinking": false}` (or `reasoning_effort: "none"`) the reply is all content.
 
 With tool calling the tool parser reads the content only. Structured output (and a forced tool call) constrains
 the answer: where `</think>` is one token of the vocabulary (Qwen3's, DeepSeek-R1's) the grammar waits for that token
@@ -47,7 +47,8 @@ def reasoning_output(parser: str, params, req, tools, end_token: int | None):
     """A chat request's ReasoningOutput (wrapping its tool-call handling `tools`, already applied to `params`) ->
     (it, the token its grammar waits for or None)."""
     constrained = params.structured_outputs is not None
-    thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    # the switch as the template gets it: chat_template_kwargs', else reasoning_effort's ("none": off)
+    thinking = (req.template_kwargs() or {}).get("enable_thinking", True) is not False
     # as vLLM: without include_reasoning the grammar applies from the start
     mode = reading(parser, constrained, thinking, deferred=end_token is not None and req.include_reasoning)
     after = end_token if constrained and mode == FIRST else None
