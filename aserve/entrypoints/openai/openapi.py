@@ -12,6 +12,7 @@ from aserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from aserve.entrypoints.openai.responses_protocol import ResponsesRequest
 
 _ERROR = {
     "type": "object",
@@ -57,14 +58,16 @@ def _limits(schemas: dict) -> None:
         schemas[name]["properties"][field]["anyOf"][0].update(minimum=0, maximum=protocol.MAX_LOGPROBS)
 
 
-def _post(summary: str, schema_ref: dict, streams: bool) -> dict:
+_CHUNKS = ("with stream=true: `data: {chunk}` events, then `data: [DONE]`; a stream that cannot finish ends with "
+           '`data: {"error": {...}}` before [DONE]')  # fmt: skip
+_RESPONSE_EVENTS = ("with stream=true: `event: {type}` / `data: {event}` events, response.created to "
+                    "response.completed; one that cannot finish ends with `error` and response.failed")  # fmt: skip
+
+
+def _post(summary: str, schema_ref: dict, streams: bool, stream_description: str = _CHUNKS) -> dict:
     content = {"application/json": {"schema": {"type": "object"}}}
     if streams:
-        content["text/event-stream"] = {
-            "schema": {"type": "string"},
-            "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`; a stream that cannot "
-            'finish ends with `data: {"error": {...}}` before [DONE]',
-        }
+        content["text/event-stream"] = {"schema": {"type": "string"}, "description": stream_description}
     responses = {"200": {"description": "OK", "content": content}}
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     for status, why in _ERRORS.items():
@@ -74,11 +77,11 @@ def _post(summary: str, schema_ref: dict, streams: bool) -> dict:
 
 
 def openapi_spec() -> dict:
-    types = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    types = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest]
     refs, schemas = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     _limits(schemas)
     schemas["Error"] = _ERROR
-    completion, chat, tokenize, detokenize = refs
+    completion, chat, tokenize, detokenize, responses = refs
     ok = {"200": {"description": "OK"}}
     return {
         "openapi": "3.1.0",
@@ -88,6 +91,8 @@ def openapi_spec() -> dict:
                 "Text completion (prompt: string, token ids, or a list of either)", completion, streams=True
             ),
             "/v1/chat/completions": _post("Chat completion", chat, streams=True),
+            "/v1/responses": _post("OpenAI's Responses API, on the chat path", responses, True, _RESPONSE_EVENTS),
+            "/v1/responses/{response_id}": {"get": {"summary": "A stored response", "responses": ok}},
             "/tokenize": _post("Tokenise a prompt or chat messages", tokenize, streams=False),
             "/detokenize": _post("Token ids to text", detokenize, streams=False),
             "/v1/models": {"get": {"summary": "The served model", "responses": ok}},

@@ -42,6 +42,7 @@ from aserve.entrypoints.openai.responses import (
     error_type,
     usage,
 )
+from aserve.entrypoints.openai.responses_api import ResponsesEndpoint
 from aserve.entrypoints.openai.server_state import (
     ENGINE_KEY,
     SHUTTING_DOWN,
@@ -173,7 +174,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise
 
 
-async def _chat_completions(request: web.Request, state: ServerState, req: ChatCompletionRequest):
+async def _chat_completions(request: web.Request, state: ServerState, req: ChatCompletionRequest, reply=None):
     state.check_model(req.model)
     req.check_limits(state.engine.config.args.max_logprobs)
     state.engine.check_queue(req.n)
@@ -189,9 +190,9 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
     ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs(),
                                          bool(req.add_special_tokens))  # fmt: skip
     ids = req.truncate(ids, params, state.engine.config.max_model_len)
-    request_id = f"chatcmpl-{response_id(request, req)}"
+    request_id = f"{'chatcmpl-' if reply is None else reply.id_prefix}{response_id(request, req)}"
     return await _generate(request, state, req, request_id, [(None, ids, params)], chat=True, tools=tools,
-                           echo=req.echo_text(conversation), grammar_after=grammar_after)  # fmt: skip
+                           echo=req.echo_text(conversation), grammar_after=grammar_after, reply=reply)  # fmt: skip
 
 
 _REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"  # aiohttp >= 3.12
@@ -218,9 +219,11 @@ async def _add_request_id(request: web.Request, response: web.StreamResponse) ->
 
 
 async def _generate(request, state: ServerState, req, request_id: str, prompts, chat: bool, tools=None, echo="",
-                    grammar_after: int | None = None):  # fmt: skip
+                    grammar_after: int | None = None, reply=None):  # fmt: skip
     """Runs every (text, ids, params) prompt; choice index = prompt index * n + sample index. `echo`: a chat's
-    echoed text (the reply's start); grammar_after: see LLMEngine.add_request."""
+    echoed text (the reply's start); grammar_after: see LLMEngine.add_request; reply: a chat reply that goes back
+    in another API's shape (responses_output.ResponseReply: its event_stream in place of EventStream, its body
+    made from the chat body)."""
     n = req.n
     created = int(time.time())
     # the engine's ids: unique even where the client chose the response's id
@@ -248,7 +251,8 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     # one sink for all the prompts: the handler (or, streaming, the sink itself) takes each step's outputs at once
     sink = OutputSink()
     if req.stream:
-        sink = EventStream(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
+        stream_type = EventStream if reply is None else reply.event_stream
+        sink = stream_type(request, state.model_name, req, request_id, created, choices, prompt_tokens, chat,
                            state.flow_control, tools, echo,
                            state.enable_prompt_tokens_details, state.response_role)  # fmt: skip
         sink.include_usage = sink.include_usage or state.force_include_usage
@@ -299,7 +303,7 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
         add_token_ids(body, choices, chat, final=True)
     cached = cached_tokens(choices, n) if state.enable_prompt_tokens_details else None
     body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)
-    return json_response(body)
+    return json_response(body if reply is None else reply.body(body, choices))
 
 
 # -- app --------------------------------------------------------------------------------------------------------
@@ -440,6 +444,9 @@ def build_app(
     state.enable_prompt_tokens_details = enable_prompt_tokens_details
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    responses = ResponsesEndpoint(_chat_completions)
+    app.router.add_post("/v1/responses", responses.create)
+    app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_get("/version", _static_json({"version": __version__}))
