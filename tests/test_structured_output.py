@@ -197,6 +197,12 @@ def test_what_does_not_compile_is_refused_before_anything_is_queued(llm):
         (StructuredOutputsParams(regex="a(b"), "the regex cannot be compiled: .*parenthesis is not closed"),
         (StructuredOutputsParams(regex="(?=a)b"), "the regex cannot be compiled: lookahead and lookbehind"),
         (StructuredOutputsParams(grammar='root ::= "a" |'), "the EBNF grammar cannot be compiled: EBNF parser error"),
+        (  # a keyword xgrammar would drop (core/json_schema_support.py)
+            StructuredOutputsParams(
+                json={"type": "object", "properties": {"l": {"type": "array", "uniqueItems": True}}}
+            ),
+            r"the JSON schema's `uniqueItems` \(at /properties/l\) is not supported",
+        ),
     ]
     for so, message in cases:
         with pytest.raises(ParamError, match=message) as info:

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
+from aserve.core.json_schema_support import unsupported_feature
 from aserve.sampling_params import ParamError, StructuredOutputsParams
 
 GrammarKey = tuple[str, str, bool]  # (kind, spec as text, any whitespace)
@@ -232,10 +233,12 @@ class StructuredOutputManager:
         try:
             if kind == "json":
                 try:
-                    schema = json_strings_escaped(json.loads(spec))
+                    schema = json.loads(spec)
                 except json.JSONDecodeError as e:
                     raise ParamError("structured_outputs", f"the JSON schema is not valid JSON: {e}") from None
-                spec = json.dumps(schema)
+                if (problem := unsupported_feature(schema)) is not None:
+                    raise ParamError("structured_outputs", problem)
+                spec = json.dumps(json_strings_escaped(schema))
             elif kind == "json_object":
                 spec = '{"type": "object"}'
             if kind in ("json", "json_object"):
