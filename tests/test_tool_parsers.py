@@ -28,7 +28,7 @@ CASES = {
          "", [WEATHER]),
         ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
          '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
-         "Let me check.", [WEATHER, TIME]),
+         "Let me check.\n", [WEATHER, TIME]),  # the text before the calls as written (vLLM's)
         ("No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
         ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
         ('<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>', "", [TIME]),
@@ -44,8 +44,13 @@ CASES = {
     "mistral": [
         ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]', "", [WEATHER]),
         ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-         '{"name": "get_time", "arguments": {"zone": "UTC"}}]', "Sure.", [WEATHER, TIME]),
+         '{"name": "get_time", "arguments": {"zone": "UTC"}}]', "Sure. ", [WEATHER, TIME]),
         ("Just text [TOOL", "Just text [TOOL", []),
+        # v11+ tokenizers (Mistral-Small-3.1/3.2, Devstral, Magistral): the name, then the arguments
+        ('[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time{"zone": "UTC"}', "",
+         [WEATHER, TIME]),
+        ('Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', "Sure. ", [WEATHER]),
+        ('[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "UTC"}', "", [TIME]),
     ],
 }  # fmt: skip
 ALL_CASES = [(name, *case) for name, cases in CASES.items() for case in cases]
@@ -128,6 +133,19 @@ def test_mistral_call_ids_are_what_its_templates_take_back():
         assert len({output.new_id() for _ in range(50)}) == 50
 
 
+def test_mistral_named_format_as_it_is_written():
+    """v11+'s [TOOL_CALLS]name{...}: the name is reported once [ARGS] or "{" ends it; a call cut short is text when
+    whole (streamed, what was sent of it stays a call, as for every parser)."""
+    parser = get_tool_parser("mistral")
+    assert parser.partial_calls("[TOOL_CALLS]get_wea") == []
+    assert [(c.name, c.arguments, c.complete) for c in parser.partial_calls("[TOOL_CALLS]get_time[ARGS]")] == [
+        ("get_time", "", False)]  # fmt: skip
+    assert [(c.name, c.arguments) for c in parser.partial_calls('x[TOOL_CALLS]get_time{"zo')] == [
+        ("get_time", '{"zo')]  # fmt: skip
+    cut = '[TOOL_CALLS]get_time{"zone": '
+    assert parser.extract(cut) == (cut, [])
+
+
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 @pytest.mark.parametrize("name,text,content,calls", ALL_CASES)
 def test_streamed_pieces_equal_the_whole(name, text, content, calls, piece):
@@ -174,6 +192,10 @@ STREAMED = [
      '"celsius"}}, {"name": "get_time", "arguments": {"zone": "UTC"}}]', "Let me check."),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'
      '[{"name": "get_time", "arguments": {"zone": "UTC"}}]', ""),
+    ("mistral", 'Let me check. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+     '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}', "Let me check."),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time{"zone": "UTC"}',
+     ""),
 ]  # fmt: skip
 STREAMED_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(STREAMED)]
 
@@ -223,7 +245,8 @@ def test_each_parser_streams_arguments_piece_by_piece(name, text, content, chunk
         assert len({n for n, _ in rest}) == len(rest) and all(n > n_first for n, _ in rest)
         assert first["function"]["arguments"] + "".join(d["function"]["arguments"] for _, d in rest) == call.arguments
         if chunking in ("tokens", "chars"):  # the name is complete before the arguments begin
-            assert first["function"]["arguments"] == "" and len(rest) >= 3
+            # (where only the arguments' "{" ends the name, as in Mistral's [TOOL_CALLS]name{...}, it comes with it)
+            assert first["function"]["arguments"] in ("", "{") and len(rest) >= 3
         else:
             assert len(rest) >= 1
     # the first call's arguments go out while it is written, not once the output is complete
@@ -274,7 +297,7 @@ def test_message_rewrite():
     body_choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
     ToolCallOutput(AUTO, get_tool_parser("hermes")).message(body_choice, choice)
     assert body_choice["finish_reason"] == "tool_calls"
-    assert body_choice["message"]["content"] == "Checking."
+    assert body_choice["message"]["content"] == "Checking. "  # as written before the call (vLLM keeps the space)
     [call] = body_choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
@@ -387,12 +410,15 @@ def test_tools_and_earlier_calls_render_through_the_template(tmp_path):
 
 
 def test_only_parsers_whose_markers_are_special_tokens_keep_them_in_the_text():
-    """Mistral's [TOOL_CALLS] is a special token the parser must see; Llama 3's calls start with "{" once
-    <|python_tag|> is skipped, so its requests keep skip_special_tokens (no stray special token in the content)."""
+    """Mistral's [TOOL_CALLS] is a special token the parser must see, and so is <tool_call> in some Hermes-format
+    checkpoints (vLLM's hermes parser keeps special tokens too); Llama 3's calls start with "{" once <|python_tag|>
+    is skipped, so its requests keep skip_special_tokens (no stray special token in the content). Forced modes ask
+    the same as auto (vLLM's rule: tools given and tool_choice not "none")."""
     from aserve import SamplingParams
 
-    for name, keeps in (("mistral", True), ("llama3_json", False), ("hermes", False)):
-        params = SamplingParams()
-        ToolCallOutput(AUTO, get_tool_parser(name)).adjust(params)
-        assert params.skip_special_tokens is not keeps
+    for name, keeps in (("mistral", True), ("llama3_json", False), ("hermes", True)):
+        for mode in (AUTO, REQUIRED):
+            params = SamplingParams()
+            ToolCallOutput(mode, get_tool_parser(name)).adjust(params)
+            assert params.skip_special_tokens is not keeps
     assert get_tool_parser("llama3_json").extract('{"name": "get_time", "parameters": {"zone": "UTC"}}')[1] == [TIME]

@@ -3,12 +3,15 @@ message) or as stream deltas.
 
 auto: the server's parser (--tool-call-parser) finds the calls; streaming sends text on until a call marker may be
 forming, then holds it and sends each call as the parser reads it (ToolParser.partial_calls): a first delta with the
-call's index, id, type and name once the name is written, then its arguments piece by piece (hermes, llama3_json,
-mistral: tool_parsers/partial_json.py); a parser that reads only complete calls sends each whole.
+call's index, id, type and name once the name is written, then its arguments piece by piece; a parser that reads
+only complete calls sends each whole.
 named: the output is the named function's arguments (forced by its schema); streamed as argument pieces after a first
 delta with the call's id and name. required: the output is a JSON list of {"name", "parameters"} (forced); streamed
-as whole calls at the end. A choice with calls finishing on "stop" finishes on "tool_calls", but for a named
-function, which the request forced (OpenAI's and vLLM's "stop")."""
+as auto's calls are, each call's name first, then its arguments piece by piece (partial_json.listed_calls). A
+choice with calls finishing on "stop" finishes on "tool_calls", but for a named function, which the request forced
+(OpenAI's and vLLM's "stop"). Call ids take the server parser's form in every mode (Mistral's templates take back
+only their own). `parallel_tool_calls: false` keeps the first call only (auto; the others' schemas allow one), and a
+stream sends only the first call's deltas, as vLLM does."""
 
 from __future__ import annotations
 
@@ -17,22 +20,25 @@ import json
 from aserve.entrypoints.openai.responses import ChoiceState
 from aserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser
 from aserve.entrypoints.openai.tool_parsers.base import PartialCall, call_id, openai_call
+from aserve.entrypoints.openai.tool_parsers.partial_json import listed_calls
 from aserve.entrypoints.openai.tool_request import AUTO, NAMED, REQUIRED, named_function, tool_mode
 from aserve.sampling_params import ParamError, SamplingParams
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+# The key of each call's arguments in tool_choice "required"'s forced list (tool_request.forced_output)
+_REQUIRED_ARGUMENTS = ("parameters",)
 
 
 def tool_call_output(req, parser: ToolParser | None, enable_auto: bool) -> ToolCallOutput | None:
-    """A chat request's tool-call handling (None: its output is plain text); "auto" needs the server's parser."""
+    """A chat request's tool-call handling (None: its output is plain text); "auto" needs the server's parser, the
+    other modes take its call ids' form where there is one."""
     mode = tool_mode(req.tools, req.tool_choice)
     if mode is None:
         return None
-    if mode != AUTO:
-        return ToolCallOutput(mode, name=named_function(req.tool_choice))
-    if not enable_auto or parser is None:
+    if mode == AUTO and (not enable_auto or parser is None):
         raise ParamError("tool_choice", AUTO_NEEDS_FLAGS)
-    return ToolCallOutput(AUTO, parser)
+    parser = parser.for_request(req.tools) if parser is not None else None
+    return ToolCallOutput(mode, parser, named_function(req.tool_choice), parallel=req.parallel_tool_calls)
 
 
 class _StreamState:
@@ -42,24 +48,28 @@ class _StreamState:
         self.sent = 0  # characters of the text sent as content or known to be calls
         self.in_calls = False  # a call marker has begun: the rest is held
         self.calls_sent = 0
-        self.args_sent: list[int] = []  # auto: per call begun, characters of its arguments sent
+        self.args_sent: list[int] = []  # per call begun, characters of its arguments sent
         self.content_sent = ""
         self.named_id: str | None = None
 
 
 class ToolCallOutput:
-    """One chat request's tool-call handling: mode AUTO (with `parser`), NAMED (with `name`) or REQUIRED."""
+    """One chat request's tool-call handling: mode AUTO (its calls found by `parser`), NAMED (of function `name`) or
+    REQUIRED; `parser` (the server's, if any) also makes the call ids and says whether special tokens stay in the
+    text; `parallel` False keeps only the first call."""
 
-    def __init__(self, mode: str, parser: ToolParser | None = None, name: str | None = None) -> None:
+    def __init__(self, mode: str, parser: ToolParser | None = None, name: str | None = None,
+                 parallel: bool = True) -> None:  # fmt: skip
         assert mode in (AUTO, NAMED, REQUIRED) and (mode != AUTO or parser is not None)
-        self.mode, self.parser, self.name = mode, parser, name
+        self.mode, self.parser, self.name, self.parallel = mode, parser, name, parallel
         self.states: dict[int, _StreamState] = {}
 
     def new_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else call_id()
 
     def adjust(self, params: SamplingParams) -> None:
-        """A parser whose markers are special tokens needs them in the decoded text."""
+        """A parser whose markers are special tokens needs them in the decoded text (in every mode, as vLLM's parsers
+        ask whenever the request has tools and tool_choice is not "none")."""
         if self.parser is not None and self.parser.needs_special_tokens:
             params.skip_special_tokens = False
 
@@ -83,7 +93,7 @@ class ToolCallOutput:
             return
         message = body_choice["message"]
         message["content"] = content or None
-        message["tool_calls"] = [openai_call(call, self.new_id()) for call in calls]
+        message["tool_calls"] = [openai_call(call, self.new_id()) for call in calls[: None if self.parallel else 1]]
         if body_choice["finish_reason"] == "stop" and self.mode != NAMED:
             body_choice["finish_reason"] = "tool_calls"
 
@@ -96,9 +106,11 @@ class ToolCallOutput:
         if self.mode == NAMED:
             content, calls = "", self._named_pieces(state, choice.delta_text)
         elif self.mode == REQUIRED:
-            content, calls = self._at_end(state, choice.text) if finished else ("", [])
+            content, calls = self._required(state, choice.text, finished)
         else:
             content, calls = self._auto(state, choice.text, finished)
+        if not self.parallel:
+            calls = [call for call in calls if call["index"] == 0]
         delta: dict = {}
         if content:
             delta["content"] = content
@@ -120,6 +132,12 @@ class ToolCallOutput:
                      "function": {"name": self.name, "arguments": piece}}]  # fmt: skip
         return [{"index": 0, "function": {"arguments": piece}}]
 
+    def _required(self, state: _StreamState, text: str, finished: bool) -> tuple[str, list[dict]]:
+        """The forced list's calls as they are written; nothing is content (but an output with no call at all)."""
+        if finished:
+            return self._at_end(state, text)
+        return "", self._call_deltas(state, self._partial_calls(text), finished=False)
+
     def _auto(self, state: _StreamState, text: str, finished: bool) -> tuple[str, list[dict]]:
         parser, content = self.parser, ""
         if not state.in_calls:
@@ -140,19 +158,22 @@ class ToolCallOutput:
             return content + more, calls
         return content, self._call_deltas(state, parser.partial_calls(text), finished=False)
 
+    def _partial_calls(self, text: str) -> list[PartialCall]:
+        if self.mode == AUTO:
+            return self.parser.partial_calls(text)
+        return listed_calls(text, _REQUIRED_ARGUMENTS)
+
     def _at_end(self, state: _StreamState, text: str, sending: str = "") -> tuple[str, list[dict]]:
         """The output is complete: the calls (or their parts) not sent yet, and the text outside the calls not sent
         yet (all the held text when it held no call after all); `sending`: content this delta sends before it."""
         outside, calls = self.calls(text)
         if not calls:
-            if self.mode == AUTO and state.args_sent:  # calls begun in the stream that never completed
-                return "", self._call_deltas(state, self.parser.partial_calls(text), finished=True)
+            if state.args_sent:  # calls begun in the stream that never completed
+                return "", self._call_deltas(state, self._partial_calls(text), finished=True)
             return text[state.sent :], []
-        sent = (state.content_sent + sending).strip()
-        more = outside[len(sent) :].strip() if outside.startswith(sent) else ""
-        if self.mode == AUTO:
-            return more, self._call_deltas(state, self.parser.partial_calls(text), finished=True)
-        return more, self._new_calls(state, calls)
+        sent = state.content_sent + sending
+        more = outside[len(sent) :] if outside.startswith(sent) else ""
+        return more, self._call_deltas(state, self._partial_calls(text), finished=True)
 
     def _call_deltas(self, state: _StreamState, partials: list[PartialCall], finished: bool) -> list[dict]:
         """OpenAI's tool-call deltas for the calls as far as written: a call's first (index, id, type, name and its
@@ -173,9 +194,3 @@ class ToolCallOutput:
                 break
         state.calls_sent = len(state.args_sent)
         return deltas
-
-    def _new_calls(self, state: _StreamState, calls: list[ToolCall]) -> list[dict]:
-        new = [{"index": state.calls_sent + i, **openai_call(call, self.new_id())}
-               for i, call in enumerate(calls[state.calls_sent :])]  # fmt: skip
-        state.calls_sent = max(state.calls_sent, len(calls))
-        return new

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from aserve.core.json_schema_support import unsupported_feature
 from aserve.sampling_params import ParamError, StructuredOutputsParams
 
 AUTO, REQUIRED, NAMED = "auto", "required", "named"
@@ -75,29 +76,67 @@ def _parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
 
+# Where a schema keeps definitions that `$ref`s name from its root ("#/$defs/Address"): pydantic's `$defs`, and
+# draft-07's `definitions`.
+_DEFINITIONS = ("$defs", "definitions")
+
+
 def forced_output(tools: list, tool_choice, parallel_tool_calls: bool) -> StructuredOutputsParams | None:
     """The structured output that tool_choice "required" or a named function imposes; None otherwise. Named: the
-    output is that function's arguments. Required: a JSON list of {"name", "parameters"}, each one of the tools."""
+    output is that function's arguments. Required: a JSON list of {"name", "parameters"}, each one of the tools.
+    Each forced tool's parameters are checked for keywords the grammar cannot enforce (a 400 naming the tool)."""
     mode = tool_mode(tools, tool_choice)
     if mode == NAMED:
-        return StructuredOutputsParams(json=_parameters(_function(tools, named_function(tool_choice))))
+        name = named_function(tool_choice)
+        index = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
+        return StructuredOutputsParams(json=_checked_parameters(tools, index))
     if mode != REQUIRED:
         return None
+    parameters = [_checked_parameters(tools, i) for i in range(len(tools))]
+    definitions = _hoisted_definitions(parameters)
     one_of = [
         {
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [t["function"]["name"]]},
-                "parameters": _parameters(t["function"]),
+                "parameters": {k: v for k, v in params.items() if k not in definitions},
             },  # fmt: skip
             "required": ["name", "parameters"],
         }
-        for t in tools
+        for t, params in zip(tools, parameters)
     ]
-    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": one_of}}
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": one_of}, **definitions}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
+
+
+def _checked_parameters(tools: list, index: int) -> dict:
+    parameters = _parameters(tools[index]["function"])
+    problem = unsupported_feature(parameters)
+    if problem is not None:
+        raise ParamError("tools", f"tools[{index}].function.parameters: {problem}")
+    return parameters
+
+
+def _hoisted_definitions(parameters: list[dict]) -> dict:
+    """The tools' `$defs` / `definitions`, merged for the root of the "required" schema: there each tool's
+    parameters sit two levels down, where their "#/$defs/..." would no longer resolve (vLLM moves them up the same
+    way). One name defined differently by two tools is refused."""
+    merged: dict[str, dict] = {}
+    for i, params in enumerate(parameters):
+        for key in _DEFINITIONS:
+            defs = params.get(key)
+            if not isinstance(defs, dict):
+                continue
+            into = merged.setdefault(key, {})
+            for name, definition in defs.items():
+                if name in into and into[name] != definition:
+                    raise ParamError("tools", f"tools[{i}].function.parameters defines {key}/{name} unlike an "
+                                     f"earlier tool; with tool_choice 'required' the tools' {key} share one "
+                                     "namespace: rename one of them")  # fmt: skip
+                into[name] = definition
+    return merged
 
 
 def template_message(msg: dict) -> dict:

@@ -53,6 +53,13 @@ def openai_call(call: ToolCall, id_: str | None = None) -> dict:
     return {"id": id_ or call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+def content_around(before: str, after: str = "") -> str:
+    """An output's content beside its calls: the text before the first call as written (a trailing space or newline
+    kept, as vLLM keeps it), then the text after the calls, if any; "" where that is all whitespace."""
+    content = before + after.strip()
+    return content if content.strip() else ""
+
+
 def json_values(text: str) -> tuple[list, str] | None:
     """The JSON values written one after another in `text` (whitespace, `,` or `;` between them) -> (values, what
     follows the last); None when `text` does not start with one (or it is incomplete)."""
@@ -84,6 +91,11 @@ class ToolParser:
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         """The whole output -> (text outside the calls, the calls); no calls: (text, [])."""
         raise NotImplementedError
+
+    def for_request(self, tools: list) -> ToolParser:
+        """The parser for one request's `tools` (a format whose arguments are typed by the tools' schemas reads
+        them); here the server's one parser, which needs none."""
+        return self
 
     def new_call_id(self) -> str:
         """A new call's id (the family's own form where its chat template checks the ids it renders back)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from aserve.entrypoints.openai.tool_parsers.base import PartialCall, ToolCall, ToolParser
+from aserve.entrypoints.openai.tool_parsers.base import PartialCall, ToolCall, ToolParser, content_around
 from aserve.entrypoints.openai.tool_parsers.partial_json import partial_call
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -23,6 +23,9 @@ def _call(body: str) -> ToolCall | None:
 class HermesToolParser(ToolParser):
     name = "hermes"
     start_markers = (_OPEN,)
+    # some checkpoints make <tool_call> a special token: decoded as usual (skip_special_tokens) the call's markers
+    # would be gone, so the output keeps special tokens (as vLLM's hermes parser asks)
+    needs_special_tokens = True
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         calls, outside, pos = [], [], 0
@@ -36,7 +39,7 @@ class HermesToolParser(ToolParser):
         if not calls:
             return text, []
         outside.append(text[pos:])
-        return "".join(outside).strip(), calls
+        return content_around(outside[0], "".join(outside[1:])), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         """Each block so far (partial_json.partial_call)."""

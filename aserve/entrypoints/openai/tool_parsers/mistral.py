@@ -1,36 +1,45 @@
-"""Mistral: `[TOOL_CALLS]` followed by a JSON list of `{"name": ..., "arguments": {...}}` (text before it is
-content). Streamed, a call is reported once its name is written, then its arguments' JSON text as it grows."""
+"""Mistral: text (content), then `[TOOL_CALLS]` and the calls, in either of the formats Mistral's tokenizers trained:
+
+    before v11 (Mistral 7B v0.3, Mistral-Nemo):  [TOOL_CALLS][{"name": "f", "arguments": {...}}, {...}]
+    v11 and later (Mistral-Small-3.1/3.2, Devstral, Magistral):  [TOOL_CALLS]f{...}[TOOL_CALLS]g{...}
+                                                                   or [TOOL_CALLS]f[ARGS]{...} (v13: [CALL_ID]id too)
+
+told apart by what follows the marker (a JSON list or object, or a name). Streamed, a call is reported once its name
+is written, then its arguments' JSON text as it grows."""
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import string
 
-from aserve.entrypoints.openai.tool_parsers.base import PartialCall, ToolCall, ToolParser, json_values
-from aserve.entrypoints.openai.tool_parsers.partial_json import partial_call, sequence_values
+from aserve.entrypoints.openai.tool_parsers.base import (
+    PartialCall,
+    ToolCall,
+    ToolParser,
+    content_around,
+    json_values,
+)
+from aserve.entrypoints.openai.tool_parsers.partial_json import listed_calls, value_end
 
 _MARKER = "[TOOL_CALLS]"
 _ID_CHARS = string.ascii_letters + string.digits
+# v11+: a call's name, then [CALL_ID] and its id (v13), then [ARGS] (special tokens, kept in the text) or the
+# arguments' "{" at once: the name is known complete at [ARGS] or "{"
+_NAMED_CALL = re.compile(r"\s*([^\s\[\]{}]+)\s*(?:\[CALL_ID\][^\[{]*)?(?:\[ARGS\]\s*|(?=\{))")
 
 
-def _items(body: str) -> list[tuple[int, int | None]]:
-    """Where the calls written after the marker begin and end (None while unfinished): the objects of its lists, or
-    objects written bare, as extract reads them."""
-    items: list[tuple[int, int | None]] = []
-    for start, end in sequence_values(body):
-        if body[start] == "{":
-            items.append((start, end))
-            continue
-        items += sequence_values(body, start + 1)
-        if end is None:
-            break
-    return items
+def _json_format(body: str) -> bool | None:
+    """Whether the calls after the marker are a JSON list (before v11) or named (v11+); None while unknown."""
+    stripped = body.lstrip()
+    return None if not stripped else stripped[0] in "[{"
 
 
 class MistralToolParser(ToolParser):
     name = "mistral"
     start_markers = (_MARKER,)
-    needs_special_tokens = True  # [TOOL_CALLS] is a special token in Mistral's v3 tokenizers
+    needs_special_tokens = True  # [TOOL_CALLS] (and v11's [ARGS]) are special tokens of Mistral's tokenizers
 
     def new_call_id(self) -> str:
         """Mistral's templates refuse a tool_call_id that is not 9 letters or digits (as vLLM makes them)."""
@@ -40,25 +49,65 @@ class MistralToolParser(ToolParser):
         start = text.find(_MARKER)
         if start < 0:
             return text, []
-        parsed = json_values(text[start + len(_MARKER) :])
+        body = text[start + len(_MARKER) :]
+        parsed = self._json_calls(body) if _json_format(body) else self._named_calls(body)
         if parsed is None:
             return text, []
+        calls, rest = parsed
+        return content_around(text[:start], rest), calls
+
+    @staticmethod
+    def _json_calls(body: str) -> tuple[list[ToolCall], str] | None:
+        parsed = json_values(body)
+        if parsed is None:
+            return None
         values, rest = parsed
-        items = [item for v in values for item in (v if isinstance(v, list) else [v])]
-        calls = [ToolCall.from_json(item) for item in items]
-        if not calls or None in calls:
-            return text, []
-        return (text[:start] + rest).strip(), calls
+        calls = [ToolCall.from_json(item) for v in values for item in (v if isinstance(v, list) else [v])]
+        return (calls, rest) if calls and None not in calls else None
+
+    @staticmethod
+    def _named_calls(body: str) -> tuple[list[ToolCall], str] | None:
+        calls, rest = [], ""
+        for i, segment in enumerate(body.split(_MARKER)):
+            match = _NAMED_CALL.match(segment)
+            if match is None:
+                return None
+            try:
+                args, end = json.JSONDecoder().raw_decode(segment, match.end())
+            except (ValueError, RecursionError):
+                return None
+            call = ToolCall.from_json({"name": match.group(1), "arguments": args})
+            if call is None:
+                return None
+            calls.append(call)
+            if segment[end:].strip():  # text after a call's arguments ends the calls
+                rest = segment[end:] + _MARKER.join(body.split(_MARKER)[i + 1 :])
+                break
+        return calls, rest
 
     def partial_calls(self, text: str) -> list[PartialCall]:
-        """Each call object so far (partial_json.partial_call); stops at the first that is no call."""
+        """Each call so far: its JSON object (partial_json.partial_call), or its name and its arguments' text."""
         start = text.find(_MARKER)
         if start < 0:
             return []
-        body, out = text[start + len(_MARKER) :], []
-        for item_start, end in _items(body):
-            item = body[item_start:end] if end is not None else body[item_start:]
-            if body[item_start] != "{" or (call := partial_call(item, end is not None)) is None:
+        body = text[start + len(_MARKER) :]
+        form = _json_format(body)
+        if form is None:
+            return []
+        if form:
+            return listed_calls(body)
+        out = []
+        for segment in body.split(_MARKER):
+            match = _NAMED_CALL.match(segment)
+            if match is None:  # the name is not complete yet (or this is no call)
                 break
-            out.append(call)
+            if match.end() == len(segment):  # [ARGS] written, the arguments not begun
+                out.append(PartialCall(match.group(1), "", False))
+                break
+            if segment[match.end()] != "{":
+                break
+            end = value_end(segment, match.end())
+            out.append(PartialCall(match.group(1), segment[match.end() : end], end is not None))
+            if end is None or segment[end:].strip():
+                break
         return out

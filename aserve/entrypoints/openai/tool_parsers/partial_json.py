@@ -31,7 +31,7 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
-def _value_end(text: str, i: int) -> int | None:
+def value_end(text: str, i: int) -> int | None:
     """The index after the JSON value that begins at `text[i]`, None while it is unfinished."""
     c = text[i]
     if c == '"':
@@ -87,7 +87,7 @@ def object_members(text: str) -> list[tuple[str, int, int | None]]:
         i = _skip_whitespace(text, i + 1)
         if i >= len(text):
             return members
-        end = _value_end(text, i)
+        end = value_end(text, i)
         members.append((key, i, end))
         if end is None:
             return members
@@ -104,7 +104,7 @@ def sequence_values(text: str, i: int = 0) -> list[tuple[int, int | None]]:
             i += 1
         if i >= len(text) or text[i] not in "{[":
             return spans
-        end = _value_end(text, i)
+        end = value_end(text, i)
         spans.append((i, end))
         if end is None:
             return spans
@@ -138,3 +138,23 @@ def partial_call(body: str, complete: bool, arguments_keys: tuple[str, ...] = ("
     if call is not None:
         return PartialCall(call.name, arguments or call.arguments, True)
     return PartialCall(name, arguments, True) if name is not None else None
+
+
+def listed_calls(body: str, arguments_keys: tuple[str, ...] = ("arguments",)) -> list[PartialCall]:
+    """The calls written as JSON objects in `body` as far as written: each object of its lists (`[{...}, {...}]`,
+    several lists one after another too) or each object written bare; stops at the first that is no call."""
+    items: list[tuple[int, int | None]] = []
+    for start, end in sequence_values(body):
+        if body[start] == "{":
+            items.append((start, end))
+            continue
+        items += sequence_values(body, start + 1)
+        if end is None:
+            break
+    out = []
+    for start, end in items:
+        item = body[start:end] if end is not None else body[start:]
+        if body[start] != "{" or (call := partial_call(item, end is not None, arguments_keys)) is None:
+            break
+        out.append(call)
+    return out
