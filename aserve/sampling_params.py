@@ -355,11 +355,33 @@ class SamplingParams:
 GuidedDecodingParams = StructuredOutputsParams
 
 
-def __getattr__(name: str):
-    """`aserve.sampling_params.BeamSearchParams`, where vLLM keeps it; it lives in aserve/beam_search.py, which imports
-    this module (so it is looked up when asked for)."""
-    if name == "BeamSearchParams":
-        from aserve.beam_search import BeamSearchParams
+# |length_penalty| at most this: length ** penalty stays a finite float at any context length (2**17 ** 50 ~ 1e255)
+MAX_LENGTH_PENALTY = 50.0
 
-        return BeamSearchParams
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's (here, as in vLLM's sampling_params): beams kept per prompt, the most tokens generated, and how
+    candidates are ranked; aserve/beam_search.py runs the search."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # the one token each beam's step samples (an extra candidate beside the top ones)
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # (the end-of-sequence token's text is never added to `text`)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or self.beam_width < 1:
+            raise ParamError("beam_width", f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ParamError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:  # (NaN fails too)
+            raise ParamError("length_penalty", f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, "
+                             f"{MAX_LENGTH_PENALTY}], got {self.length_penalty!r}")  # fmt: skip
+
+    def step_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature,
+                              detokenize=False)  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 
 import aserve
 from aserve import LLM, SamplingParams, StructuredOutputsParams
+from aserve.beam_search import BeamSearchParams
 from aserve.core.outputs import EngineCoreOutput
 from aserve.engine.output_processor import OutputProcessor
 from aserve.sampling_params import ParamError, RequestOutputKind
@@ -50,6 +51,9 @@ def test_prompt_cache_salt_isolates_the_prefix_cache(llm):
         outs += engine.step()
     assert outs[-1].num_cached_tokens == 32
     assert not engine.output_processor.states
+    llm.reset_prefix_cache()  # beam search's steps run under their prompt's salt
+    llm.beam_search([{**tokens, "cache_salt": "beams"}], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert cached(llm, tokens) == 0 and cached(llm, {**tokens, "cache_salt": "beams"}) == 32
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -66,7 +70,6 @@ def test_prompt_keys_aserve_does_not_take_are_refused_by_name(llm, prompt, messa
 
 
 def test_vllm_names_are_exported():
-    from aserve.beam_search import BeamSearchParams
     from aserve.inputs import TokensPrompt
     from aserve.sampling_params import BeamSearchParams as ReExported
     from aserve.sampling_params import GuidedDecodingParams

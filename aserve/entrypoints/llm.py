@@ -139,11 +139,13 @@ class LLM:
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:  # fmt: skip
         """vLLM's beam search (aserve/beam_search.py): each prompt's beam_width best sequences, their text the
-        whole sequence's. concurrency_limit: prompts searched at once (default: all)."""
+        whole sequence's; a prompt's cache_salt salts its beams' steps. concurrency_limit: prompts searched at once
+        (default: all)."""
         _refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        tokenized = [self.engine.tokenize_prompt(p)[1] for p in prompts]
+        tokenized = [self.engine.tokenize_prompt(p)[1] for p in prompts]  # (which checks a dict's keys)
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         for ids in tokenized:
             self.engine.validate_prompt(ids)
         group = concurrency_limit or max(1, len(tokenized))
@@ -152,7 +154,10 @@ class LLM:
             search = BeamSearch(tokenized[start : start + group], params, self.engine.config.eos_token_id,
                                 self.engine.config.max_model_len)  # fmt: skip
             while not search.done:
-                runs = self._generate([(None, ids) for ids in search.step_prompts()], step, use_tqdm)
+                beam_salts = [salt for salt, beams in zip(salts[start : start + group], search.beams) for _ in beams]
+                steps = [(None if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}, ids)
+                         for salt, ids in zip(beam_salts, search.step_prompts())]  # fmt: skip
+                runs = self._generate(steps, step, use_tqdm)
                 search.advance([run.outputs[0].logprobs[0] for run in runs])
             outputs += search.outputs(self.get_tokenizer().decode)
         return outputs
