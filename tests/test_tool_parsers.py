@@ -52,12 +52,34 @@ CASES = {
         ('Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', "Sure. ", [WEATHER]),
         ('[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "UTC"}', "", [TIME]),
     ],
+    "pythonic": [
+        ('[get_weather(city="Paris", unit="celsius"), get_time(zone="UTC")]', "", [WEATHER, TIME]),
+        ("<|python_start|>[get_time(zone='UTC')]<|python_end|>", "", [TIME]),  # Llama 4's
+        ("[1, 2] is a list", "[1, 2] is a list", []),
+        ("Calling get_time(zone='UTC')", "Calling get_time(zone='UTC')", []),  # only at the start
+    ],
+    "qwen3_coder": [
+        ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
+         "celsius\n</parameter>\n</function>\n</tool_call>", "Sure.\n", [WEATHER]),
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n"
+         "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n"
+         "</parameter>\n</function>\n</tool_call>", "", [WEATHER, TIME]),
+        ("<tool_call> is the tag", "<tool_call> is the tag", []),
+    ],
+    "phi4_mini_json": [
+        ('functools[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+         '{"name": "get_time", "parameters": {"zone": "UTC"}}]', "", [WEATHER, TIME]),
+        ("functools are handy", "functools are handy", []),
+    ],
 }  # fmt: skip
 ALL_CASES = [(name, *case) for name, cases in CASES.items() for case in cases]
 
 
 def test_registry_has_vllm_names():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder",
+                                 "qwen3_xml", "phi4_mini_json"}  # fmt: skip
+    assert TOOL_PARSERS["llama4_pythonic"] is TOOL_PARSERS["pythonic"]  # one format, two names
+    assert TOOL_PARSERS["qwen3_xml"] is TOOL_PARSERS["qwen3_coder"]
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         get_tool_parser("nope")
 
@@ -76,6 +98,8 @@ DEEP = "[" * 1100 + "]" * 1100  # nested past Python's JSON parser's depth
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + DEEP + "}}</tool_call>"),
     ("llama3_json", '{"name": "f", "parameters": {"a": ' + DEEP + "}}"),
     ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": ' + DEEP + "}}]"),
+    ("pythonic", "[f(a=" + DEEP + ")]"),
+    ("phi4_mini_json", 'functools[{"name": "f", "arguments": {"a": ' + DEEP + "}}]"),
 ])  # fmt: skip
 def test_output_nested_past_the_json_parsers_depth_is_text(name, text):
     """The model's output, not the client's: a call the parser cannot read stays text (no exception), whole and
@@ -133,19 +157,6 @@ def test_mistral_call_ids_are_what_its_templates_take_back():
         assert len({output.new_id() for _ in range(50)}) == 50
 
 
-def test_mistral_named_format_as_it_is_written():
-    """v11+'s [TOOL_CALLS]name{...}: the name is reported once [ARGS] or "{" ends it; a call cut short is text when
-    whole (streamed, what was sent of it stays a call, as for every parser)."""
-    parser = get_tool_parser("mistral")
-    assert parser.partial_calls("[TOOL_CALLS]get_wea") == []
-    assert [(c.name, c.arguments, c.complete) for c in parser.partial_calls("[TOOL_CALLS]get_time[ARGS]")] == [
-        ("get_time", "", False)]  # fmt: skip
-    assert [(c.name, c.arguments) for c in parser.partial_calls('x[TOOL_CALLS]get_time{"zo')] == [
-        ("get_time", '{"zo')]  # fmt: skip
-    cut = '[TOOL_CALLS]get_time{"zone": '
-    assert parser.extract(cut) == (cut, [])
-
-
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 @pytest.mark.parametrize("name,text,content,calls", ALL_CASES)
 def test_streamed_pieces_equal_the_whole(name, text, content, calls, piece):
@@ -196,7 +207,15 @@ STREAMED = [
      '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}', "Let me check."),
     ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time{"zone": "UTC"}',
      ""),
+    ("pythonic", '[get_weather(city="Paris", unit="celsius"), get_time(zone="UTC")]', ""),
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+     "<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>", "Let me check."),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "get_time", "arguments": {"zone": "UTC"}}]', ""),
 ]  # fmt: skip
+# Formats whose arguments are not JSON as written: their JSON grows by whole arguments, not character by character
+WHOLE_ARGUMENTS = {"pythonic", "qwen3_coder"}
 STREAMED_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(STREAMED)]
 
 
@@ -246,7 +265,7 @@ def test_each_parser_streams_arguments_piece_by_piece(name, text, content, chunk
         assert first["function"]["arguments"] + "".join(d["function"]["arguments"] for _, d in rest) == call.arguments
         if chunking in ("tokens", "chars"):  # the name is complete before the arguments begin
             # (where only the arguments' "{" ends the name, as in Mistral's [TOOL_CALLS]name{...}, it comes with it)
-            assert first["function"]["arguments"] in ("", "{") and len(rest) >= 3
+            assert first["function"]["arguments"] in ("", "{") and len(rest) >= (1 if name in WHOLE_ARGUMENTS else 3)
         else:
             assert len(rest) >= 1
     # the first call's arguments go out while it is written, not once the output is complete
@@ -255,11 +274,14 @@ def test_each_parser_streams_arguments_piece_by_piece(name, text, content, chunk
 
 @pytest.mark.parametrize("name,text,content", STREAMED, ids=STREAMED_IDS)
 def test_a_call_cut_short_keeps_what_was_streamed(name, text, content):
-    cut = text.index('"Paris"') + 4  # max_tokens ends the output inside the first call's arguments
+    cut = text.index("Paris") + 3  # max_tokens ends the output inside the first call's arguments
     sent = _stream(ToolCallOutput(AUTO, get_tool_parser(name)), text[:cut], 1, finish="length")
     got_content, [call], finish = _joined(sent)
     assert got_content.strip() == content and finish == "length"
-    assert call.name == "get_weather" and call.arguments == '{"city": "Par'
+    # what was written of the arguments' JSON (of whole arguments only, where the format is not JSON)
+    assert call.name == "get_weather" and call.arguments == {"pythonic": "", "qwen3_coder": "{"}.get(
+        name, '{"city": "Par'
+    )
 
 
 def test_partial_json_members():

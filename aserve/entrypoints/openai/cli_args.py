@@ -75,7 +75,8 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
                             "with tools); needs --tool-call-parser (default: off, such requests get 400)")  # fmt: skip
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.x), "
-                            "mistral (default: none)")  # fmt: skip
+                            "mistral, pythonic / llama4_pythonic (Llama 3.2 / 4), qwen3_coder / qwen3_xml "
+                            "(Qwen3-Coder), phi4_mini_json (Phi-4-mini) (default: none)")  # fmt: skip
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
                             "cache; default: off, the field is absent)")  # fmt: skip

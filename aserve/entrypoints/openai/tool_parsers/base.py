@@ -84,6 +84,7 @@ class ToolParser:
     `needs_special_tokens`: a marker is a special token, so the output is decoded with special tokens kept."""
 
     name = ""
+    aliases: tuple[str, ...] = ()  # vLLM's other names for the same format
     start_markers: tuple[str, ...] = ()
     only_at_start = False
     needs_special_tokens = False
