@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from aserve.fixed_engine_args import check_fixed_engine_args, compilation_level
-from aserve.layers.rotary import rope_parameters
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -195,18 +194,13 @@ def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
     return config_dtype
 
 
-def resolve_max_model_len(requested: int | None, hf_config) -> int:
-    """The context length: `requested`, at most the model's (max_position_embeddings; with YaRN, the original
-    context times the factor where that is more, as vLLM derives it)."""
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    _, scaling = rope_parameters(hf_config)
-    if scaling["rope_type"] == "yarn":
-        limit = max(limit, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+def resolve_max_model_len(requested: int | None, limit: int) -> int:
+    """The context length: `requested`, at most the model's `limit` (aserve/layers/rotary.py context_length)."""
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
-            f"max_model_len {requested} exceeds what the model supports ({limit}, from max_position_embeddings); "
-            "lower --max-model-len"
+            f"max_model_len {requested} exceeds what the model supports ({limit}, from max_position_embeddings and "
+            "its rope scaling); lower --max-model-len"
         )
     return requested

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from aserve.config import GENERATION_DEFAULTS, EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from aserve.layers.batch_invariant import check_supported
-from aserve.layers.rotary import longrope_switch_length
+from aserve.layers.rotary import context_length, longrope_switch_length
 from aserve.models.model_path import resolve_model, resolve_tokenizer
 from aserve.models.registry import architecture_of
 from aserve.models.vision_language import text_side
@@ -67,7 +67,7 @@ class EngineConfig:
         device = resolve_device(args.device)
         spec_config = SpeculativeConfig.parse(args.speculative_config)
         async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.type == "cuda"
-        max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
+        max_model_len = resolve_max_model_len(args.max_model_len, context_length(hf_config))
         chars_per_token = max_chars_per_token(tokenizer)
         eos_token_id = _eos_token_id(hf_config, tokenizer)
         return cls(

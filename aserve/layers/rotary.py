@@ -31,6 +31,16 @@ def rope_parameters(hf_config) -> tuple[float, dict]:
     return float(theta), merged
 
 
+def context_length(hf_config) -> int:
+    """The longest sequence the model takes: max_position_embeddings (2048 where unset); with YaRN, the original
+    context times the factor where that is more (as vLLM derives it)."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    _, scaling = rope_parameters(hf_config)
+    if scaling["rope_type"] == "yarn":
+        limit = max(limit, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return limit
+
+
 def rotary_dim(head_dim: int, scaling: dict) -> int:
     """The dimensions of a head the rotary turns: all, or the first partial_rotary_factor of them (Phi-4-mini)."""
     return int(head_dim * scaling.get("partial_rotary_factor", 1.0))
