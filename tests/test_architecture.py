@@ -1,8 +1,9 @@
 """aserve's shape, read from the source. Imports (ast): no cycles, between modules or between subpackages; packages
 import in one direction (kernels, spec <- layers <- models <- core, distributed <- worker <- engine <- entrypoints <-
-the offline quantiser); the basic modules (config, envs, sampling_params, outputs) and everything below the front ends
-import nothing above them, aserve.LLM included; the per-call functions of layers and models import nothing (imports
-at module top). Files stay under 500 lines, and the only top-level packages installed are aserve and loadgen."""
+the offline quantiser); the basic modules (config, fixed_engine_args, envs, sampling_params, outputs) and everything
+below the front ends import nothing above them, aserve.LLM included; the per-call functions of layers and models
+import nothing (imports at module top). Files stay under 500 lines, and the only top-level packages installed are
+aserve and loadgen."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ RANKS = {"aserve.kernels": 0, "aserve.spec": 0, "aserve.layers": 1, "aserve.mode
          "aserve.distributed": 3, "aserve.worker": 4, "aserve.engine": 5, "aserve.entrypoints": 6,
          "aserve.quantize": 7, "aserve.cli": 8}  # fmt: skip
 MAX_LINES = 500
-BASE = {"aserve.config", "aserve.envs", "aserve.sampling_params", "aserve.outputs"}
+BASE = {"aserve.config", "aserve.fixed_engine_args", "aserve.envs", "aserve.sampling_params", "aserve.outputs"}
 PER_CALL = ("forward", "__call__", "apply", "attend", "rotate_and_write", "fuses_")
 
 
