@@ -8,7 +8,7 @@ import re
 import pytest
 from test_server import MODEL, assert_idle, sse_events
 
-from aserve.entrypoints.openai.reasoning import ReasoningOutput, reading, split_reasoning
+from aserve.entrypoints.openai.reasoning import MARKERS, ReasoningOutput, reading, reasoning_output, split_reasoning
 
 
 class _Choice:  # what ReasoningOutput reads of a ChoiceState
@@ -30,16 +30,21 @@ CASES = [  # (parser, reading's switches, reply) -> (reasoning, content)
     ("qwen3", CONSTRAINED, '{"a": 1}', (None, '{"a": 1}')),
     ("deepseek_r1", CONSTRAINED, "<thin", (None, "<thin")),
     ("deepseek_r1", CONSTRAINED, "<think>ab</think>{}", ("ab", "{}")),
+    # Magistral's: reasoning only after a leading [THINK] (vLLM's rule)
+    ("mistral", {}, "[THINK]hmm, well[/THINK]Paris.", ("hmm, well", "Paris.")),
+    ("mistral", {}, "Paris, surely.", (None, "Paris, surely.")),
+    ("mistral", {}, "[THINK]cut short", ("cut short", "")),
+    ("mistral", CONSTRAINED, '{"a": 1}', (None, '{"a": 1}')),
 ]
 
 
 @pytest.mark.parametrize("parser, switches, reply, expected", CASES)
 def test_streamed_in_any_chunking_equals_whole(parser, switches, reply, expected):
-    mode = reading(parser, **switches)
-    assert split_reasoning(mode, reply) == expected
+    mode, markers = reading(parser, **switches), MARKERS[parser]
+    assert split_reasoning(mode, reply, markers) == expected
     rng = random.Random(0)
     for _ in range(30):
-        out, choice, got = ReasoningOutput(mode), _Choice(), {"reasoning_content": "", "content": ""}
+        out, choice, got = ReasoningOutput(mode, markers=markers), _Choice(), {"reasoning_content": "", "content": ""}
         cuts = sorted(rng.sample(range(1, len(reply)), k=min(len(reply) - 1, rng.randint(0, 6))))
         for end in [*cuts, len(reply)]:
             choice.text, choice.finish_reason = reply[:end], "stop" if end == len(reply) else None
@@ -197,3 +202,74 @@ async def test_forced_tool_call_after_the_reasoning(thinking_engine):
         assert_idle(thinking_engine)
     finally:
         await client.close()
+
+
+async def test_mistral_reasoning_over_http(llm_engine):
+    """--reasoning-parser mistral (Magistral's [THINK]...[/THINK]), whole and streamed the same."""
+    client = await client_for(llm_engine, reasoning_parser="mistral")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,
+                "structured_outputs": {"regex": r"\[THINK\][a-z]{2,6}\[/THINK\][a-z]{2,6}"}}  # fmt: skip
+        message = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["message"]
+        assert message["reasoning_content"].isalpha() and message["content"].isalpha()
+        await assert_streamed_the_same(client, body, message)
+        assert_idle(llm_engine)
+    finally:
+        await client.close()
+
+
+def test_mistral_keeps_its_markers_in_the_text():
+    """[THINK] and [/THINK] are special tokens of Mistral's tokenizers: decoded as usual they would be gone."""
+    from aserve import SamplingParams
+    from aserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    for parser, keeps in (("mistral", True), ("qwen3", False)):
+        params = SamplingParams()
+        reasoning_output(parser, params, req, None, None)
+        assert params.skip_special_tokens is not keeps
+
+
+async def _usage_of(client, body: dict) -> tuple[dict, list[dict], list[int]]:
+    """(the whole reply's usage, the stream's usages (the continuous ones, then the final), its token ids)."""
+    whole = await (await client.post("/v1/chat/completions", json={**body, "return_token_ids": True})).json()
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = await sse_events(await client.post("/v1/chat/completions", json=stream))
+    return whole["usage"], [e["usage"] for e in events if e.get("usage")], whole["choices"][0]["token_ids"]
+
+
+async def test_reasoning_tokens_in_usage(thinking_engine):
+    """usage.completion_tokens_details.reasoning_tokens, whole and in the stream's usage chunks: the tokens before
+    `</think>` (one token here, as in Qwen3's vocabulary), as vLLM counts them; 0 with thinking off."""
+    client = await client_for(thinking_engine, reasoning_parser="qwen3")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 1,
+                "seed": 4, "logit_bias": {"385": 6}, "structured_outputs": {"regex": "[a-z]{2,6}"}}  # fmt: skip
+        usage, streamed, token_ids = await _usage_of(client, body)
+        assert 385 in token_ids and usage["completion_tokens_details"] == {"reasoning_tokens": token_ids.index(385)}
+        assert streamed[-1]["completion_tokens_details"] == usage["completion_tokens_details"]
+        counts = [u["completion_tokens_details"]["reasoning_tokens"] for u in streamed[:-1]]
+        assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == token_ids.index(385)
+        off, _, _ = await _usage_of(client, {**body, "chat_template_kwargs": {"enable_thinking": False}})
+        assert off["completion_tokens_details"] == {"reasoning_tokens": 0}
+    finally:
+        await client.close()
+
+
+async def test_reasoning_tokens_where_the_markers_are_not_tokens(llm_engine):
+    """The tiny tokenizer spells `</think>` in several tokens: the count is the reasoning's own tokens; without a
+    reasoning parser usage has no completion_tokens_details (as vLLM)."""
+    client = await client_for(llm_engine, reasoning_parser="deepseek_r1")
+    plain = await client_for(llm_engine)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,
+                "structured_outputs": {"regex": "<think>abc</think>[a-z]{2,6}"}}  # fmt: skip
+        usage, streamed, _ = await _usage_of(client, body)
+        expected = len(llm_engine.tokenizer.encode("abc", add_special_tokens=False))
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": expected} == streamed[-1][
+            "completion_tokens_details"]  # fmt: skip
+        usage, streamed, _ = await _usage_of(plain, body)
+        assert "completion_tokens_details" not in usage and "completion_tokens_details" not in streamed[-1]
+    finally:
+        await client.close()
+        await plain.close()

@@ -96,7 +96,7 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                        help="chat replies' thinking (up to </think>) as reasoning (and reasoning_content) apart "
                             "from content: deepseek_r1 (replies start in their reasoning), qwen3 (where they start "
-                            "with <think>)")  # fmt: skip
+                            "with <think>), mistral (Magistral's [THINK]...[/THINK])")  # fmt: skip
     serve.add_argument("--allowed-origins", type=_json_list, default=["*"],
                        help='CORS: origins browsers may call from, a JSON list (default: ["*"])')  # fmt: skip
     serve.add_argument("--allowed-methods", type=_json_list, default=["*"],

@@ -131,7 +131,9 @@ class EventStream(OutputSink):
         """A chunk's usage: null, or with continuous_usage_stats, the choice's so far (as vLLM reports it)."""
         if self.include_usage:
             completion_tokens = 0 if role_only else choice.num_tokens
-            body["usage"] = usage(len(choice.prompt_token_ids), completion_tokens) if self.continuous_usage else None
+            details = self.tools.completion_tokens_details([choice]) if self.tools is not None else None
+            body["usage"] = usage(len(choice.prompt_token_ids), completion_tokens, None, details) if (
+                self.continuous_usage) else None  # fmt: skip
         return body
 
     def head(self) -> bytes:
@@ -181,7 +183,8 @@ class EventStream(OutputSink):
         if self.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             cached = cached_tokens(self.choices, self.n) if self.prompt_tokens_details else None
-            totals = usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices), cached)
+            details = self.tools.completion_tokens_details(self.choices) if self.tools is not None else None
+            totals = usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices), cached, details)
             body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                     "choices": [], "usage": totals}  # fmt: skip
             tail = sse(body) + tail

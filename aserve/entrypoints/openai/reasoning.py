@@ -1,18 +1,23 @@
-"""Reasoning models' thinking apart from their answer (`aserve serve --reasoning-parser deepseek_r1 | qwen3`, vLLM's
-flag): a chat reply's text up to `</think>` becomes `reasoning` (streamed as `delta.reasoning`; also under vLLM's
-earlier name `reasoning_content`, which clients still read), the rest `content`; a request's `include_reasoning: false`
-drops the reasoning.
+"""Reasoning models' thinking apart from their answer (`aserve serve --reasoning-parser deepseek_r1 | qwen3 | mistral`,
+vLLM's flag): a chat reply's text up to `</think>` becomes `reasoning` (streamed as `delta.reasoning`; also under
+vLLM's earlier name `reasoning_content`, which clients still read), the rest `content`; a request's
+`include_reasoning: false` drops the reasoning. `usage.completion_tokens_details.reasoning_tokens` counts the output
+tokens spent reasoning (as vLLM reports them whenever a reasoning parser is set): those between the markers where
+they are tokens of the vocabulary, else as many as the reasoning's text takes.
 
-Both parsers read a reply as starting in its reasoning (the chat template may have written `<think>` into the
-prompt, as Qwen3-Thinking-2507's and DeepSeek-R1's do; a leading `<think>` in the reply is dropped) until `</think>`;
-a reply cut off before `</think>` is all reasoning. qwen3 also follows the request's thinking switch: with
-`chat_template_kwargs: {"enable_thinking": false}` (or `reasoning_effort: "none"`) the reply is all content.
+deepseek_r1 and qwen3 read a reply as starting in its reasoning (the chat template may have written `<think>` into
+the prompt, as Qwen3-Thinking-2507's and DeepSeek-R1's do; a leading `<think>` in the reply is dropped) until
+`</think>`; a reply cut off before `</think>` is all reasoning. qwen3 also follows the request's thinking switch: with
+`chat_template_kwargs: {"enable_thinking": false}` (or `reasoning_effort: "none"`) the reply is all content. mistral
+(Magistral) reads `[THINK]...[/THINK]`, reasoning only where the reply starts with `[THINK]` (vLLM's rule: a reply
+without it is all content); those markers are special tokens of Mistral's tokenizers, kept in the text for it.
 
 With tool calling the tool parser reads the content only. Structured output (and a forced tool call) constrains
 the answer: where `</think>` is one token of the vocabulary (Qwen3's, DeepSeek-R1's) the grammar waits for that token
 and applies to what follows it (vLLM's rule), so the reasoning is free; with thinking off (qwen3's switch) it applies
 from the start. Where `</think>` is not one token the grammar constrains the whole reply: a constrained reply has
-reasoning only where it starts with `<think>` (its grammar writes the block), else it is all content.
+reasoning only where it starts with `<think>` (its grammar writes the block), else it is all content. Under mistral
+the grammar applies from the start.
 """
 
 from __future__ import annotations
@@ -21,8 +26,20 @@ from dataclasses import dataclass
 
 from aserve.entrypoints.openai.responses import ChoiceState
 
-START, END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+@dataclass(frozen=True, slots=True)
+class Markers:
+    """A reasoning format's opening and closing markers; `special`: special tokens of the family's tokenizers (the
+    text keeps special tokens, else they would be gone from it)."""
+
+    start: str
+    end: str
+    special: bool = False
+
+
+THINK = Markers("<think>", "</think>")
+MARKERS = {"deepseek_r1": THINK, "qwen3": THINK, "mistral": Markers("[THINK]", "[/THINK]", special=True)}
+REASONING_PARSERS = tuple(MARKERS)
 
 
 # How a reply is read: FIRST (it starts in its reasoning), MARKED (reasoning only after a leading <think>), NONE
@@ -34,36 +51,69 @@ def reading(parser: str, constrained: bool = False, thinking: bool = True, defer
     the reasoning -> how its reply is read."""
     if parser == "qwen3" and not thinking:
         return NONE
+    if parser == "mistral":
+        return MARKED
     return MARKED if constrained and not deferred else FIRST
 
 
-def think_end_token(tokenizer) -> int | None:
-    """The id of `</think>` where it is one token of the tokenizer's vocabulary, else None."""
-    ids = tokenizer.encode(END, add_special_tokens=False)
+def _token(tokenizer, marker: str) -> int | None:
+    ids = tokenizer.encode(marker, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
 
 
-def reasoning_output(parser: str, params, req, tools, end_token: int | None):
+def think_end_token(tokenizer, parser: str = "deepseek_r1") -> int | None:
+    """The id of the parser's closing marker (`</think>`) where it is one token of the vocabulary, else None."""
+    return _token(tokenizer, MARKERS[parser].end)
+
+
+def reasoning_output(parser: str, params, req, tools, end_token: int | None, tokenizer=None):
     """A chat request's ReasoningOutput (wrapping its tool-call handling `tools`, already applied to `params`) ->
-    (it, the token its grammar waits for or None)."""
+    (it, the token its grammar waits for or None). `tokenizer`: counts the reasoning's tokens where its markers are
+    not tokens of the vocabulary."""
+    markers = MARKERS[parser]
+    if markers.special:
+        params.skip_special_tokens = False
     constrained = params.structured_outputs is not None
     # the switch as the template gets it: chat_template_kwargs', else reasoning_effort's ("none": off)
     thinking = (req.template_kwargs() or {}).get("enable_thinking", True) is not False
     # as vLLM: without include_reasoning the grammar applies from the start
     mode = reading(parser, constrained, thinking, deferred=end_token is not None and req.include_reasoning)
     after = end_token if constrained and mode == FIRST else None
-    return ReasoningOutput(mode, tools, req.include_reasoning), after
+    counter = ReasoningTokens(markers, tokenizer) if tokenizer is not None else None
+    return ReasoningOutput(mode, tools, req.include_reasoning, markers, counter), after
 
 
-def split_reasoning(mode: str, text: str) -> tuple[str | None, str]:
+def split_reasoning(mode: str, text: str, markers: Markers = THINK) -> tuple[str | None, str]:
     """A whole reply -> (its reasoning or None, its content)."""
     stripped = text.lstrip()
-    if stripped.startswith(START) and mode != NONE:
-        text = stripped[len(START) :]
+    if stripped.startswith(markers.start) and mode != NONE:
+        text = stripped[len(markers.start) :]
     elif mode != FIRST:
         return None, text
-    reasoning, end, content = text.partition(END)
+    reasoning, end, content = text.partition(markers.end)
     return reasoning, content if end else ""
+
+
+class ReasoningTokens:
+    """Counts a reply's reasoning tokens as vLLM does: the output tokens after the opening marker (or from the first,
+    a reply that starts in its reasoning) up to the closing one, where the markers are tokens of the vocabulary;
+    else as many tokens as the reasoning's text takes."""
+
+    def __init__(self, markers: Markers, tokenizer) -> None:
+        self.markers, self.tokenizer = markers, tokenizer
+        self.start_id, self.end_id = _token(tokenizer, markers.start), _token(tokenizer, markers.end)
+
+    def count(self, mode: str, text: str, token_ids: list[int]) -> int:
+        reasoning, _ = split_reasoning(mode, text, self.markers)
+        if not reasoning:
+            return 0
+        end = token_ids.index(self.end_id) if self.end_id in token_ids else None
+        if end is None and self.markers.end not in text:  # cut off in its reasoning: it runs to the last token
+            end = len(token_ids)
+        if end is None:
+            return min(len(token_ids), len(self.tokenizer.encode(reasoning, add_special_tokens=False)))
+        opened = self.start_id is not None and self.start_id in token_ids[:end]
+        return end - (token_ids.index(self.start_id) + 1 if opened else 0)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -95,13 +145,23 @@ class ReasoningOutput:
     """One chat request's reasoning split, wrapping its tool-call handling if it has one (the same interface as
     tool_output.ToolCallOutput: message, delta)."""
 
-    def __init__(self, mode: str, tools=None, include_reasoning: bool = True) -> None:
-        """mode: how replies are read (`reading`)."""
+    def __init__(self, mode: str, tools=None, include_reasoning: bool = True, markers: Markers = THINK,
+                 counter: ReasoningTokens | None = None) -> None:  # fmt: skip
+        """mode: how replies are read (`reading`); counter: counts the reasoning tokens for usage (None: not
+        reported)."""
         self.mode, self.tools, self.include_reasoning = mode, tools, include_reasoning
+        self.markers, self.counter = markers, counter
         self.streams: dict[int, _Stream] = {}
 
+    def completion_tokens_details(self, choices: list[ChoiceState]) -> dict | None:
+        """usage.completion_tokens_details for `choices`: their reasoning tokens."""
+        if self.counter is None:
+            return None
+        count = sum(self.counter.count(self.mode, c.text, c.output_token_ids) for c in choices)
+        return {"reasoning_tokens": count}
+
     def message(self, body_choice: dict, choice: ChoiceState) -> None:
-        reasoning, content = split_reasoning(self.mode, choice.text)
+        reasoning, content = split_reasoning(self.mode, choice.text, self.markers)
         message = body_choice["message"]
         message["content"] = content or None
         if reasoning is not None and self.include_reasoning:
@@ -126,27 +186,27 @@ class ReasoningOutput:
 
     def _advance(self, state: _Stream, text: str, finished: bool) -> tuple[str, str]:
         """The reply so far -> (reasoning, content) not sent yet, holding back a marker that may be forming."""
-        reasoning = ""
+        reasoning, start, end_marker = "", self.markers.start, self.markers.end
         if state.phase == "start":
             head = text.lstrip()
             if self.mode == NONE:
                 state.phase, state.content_start = "content", 0
-            elif head.startswith(START):
-                state.phase, state.sent = "reasoning", len(text) - len(head) + len(START)
-            elif START.startswith(head) and not finished:
+            elif head.startswith(start):
+                state.phase, state.sent = "reasoning", len(text) - len(head) + len(start)
+            elif start.startswith(head) and not finished:
                 return "", ""  # too short to tell
             elif self.mode == MARKED:
                 state.phase, state.content_start = "content", 0
             else:
                 state.phase = "reasoning"
         if state.phase == "reasoning":
-            end = text.find(END, max(0, state.sent - len(END) + 1))
+            end = text.find(end_marker, max(0, state.sent - len(end_marker) + 1))
             if end < 0:
-                stop = len(text) if finished else len(text) - _partial_suffix(text[state.sent :], END)
+                stop = len(text) if finished else len(text) - _partial_suffix(text[state.sent :], end_marker)
                 reasoning, state.sent = text[state.sent : stop], max(state.sent, stop)
                 return reasoning, ""
             reasoning = text[state.sent : end]
-            state.phase, state.sent = "content", end + len(END)
+            state.phase, state.sent = "content", end + len(end_marker)
             state.content_start = state.sent
         content, state.sent = text[state.sent :], len(text)
         return reasoning, content

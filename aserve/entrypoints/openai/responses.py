@@ -78,8 +78,10 @@ def error_body(message: str, type_: str = "invalid_request_error", param=None, c
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    """OpenAI's usage object; with `cached_tokens` (--enable-prompt-tokens-details), prompt_tokens_details too."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          completion_details: dict | None = None) -> dict:  # fmt: skip
+    """OpenAI's usage object; with `cached_tokens` (--enable-prompt-tokens-details), prompt_tokens_details too; with
+    `completion_details` (a reasoning parser's reasoning_tokens), completion_tokens_details."""
     out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -87,6 +89,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     }
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if completion_details is not None:
+        out["completion_tokens_details"] = completion_details
     return out
 
 

@@ -184,7 +184,8 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
         tools.adjust(params)
     grammar_after = None  # the token a grammar waits for (a reasoning model's end of thinking)
     if state.reasoning_parser is not None:  # the tool parser, if any, reads the content only
-        tools, grammar_after = reasoning_output(state.reasoning_parser, params, req, tools, state.think_end_token)
+        tools, grammar_after = reasoning_output(state.reasoning_parser, params, req, tools, state.think_end_token,
+                                                state.engine.config.tokenizer)  # fmt: skip
     await state.compile_grammar(req, params)
     conversation = req.conversation(state.chat_content_parts(req))
     ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs(),
@@ -302,7 +303,8 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     if req.return_token_ids:
         add_token_ids(body, choices, chat, final=True)
     cached = cached_tokens(choices, n) if state.enable_prompt_tokens_details else None
-    body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)
+    details = tools.completion_tokens_details(choices) if tools is not None else None
+    body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices), cached, details)
     return json_response(body if reply is None else reply.body(body, choices))
 
 
@@ -430,7 +432,7 @@ def build_app(
     state = app[STATE_KEY] = ServerState(engine, served_model_name, api_key)
     state.response_role = response_role
     state.reasoning_parser = reasoning_parser
-    state.think_end_token = think_end_token(engine.config.tokenizer) if reasoning_parser else None
+    state.think_end_token = think_end_token(engine.config.tokenizer, reasoning_parser) if reasoning_parser else None
     state.log_requests = log_requests
     state.trust_request_chat_template = trust_request_chat_template
     state.default_template_kwargs = default_chat_template_kwargs or None

@@ -67,6 +67,10 @@ class ToolCallOutput:
     def new_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else call_id()
 
+    def completion_tokens_details(self, choices: list[ChoiceState]) -> dict | None:
+        """usage.completion_tokens_details: none without a reasoning parser (reasoning.ReasoningOutput's)."""
+        return None
+
     def adjust(self, params: SamplingParams) -> None:
         """A parser whose markers are special tokens needs them in the decoded text (in every mode, as vLLM's parsers
         ask whenever the request has tools and tool_choice is not "none")."""
