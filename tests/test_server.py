@@ -458,3 +458,22 @@ async def test_tokenizer_info_endpoint(llm_engine):
         assert (await resp.json())["tokens"] == [tokenizer.eos_token_id]
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"stream": True, "stream_options": {"include_usage": True, "frobnicate": 1}}, "stream_options"),
+    ({"response_format": {"type": "json_object", "frobnicate": 1}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "frobnicate": 1}}},
+     "response_format.json_schema"),
+])  # fmt: skip
+async def test_unknown_fields_are_refused_at_any_depth(client, llm_engine, body, param):
+    """A field aserve does not know is a 400 naming it (OpenAI's answer at the top level), inside the request's
+    objects too: never parsed and ignored."""
+    resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 2, **body})  # fmt: skip
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == param and "frobnicate" in error["message"]
+    assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status == 200
+    assert_idle(llm_engine)

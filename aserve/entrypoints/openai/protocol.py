@@ -35,7 +35,7 @@ TEMPLATE_CONTROLS = frozenset({"add_generation_prompt", "continue_final_message"
                                 "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})  # fmt: skip
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = None  # None: as continuous_usage_stats
     continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk too
     include_obfuscation: bool | None = None  # accepted: aserve's chunks carry no obfuscation padding

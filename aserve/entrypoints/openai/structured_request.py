@@ -16,7 +16,7 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 _STRUCTURED_OUTPUTS_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
 
 
-class JSONSchemaFormat(msgspec.Struct, kw_only=True):
+class JSONSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """OpenAI's `response_format.json_schema`. The output follows `schema` whatever `strict` says (strictly)."""
 
     name: str | None = None
@@ -25,7 +25,7 @@ class JSONSchemaFormat(msgspec.Struct, kw_only=True):
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
 
     type: str
