@@ -69,6 +69,9 @@ def test_repo_ids_resolve_from_the_local_cache(hf_home, tiny_model, monkeypatch)
     # --revision: another ref of the same repo (EngineArgs, as `aserve serve --revision v2` builds them)
     other = LLMEngine(EngineArgs(model="tiny-org/tiny", revision="v2", **engine_kwargs()))
     assert other.config.model_dir.endswith(os.path.join("snapshots", V2))
+    offline = LLM("tiny-org/tiny", revision="v2", tokenizer="tiny-org/tok", tokenizer_revision="main",
+                  **engine_kwargs())  # fmt: skip
+    assert offline.engine.config.model_dir == other.config.model_dir
     # --download-dir: vLLM's cache directory, looked in instead of HF_HOME's
     monkeypatch.setenv("HF_HOME", "/nonexistent")
     elsewhere = LLM("tiny-org/tiny", download_dir=os.path.join(hf_home, "hub"), **engine_kwargs())

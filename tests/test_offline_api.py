@@ -53,8 +53,8 @@ def test_max_logprobs_minus_one_gives_the_vocabulary(tiny_model):
 
 @pytest.mark.parametrize("args, message", [
     ({"max_model_len": 0}, "max_model_len must be >= 1"), ({"device": "tpu"}, "device must be auto, cpu or cuda"),
-    ({"enable_chunked_prefill": False}, "prompts are always chunked"), ({"revision": "main"}, "no model hub"),
-    ({"kv_cache_memory_gb": -1}, "kv_cache_memory_gb must be > 0"), ({"tokenizer_mode": "slow"}, "fast tokenizer"),
+    ({"enable_chunked_prefill": False}, "always chunks prompts"), ({"revision": "main"}, "is not one"),
+    ({"kv_cache_memory_gb": -1}, "kv_cache_memory_gb must be > 0"), ({"tokenizer_mode": "slow"}, "fast \\(Rust\\)"),
     ({"load_format": "pt"}, "load_format must be auto"),
 ])  # fmt: skip
 def test_engine_arguments_refused_clearly(tiny_model, args, message):

@@ -22,13 +22,7 @@ _ANY = object()
 # vLLM's arguments for what aserve does one way only: (the value that means that way, or _ANY, why); other values are
 # refused, never taken and ignored
 _FIXED = {
-    "trust_remote_code": (_ANY, "architectures are built in; no checkpoint code runs"),
-    "swap_space": (_ANY, "preemption recomputes; nothing is swapped"),
     "disable_log_stats": (_ANY, "the offline API logs no stats"),
-    "enable_chunked_prefill": (True, "prompts are always chunked"),
-    "tokenizer_mode": ("auto", "the model's fast tokenizer runs"),
-    "revision": (None, "there is no model hub here: pass a local directory"),
-    "tokenizer_revision": (None, "there is no model hub here: pass a local directory"),
 }
 _POOLING = "aserve serves generative models only (no embeddings, scores, classes or rewards)"
 _CONTENT_FORMATS = ("auto", "string", "openai")
