@@ -98,7 +98,7 @@ def test_https_root_path_and_load_from_a_config_file(tiny_model, tmp_path):
 
 async def test_content_format_string_joins_parts_for_every_template(tiny_model):
     """string: content parts joined with newlines even for a template that loops over them (auto passes it the
-    list); a request's own template too."""
+    list); openai: every content a list, a string one part (vLLM's); a request's own template too."""
     from transformers import AutoTokenizer
 
     from aserve.entrypoints.openai.server_state import STATE_KEY
@@ -106,8 +106,9 @@ async def test_content_format_string_joins_parts_for_every_template(tiny_model):
     engine = LLMEngine(EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=128))
     engine.config.tokenizer.chat_template = LOOPING_TEMPLATE
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    for content_format, rendered in (("auto", "a|b|"), ("string", "a\nb"), ("openai", "a|b|")):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c"}]  # fmt: skip
+    for content_format, rendered in (("auto", "a|b|c"), ("string", "a\nbc"), ("openai", "a|b|c|")):
         client = await make_client(engine, trust_request_chat_template=True)
         try:
             ServeOptions(content_format=content_format).setup_app(client.server.app)

@@ -112,7 +112,7 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         state.add_template_defaults(req)
         chat = req.chat_request()
-        conversation = chat.conversation(state.chat_content_parts(chat))
+        conversation = state.conversation(chat)
         ids = await state.engine.render_chat(conversation, chat.add_generation_prompt, chat.template_kwargs(),
                                              bool(req.add_special_tokens))  # fmt: skip
     body = {"tokens": ids, "count": len(ids), "max_model_len": state.engine.config.max_model_len}
@@ -187,7 +187,7 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
         tools, grammar_after = reasoning_output(state.reasoning_parser, params, req, tools, state.think_end_token,
                                                 state.engine.config.tokenizer)  # fmt: skip
     await state.compile_grammar(req, params)
-    conversation = req.conversation(state.chat_content_parts(req))
+    conversation = state.conversation(req)
     ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs(),
                                          bool(req.add_special_tokens))  # fmt: skip
     ids = req.truncate(ids, params, state.engine.config.max_model_len)

@@ -12,7 +12,7 @@ from aiohttp import web
 from aserve import envs
 from aserve.core.metrics import PrometheusMetrics
 from aserve.engine.async_engine import AsyncEngine
-from aserve.entrypoints.chat_utils import takes_content_parts
+from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
 from aserve.entrypoints.openai.connections import BodyReader, ConnectionGuard
 from aserve.entrypoints.openai.event_stream import FlowControl
 from aserve.entrypoints.openai.protocol import APIError, _GenerationRequest
@@ -116,6 +116,12 @@ class ServerState:
         if self.content_format != "auto":
             return self.content_format == "openai"
         return self.content_parts if req.chat_template is None else takes_content_parts(req.chat_template)
+
+    def conversation(self, req) -> list[dict]:
+        """A chat request's messages in the shape its template takes (chat_utils.parse_conversation): parts kept as
+        chat_content_parts says; --chat-template-content-format openai: every content a list of parts, a string
+        one text part (vLLM's)."""
+        return parse_conversation(req.messages, self.chat_content_parts(req), all_parts=self.content_format == "openai")
 
     def sampling_params(self, req: _GenerationRequest):
         """The request's parameters; max_tokens None: up to the context length (the engine resolves it per prompt,
