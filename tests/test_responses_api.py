@@ -336,6 +336,11 @@ async def test_reasoning_items_with_a_reasoning_parser(llm_engine):
         assert deltas(events, "response.reasoning_text.delta") == reasoning.content[0].text
         assert deltas(events, "response.output_text.delta") == r.output_text
         assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+        streamed_usage = events[-1].response.usage.output_tokens_details.reasoning_tokens
+        thinking = await client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
+                                                        extra_body=request["extra_body"], **GREEDY)  # fmt: skip
+        counted = thinking.usage.completion_tokens_details.reasoning_tokens  # chat's count of the same reply
+        assert r.usage.output_tokens_details.reasoning_tokens == streamed_usage == counted
         off = await client.responses.create(reasoning={"effort": "none"}, **request)
         assert [i.type for i in off.output] == ["message"] and off.output_text.startswith("<think>")
         assert off.reasoning.effort == "none" and off.usage.output_tokens_details.reasoning_tokens == 0

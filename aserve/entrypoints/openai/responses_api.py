@@ -35,9 +35,7 @@ class ResponsesEndpoint:
             history = self._history(req)
             chat = req.chat_request(history)
             state.add_template_defaults(chat)
-            config = state.engine.config
-            reply = ResponseReply(req, state.model_name, config.default_sampling, config.tokenizer,
-                                  state.think_end_token, history, self.store)  # fmt: skip
+            reply = ResponseReply(req, state.model_name, state.engine.config.default_sampling, history, self.store)
             return await self.run_chat(request, state, chat, reply)
         except (ParamError, APIError) as e:  # named as the Responses request names the field
             e.param = responses_param(e.param)

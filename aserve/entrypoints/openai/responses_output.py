@@ -31,9 +31,9 @@ class ResponseReply:
 
     id_prefix = "resp_"
 
-    def __init__(self, req: ResponsesRequest, model: str, defaults: dict, tokenizer, think_end_token: int | None,
-                 history: list, store: ResponseStore | None) -> None:  # fmt: skip
-        self.req, self.model, self.tokenizer, self.think_end_token = req, model, tokenizer, think_end_token
+    def __init__(self, req: ResponsesRequest, model: str, defaults: dict, history: list,
+                 store: ResponseStore | None) -> None:  # fmt: skip
+        self.req, self.model = req, model
         self.history, self.store = history, store
         # the sampling parameters echoed as they apply: the request's, else the model's generation config's
         self.temperature = req.temperature if req.temperature is not None else defaults.get("temperature", 1.0)
@@ -48,30 +48,19 @@ class ResponseReply:
         choice, (state,) = chat_body["choices"][0], choices
         status = response_status(choice["finish_reason"])
         output = output_items(choice["message"], choice["logprobs"], status)
-        return self.finish(chat_body["id"], chat_body["created"], status, output, state)
+        details = chat_body["usage"].get("completion_tokens_details")
+        return self.finish(chat_body["id"], chat_body["created"], status, output, state, details)
 
-    def finish(self, response_id: str, created: int, status: str, output: list[dict], choice: ChoiceState) -> dict:
-        """The finished response (stored if asked for)."""
-        reasoning = "".join(c["text"] for item in output if item["type"] == "reasoning" for c in item["content"])
-        texts = [c["text"] for item in output if item["type"] == "message" for c in item["content"]]
+    def finish(self, response_id: str, created: int, status: str, output: list[dict], choice: ChoiceState,
+               details: dict | None) -> dict:  # fmt: skip
+        """The finished response (stored if asked for); `details`: the chat usage's completion_tokens_details (the
+        reasoning parser's count of reasoning tokens; None without one)."""
         usage = response_usage(len(choice.prompt_token_ids), choice.num_tokens, cached_tokens([choice], 1),
-                               self.reasoning_tokens(choice.output_token_ids, reasoning, any(texts)))  # fmt: skip
+                               (details or {}).get("reasoning_tokens", 0))  # fmt: skip
         response = self.response(response_id, created, status, output, usage)
         if self.store is not None and self.req.store is not False:
             self.store.put(response, [*self.history, *self.req.input_items(), *output])
         return response
-
-    def reasoning_tokens(self, token_ids: list[int], reasoning: str, has_text: bool) -> int:
-        """The output tokens spent reasoning: those before `</think>` where it is one token of the vocabulary (as
-        vLLM counts them), all of them for a reply that never left its reasoning, else as many as the reasoning's
-        text takes."""
-        if not reasoning:
-            return 0
-        if self.think_end_token in token_ids:
-            return token_ids.index(self.think_end_token)
-        if not has_text:
-            return len(token_ids)
-        return min(len(token_ids), len(self.tokenizer.encode(reasoning, add_special_tokens=False)))
 
     def response(self, response_id: str, created: int, status: str, output: list[dict], usage: dict | None = None,
                  error: dict | None = None) -> dict:  # fmt: skip

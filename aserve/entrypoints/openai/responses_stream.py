@@ -112,7 +112,9 @@ class ResponseEventStream(EventStream):
         out = self._close(status)
         if not self.items:
             out += self._add("message") + self._close(status)
-        response = self.reply.finish(self.request_id, self.created, status, [i.done for i in self.items], choice)
+        details = self.tools.completion_tokens_details([choice]) if self.tools is not None else None
+        response = self.reply.finish(self.request_id, self.created, status, [i.done for i in self.items], choice,
+                                     details)  # fmt: skip
         return out + self.event("response.completed", response=response)
 
     def error_events(self, message: str, status: int) -> bytes:
