@@ -231,8 +231,7 @@ def routed_gate_up(x, router_logits, w13, act, top_k: int, renormalize: bool, bl
         w13_scale if w13_scale is not None else act, t, e, router_logits.stride(0), n, k, num_blocks, x.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), w13_scale.stride(0) if w13_scale is not None else 0,
         B_SCALED=w13_scale is not None, IEEE=x.dtype == torch.float32, USE_PDL=pdl.ENABLED,
-        **{name: v for name, v in one_program.items() if name != "BLOCK_M"}, BLOCK_M=block_m, **cfg,
-        **pdl.launch_kwargs(),
+        **one_program, **cfg, **pdl.launch_kwargs(),
     )  # fmt: skip
     return weights, ids, sorted_slots, block_experts
 
