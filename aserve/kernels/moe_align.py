@@ -158,13 +158,18 @@ def routing_buffers(t: int, e: int, top_k: int, block_m: int, device) -> tuple:
             torch.empty(t, top_k, dtype=torch.int32, device=device))  # fmt: skip
 
 
+def _layout_chunk(block_e: int) -> int:
+    """Blocks whose experts one step of _layout_blocks finds (a [CHUNK, BLOCK_E] comparison)."""
+    return max(16, 4096 // block_e)
+
+
 def one_program_routing(t: int, e: int, top_k: int, renormalize: bool, block_m: int) -> dict | None:
     """The constants of route_rows for t tokens over e experts, or None past what one program routes."""
     slots, block_e = triton.next_power_of_2(t * top_k), triton.next_power_of_2(e)
     if slots > ROUTE_ALIGN_MAX_SLOTS or slots * block_e > ROUTE_ALIGN_MAX_ELEMENTS:
         return None
     return dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, SLOTS=slots,
-                BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=max(16, 4096 // block_e), FILL=1024)  # fmt: skip
+                BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=_layout_chunk(block_e), FILL=1024)  # fmt: skip
 
 
 def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
@@ -181,13 +186,12 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
                                   **pdl.launch_kwargs())  # fmt: skip
         return weights, ids, sorted_slots, block_experts
     block_e = triton.next_power_of_2(e)
-    chunk = max(16, 4096 // block_e)  # blocks whose experts one step of the layout finds
     ranks = torch.empty(t, top_k, dtype=torch.int32, device=dev)
     counts = torch.zeros(e, dtype=torch.int32, device=dev)
     starts = torch.empty(e, dtype=torch.int32, device=dev)
     moe_routing.route(router_logits, top_k, renormalize, ranks, counts, weights, ids)
     _offsets_kernel[(1,)](counts, starts, block_experts, sorted_slots, n, num_blocks, e, BLOCK_M=block_m,
-                          BLOCK_E=block_e, CHUNK=chunk, FILL=1024, USE_PDL=pdl.ENABLED,
+                          BLOCK_E=block_e, CHUNK=_layout_chunk(block_e), FILL=1024, USE_PDL=pdl.ENABLED,
                           **pdl.launch_kwargs())  # fmt: skip
     _scatter_kernel[(triton.cdiv(n, 1024),)](ids, ranks, starts, sorted_slots, n, BLOCK=1024, USE_PDL=pdl.ENABLED,
                                              **pdl.launch_kwargs())  # fmt: skip
