@@ -113,3 +113,28 @@ async def test_use_beam_search_over_http(llm):
         assert_idle(llm.engine)
     finally:
         await client.close()
+
+
+async def test_use_beam_search_cache_salt(llm):
+    """A beam search's steps carry the request's cache_salt: they share prefix-cache blocks with the same tenant's
+    earlier search and not with another tenant's."""
+    from test_server import make_client, metric
+
+    client = await make_client(llm.engine)
+    body = {"prompt": list(range(10, 50)), "n": 2, "max_tokens": 3, "temperature": 0, "use_beam_search": True}
+
+    async def hits_of(salt) -> float:
+        before = metric(await (await client.get("/metrics")).text(), "aserve:prefix_cache_hits_total")
+        resp = await client.post("/v1/completions", json={**body, **({} if salt is None else {"cache_salt": salt})})
+        assert resp.status == 200
+        return metric(await (await client.get("/metrics")).text(), "aserve:prefix_cache_hits_total") - before
+
+    try:
+        await hits_of(None)
+        again = await hits_of(None)  # an earlier search of the same prompt: every step hits its blocks
+        first = await hits_of("tenant-a")  # no earlier search of this tenant: its later steps hit its own blocks only
+        assert first < again
+        assert await hits_of("tenant-a") == again
+        assert await hits_of("tenant-b") == first
+    finally:
+        await client.close()

@@ -53,7 +53,7 @@ REFUSED_VALUES = {
 IGNORED_VALUES = {
     "user": "u-1", "safety_identifier": "s-1", "store": True, "metadata": {"k": "v"}, "service_tier": "flex",
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "explicit"},
-    "session_id": "s-1", "spaces_between_special_tokens": False,
+    "session_id": "s-1",
     "return_token_offsets": True, "return_mm_kwargs": False, "routed_experts_prompt_start": 3,
 }  # fmt: skip
 
@@ -268,6 +268,17 @@ def _skip_special_tokens(client, chat, base):
     assert kept == "<|im_start|>" * 2
 
 
+def _spaces_between_special_tokens(client, chat, base):
+    """Byte-level BPE (SmolLM2's) puts no space between added tokens either way (the WordPiece case, where the flag
+    changes the text: test_offline_vllm_compat.py)."""
+    special = prompt_ids(base[True])[0]
+    fields = {"allowed_token_ids": [special], "max_tokens": 2, "skip_special_tokens": False}
+    assert text(call(client, chat, spaces_between_special_tokens=False, **fields)) == "<|im_start|>" * 2
+    body = {"model": MODEL, "spaces_between_special_tokens": False, **({"messages": COUNT} if chat else {"prompt": ""})}
+    request = msgspec.convert(body, ChatCompletionRequest if chat else CompletionRequest)
+    assert request.to_sampling_params(8).spaces_between_special_tokens is False
+
+
 def _cache_salt(client, chat, base):
     long = {} if chat else {"prompt": "one, two, three, " * 8}  # more than two KV blocks of prompt
     for _ in range(2):
@@ -416,6 +427,7 @@ IMPLEMENTED = {
     "guided_grammar": _structured("guided_grammar", 'root ::= "hi" | "ho"', lambda t: t in ("hi", "ho")),
     "tools": _tools, "tool_choice": _tool_choice, "parallel_tool_calls": _parallel_tool_calls,
     "ignore_eos": _ignore_eos, "min_tokens": _min_tokens, "skip_special_tokens": _skip_special_tokens,
+    "spaces_between_special_tokens": _spaces_between_special_tokens,
     "bad_words": _bad_words,
     "cache_salt": _cache_salt, "allowed_token_ids": _allowed_token_ids,
     "truncate_prompt_tokens": _truncate_prompt_tokens, "return_token_ids": _return_token_ids,

@@ -1,8 +1,8 @@
 """`use_beam_search` on /v1/completions and /v1/chat/completions (vLLM's request field): each prompt's n best beams
-(aserve/beam_search.py; beam_width = n, with the request's max_tokens, ignore_eos, temperature and length_penalty) are
-its n choices, best first, their text the generated tokens' (an end-of-sequence token left out). The response comes
-whole: a stream, logprobs, echo, tools, structured output and the sampling fields its steps do not apply are refused
-with it (_REFUSED)."""
+(aserve/beam_search.py; beam_width = n, with the request's max_tokens, ignore_eos, temperature, length_penalty and
+cache_salt) are its n choices, best first, their text the generated tokens' (an end-of-sequence token left out). The
+response comes whole: a stream, logprobs, echo, tools, structured output and the sampling fields its steps do not
+apply are refused with it (_REFUSED)."""
 
 from __future__ import annotations
 
@@ -52,11 +52,13 @@ def check_beam_request(req, max_logprobs: int) -> None:
                          "candidates' logprobs (--max-logprobs)")  # fmt: skip
 
 
-async def search(engine: AsyncEngine, ids: list[int], params: BeamSearchParams, request_id: str):
-    """One prompt's beam search over the engine, a one-token request per live beam per step."""
+async def search(engine: AsyncEngine, ids: list[int], params: BeamSearchParams, request_id: str,
+                 cache_salt: str | None = None):  # fmt: skip
+    """One prompt's beam search over the engine, a one-token request per live beam per step (salted with the
+    request's cache_salt: its steps share prefix-cache blocks only with that tenant's requests)."""
     config = engine.config
     beams = BeamSearch([ids], params, config.eos_token_id, config.max_model_len)
-    step = params.step_params()
+    step = params.step_params().clone(cache_salt=cache_salt)
     while not beams.done:
         streams = []
         try:
@@ -95,7 +97,8 @@ async def beam_response(state, req, request_id: str, engine_id: str, prompts, ch
         searches.append((ids, BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens or room,
                                                ignore_eos=params.ignore_eos, temperature=params.temperature,
                                                length_penalty=req.length_penalty)))  # fmt: skip
-    tasks = [asyncio.ensure_future(search(engine, ids, p, f"{engine_id}-{i}")) for i, (ids, p) in enumerate(searches)]
+    tasks = [asyncio.ensure_future(search(engine, ids, p, f"{engine_id}-{i}", req.cache_salt))
+             for i, (ids, p) in enumerate(searches)]  # fmt: skip
     try:
         found = [output.sequences for output in await asyncio.gather(*tasks)]
     finally:  # one search failing (or the client leaving) ends the others, and their step requests

@@ -72,6 +72,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
@@ -91,7 +92,6 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     stream_interval: int | None = None  # streamed chunks of at least this many tokens (raises --stream-interval)
     # vLLM's fields that aserve accepts without effect or refuses (request_fields.py)
     session_id: str | None = None
-    spaces_between_special_tokens: bool = True
     length_penalty: float = 1.0
     return_token_offsets: bool | None = None
     return_mm_kwargs: bool = True
@@ -230,6 +230,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
             prompt_logprobs=self.num_prompt_logprobs(),
             logit_bias=self.token_logit_bias(),
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             cache_salt=self.cache_salt,
             structured_outputs=self.structured_outputs_params(),
             allowed_token_ids=self.allowed_token_ids,

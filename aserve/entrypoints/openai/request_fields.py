@@ -16,8 +16,6 @@ IGNORED_FIELDS = {
     "prompt_cache_retention": "OpenAI's prompt-cache lifetime",
     "prompt_cache_options": "OpenAI's prompt-cache breakpoints",
     "session_id": "vLLM's session id for routing related requests",
-    "spaces_between_special_tokens": "fast tokenizers (aserve's) put no spaces between special tokens either way, "
-    "as in vLLM",
     "return_token_offsets": "vLLM's render endpoints only (ignored by its generation endpoints too)",
     "return_mm_kwargs": "vLLM's render endpoints only (ignored by its generation endpoints too)",
     "routed_experts_prompt_start": "vLLM's routed-expert data, which aserve does not return (nor vLLM by default)",
