@@ -1,24 +1,39 @@
 """SmolLM3 (`SmolLM3ForCausalLM`): the Llama decoder in which some layers use no rotary at all (NoPE: config
 `no_rope_layers`, 1 where a layer turns q and k, 0 where it does not; every fourth layer in the released models).
 A NoPE layer is given cos 1 and sin 0 in place of the step's tables, so the rotary it runs leaves q and k as they
-are. Everything else is the Llama family's.
+are. The step's rotary (NoPERotary) builds both pairs of tables once; each layer takes its own. Everything else is
+the Llama family's.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from aserve.models.llama import DecoderLayer, LlamaForCausalLM
+
+
+class NoPERotary(nn.Module):
+    """The family's rotary -> (cos, sin, 1, 0): the step's tables, then the identity tables of the same shape."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        super().__init__()
+        self.inner = rotary
+
+    def materialize(self, device: torch.device) -> None:
+        self.inner.materialize(device)
+
+    def forward(self, positions, dtype, meta=None):
+        cos, sin = self.inner(positions, dtype, meta)
+        return cos, sin, torch.ones_like(cos), torch.zeros_like(sin)
 
 
 class SmolLM3DecoderLayer(DecoderLayer):
     uses_rope = True  # set per layer from no_rope_layers
 
     def forward(self, rotary_cos_sin, x, residual, kv_cache, meta):
-        if not self.uses_rope:
-            cos, sin = rotary_cos_sin
-            rotary_cos_sin = (torch.ones_like(cos), torch.zeros_like(sin))
-        return super().forward(rotary_cos_sin, x, residual, kv_cache, meta)
+        tables = rotary_cos_sin[:2] if self.uses_rope else rotary_cos_sin[2:]
+        return super().forward(tables, x, residual, kv_cache, meta)
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
@@ -32,3 +47,4 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"no_rope_layers has {len(flags)} entries for {len(self.layers)} layers")
         for layer, uses_rope in zip(self.layers, flags):
             layer.uses_rope = bool(uses_rope)
+        self.rotary = NoPERotary(self.rotary)
