@@ -21,10 +21,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs (with logprobs asked for)
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    logprobs: SampleLogprobs | None = None
-    cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs (with logprobs asked for)
     lora_request: None = None  # (vLLM's; aserve runs no LoRA adapters)
 
     def finished(self) -> bool:

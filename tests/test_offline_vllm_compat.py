@@ -12,6 +12,7 @@ from aserve import LLM, SamplingParams, StructuredOutputsParams
 from aserve.beam_search import BeamSearchParams
 from aserve.core.outputs import EngineCoreOutput
 from aserve.engine.output_processor import OutputProcessor
+from aserve.outputs import CompletionOutput, Logprob
 from aserve.sampling_params import ParamError, RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -129,6 +130,10 @@ def test_request_output_has_vllms_fields(llm):
     assert (out.metrics, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids) == (None,) * 4
     assert out.kv_transfer_params is None and out.outputs[0].lora_request is None
     assert out.outputs[0].finished() is True and out.finished is True
+    # vLLM's positional order: index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason
+    built = CompletionOutput(0, "a", [7], -0.5, [{7: Logprob(-0.5, 1, "a")}], "stop", "\n")
+    assert (built.cumulative_logprob, built.logprobs[0][7].rank, built.finish_reason, built.stop_reason) == (
+        -0.5, 1, "stop", "\n")  # fmt: skip
 
 
 def test_llm_methods(llm):

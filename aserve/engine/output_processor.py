@@ -252,10 +252,9 @@ class OutputProcessor:
                 logprobs = (list(state.logprobs[i]) if copy else state.logprobs[i]) if want_logprobs else None
             state.sent_text[i], state.sent_tokens[i] = text_end, n_tokens
             state.finish_sent[i] = finished
-            reason = state.finish_reasons[i]
             cumulative = state.cumulative_logprobs[i] if want_logprobs else None  # of all its tokens (as vLLM)
-            completions.append(CompletionOutput(i, text, token_ids, reason, state.stop_reasons[i], logprobs,
-                                                cumulative))  # fmt: skip
+            completions.append(CompletionOutput(i, text, token_ids, cumulative, logprobs, state.finish_reasons[i],
+                                                state.stop_reasons[i]))  # fmt: skip
         if not completions:
             return None
         prompt_logprobs = state.prompt_logprobs

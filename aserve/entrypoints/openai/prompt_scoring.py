@@ -42,7 +42,7 @@ class Echo:
                 choice.logprobs += entries
                 choice.delta_logprobs += entries
         if self.score_only:
-            return CompletionOutput(comp.index, "", [], comp.finish_reason, comp.stop_reason, None)
+            return CompletionOutput(comp.index, "", [], finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
         return comp
 
 
