@@ -28,6 +28,10 @@ class StepStats:
     queue_time: list[float] = field(default_factory=list)
     e2e_latency: list[float] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)
+    num_corrupted: int = 0  # requests ended because their logits were not finite
+    # Per request whose last sample finished (vLLM's parent request): its n, and its longest sample's tokens
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
     # Per finished sequence: (prompt tokens, generated tokens, max_tokens), and its times first scheduled -> finish,
     # first scheduled -> first token (prefill), first token -> finish (decode)
     finished_tokens: list[tuple[int, int, int | None]] = field(default_factory=list)
@@ -58,6 +62,7 @@ class EngineStats:
     spec_accepted_tokens_total: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_deferred: int = 0  # of the waiting: paused, or their grammar still compiling
     kv_cache_usage: float = 0.0
     listeners: list[Callable[[StepStats, EngineStats], None]] = field(default_factory=list)
     _pending: StepStats = field(default_factory=StepStats)
@@ -92,9 +97,22 @@ class EngineStats:
         for i in range(num_accepted):
             step.spec_accepted_by_position[i] += 1
 
+    def on_corrupted(self) -> None:
+        self._pending.num_corrupted += 1
+
     def on_request_finished(self, request, now: float) -> None:
         step = self._pending
         step.finished_reasons.append(request.status.finish_reason)
+        group = request.sample_group
+        if group is None:
+            step.n_params.append(1)
+            step.max_num_generation_tokens.append(request.num_output_tokens)
+        else:
+            group.num_unfinished -= 1
+            group.max_num_generation_tokens = max(group.max_num_generation_tokens, request.num_output_tokens)
+            if group.num_unfinished == 0:
+                step.n_params.append(group.n)
+                step.max_num_generation_tokens.append(group.max_num_generation_tokens)
         step.e2e_latency.append(now - request.arrival_time)
         step.finished_tokens.append((request.num_prompt_tokens, request.num_output_tokens,
                                      request.sampling_params.max_tokens))  # fmt: skip
@@ -129,6 +147,8 @@ class EngineStats:
         self.prefix_cache_hits_total = kv_manager.stats.hits
         self.num_running = scheduler.num_running
         self.num_waiting = scheduler.num_waiting
+        self.num_waiting_deferred = sum(1 for r in scheduler.waiting if r.paused or (
+            r.grammar is not None and not r.grammar.future.done()))  # fmt: skip
         self.kv_cache_usage = kv_manager.usage
         for listener in self.listeners:
             listener(step, self)
@@ -171,17 +191,33 @@ class PeriodicLogger:
         self._last_drafts, self._last_accepted = stats.spec_drafts_total, stats.spec_accepted_tokens_total
 
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's buckets, so that histograms from both servers aggregate and `le` selectors carry over
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets of per-request token counts, to max_model_len)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class PrometheusMetrics:
     def __init__(self, model_name: str, registry: prometheus_client.CollectorRegistry | None = None,
-                 cache_config: dict | None = None) -> None:  # fmt: skip
-        """`cache_config`: the KV cache's settings, exported as the labels of cache_config_info (vLLM's)."""
+                 cache_config: dict | None = None, max_model_len: int = 1_000_000) -> None:  # fmt: skip
+        """`cache_config`: the KV cache's settings, exported as the labels of cache_config_info (vLLM's);
+        `max_model_len`: where the buckets of the per-request token histograms end."""
         # no `*_created` series beside every counter and histogram (as vLLM does)
         prometheus_client.disable_created_metrics()
         self.registry = registry or prometheus_client.CollectorRegistry()
@@ -207,12 +243,21 @@ class PrometheusMetrics:
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        waiting_by_reason = prometheus_client.Gauge(
+            "aserve:num_requests_waiting_by_reason", "Waiting requests by reason: capacity (room in the batch), "
+            "deferred (paused by flow control, or their grammar compiling); they sum to num_requests_waiting.",
+            [*labels, "reason"], registry=r,
+        )  # fmt: skip
+        self.num_waiting_capacity = waiting_by_reason.labels(model_name, "capacity")
+        self.num_waiting_deferred = waiting_by_reason.labels(model_name, "deferred")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.num_requests_open = gauge(
             "num_requests_open", "Engine requests the server holds for clients (admitted, not yet released by their "
             "handler): 0 when idle; above running + waiting, handlers that never let go of finished requests.",
         )  # fmt: skip
         self.num_preemptions = counter("num_preemptions", "Preemptions (requests recomputed later).")
+        self.corrupted_requests = counter("corrupted_requests", "Requests ended because their logits were not "
+                                          "finite (NaN or infinity).")  # fmt: skip
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -250,33 +295,41 @@ class PrometheusMetrics:
             "http_stream_pauses", "Times a stream's requests were paused (left out of the batch) because its client "
             "had not read the events of the step before (flow control).",
         )  # fmt: skip
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
-        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
-        self.request_queue_time = histogram(
-            "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
-        )
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                                             _REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                            _REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          _ITERATION_TOKEN_BUCKETS)  # fmt: skip
         # vLLM's per-request histograms (here per finished sequence: each of n samples counts)
+        token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished sequence.",
-                                               _TOKEN_BUCKETS)  # fmt: skip
+                                               token_buckets)  # fmt: skip
         self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated per finished "
-                                                   "sequence.", _TOKEN_BUCKETS)  # fmt: skip
+                                                   "sequence.", token_buckets)  # fmt: skip
         self.request_params_max_tokens = histogram("request_params_max_tokens", "max_tokens per finished sequence.",
-                                                   _TOKEN_BUCKETS)  # fmt: skip
+                                                   token_buckets)  # fmt: skip
+        # ... and per request (once its last sample finished): its n, and the tokens of its longest sample
+        self.request_params_n = histogram("request_params_n", "The n parameter per finished request.", _N_BUCKETS)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Per finished request: the tokens generated by its longest sample.",
+            token_buckets,
+        )  # fmt: skip
         self.request_inference_time = histogram("request_inference_time_seconds", "First scheduled to finish.",
-                                                _LATENCY_BUCKETS)  # fmt: skip
+                                                _REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
-                                              _LATENCY_BUCKETS)  # fmt: skip
+                                              _REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.request_decode_time = histogram("request_decode_time_seconds", "First token to finish.",
-                                             _LATENCY_BUCKETS)  # fmt: skip
+                                             _REQUEST_LATENCY_BUCKETS)  # fmt: skip
         self.request_time_per_output_token = histogram(
             "request_time_per_output_token_seconds", "Per finished sequence: first token to finish over the tokens "
             "after the first.", _ITL_BUCKETS,
         )  # fmt: skip
         self.request_prefill_kv_computed_tokens = histogram(
             "request_prefill_kv_computed_tokens", "Per sequence that started generating: prompt tokens computed (not "
-            "served from the prefix cache).", _TOKEN_BUCKETS,
+            "served from the prefix cache).", token_buckets,
         )  # fmt: skip
         self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (requests x steps).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
@@ -290,8 +343,11 @@ class PrometheusMetrics:
         """An EngineStats listener."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
+        self.num_waiting_capacity.set(stats.num_waiting - stats.num_waiting_deferred)
+        self.num_waiting_deferred.set(stats.num_waiting_deferred)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.num_preemptions.inc(step.num_preemptions)
+        self.corrupted_requests.inc(step.num_corrupted)
         self.prompt_tokens.inc(step.prompt_tokens)
         self.prompt_tokens_cached.inc(step.prompt_tokens_cached)
         self._prompt_by_source.labels(self.model_name, "local_cache_hit").inc(step.prompt_tokens_cached)
@@ -321,6 +377,9 @@ class PrometheusMetrics:
             self.iteration_tokens.observe(step.iteration_tokens)
         for value in step.prefill_computed_tokens:
             self.request_prefill_kv_computed_tokens.observe(value)
+        for n, generated in zip(step.n_params, step.max_num_generation_tokens):
+            self.request_params_n.observe(n)
+            self.request_max_num_generation_tokens.observe(generated)
         for prompt, generated, max_tokens in step.finished_tokens:
             self.request_prompt_tokens.observe(prompt)
             self.request_generation_tokens.observe(generated)

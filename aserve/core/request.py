@@ -47,6 +47,18 @@ _FINISH_REASONS = {
 }
 
 
+class SampleGroup:
+    """The sequences of one request with `n` > 1 (vLLM's ParentRequest, for metrics): the request is done when the
+    last of them finishes, and its longest sample is what it generated at most."""
+
+    __slots__ = ("n", "num_unfinished", "max_num_generation_tokens")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.num_unfinished = n
+        self.max_num_generation_tokens = 0
+
+
 class Request:
     def __init__(
         self,
@@ -104,7 +116,8 @@ class Request:
         # Structured output: the sequence's grammar (compiled, then matched), set by the engine; None: unconstrained.
         self.grammar: GrammarState | None = None
 
-        # Timestamps (monotonic) for metrics.
+        # Timestamps (monotonic) for metrics, and the request's other samples when it is one of n.
+        self.sample_group: SampleGroup | None = None
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

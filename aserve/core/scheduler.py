@@ -349,6 +349,7 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran (or finished by the step before it)
                 continue
             if bad:  # its tokens are argmaxes of garbage (in the vocabulary all the same): use none of them
+                self.stats.on_corrupted()
                 outputs.append(self._fail(request, NON_FINITE_LOGITS, forget_kv=True))
                 continue
             if s.spec_token_ids:

@@ -56,6 +56,14 @@ class EngineConfig:
     def architecture(self) -> str:
         return architecture_of(self.hf_config)
 
+    def cache_metrics_info(self, num_gpu_blocks: int) -> dict:
+        """The KV cache's settings (with the engine's `num_gpu_blocks`), as vLLM's cache_config_info metric labels
+        them."""
+        args = self.args
+        return {"block_size": self.block_size, "num_gpu_blocks": num_gpu_blocks, "cache_dtype": args.kv_cache_dtype,
+                "enable_prefix_caching": args.enable_prefix_caching,
+                "gpu_memory_utilization": args.gpu_memory_utilization}  # fmt: skip
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineConfig:
         args.validate()

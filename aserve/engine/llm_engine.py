@@ -31,7 +31,7 @@ from aserve.config import EngineArgs
 from aserve.core.block_pool import BlockHasher
 from aserve.core.kv_cache_manager import InvariantError
 from aserve.core.outputs import EngineCoreOutput
-from aserve.core.request import Request
+from aserve.core.request import Request, SampleGroup
 from aserve.core.structured_output import compile_error
 from aserve.engine.config import EngineConfig
 from aserve.engine.core import EngineCore
@@ -274,6 +274,9 @@ class LLMEngine:
                                  params.clone(n=1, seed=None if params.seed is None else params.seed + i,
                                               prompt_logprobs=params.prompt_logprobs if i == 0 else None),
                                  eos, hasher, arrival_time) for i in range(params.n)]  # fmt: skip
+            group = SampleGroup(params.n)
+            for sequence in sequences:
+                sequence.sample_group = group
         if params.bad_words:
             bad = self._bad_words_token_ids(params.bad_words)
             for sequence in sequences:

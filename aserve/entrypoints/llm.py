@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
 from aserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from aserve.config import EngineArgs
+from aserve.core.metrics import PeriodicLogger, PrometheusMetrics
 from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine
 from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
 from aserve.entrypoints.tokenize_options import TokenizeOptions
 from aserve.inputs import PromptType
+from aserve.metrics_reader import Metric, get_metrics_snapshot
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 
-_ANY = object()
-# vLLM's arguments for what aserve does one way only: (the value that means that way, or _ANY, why); other values are
-# refused, never taken and ignored
-_FIXED = {
-    "disable_log_stats": (_ANY, "the offline API logs no stats"),
-}
+logger = logging.getLogger("aserve")
+
 _POOLING = "aserve serves generative models only (no embeddings, scores, classes or rewards)"
 _CONTENT_FORMATS = ("auto", "string", "openai")
 
@@ -45,16 +44,22 @@ def _refuse_lora(lora_request) -> None:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args) -> None:
-        for name in set(engine_args) & set(_FIXED):
-            value, (wanted, why) = engine_args.pop(name), _FIXED[name]
-            if wanted is not _ANY and value != wanted:
-                raise ValueError(f"{name}={value!r} is not supported: {why}")
+    def __init__(self, model: str | None = None, disable_log_stats: bool = True, **engine_args) -> None:
+        """disable_log_stats: True by default, as in vLLM's LLM; False keeps the engine's Prometheus series for
+        get_metrics() and logs the periodic stats line (logger "aserve", INFO)."""
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
+        self._metrics: PrometheusMetrics | None = None
+        if not disable_log_stats:
+            config = self.engine.config
+            cache_config = config.cache_metrics_info(self.engine.core.num_kv_blocks)
+            self._metrics = PrometheusMetrics(config.served_model_name, cache_config=cache_config,
+                                              max_model_len=config.max_model_len)  # fmt: skip
+            self.engine.stats.add_listener(self._metrics)
+            self.engine.stats.add_listener(PeriodicLogger(logger.info))
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -226,6 +231,14 @@ class LLM:
         vLLM's."""
         return self.engine.reset_prefix_cache()
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's snapshot of the engine's Prometheus series (the `aserve:` names of `GET /metrics`) as Counter, Gauge,
+        Histogram and Vector objects (aserve/metrics_reader.py). As in vLLM, an AssertionError unless the LLM was made
+        with disable_log_stats=False."""
+        if self._metrics is None:
+            raise AssertionError("Stat logging disabled: make the LLM with disable_log_stats=False to collect metrics")
+        return get_metrics_snapshot(self._metrics.registry)
+
     # vLLM's methods for what aserve does not do: each says so when called (rather than an AttributeError)
     encode = _refused("encode", _POOLING, ValueError)
     embed = _refused("embed", _POOLING, ValueError)
@@ -238,8 +251,6 @@ class LLM:
     stop_profile = _refused("stop_profile", "profile generate() with torch.profiler")
     collective_rpc = _refused("collective_rpc", "aserve's workers run its own steps only")
     apply_model = _refused("apply_model", "aserve's workers run its own steps only")
-    get_metrics = _refused("get_metrics", "read llm.llm_engine.stats (token, request and prefix-cache totals), or "
-                           "serve with `aserve serve` for Prometheus metrics")  # fmt: skip
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)

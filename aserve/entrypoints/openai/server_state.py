@@ -41,10 +41,7 @@ def json_response(obj, status: int = 200) -> web.Response:
 
 def cache_config_of(engine: AsyncEngine) -> dict:
     """The KV cache's settings, as vLLM's cache_config_info metric labels them."""
-    config, args = engine.config, engine.config.args
-    return {"block_size": config.block_size, "num_gpu_blocks": engine.engine.core.num_kv_blocks,
-            "cache_dtype": args.kv_cache_dtype, "enable_prefix_caching": args.enable_prefix_caching,
-            "gpu_memory_utilization": args.gpu_memory_utilization}  # fmt: skip
+    return engine.config.cache_metrics_info(engine.engine.core.num_kv_blocks)
 
 
 class ServerState:
@@ -61,7 +58,8 @@ class ServerState:
         self.tokens_as_token_ids = False  # --return-tokens-as-token-ids: the request field's default
         self.stream_interval = 1  # --stream-interval: streamed chunks of at least this many tokens
         self.created = int(time.time())
-        self.metrics = PrometheusMetrics(self.model_name, cache_config=cache_config_of(engine))
+        self.metrics = PrometheusMetrics(self.model_name, cache_config=cache_config_of(engine),
+                                         max_model_len=engine.config.max_model_len)  # fmt: skip
         engine.stats.add_listener(self.metrics)
         self.draining = False  # graceful shutdown began: new requests get 503, in-flight ones finish
         self.inflight = 0  # requests being handled, /health and /metrics aside
