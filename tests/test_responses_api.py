@@ -239,6 +239,10 @@ async def test_stored_responses(client):
         ({"tools": [TIME_TOOL]}, 400, "tool_choice"),  # "auto" needs --enable-auto-tool-choice
         ({"tools": [TIME_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
         ({"input": [{"type": "computer_call", "id": "c"}]}, 400, "input[0].type"),
+        ({"input": [{"type": "reasoning", "content": 5}]}, 400, "input[0].content"),
+        ({"input": [{"type": "reasoning", "summary": 5}]}, 400, "input[0].summary"),
+        ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]}, 400,
+         "input[0].content"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
          "input[0].content[0]"),
         ({"max_output_tokens": 10_000}, 400, "max_output_tokens"),

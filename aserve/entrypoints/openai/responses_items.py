@@ -54,9 +54,15 @@ def _reasoning_text(item: dict, where: str) -> str:
         raise ParamError(f"{where}.encrypted_content", "encrypted reasoning is not supported: send the reasoning "
                          "item's content as aserve returned it")  # fmt: skip
     for key in ("content", "summary"):  # vLLM falls back to the summary
-        texts = [p.get("text") for p in item.get(key) or () if isinstance(p, dict)]
-        if texts and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):  # fmt: skip
+            raise ParamError(f"{where}.{key}", f"a reasoning item's {key} must be a list of parts, each with a "
+                             "string text")  # fmt: skip
+        if parts:
+            return "".join(p["text"] for p in parts)
     return ""
 
 
