@@ -88,3 +88,21 @@ def test_refused_before_the_model_loads(tmp_path, capsys, files, message):
     with pytest.raises(SystemExit) as e:
         cli_main(["run-batch", *files, "--model", "/nonexistent/model"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+GOOD_LINE = json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions",
+                        "body": {"prompt": "Hello", "max_tokens": 2}}).encode()  # fmt: skip
+
+
+@pytest.mark.parametrize("line, message", [
+    (b'{"custom_id": "\xff\xfe", "method": "POST"}', "not UTF-8"),
+])  # fmt: skip
+def test_a_line_the_reader_cannot_take_is_an_error_line(tiny_model, tmp_path, line, message):
+    """A line that cannot even be read as a request gets its 400 like any bad line; the lines around it are
+    answered."""
+    (tmp_path / "in.jsonl").write_bytes(GOOD_LINE + b"\n" + line + b"\n" + GOOD_LINE + b"\n")
+    out = tmp_path / "out.jsonl"
+    cli_main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", tiny_model, *FLAGS])
+    first, bad, last = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert first["response"]["status_code"] == last["response"]["status_code"] == 200
+    assert bad["response"]["status_code"] == 400 and bad["response"]["body"] is None and message in bad["error"]

@@ -119,7 +119,8 @@ async def _answer_all(session: aiohttp.ClientSession, input_file: str, output_fi
     done: dict[int, dict] = {}
     written = errors = 0
     tasks = set()
-    with open(input_file, encoding="utf-8") as lines, open(output_file, "w", encoding="utf-8") as out:
+    # the input is read as bytes: a line that is not UTF-8 is that line's error (_answer), not the run's end
+    with open(input_file, "rb") as lines, open(output_file, "w", encoding="utf-8") as out:
 
         def flush() -> None:
             nonlocal written, errors
@@ -129,7 +130,7 @@ async def _answer_all(session: aiohttp.ClientSession, input_file: str, output_fi
                 out.write(json.dumps(result, ensure_ascii=False) + "\n")
                 written += 1
 
-        async def answer(index: int, line: str) -> None:
+        async def answer(index: int, line: bytes) -> None:
             try:
                 done[index] = await _answer(session, line)
             finally:
@@ -150,13 +151,15 @@ async def _answer_all(session: aiohttp.ClientSession, input_file: str, output_fi
     return errors
 
 
-async def _answer(session: aiohttp.ClientSession, line: str) -> dict:
+async def _answer(session: aiohttp.ClientSession, line: bytes) -> dict:
     request_id = f"aserve-batch-{uuid.uuid4().hex}"
     custom_id = None
     try:
-        request = json.loads(line)
+        request = json.loads(line.decode("utf-8"))
         custom_id = request.get("custom_id") if isinstance(request, dict) else None
         problem = _not_a_request(request)
+    except UnicodeDecodeError as e:
+        problem = f"the line is not UTF-8 text: {e}"
     except json.JSONDecodeError as e:
         problem = f"the line is not JSON: {e}"
     if problem is not None:
