@@ -96,6 +96,8 @@ GOOD_LINE = json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/complet
 
 @pytest.mark.parametrize("line, message", [
     (b'{"custom_id": "\xff\xfe", "method": "POST"}', "not UTF-8"),
+    (b'{"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     "nested too deeply"),
 ])  # fmt: skip
 def test_a_line_the_reader_cannot_take_is_an_error_line(tiny_model, tmp_path, line, message):
     """A line that cannot even be read as a request gets its 400 like any bad line; the lines around it are

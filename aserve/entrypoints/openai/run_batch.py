@@ -158,14 +158,17 @@ async def _answer(session: aiohttp.ClientSession, line: bytes) -> dict:
         request = json.loads(line.decode("utf-8"))
         custom_id = request.get("custom_id") if isinstance(request, dict) else None
         problem = _not_a_request(request)
+        body = json.dumps(request["body"]) if problem is None else ""  # encoded here: it nests as deep as it read
     except UnicodeDecodeError as e:
         problem = f"the line is not UTF-8 text: {e}"
     except json.JSONDecodeError as e:
         problem = f"the line is not JSON: {e}"
+    except RecursionError:  # json's guard against deep nesting (Python's recursion limit, ~1,000 levels)
+        problem = "the line is nested too deeply"
     if problem is not None:
         return _result(custom_id, request_id, 400, error=problem)
     try:
-        async with session.post(request["url"], json=request["body"]) as resp:
+        async with session.post(request["url"], data=body, headers={"Content-Type": "application/json"}) as resp:
             body = await resp.json(content_type=None)
     except (aiohttp.ClientError, ValueError) as e:  # not expected of the app: the result says so, the run goes on
         return _result(custom_id, request_id, 500, error=f"the request failed: {e!r}")
