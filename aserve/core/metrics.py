@@ -147,8 +147,10 @@ class EngineStats:
         self.prefix_cache_hits_total = kv_manager.stats.hits
         self.num_running = scheduler.num_running
         self.num_waiting = scheduler.num_waiting
+        # (a pass over the queue only where a request can be deferred: thousands may wait in an offline run)
         self.num_waiting_deferred = sum(1 for r in scheduler.waiting if r.paused or (
-            r.grammar is not None and not r.grammar.future.done()))  # fmt: skip
+            r.grammar is not None and not r.grammar.future.done())) if (
+            scheduler.num_paused or scheduler.num_with_grammar) else 0  # fmt: skip
         self.kv_cache_usage = kv_manager.usage
         for listener in self.listeners:
             listener(step, self)

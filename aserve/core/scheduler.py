@@ -98,6 +98,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_paused = 0  # live requests with `paused` set
+        self.num_with_grammar = 0  # live requests with structured output
         self._outputs: list[EngineCoreOutput] = []  # endings found outside a step's update (a grammar that failed)
 
     # -- queue management -------------------------------------------------------------------------------------
@@ -106,6 +107,7 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_with_grammar += request.grammar is not None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request wherever it is (abort, stop string) and frees its blocks. Unknown ids are ignored."""
@@ -124,6 +126,7 @@ class Scheduler:
             self.num_paused -= 1
         if request.grammar is not None:
             request.grammar.free()
+            self.num_with_grammar -= 1
         self.stats.on_request_finished(request, time.monotonic())
         return request
 
