@@ -94,17 +94,21 @@ GOOD_LINE = json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/complet
                         "body": {"prompt": "Hello", "max_tokens": 2}}).encode()  # fmt: skip
 
 
-@pytest.mark.parametrize("line, message", [
-    (b'{"custom_id": "\xff\xfe", "method": "POST"}', "not UTF-8"),
-    (b'{"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-     "nested too deeply"),
-])  # fmt: skip
-def test_a_line_the_reader_cannot_take_is_an_error_line(tiny_model, tmp_path, line, message):
-    """A line that cannot even be read as a request gets its 400 like any bad line; the lines around it are
-    answered."""
+@pytest.mark.parametrize("line, custom_id, message", [
+    (b'{"custom_id": "\xff\xfe", "method": "POST"}', None, "not UTF-8"),
+    (b'{"custom_id": "deep", "method": "POST", "url": "/v1/completions", "body": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     None, "nested too deeply"),
+    # a custom_id UTF-8 cannot hold (a lone surrogate) comes back escaped, as it came
+    (b'{"custom_id": "\\ud800", "method": "POST", "url": "/v1/embeddings", "body": {}}', "\ud800",
+     "Supported endpoints"),
+], ids=["not-utf8", "too-deep", "lone-surrogate"])  # fmt: skip
+def test_a_line_that_cannot_be_read_or_echoed_is_an_error_line(tiny_model, tmp_path, line, custom_id, message):
+    """A line that cannot even be read as a request, or whose custom_id cannot be written as UTF-8, gets its 400
+    like any bad line; the lines around it are answered."""
     (tmp_path / "in.jsonl").write_bytes(GOOD_LINE + b"\n" + line + b"\n" + GOOD_LINE + b"\n")
     out = tmp_path / "out.jsonl"
     cli_main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", tiny_model, *FLAGS])
     first, bad, last = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert first["response"]["status_code"] == last["response"]["status_code"] == 200
     assert bad["response"]["status_code"] == 400 and bad["response"]["body"] is None and message in bad["error"]
+    assert bad["custom_id"] == custom_id

@@ -127,7 +127,7 @@ async def _answer_all(session: aiohttp.ClientSession, input_file: str, output_fi
             while written in done:
                 result = done.pop(written)
                 errors += result["error"] is not None
-                out.write(json.dumps(result, ensure_ascii=False) + "\n")
+                out.write(_json_line(result))
                 written += 1
 
         async def answer(index: int, line: bytes) -> None:
@@ -192,6 +192,17 @@ def _not_a_request(request) -> str | None:
     if request["body"].get("stream"):
         return "Request must not be sent in stream mode"
     return None
+
+
+def _json_line(result: dict) -> str:
+    """A result as a line of UTF-8 JSON, its text unescaped; a lone surrogate (a custom_id read from a JSON escape
+    such as \\ud800) has no UTF-8 form and is written escaped, as the input had it."""
+    line = json.dumps(result, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(result)
+    return line + "\n"
 
 
 def _result(custom_id, request_id: str, status: int, body=None, error=None) -> dict:
