@@ -383,3 +383,16 @@ def test_the_default_model_answers():
         with client.responses.stream(**request) as stream:
             text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
             assert text == stream.get_final_response().output_text == r.output_text
+
+
+async def test_truncation_auto_leaves_room_for_the_output(client, llm_engine):
+    """truncation "auto" drops the start of an input longer than the context, keeping max_output_tokens of room for
+    the reply; without it the same input is refused."""
+    long_input = "the cache " * 200  # more tokens than max_model_len (256)
+    r = await client.responses.create(input=long_input, max_output_tokens=5, truncation="auto",
+                                      extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    assert r.status == "incomplete" and r.truncation == "auto"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (256 - 5, 5)
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(input=long_input, max_output_tokens=5, **GREEDY)
+    assert_idle(llm_engine)

@@ -33,7 +33,7 @@ class ResponsesEndpoint:
         req = await state.bodies.parse(request, ResponsesRequest)
         try:
             history = self._history(req)
-            chat = req.chat_request(history)
+            chat = req.chat_request(history, state.engine.config.max_model_len)
             state.add_template_defaults(chat)
             reply = ResponseReply(req, state.model_name, state.engine.config.default_sampling, history, self.store)
             return await self.run_chat(request, state, chat, reply)

@@ -164,9 +164,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         """The input as items: a string is one user message."""
         return [{"role": "user", "content": self.input}] if isinstance(self.input, str) else list(self.input)
 
-    def chat_request(self, history: list) -> ChatCompletionRequest:
+    def chat_request(self, history: list, max_model_len: int) -> ChatCompletionRequest:
         """The chat request this response runs as. `history`: the items of the conversation so far (an earlier
-        response's, previous_response_id), before this request's input."""
+        response's, previous_response_id), before this request's input. truncation "auto" keeps the prompt's last
+        max_model_len - max_output_tokens tokens, room for the reply (without max_output_tokens, its last
+        max_model_len)."""
         self.check_unsupported()
         items = [*history, *self.input_items()]
         messages = chat_messages(items, start=-len(history))  # errors name this input's items from 0
@@ -185,12 +187,18 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             top_logprobs=self.top_logprobs if logprobs else None,
             reasoning_effort=self.reasoning.effort if self.reasoning is not None else None,
             add_generation_prompt=not continues, continue_final_message=continues,
-            truncate_prompt_tokens=-1 if self.truncation == "auto" else None, request_id=self.request_id,
+            truncate_prompt_tokens=self._kept_prompt_tokens(max_model_len), request_id=self.request_id,
             top_k=self.top_k, repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
             logit_bias=self.logit_bias,
         )  # fmt: skip
+
+    def _kept_prompt_tokens(self, max_model_len: int) -> int | None:
+        if self.truncation != "auto":
+            return None
+        room = self.max_output_tokens if isinstance(self.max_output_tokens, int) else 0
+        return max_model_len - room if 0 < room < max_model_len else -1
 
     def _response_format(self) -> ResponseFormat | None:
         fmt = self.text.format if self.text is not None else None
