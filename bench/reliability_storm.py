@@ -17,8 +17,9 @@ Clients that hang up do so in one of three ways, in equal shares: right after se
 closed within 0-20 ms: before the server parsed it, or while the request waits for its first step), after the
 response headers but before reading any token, or after a random number of tokens (mid-stream). Another share
 (--slow) reads slowly: a connection with a 2 KiB receive window asks for 20 logprobs per token (large events) and
-reads nothing for 0.1-1 s, so that the server pauses its request (flow control, aserve:http_stream_pauses_total),
-then reads it all; its text must be the same greedy answer.
+reads nothing for 0.1-1 s, then reads it all; its text must be the same greedy answer. One whose answer is too long
+for the connection's buffers, so that the server pauses its request (flow control, aserve:http_stream_pauses_total),
+counts those seconds from when the server has paused a stream: a busy server may not have started it before.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256
 
 
 HANG_UPS = ("at_once", "before_first_token", "mid_stream")  # how a client that hangs up does it
+PAUSES = "aserve:http_stream_pauses_total"
+# A slow reader's answer of this many tokens or more cannot fit in its connection's buffers (~19 events of 20
+# logprobs each: aserve/entrypoints/openai/event_stream.py, SEND_BUFFER), so its request is paused while it reads
+# nothing.
+PAUSABLE_TOKENS = 30
 # Gauges that must all be 0 once the storm has drained.
 IDLE_GAUGES = ("aserve:num_requests_open", "aserve:num_requests_running", "aserve:num_requests_waiting",
                "aserve:kv_cache_usage_perc")  # fmt: skip
@@ -101,9 +107,12 @@ def dechunk(body: bytes) -> bytes:
         pos = end + 2 + size + 2
 
 
-async def _read_slowly(url: str, body: dict, delay: float) -> str:
-    """A streaming request on a connection with a 2 KiB receive window that reads nothing for `delay` seconds, then
-    everything until the server closes the connection. -> the streamed text."""
+async def _read_slowly(session, url: str, body: dict, delay: float) -> str:
+    """A streaming request on a connection with a 2 KiB receive window that reads nothing for a while, then everything
+    until the server closes the connection. -> the streamed text. An answer of PAUSABLE_TOKENS or more first waits
+    until the server has paused a stream since the request was sent (its own, at the latest, once its events fill
+    the buffers): a busy server may not have generated a token of it by the time a fixed delay has passed. Then it
+    reads nothing for `delay` seconds more."""
     host, port = url.removeprefix("http://").split(":")
     loop = asyncio.get_running_loop()
     with socket.socket() as sock:  # a plain socket: nothing reads it before we do (asyncio's streams would)
@@ -111,7 +120,10 @@ async def _read_slowly(url: str, body: dict, delay: float) -> str:
         sock.setblocking(False)
         await loop.sock_connect(sock, (host, int(port)))
         request = _completion_request(host, port, json.dumps(body).encode(), "Connection: close\r\n")
+        pauses = metric(await metrics(session, url), PAUSES)
         await loop.sock_sendall(sock, request)
+        if body["max_tokens"] >= PAUSABLE_TOKENS:
+            await wait_for_pause(session, url, pauses)
         await asyncio.sleep(delay)
         parts = []
         while part := await loop.sock_recv(sock, 65536):
@@ -133,7 +145,7 @@ async def one(session, url: str, i: int, kind: str, rng: random.Random, expected
         await _hang_up_at_once(url, json.dumps(body).encode(), rng.uniform(0, 0.02))
         return kind, ""
     if kind == "slow_reader":
-        text = await _read_slowly(url, {**body, "logprobs": 20}, rng.uniform(0.1, 1.0))
+        text = await _read_slowly(session, url, {**body, "logprobs": 20}, rng.uniform(0.1, 1.0))
         if text != expected[i % NUM_PROMPTS]:
             return kind, f"prompt {i % NUM_PROMPTS}: {text!r} != {expected[i % NUM_PROMPTS]!r} (served alone)"
         return kind, ""
@@ -170,6 +182,13 @@ async def metrics(session, url: str) -> dict[str, float]:
 def metric(values: dict[str, float], prefix: str) -> float:
     """The first series whose name (with labels) starts with `prefix`; 0 if none."""
     return next((v for k, v in values.items() if k.startswith(prefix)), 0.0)
+
+
+async def wait_for_pause(session, url: str, pauses: float, timeout: float = 120.0) -> None:
+    """Polls /metrics until the server has paused more streams than `pauses` (or `timeout` seconds have passed)."""
+    deadline = time.monotonic() + timeout
+    while metric(await metrics(session, url), PAUSES) <= pauses and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
 
 
 async def wait_drained(session, url: str, timeout: float = 60.0) -> dict[str, float]:
@@ -249,7 +268,7 @@ async def storm(url: str, num_requests: int = 2000, disconnect: float = 0.3, con
             for r in ("stop", "length", "abort", "error")
         },  # fmt: skip
         "preemptions": delta("aserve:num_preemptions_total"),
-        "stream_pauses": delta("aserve:http_stream_pauses_total"),
+        "stream_pauses": delta(PAUSES),
         "after_drain": {name: metric(after, name) for name in IDLE_GAUGES},
         **({"rss_mib": rss_summary(rss, min(rss_mark, num_requests), num_requests)} if rss else {}),
         "problems": problems,
