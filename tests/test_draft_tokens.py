@@ -1,11 +1,12 @@
-"""A model drafter's tokens reach the host lazily: the engine updates from the step and schedules the verification
-while the drafts are computed, and reads their values only when it writes the verification's inputs."""
+"""A model drafter's tokens reach the host lazily: the engine updates from the step, schedules the verification and
+launches it while the drafts are computed (its inputs take them on the device), and reads their values only when the
+verification's sampler needs them."""
 
 import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.worker.drafter import DraftTokens, PendingDrafts
+from aserve.worker.draft_tokens import DraftTokens, PendingDrafts
 
 
 def test_draft_tokens_give_length_and_leading_slices_without_reading():
@@ -34,6 +35,13 @@ def test_the_verification_step_reads_the_drafts_after_the_update_and_schedule(ti
         return read(self, i)
 
     monkeypatch.setattr(PendingDrafts, "row", row)
+    forward = core.runner._forward
+
+    def launched(*args):
+        events.append("forward")
+        return forward(*args)
+
+    monkeypatch.setattr(core.runner, "_forward", launched)
     llm.engine.add_request("r", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0, max_tokens=24))
     verified = 0
     while core.has_unfinished():
@@ -42,8 +50,9 @@ def test_the_verification_step_reads_the_drafts_after_the_update_and_schedule(ti
         done = core.execute(work)
         if work.sched.verifies:
             verified += 1
-            # the drafts the step before proposed: not read by its update nor by this schedule, but by this launch
-            assert events[-3:] == ["updated", "scheduled", "read"]
+            # the drafts the step before proposed: not read by its update, this schedule nor this step's forward
+            # (its inputs take them on the device), but by its sampler
+            assert events[-4:] == ["updated", "scheduled", "forward", "read"]
         core.update(work, done)
         events.append("updated")
     assert verified > 1

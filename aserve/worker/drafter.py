@@ -11,16 +11,15 @@ Drafting k tokens for a request takes k one-token forward passes, batched over r
 the step's last emitted token; the KV slots were allocated as lookahead by the scheduler. Drafts of sampling
 requests are drawn from the draft's distribution q (kept for the rejection test); greedy requests take its argmax.
 
-The drafts travel to the host while the engine goes on: `propose` returns DraftTokens whose length is known at once
-and whose values are read (waiting for the device's copy) only where a token id is needed, which is when the next
-step's inputs are written (ModelRunner._fill_host). So the update from the step, and the scheduling of the step that
-verifies the drafts, run while the device still computes them.
+The drafts travel to the host while the engine goes on: `propose` returns DraftTokens (aserve/worker/draft_tokens.py)
+whose length is known at once and whose values the verification step's inputs take on the device. So the update from
+the step, the scheduling of the step that verifies the drafts and its launch run while the device still computes
+them; the host reads their values (waiting for the device's copy) when the verification's sampler needs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ from aserve.models.loader import build_model
 from aserve.models.model_path import resolve_model
 from aserve.spec.config import SpeculativeConfig
 from aserve.worker.cuda_graphs import StepGraphs
+from aserve.worker.draft_tokens import DraftTokens, PendingDrafts
 from aserve.worker.model_runner import allocate_kv_cache, kv_bytes_per_block
 from aserve.worker.sampler import SampleRow
 
@@ -212,57 +212,3 @@ class ModelDrafter:
         )
         self.backend.prepare(meta, r.block_size)
         return self.model(dev["input_ids"][:n], dev["positions"][:n], self.kv_caches, meta, num_layers=self.num_layers)
-
-
-class PendingDrafts:
-    """One propose()'s draft tokens [k_max, n] on their way to the host: on a GPU a copy into pinned memory that
-    does not wait for the device, and an event the first reader waits on."""
-
-    def __init__(self, chosen: torch.Tensor) -> None:
-        self._event = None
-        if chosen.is_cuda:
-            self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
-            self._host.copy_(chosen, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = chosen
-        self._rows: list[list[int]] | None = None
-
-    def row(self, row: int) -> list[int]:
-        if self._rows is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._rows = self._host.T.tolist()
-        return self._rows[row]
-
-
-class DraftTokens(Sequence):
-    """A request's drafts from one propose(): len() and leading slices without waiting for the device; their values
-    (indexing, iteration, comparison) wait for the copy, once per propose()."""
-
-    __slots__ = ("_pending", "_row", "_count")
-
-    def __init__(self, pending: PendingDrafts, row: int, count: int) -> None:
-        self._pending, self._row, self._count = pending, row, count
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __getitem__(self, index):
-        if isinstance(index, slice) and index.step is None and not index.start and (index.stop or 0) >= 0:
-            stop = self._count if index.stop is None else min(self._count, index.stop)
-            return DraftTokens(self._pending, self._row, stop)
-        return self.tolist()[index]
-
-    def tolist(self) -> list[int]:
-        return self._pending.row(self._row)[: self._count]
-
-    def __iter__(self):
-        return iter(self.tolist())
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and self.tolist() == list(other)
-
-    def __repr__(self) -> str:
-        return f"DraftTokens({self.tolist()})"

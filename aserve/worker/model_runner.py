@@ -20,11 +20,9 @@ its in-flight inputs from.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 
-import numpy as np
 import torch
 
 from aserve.core.kv_cache_groups import plan_kv_groups
@@ -40,6 +38,8 @@ from aserve.models.loader import build_model
 from aserve.worker import profiling
 from aserve.worker.batch_invariant_sampler import BatchInvariantSampler
 from aserve.worker.cuda_graphs import StepGraphs
+from aserve.worker.draft_tokens import DraftTokens
+from aserve.worker.host_batch import fill_host
 from aserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logits_rows
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device
 from aserve.worker.step_plan import StepLayout, StepPlan
@@ -282,9 +282,13 @@ class ModelRunner:
         know every earlier token."""
         # Shortest queries first (decodes, then speculative verification, then prompts): backends batch them.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens)
-        if overlap:
+        # A model drafter's drafts still being computed: the verification's inputs take them on the device (one
+        # rank: a tensor-parallel worker runs from the host buffers), so it is launched behind the drafting.
+        drafts_on_device = self.workers is None and any(isinstance(s.spec_token_ids, DraftTokens) for s in order)
+        if overlap or drafts_on_device:  # the drafting's input copies may not have read the host buffers yet
             self.buffers.flip()
-        layout, inflight = self._fill_host(order)
+        batch = fill_host(self.buffers.np, order, self.block_size, self.kv_layout.num_groups, drafts_on_device)
+        layout, inflight = batch.layout, batch.inflight
         sampled = [s for s in sched.scheduled if s.samples]
         # Logits rows, in scheduler order: each sampling request's last known token, then its drafts.
         where = {id(s): i for i, s in enumerate(order)}
@@ -301,7 +305,7 @@ class ModelRunner:
             self.workers.call("replay_step", plan.with_host(self.buffers.np))
         with self._stream():
             try:
-                hidden, meta, key = self._forward(plan, prev.tokens if prev is not None else None)
+                hidden, meta, key = self._forward(plan, prev.tokens if prev is not None else None, batch.drafts)
                 if self.drafter is not None and self.drafter.needs_mirror:
                     self._mirror(layout, meta, key)
                 # Requests asking for prompt logprobs run without overlap (the engine makes sure): scored here.
@@ -358,17 +362,23 @@ class ModelRunner:
                 tokens = torch.empty(plan.num_logits_rows, dtype=torch.int64, device=self.device)
                 self._shared_tokens = self.tp.broadcast_(tokens)
 
-    def _forward(self, plan: StepPlan, prev_tokens: torch.Tensor | None):
-        """Host buffers -> device, in-flight inputs patched from `prev_tokens`, the model (a CUDA graph's replay for
-        decode and verification steps it covers). -> (hidden states, the attention metadata of an eager forward or
-        None, the graph's key or None)."""
+    def _forward(self, plan: StepPlan, prev_tokens: torch.Tensor | None, drafts: list | None = None):
+        """Host buffers -> device, in-flight inputs patched from `prev_tokens` and drafts from the drafter's device
+        tensor (`drafts`: HostBatch.drafts), the model (a CUDA graph's replay for decode and verification steps it
+        covers). -> (hidden states, the attention metadata of an eager forward or None, the graph's key or None)."""
         layout = plan.layout
         key = None
         if self.graphs is not None:
             key = self.graphs.key_for(layout.num_reqs, layout.num_tokens, layout.max_query_len)
         patch = None
-        if plan.inflight_dst:
-            patch = lambda: self._patch_inflight(plan.inflight_dst, plan.inflight_src, prev_tokens)  # noqa: E731
+        if plan.inflight_dst or drafts:
+
+            def patch():
+                if plan.inflight_dst:
+                    self._patch_inflight(plan.inflight_dst, plan.inflight_src, prev_tokens)
+                if drafts:
+                    self._patch_drafts(drafts)
+
         if key is not None:
             return self.graphs.replay(layout, key, patch), None, key
         meta = self._device_meta(layout)
@@ -406,76 +416,22 @@ class ModelRunner:
         src_t = list_to_device(src, self.device, torch.int64)
         self.buffers.device["input_ids"].index_copy_(0, dst_t, tokens.index_select(0, src_t))
 
+    def _patch_drafts(self, drafts: list) -> None:
+        """Device input ids of the drafts being verified <- the drafter's device tensors (stream-ordered after the
+        drafting and the input copy, before the forward)."""
+        ids = self.buffers.device["input_ids"]
+        by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for first, spec in drafts:
+            tokens, column, count = spec.device_source()
+            _, dst, src = by_source.setdefault(id(tokens), (tokens, [], []))
+            dst.extend(range(first, first + count))
+            src.extend(j * tokens.shape[1] + column for j in range(count))  # tokens [k_max, requests]
+        for tokens, dst, src in by_source.values():
+            values = tokens.reshape(-1).index_select(0, list_to_device(src, self.device, torch.int64))
+            ids.index_copy_(0, list_to_device(dst, self.device, torch.int64), values.to(ids.dtype))
+
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def _fill_host(self, order: list[ScheduledRequest]) -> tuple[StepLayout, list[tuple[int, ScheduledRequest]]]:
-        """Writes the flat batch into the host buffers (token ids, positions, slots, block tables, lengths), with
-        numpy over whole arrays: at a few hundred requests per step, per-request Python work shows up. Also returns
-        the in-flight inputs: (index in the flat batch, request) of each token the previous step has yet to
-        deliver (its host value is a 0 placeholder)."""
-        buf = self.buffers.np
-        bs = self.block_size
-        n = len(order)
-        q_lens = np.fromiter((s.num_new_tokens for s in order), np.int64, n)
-        starts = np.fromiter((s.num_computed_tokens for s in order), np.int64, n)
-        query_start = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start[1:])
-        num_tokens = int(query_start[-1])
-        # A step's last known input token may still be in flight (async scheduling): the previous step samples it.
-        missing = [s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) > len(s.request.all_token_ids)
-                   for s in order]  # fmt: skip
-        inflight = [(int(query_start[i + 1]) - 1 - len(s.spec_token_ids), s) for i, s in enumerate(order) if missing[i]]
-        if num_tokens == n:  # decode-only: one token each
-            buf["input_ids"][:n] = [0 if m else s.request.all_token_ids[s.num_computed_tokens]
-                                    for s, m in zip(order, missing)]  # fmt: skip
-            positions = starts
-        else:
-            # Known tokens not yet computed (an in-flight one as a 0 placeholder), then any drafts being verified.
-            buf["input_ids"][:num_tokens] = list(
-                itertools.chain.from_iterable(
-                    itertools.chain(
-                        s.request.all_token_ids[
-                            s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
-                        ],
-                        (0,) if m else (),
-                        s.spec_token_ids,
-                    )
-                    for s, m in zip(order, missing)
-                )
-            )
-            req_of_token = np.repeat(np.arange(n), q_lens)
-            positions = np.arange(num_tokens) - query_start[req_of_token] + starts[req_of_token]
-        buf["positions"][:num_tokens] = positions
-        # Block tables, per group of layers: all requests' block ids in one scatter. Entries past a request's own
-        # blocks keep stale (valid) block ids; nothing reads them unmasked. Every group holds a request's blocks up
-        # to the same length (a sliding group's first ones point at the null block).
-        num_blocks = np.fromiter((len(s.block_ids[0]) for s in order), np.int64, n)
-        block_start = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(num_blocks, out=block_start[1:])
-        rows = np.repeat(np.arange(n), num_blocks)
-        cols = np.arange(int(block_start[-1])) - block_start[rows]
-        req_of_token = np.arange(n) if num_tokens == n else np.repeat(np.arange(n), q_lens)
-        for g in range(self.kv_layout.num_groups):
-            table = buf["block_tables"][g]
-            table[rows, cols] = np.fromiter(itertools.chain.from_iterable(s.block_ids[g] for s in order), np.int32,
-                                            cols.shape[0])  # fmt: skip
-            block_of_token = table[req_of_token, positions // bs].astype(np.int64)
-            buf["slot_mapping"][g, :num_tokens] = block_of_token * bs + positions % bs
-        seq_lens = starts + q_lens
-        buf["query_start_loc"][: n + 1] = query_start
-        buf["seq_lens"][:n] = seq_lens
-
-        layout = StepLayout(
-            num_reqs=n,
-            num_tokens=num_tokens,
-            num_decodes=int((q_lens == 1).sum()),
-            max_blocks=max(int(num_blocks.max()), 1),
-            max_query_len=int(q_lens.max()),
-            query_start=query_start.tolist(),
-            seq_lens=seq_lens.tolist(),
-        )
-        return layout, inflight
 
     def _device_meta(self, layout: StepLayout) -> AttentionMetadata:
         n, t = layout.num_reqs, layout.num_tokens

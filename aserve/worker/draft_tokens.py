@@ -1,0 +1,72 @@
+"""A model drafter's tokens on their way to the host (aserve/worker/drafter.py).
+
+One propose() drafts [k_max, requests] token ids on the device; PendingDrafts copies them to the host without
+waiting, and each request's DraftTokens knows its length at once. The verification step's inputs take the values on
+the device (`device_source`, ModelRunner); anything on the host that reads a value waits for the copy, once per
+propose().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class PendingDrafts:
+    """One propose()'s draft tokens [k_max, n] on their way to the host: on a GPU a copy into pinned memory that
+    does not wait for the device, and an event the first reader waits on."""
+
+    def __init__(self, chosen: torch.Tensor) -> None:
+        self.device = chosen
+        self._event = None
+        if chosen.is_cuda:
+            self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+            self._host.copy_(chosen, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = chosen
+        self._rows: list[list[int]] | None = None
+
+    def row(self, row: int) -> list[int]:
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._host.T.tolist()
+        return self._rows[row]
+
+
+class DraftTokens(Sequence):
+    """A request's drafts from one propose(): len() and leading slices without waiting for the device; their values
+    (indexing, iteration, comparison) wait for the copy, once per propose()."""
+
+    __slots__ = ("_pending", "_row", "_count")
+
+    def __init__(self, pending: PendingDrafts, row: int, count: int) -> None:
+        self._pending, self._row, self._count = pending, row, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.step is None and not index.start and (index.stop or 0) >= 0:
+            stop = self._count if index.stop is None else min(self._count, index.stop)
+            return DraftTokens(self._pending, self._row, stop)
+        return self.tolist()[index]
+
+    def tolist(self) -> list[int]:
+        return self._pending.row(self._row)[: self._count]
+
+    def device_source(self) -> tuple[torch.Tensor, int, int]:
+        """(the propose()'s drafts on the device [k_max, requests], this request's column, its count)."""
+        return self._pending.device, self._row, self._count
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and self.tolist() == list(other)
+
+    def __repr__(self) -> str:
+        return f"DraftTokens({self.tolist()})"
