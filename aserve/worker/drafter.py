@@ -33,7 +33,7 @@ from aserve.spec.config import SpeculativeConfig
 from aserve.worker.cuda_graphs import StepGraphs
 from aserve.worker.draft_tokens import DraftTokens, PendingDrafts
 from aserve.worker.model_runner import allocate_kv_cache, kv_bytes_per_block
-from aserve.worker.sampler import SampleRow
+from aserve.worker.sampler import SampleRow, list_to_device
 
 
 class ModelDrafter:
@@ -164,7 +164,7 @@ class ModelDrafter:
         requests = [sampled[i].request for i in active]
         greedy = [q.sampling_params.greedy for q in requests]
         sample_rows = [SampleRow(q, []) for q in requests]
-        greedy_t = None if all(greedy) else torch.tensor(greedy, device=r.device)
+        greedy_t = None if all(greedy) else list_to_device(greedy, r.device)
         sampler = r.sampler
         chosen = torch.empty(k_max, n, dtype=torch.int64, device=r.device)
         step_probs = []

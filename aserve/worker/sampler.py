@@ -273,12 +273,12 @@ class Sampler:
             if not p.needs_penalties:
                 continue
             row = logits[i]
-            output_ids = torch.tensor(row_spec.output_token_ids, dtype=torch.long, device=logits.device)
+            output_ids = list_to_device(row_spec.output_token_ids, logits.device, torch.long)
             counts = torch.bincount(output_ids, minlength=vocab)[:vocab].to(row.dtype)
             if p.repetition_penalty != 1:
                 seen = counts > 0
                 prompt_ids = row_spec.request.prompt_token_ids
-                seen[torch.tensor(prompt_ids, dtype=torch.long, device=logits.device)] = True
+                seen[list_to_device(prompt_ids, logits.device, torch.long)] = True
                 penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 row.copy_(torch.where(seen, penalised, row))
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
@@ -413,9 +413,9 @@ class Sampler:
 
     @staticmethod
     def _draft_ids(drafts: list[list[int]], device) -> torch.Tensor:
-        """The draft token each row verifies (-1 for the bonus rows)."""
-        flat = [t for d in drafts for t in (*d, -1)]
-        return torch.tensor(flat, dtype=torch.long, device=device)
+        """The draft token each row verifies (-1 for the bonus rows). Copied without a blocking copy: one would wait
+        for the whole stream (the verification's forward) before the host issues the rest of the sampling."""
+        return list_to_device([t for d in drafts for t in (*d, -1)], device, torch.long)
 
     # -- logprobs ---------------------------------------------------------------------------------------------
 
@@ -423,9 +423,9 @@ class Sampler:
         max_n = max(r.sampling_params.logprobs or 0 for r in requests)
         flat_rows = [row for rows in emitted_rows for row in rows]
         flat_tokens = [t for tokens in token_ids for t in tokens]
-        rows_t = torch.tensor(flat_rows, device=raw_logprobs.device)
+        rows_t = list_to_device(flat_rows, raw_logprobs.device)
         lp = raw_logprobs[rows_t]
-        tok = torch.tensor(flat_tokens, device=lp.device).unsqueeze(1)
+        tok = list_to_device(flat_tokens, lp.device).unsqueeze(1)
         chosen = lp.gather(1, tok)
         ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
         chosen = chosen.squeeze(1).tolist()
