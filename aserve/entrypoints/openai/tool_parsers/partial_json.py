@@ -7,12 +7,13 @@ import json
 
 from aserve.entrypoints.openai.tool_parsers.base import PartialCall, ToolCall
 
-_WHITESPACE = " \t\r\n"
-_SEPARATORS = _WHITESPACE + ",;"
+WHITESPACE = " \t\r\n"
+_SEPARATORS = WHITESPACE + ",;"
 
 
-def _skip_whitespace(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WHITESPACE:
+def skip(text: str, i: int, chars: str = WHITESPACE) -> int:
+    """The index of the first character from `text[i]` that is not one of `chars`."""
+    while i < len(text) and text[i] in chars:
         i += 1
     return i
 
@@ -54,7 +55,7 @@ def value_end(text: str, i: int) -> int | None:
             j += 1
         return None
     j = i  # a number or a literal: it ends where a delimiter follows
-    while j < len(text) and text[j] not in ",}]" + _WHITESPACE:
+    while j < len(text) and text[j] not in ",}]" + WHITESPACE:
         j += 1
     return j if j < len(text) else None
 
@@ -64,14 +65,14 @@ def object_members(text: str) -> list[tuple[str, int, int | None]]:
     where its value begins, where it ends or None while unfinished). Stops at the first unfinished or malformed
     part."""
     members: list[tuple[str, int, int | None]] = []
-    i = _skip_whitespace(text, 0)
+    i = skip(text, 0)
     if i >= len(text) or text[i] != "{":
         return members
     i += 1
     while True:
-        i = _skip_whitespace(text, i)
+        i = skip(text, i)
         if i < len(text) and text[i] == "," and members:
-            i = _skip_whitespace(text, i + 1)
+            i = skip(text, i + 1)
         if i >= len(text) or text[i] != '"':
             return members
         key_end = _string_end(text, i)
@@ -81,10 +82,10 @@ def object_members(text: str) -> list[tuple[str, int, int | None]]:
             key = json.loads(text[i:key_end])
         except (ValueError, RecursionError):
             return members
-        i = _skip_whitespace(text, key_end)
+        i = skip(text, key_end)
         if i >= len(text) or text[i] != ":":
             return members
-        i = _skip_whitespace(text, i + 1)
+        i = skip(text, i + 1)
         if i >= len(text):
             return members
         end = value_end(text, i)
@@ -100,8 +101,7 @@ def sequence_values(text: str, i: int = 0) -> list[tuple[int, int | None]]:
     Stops at anything else (a closing `]`, text after the calls)."""
     spans: list[tuple[int, int | None]] = []
     while True:
-        while i < len(text) and text[i] in _SEPARATORS:
-            i += 1
+        i = skip(text, i, _SEPARATORS)
         if i >= len(text) or text[i] not in "{[":
             return spans
         end = value_end(text, i)

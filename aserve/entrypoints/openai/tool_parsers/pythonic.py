@@ -15,6 +15,7 @@ import math
 import re
 
 from aserve.entrypoints.openai.tool_parsers.base import PartialCall, ToolCall, ToolParser
+from aserve.entrypoints.openai.tool_parsers.partial_json import WHITESPACE, skip
 
 _START, _END = "<|python_start|>", "<|python_end|>"
 _NAME = re.compile(r"[A-Za-z_][\w.]*")
@@ -78,12 +79,6 @@ def _call_name(node: ast.expr) -> str:
     return ".".join([node.id, *reversed(parts)])
 
 
-def _skip(text: str, i: int, chars: str = " \t\r\n") -> int:
-    while i < len(text) and text[i] in chars:
-        i += 1
-    return i
-
-
 def _arguments_end(text: str, i: int) -> tuple[list[tuple[int, int]], int | None]:
     """From just after a call's `(`: the top-level argument texts' spans that a `,` or the closing `)` has ended,
     and where that `)` is (None while the call is unfinished)."""
@@ -132,17 +127,17 @@ class PythonicToolParser(ToolParser):
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         body, out = _body(text), []
-        i = _skip(body, 0)
+        i = skip(body, 0)
         if not body.startswith("[", i):
             return out
         i += 1
         try:
             while True:
-                i = _skip(body, i, " \t\r\n,")
+                i = skip(body, i, WHITESPACE + ",")
                 name = _NAME.match(body, i)
                 if name is None or name.end() == len(body):
                     return out
-                i = _skip(body, name.end())
+                i = skip(body, name.end())
                 if i == len(body) or body[i] != "(":
                     return out
                 spans, end = _arguments_end(body, i + 1)
