@@ -18,7 +18,7 @@ class PendingDrafts:
     does not wait for the device, and an event the first reader waits on."""
 
     def __init__(self, chosen: torch.Tensor) -> None:
-        self.device = chosen
+        self.tokens = chosen  # on the device
         self._event = None
         if chosen.is_cuda:
             self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
@@ -60,7 +60,7 @@ class DraftTokens(Sequence):
 
     def device_source(self) -> tuple[torch.Tensor, int, int]:
         """(the propose()'s drafts on the device [k_max, requests], this request's column, its count)."""
-        return self._pending.device, self._row, self._count
+        return self._pending.tokens, self._row, self._count
 
     def __iter__(self):
         return iter(self.tolist())

@@ -417,9 +417,8 @@ class ModelRunner:
         self.buffers.device["input_ids"].index_copy_(0, dst_t, tokens.index_select(0, src_t))
 
     def _patch_drafts(self, drafts: list) -> None:
-        """Device input ids of the drafts being verified <- the drafter's device tensors (stream-ordered after the
-        drafting and the input copy, before the forward)."""
-        ids = self.buffers.device["input_ids"]
+        """Device input ids of the drafts being verified <- the drafter's device tensors, as _patch_inflight patches
+        (stream-ordered after the drafting and the input copy, before the forward)."""
         by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for first, spec in drafts:
             tokens, column, count = spec.device_source()
@@ -427,8 +426,7 @@ class ModelRunner:
             dst.extend(range(first, first + count))
             src.extend(j * tokens.shape[1] + column for j in range(count))  # tokens [k_max, requests]
         for tokens, dst, src in by_source.values():
-            values = tokens.reshape(-1).index_select(0, list_to_device(src, self.device, torch.int64))
-            ids.index_copy_(0, list_to_device(dst, self.device, torch.int64), values.to(ids.dtype))
+            self._patch_inflight(dst, src, tokens.reshape(-1))
 
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
