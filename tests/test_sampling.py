@@ -344,3 +344,26 @@ def test_generate_shows_progress_unless_asked_not_to(llm, capsys):
     assert "Generating" in err and "3/3" in err
     llm.generate(["one"], params, use_tqdm=False)
     assert "Generating" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampler_reports_each_requests_accepted_drafts_and_last_token_on_the_device(temperature):
+    """What a model drafter launches the next drafts from (on_emitted) is what the host result says: per request,
+    the number of drafts accepted and the token it emits last; requests without drafts included."""
+    from aserve.worker.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(4)
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    for trial in range(20):
+        lens = [int(x) for x in torch.randint(0, 5, (6,), generator=gen)]
+        logits = torch.randn(sum(lens) + len(lens), 12, generator=gen) * 3
+        argmax, drafts, row = logits.argmax(-1).tolist(), [], 0
+        for n in lens:  # drafts mostly right, so that long accepted runs occur
+            drafts.append([argmax[row + j] if torch.rand(1, generator=gen) < 0.8 else 11 - argmax[row + j]
+                           for j in range(n)])  # fmt: skip
+            row += n + 1
+        reqs = [_FakeRequest(SamplingParams(temperature=temperature, seed=trial)) for _ in lens]
+        seen = []
+        out = sampler(logits, reqs, drafts if any(lens) else None,
+                      on_emitted=lambda accepted, last: seen.append((accepted.tolist(), last.tolist())))  # fmt: skip
+        assert seen == [([len(t) - 1 for t in out.token_ids], [t[-1] for t in out.token_ids])]

@@ -112,14 +112,16 @@ class ModelDrafter:
         self.graphs.capture(pool)
 
     @torch.inference_mode()
-    def propose(self, sampled, emitted: list[list[int]]):
-        """-> (drafts, draft distributions) per sampled request (None where none are wanted).
+    def propose(self, sampled, accepted: torch.Tensor, last: torch.Tensor):
+        """-> (drafts, draft distributions) per sampled request (None where none are wanted). `accepted`, `last`:
+        per sampled request, on the device, its number of accepted drafts and the last token it emitted in the step
+        (Sampler's on_emitted), so that the drafts are launched without waiting for the step's results.
 
         The active requests draft together, most drafts first, for as many one-token steps as the most any of
         them wants; a request past its own count keeps drafting at its last draft position without writing KV
         (slot -1) and that output is dropped. So every step has the same rows, its inputs (positions, slots,
-        lengths) are staged for all steps at once, each step's tokens feed the next on the device, and the drafts
-        reach the host in one copy at the end."""
+        lengths) are staged on the device for all steps at once, each step's tokens feed the next on the device,
+        and the drafts reach the host in one copy at the end."""
         active = sorted((i for i, s in enumerate(sampled) if s.num_draft_next > 0),
                         key=lambda i: -sampled[i].num_draft_next)  # fmt: skip
         drafts: list[list[int] | None] = [None] * len(sampled)
@@ -131,13 +133,16 @@ class ModelDrafter:
         k_max = int(counts[0])
         key = self.graphs.key_for(n, n, 1) if self.graphs is not None else None
         rows = n if key is None else key[0]  # the graph's rows: n, then padding
-        # The last emitted token sits at position N + accepted, N = known tokens before the step.
-        start = np.fromiter(
+        # The last emitted token sits at position N + accepted, N = known tokens before the step (its first row).
+        first = np.fromiter(
             (sampled[i].num_computed_tokens + sampled[i].num_new_tokens - len(sampled[i].spec_token_ids)
-             + len(emitted[i]) - 1 for i in active), np.int64, n,
+             for i in active), np.int64, n,
         )  # fmt: skip
         steps = np.arange(k_max)[:, None]
-        positions = start[None, :] + np.minimum(steps, counts[None, :] - 1)  # [k_max, n]
+        host = np.empty((3, k_max, n), dtype=np.int64)
+        host[0] = first[None, :] + np.minimum(steps, counts[None, :] - 1)  # positions, less the accepted drafts
+        host[1] = steps < counts[None, :]  # whether the step writes KV
+        host[2] = active  # the request's index among `sampled`
         buf = r.buffers.np
         # One group of layers: a model drafter runs on engines whose layers share one block table
         width = max(len(sampled[i].block_ids[0]) for i in active)
@@ -145,21 +150,26 @@ class ModelDrafter:
         for row, i in enumerate(active):
             blocks = sampled[i].block_ids[0]
             table[row, : len(blocks)] = blocks
-        bs = r.block_size
-        blocks_of = table[np.arange(n)[None, :], positions // bs].astype(np.int64)
-        slots = np.where(steps < counts[None, :], blocks_of * bs + positions % bs, -1)
-        # Per step: positions, slots, sequence lengths (padding rows: position 0, slot -1, length 0)
-        stage = np.zeros((k_max, 3, rows), dtype=np.int64)
-        stage[:, 1, n:] = -1
-        stage[:, 0, :n], stage[:, 1, :n], stage[:, 2, :n] = positions, slots, positions + 1
-        buf["input_ids"][:n] = [emitted[i][-1] for i in active]
-        buf["input_ids"][n:rows] = 0
+        buf["input_ids"][:rows] = 0
         buf["query_start_loc"][: rows + 1] = np.minimum(np.arange(rows + 1), n)
         dev = r.buffers.device
         r.buffers.to_device("input_ids", rows)
         r.buffers.to_device("query_start_loc", rows + 1)
-        r.buffers.to_device("block_tables", n, width)
-        stage_dev = torch.from_numpy(stage).to(r.device, non_blocking=True)
+        table_dev = r.buffers.to_device("block_tables", n, width)[0]
+        host_dev = list_to_device(host, r.device)
+        index = host_dev[2, 0]
+        dev["input_ids"][:n].copy_(last[index])
+        # Per step: positions, slots, sequence lengths (padding rows: position 0, slot -1, length 0)
+        stage = torch.zeros((k_max, 3, rows), dtype=torch.int64, device=r.device)
+        stage[:, 1, n:] = -1
+        positions = stage[:, 0, :n]
+        torch.add(host_dev[0], accepted[index], out=positions)
+        bs = r.block_size
+        blocks_of = torch.gather(table_dev, 1, (positions // bs).T).T
+        slots = (blocks_of * bs + positions % bs + 1).mul_(host_dev[1])  # slot + 1, or 0 where the step writes none
+        torch.sub(slots, 1, out=stage[:, 1, :n])
+        torch.add(positions, 1, out=stage[:, 2, :n])
+        seq_lens = stage[:, 2, :n].cpu().numpy() if key is None else None  # an eager forward's host metadata
 
         requests = [sampled[i].request for i in active]
         greedy = [q.sampling_params.greedy for q in requests]
@@ -169,15 +179,15 @@ class ModelDrafter:
         chosen = torch.empty(k_max, n, dtype=torch.int64, device=r.device)
         step_probs = []
         for j in range(k_max):
-            dev["positions"][:rows].copy_(stage_dev[j, 0])
-            dev["slot_mapping"][0, :rows].copy_(stage_dev[j, 1])
-            dev["seq_lens"][:rows].copy_(stage_dev[j, 2])
+            dev["positions"][:rows].copy_(stage[j, 0])
+            dev["slot_mapping"][0, :rows].copy_(stage[j, 1])
+            dev["seq_lens"][:rows].copy_(stage[j, 2])
             if j:
                 dev["input_ids"][:n].copy_(chosen[j - 1])
             if key is not None:
                 hidden = self.graphs.run(key)[:n]
             else:
-                hidden = self._forward_eager(n, width, stage[j, 2, :n])
+                hidden = self._forward_eager(n, width, seq_lens[j])
             if greedy_t is None:
                 chosen[j] = self.model.compute_logits(hidden, None, self.lm_head).argmax(dim=-1)
                 continue

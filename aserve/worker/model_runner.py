@@ -338,10 +338,16 @@ class ModelRunner:
                     None if s.request.spec_draft_probs is None else s.request.spec_draft_probs[: len(s.spec_token_ids)]
                     for s in sampled
                 ]
-            out = self.sampler(logits, requests, drafts if any(drafts) else None, draft_probs)
+            proposed = []  # the drafter's (drafts, draft distributions), launched inside the sampler's call
+
+            def propose(accepted: torch.Tensor, last: torch.Tensor) -> None:
+                proposed.append(self.drafter.propose(sampled, accepted, last))
+
+            out = self.sampler(logits, requests, drafts if any(drafts) else None, draft_probs,
+                               on_emitted=propose if self.drafter is not None else None)  # fmt: skip
             result = RunnerOutput(sampled, out, prompt_logprobs=scores)
-            if self.drafter is not None:
-                result.next_drafts, result.next_draft_probs = self.drafter.propose(sampled, out.token_ids)
+            if proposed:
+                result.next_drafts, result.next_draft_probs = proposed[0]
         return PendingStep(sampled, result=result)
 
     @torch.inference_mode()

@@ -28,6 +28,9 @@ output ends complete rather than broken.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
 from aserve.core.outputs import SampledLogprobs, SamplerOutput
@@ -121,9 +124,13 @@ class Sampler:
         requests: list[Request],
         drafts: list[list[int]] | None = None,
         draft_probs: list[torch.Tensor | None] | None = None,
+        on_emitted: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> SamplerOutput:
         """logits: len(drafts[i]) + 1 rows per request, in request order. draft_probs[i] (optional) holds the draft
-        distributions [k, vocab] the drafts were sampled from; None means one-hot (n-gram)."""
+        distributions [k, vocab] the drafts were sampled from; None means one-hot (n-gram). on_emitted(accepted,
+        last): each request's number of accepted drafts and the last token it emits, on the device, as soon as they
+        are computed: before the host waits for them where no logprobs are asked for (a model drafter launches the
+        next drafts from them while the host takes this step's results)."""
         drafts = [list(d) for d in drafts] if drafts else [[] for _ in requests]  # (a model drafter's DraftTokens)
         rows = [SampleRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
@@ -151,7 +158,13 @@ class Sampler:
         # One sync: per row, the token to emit if the run stops there, whether its logits were finite, and whether
         # its draft is accepted.
         packed = [candidates, nonfinite.long()] + ([accepted.long()] if accepted is not None else [])
-        host = torch.stack(packed).tolist()
+        early = on_emitted is not None and raw_logprobs is None
+        if early:
+            host = self._copy_to_host(torch.stack(packed))
+            on_emitted(*self._last_emitted(candidates, accepted, drafts))
+            host = host()
+        else:
+            host = torch.stack(packed).tolist()
         candidate_list, nonfinite_list = host[0], host[1]
         accepted_list = host[2] if accepted is not None else None
         token_ids: list[list[int]] = []
@@ -169,7 +182,39 @@ class Sampler:
         logprobs: list[list[SampledLogprobs] | None] = [None] * len(requests)
         if raw_logprobs is not None:
             logprobs = self._gather_logprobs(raw_logprobs, requests, token_ids, emitted_rows)
+        if on_emitted is not None and not early:
+            on_emitted(*self._last_emitted(candidates, accepted, drafts))
         return SamplerOutput(token_ids, logprobs, [len(d) for d in drafts], request_nonfinite)
+
+    @staticmethod
+    def _copy_to_host(t: torch.Tensor) -> Callable[[], list]:
+        """Starts `t`'s copy to the host without waiting -> a function that waits for it and returns its values."""
+        if not t.is_cuda:
+            return t.tolist
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return lambda: (event.synchronize(), host.tolist())[1]
+
+    def _last_emitted(self, candidates: torch.Tensor, accepted: torch.Tensor | None, drafts: list[list[int]]):
+        """-> per request, on the device: its number of accepted drafts (the leading run of accepted rows) and the
+        token it emits last (the candidate of the row after that run). One host-to-device copy of the rows' layout."""
+        lens = [len(d) for d in drafts]
+        starts = np.cumsum([0, *(n + 1 for n in lens[:-1])])
+        k = max(lens)
+        if accepted is None or not k:
+            last = candidates[self._tensor(starts.tolist(), torch.long)]
+            return torch.zeros(len(lens), dtype=torch.long, device=candidates.device), last
+        # Per request: its draft rows (-1 past its own count), then its first row.
+        layout = np.full((len(lens), k + 1), -1, dtype=np.int64)
+        for i, (start, n) in enumerate(zip(starts, lens)):
+            layout[i, :n] = np.arange(start, start + n)
+        layout[:, k] = starts
+        layout = list_to_device(layout, candidates.device)
+        rows = layout[:, :k]
+        run = (accepted[rows.clamp(min=0)] & (rows >= 0)).long().cumprod(dim=1).sum(dim=1)
+        return run, candidates[layout[:, k] + run]
 
     def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """One token per request without waiting for the device (async scheduling): min_tokens (counting the
