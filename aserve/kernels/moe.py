@@ -38,9 +38,10 @@ LARGE_CONFIG = dict(BLOCK_M=64, gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
                     down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4))  # fmt: skip
 
 
-# Up to this many slots on the grouped path, every program of the gate/up GEMM routes them all itself and the
-# routing's launch goes (_routed_gate_up_kernel); 0: never. Off until measured against the separate launch on a GPU.
-FOLD_ROUTE_MAX_SLOTS = 0
+# Up to this many slots on the grouped path (two tokens at top-8), every program of the gate/up GEMM routes them all
+# itself and the routing's launch goes (_routed_gate_up_kernel; the same bits as the separate launch). H100,
+# Qwen3-30B-A3B shape, deterministic batch 1: 0.05 ms off a 3.58 ms graph (docs/benchmarks.md, 2026-12-05).
+FOLD_ROUTE_MAX_SLOTS = 16
 
 
 def moe_config(num_slots: int, num_experts: int) -> dict:
