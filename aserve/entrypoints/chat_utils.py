@@ -21,6 +21,29 @@ def takes_content_parts(template: str | dict | None) -> bool:
     return isinstance(template, str) and _LOOPS_OVER_CONTENT.search(template) is not None
 
 
+# Content parts read as text, by type: the field holding the text. vLLM reads these the same way: `refusal` is how an
+# assistant's refused turn comes back in an OpenAI history, `input_text` / `output_text` are the Responses API's parts.
+_TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                     "thinking": "thinking"}  # fmt: skip
+
+
+def _part_text(i: int, part) -> str | None:
+    """A content part's text (a bare string is one); None for a text or refusal part whose text is null (vLLM skips
+    those). ParamError for any other part: images, audio and files have no text side here."""
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    field = _TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
+    text = part.get(field) if field is not None else None
+    if text is None and kind in ("text", "refusal"):
+        return None
+    if not isinstance(text, str):
+        raise ParamError(f"messages[{i}].content", "only text content parts are supported" + (
+            f" (this one is {kind[:40]!r}: aserve serves a model's text side only)" if isinstance(kind, str)
+            and field is None else ""))  # fmt: skip
+    return text
+
+
 def parse_conversation(messages: list[dict], keep_parts: bool = False, all_parts: bool = False) -> list[dict]:
     """Each message with a string role and string content: OpenAI's text content parts joined with newlines (as vLLM
     joins them for templates that take a string), or with `keep_parts` (takes_content_parts) kept as a list of text
@@ -38,14 +61,7 @@ def parse_conversation(messages: list[dict], keep_parts: bool = False, all_parts
             raise ParamError(f"messages[{i}].role", "every message needs a string role")
         content = msg.get("content")
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else None
-                    raise ParamError(f"messages[{i}].content", "only text content parts are supported" + (
-                        f" (this one is {kind[:40]!r}: aserve serves a model's text side only)" if isinstance(kind, str)
-                        and kind != "text" else ""))  # fmt: skip
-                texts.append(part["text"])
+            texts = [text for text in (_part_text(i, part) for part in content) if text is not None]
             content = [{"type": "text", "text": t} for t in texts] if keep_parts or all_parts else "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise ParamError(f"messages[{i}].content", "content must be a string or a list of text parts")
