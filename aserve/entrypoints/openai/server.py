@@ -21,6 +21,7 @@ from aserve.entrypoints.openai.beam_request import beam_response
 from aserve.entrypoints.openai.connections import MAX_BODY_BYTES
 from aserve.entrypoints.openai.cors import CorsOptions
 from aserve.entrypoints.openai.event_stream import EventStream, stream_response
+from aserve.entrypoints.openai.model_card import model_card
 from aserve.entrypoints.openai.openapi import openapi_spec
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs, make_echoes
 from aserve.entrypoints.openai.protocol import (
@@ -77,27 +78,16 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-def _model_card(state: ServerState, name: str) -> dict:
-    return {
-        "id": name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "aserve",
-        "root": state.engine.config.model_dir,
-        "max_model_len": state.engine.config.max_model_len,
-    }
-
-
 async def list_models(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE_KEY]
-    return json_response({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
+    return json_response({"object": "list", "data": [model_card(state, name) for name in state.model_names]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     """GET /v1/models/{model}: the served model's card; 404 model_not_found for any other name."""
     state: ServerState = request.app[STATE_KEY]
     state.check_model(request.match_info["model"])
-    return json_response(_model_card(state, request.match_info["model"]))
+    return json_response(model_card(state, request.match_info["model"]))
 
 
 async def tokenize(request: web.Request) -> web.Response:
