@@ -206,7 +206,7 @@ async def test_logprobs_are_included_when_asked_for(client):
 
 async def test_stored_responses(client):
     """Responses, whole or streamed, are stored unless store is false: GET /v1/responses/{id} returns them;
-    metadata is echoed."""
+    metadata is echoed; cancelling one is refused (it is complete), as is cancelling an id not stored."""
     r = await client.responses.create(input="Hi", max_output_tokens=3, metadata={"run": "7"}, **GREEDY)
     got = await client.responses.retrieve(r.id)
     assert got.model_dump() == r.model_dump() and got.metadata == {"run": "7"}
@@ -217,6 +217,12 @@ async def test_stored_responses(client):
     for missing in (unstored.id, "resp_nope"):
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(missing)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.cancel(missing)
+    with pytest.raises(openai.BadRequestError) as e:  # vLLM's answer for a response not made in the background
+        await client.responses.cancel(r.id)
+    assert e.value.body["message"] == "Cannot cancel a synchronous response." and e.value.body["param"] == "response_id"
+    assert (await client.responses.retrieve(r.id)).model_dump() == r.model_dump()
     with pytest.raises(openai.NotFoundError) as e:
         await client.responses.create(input="Hi", previous_response_id=unstored.id, **GREEDY)
     assert e.value.body["param"] == "previous_response_id"

@@ -93,6 +93,12 @@ def openapi_spec() -> dict:
             "/v1/chat/completions": _post("Chat completion", chat, streams=True),
             "/v1/responses": _post("OpenAI's Responses API, on the chat path", responses, True, _RESPONSE_EVENTS),
             "/v1/responses/{response_id}": {"get": {"summary": "A stored response", "responses": ok}},
+            "/v1/responses/{response_id}/cancel": {
+                "post": {
+                    "summary": "400 for a stored response (none runs in the background); 404 otherwise",
+                    "responses": {"400": {"description": "Cannot cancel a synchronous response."}},
+                }
+            },
             "/tokenize": _post("Tokenise a prompt or chat messages", tokenize, streams=False),
             "/detokenize": _post("Token ids to text", detokenize, streams=False),
             "/v1/models": {"get": {"summary": "The served model", "responses": ok}},

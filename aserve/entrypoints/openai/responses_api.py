@@ -1,7 +1,7 @@
-"""OpenAI's Responses API on aserve's chat path: POST /v1/responses (whole or streamed) and GET /v1/responses/{id}
-(a stored response). A response is a chat request (responses_protocol.py) run by the server's own chat handler,
-its reply made into a response object or its events (responses_output.py, responses_stream.py); errors name the
-Responses fields a client sent."""
+"""OpenAI's Responses API on aserve's chat path: POST /v1/responses (whole or streamed), GET /v1/responses/{id}
+(a stored response) and POST /v1/responses/{id}/cancel (refused: nothing runs in the background). A response is a
+chat request (responses_protocol.py) run by the server's own chat handler, its reply made into a response object or
+its events (responses_output.py, responses_stream.py); errors name the Responses fields a client sent."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ class ResponsesEndpoint:
         if stored is None:
             raise _not_found(response_id, "response_id")
         return json_response(stored.body)
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/{response_id}/cancel: as vLLM answers it for a response that was not made in the
+        background (aserve makes none there): 400 for a stored one, which is already complete; 404 otherwise."""
+        response_id = request.match_info["response_id"]
+        if self.store.get(response_id) is None:
+            raise _not_found(response_id, "response_id")
+        raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
 
     def _history(self, req: ResponsesRequest) -> list:
         """The conversation before this request's input: the stored response's that previous_response_id names."""

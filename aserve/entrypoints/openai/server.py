@@ -439,6 +439,7 @@ def build_app(
     responses = ResponsesEndpoint(_chat_completions)
     app.router.add_post("/v1/responses", responses.create)
     app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses.cancel)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_get("/version", _static_json({"version": __version__}))
