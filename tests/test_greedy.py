@@ -96,3 +96,25 @@ def test_engine_warms_up_the_greedy_pick(tiny_model):
     llm.engine.core.runner.warm_up_sampler()
     assert calls == [(1, llm.engine.core.runner.model.config.vocab_size)]
     assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids == before
+
+
+def test_warm_up_runs_the_heads_at_every_row_count_class(tiny_model):
+    """A step's logits rows vary with its batch, outside the CUDA graphs, and a Triton head (a quantised one, a
+    drafter's int8 copy) compiles once per row-count class: the warm-up runs the target's head and the drafter's at
+    1, 2, each power of two from 16 and the count after it, and the most rows a step can have."""
+    from aserve import LLM, SamplingParams
+    from aserve.worker.profiling import warm_up_rows
+
+    assert warm_up_rows(1) == [1] and warm_up_rows(5) == [1, 2, 5]
+    assert warm_up_rows(80) == [1, 2, 16, 17, 32, 33, 64, 65, 80]
+    spec = {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3, "draft_head": "int8"}
+    llm = LLM(tiny_model, dtype="float32", enforce_eager=True, max_num_seqs=8, speculative_config=spec)
+    runner = llm.engine.core.runner
+    params = SamplingParams(temperature=0, max_tokens=8)
+    before = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids
+    rows = {"target": [], "draft": []}
+    for name, head in (("target", runner.model.lm_head), ("draft", runner.drafter.lm_head)):
+        head.register_forward_hook(lambda m, args, out, name=name: rows[name].append(args[0].shape[0]))
+    runner.warm_up_sampler(8 * 4)
+    assert rows == {"target": [1, 2, 16, 17, 32], "draft": [1, 2, 8]}
+    assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids == before

@@ -140,8 +140,8 @@ class EngineCore:
         if config.device.type == "cuda" and not args.enforce_eager:
             # Speculative decoding: verification steps (each request's last token and up to k drafts) too
             self.runner.capture_cuda_graphs(1 + spec.num_speculative_tokens if spec is not None else 1)
-        if config.device.type == "cuda":
-            self.runner.warm_up_sampler()
+        if config.device.type == "cuda":  # a step's logits: a row per request, and one per draft it verifies
+            self.runner.warm_up_sampler(args.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
         self.spec_policy = self._spec_policy()
         self.stats = EngineStats()
         self.structured_output = StructuredOutputManager(config.tokenizer, config.vocab_size, config.eos_token_id)
@@ -229,8 +229,8 @@ class EngineCore:
         per_block = self.runner.kv_bytes_per_block
         if args.num_gpu_blocks_override is not None:
             return args.num_gpu_blocks_override
-        if args.kv_cache_memory_gb is not None:
-            return int(args.kv_cache_memory_gb * (1 << 30)) // per_block
+        if args.kv_cache_budget_bytes is not None:
+            return args.kv_cache_budget_bytes // per_block
         if config.device.type == "cuda":
             return self.runner.profile_num_kv_blocks(args.gpu_memory_utilization)
         # CPU: a fixed budget, but no more than every sequence at full length could use.

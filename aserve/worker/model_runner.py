@@ -247,15 +247,21 @@ class ModelRunner:
         profiling.warmup(self)
 
     @torch.inference_mode()
-    def warm_up_sampler(self) -> None:
-        """Compiles what sampling launches (a GPU: the greedy pick's Triton kernels) on the logits of a made-up
-        row, so that the first request does not wait for it."""
-        self._on_every_rank("warm_up_sampler")
-        hidden = torch.zeros(1, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+    def warm_up_sampler(self, max_logits_rows: int = 1) -> None:
+        """Compiles what sampling launches (a GPU: the greedy pick's Triton kernels) on the logits of made-up rows,
+        and the head's kernels (a quantised head's Triton GEMV / GEMMs, a model drafter's int8 head) at every row
+        count class up to `max_logits_rows` (profiling.warm_up_rows), so that no request waits for a compilation:
+        a step's logits rows vary with its batch, outside the CUDA graphs."""
+        self._on_every_rank("warm_up_sampler", max_logits_rows)
+        hidden = torch.zeros(max_logits_rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         with self._stream():
-            logits = self.model.compute_logits(hidden, None)
+            for rows in profiling.warm_up_rows(max_logits_rows):
+                logits = self.model.compute_logits(hidden[:rows], None)
             if self.tp is None or self.tp.rank == 0:
-                self.sampler.warm_up(logits)
+                self.sampler.warm_up(logits[:1])
+            if self.drafter is not None and self.drafter.lm_head is not None:  # its drafts: a row per request
+                for rows in profiling.warm_up_rows(min(max_logits_rows, self.max_num_seqs)):
+                    self.model.compute_logits(hidden[:rows], None, self.drafter.lm_head)
 
     @torch.inference_mode()
     def measure_step_times(self, reps: int = 3) -> dict[int, float]:

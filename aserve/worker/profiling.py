@@ -69,6 +69,18 @@ def warmup(runner) -> None:
     logger.info("Warm-up (compilation) took %.1f s", time.perf_counter() - t0)
 
 
+def warm_up_rows(max_rows: int) -> list[int]:
+    """Row counts that meet every launch specialisation of a kernel over up to `max_rows` rows whose configuration
+    changes at powers of two (Triton specialises an integer argument on 1 and on multiples of 16): 1, 2, then each
+    power of two from 16 and the count after it."""
+    rows = {1, 2, max_rows}
+    p = 16
+    while p <= max_rows:
+        rows.update((p, p + 1))
+        p *= 2
+    return sorted(r for r in rows if r <= max_rows)
+
+
 def measure_step_times(runner, reps: int = 3) -> dict[int, float]:
     """Seconds per step by number of tokens (1, 2, 4, ... up to the budget): the seed of the speculation
     policy's cost model (which then learns from real steps). A step of n tokens is timed as one n-token request;
