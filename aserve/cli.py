@@ -71,6 +71,7 @@ _HELP = {
     "dtype": "auto | bfloat16 | float16 | float32",
     "load_format": "auto | dummy (random weights at the model's real shapes)",
     "kv_cache_memory_gb": "KV cache budget in GiB (CPU default: 2)",
+    "kv_cache_memory_bytes": "KV cache budget in bytes, vLLM's spelling of --kv-cache-memory-gb (e.g. 8G)",
     "device": "auto | cpu | cuda",
     "enforce_eager": "CPU: do not torch.compile element-wise ops (faster start)",
     "debug_invariants": "check KV-block and queue invariants after every step (slow)",
@@ -112,6 +113,7 @@ def human_readable_int(value: str) -> int:
 
 
 _TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int,
+          "kv_cache_memory_bytes": human_readable_int,
           "override_generation_config": json_object, "hf_overrides": json_object, "limit_mm_per_prompt": json_object,
           "compilation_config": json_value}  # fmt: skip
 
@@ -136,10 +138,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
-    if getattr(ns, "kv_cache_memory_bytes", None) is not None:
-        if values["kv_cache_memory_gb"] is not None:
-            raise ValueError("give --kv-cache-memory-bytes or --kv-cache-memory-gb, not both")
-        values["kv_cache_memory_gb"] = ns.kv_cache_memory_bytes / 2**30
     if values["served_model_name"] is not None:
         values["served_model_name"] = values["served_model_name"][0]
     return EngineArgs(**values)
@@ -170,8 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_frontend_args(serve)
     add_serve_option_args(serve)
     add_engine_args(serve)
-    serve.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
-                       help="KV cache budget in bytes, vLLM's spelling of --kv-cache-memory-gb (e.g. 8G)")  # fmt: skip
     add_config_arg(serve)
     batch = sub.add_parser("run-batch", help="answer a file of OpenAI requests (vLLM's batch format) with a model")
     add_run_batch_args(batch)

@@ -55,6 +55,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float | None = None  # KV budget; default on CPU: 2 GiB (capped to what can be used)
+    kv_cache_memory_bytes: int | None = None  # the KV budget in bytes (vLLM's argument), instead of kv_cache_memory_gb
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests, experiments)
     load_format: str = "auto"  # auto | dummy
     quantization: str | None = None  # awq / gptq / compressed-tensors / fp8: the checkpoint must be so; fp8 / int8 on
@@ -110,6 +111,13 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"
     scheduling_policy: str = "fcfs"
 
+    @property
+    def kv_cache_budget_bytes(self) -> int | None:
+        """The KV cache budget asked for, kv_cache_memory_bytes or kv_cache_memory_gb (None: the default)."""
+        if self.kv_cache_memory_bytes is not None:
+            return int(self.kv_cache_memory_bytes)
+        return None if self.kv_cache_memory_gb is None else int(self.kv_cache_memory_gb * (1 << 30))
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -128,6 +136,11 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_memory_bytes is not None:
+            if self.kv_cache_memory_gb is not None:
+                raise ValueError("give kv_cache_memory_bytes or kv_cache_memory_gb, not both")
+            if not self.kv_cache_memory_bytes > 0:
+                raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         unknown = sorted(set(self.override_generation_config or ()) - set(GENERATION_DEFAULTS))
         if unknown:
             raise ValueError(f"override_generation_config: {unknown[0]!r} is not a sampling default (one of "

@@ -52,7 +52,7 @@ if torch.cuda.is_available():
         init = LLMEngine.__init__
 
         def small_kv_init(self, args):
-            if args.kv_cache_memory_gb is None and args.num_gpu_blocks_override is None:
+            if args.kv_cache_budget_bytes is None and args.num_gpu_blocks_override is None:
                 args.kv_cache_memory_gb = 1.0
             init(self, args)
 

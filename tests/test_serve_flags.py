@@ -241,7 +241,7 @@ def test_vllm_flag_spellings_and_accepted_values(tiny_model, capsys):
     ns = build_parser().parse_args(dashed(argv))
     check_frontend_args(ns)
     args = engine_args_from(ns)
-    assert (args.max_model_len, args.max_num_seqs, args.kv_cache_memory_gb) == (512, 4, 0.5)
+    assert (args.max_model_len, args.max_num_seqs, args.kv_cache_budget_bytes) == (512, 4, 2**29)
     assert args.override_generation_config == {"max_new_tokens": 7}
     for flags, message in (
         (["--structured-outputs-config", '{"backend": "outlines"}'], "always uses xgrammar"),
