@@ -56,6 +56,19 @@ class EngineConfig:
     def architecture(self) -> str:
         return architecture_of(self.hf_config)
 
+    # vLLM's ModelConfig names, for code reading `llm.llm_engine.model_config`
+    @property
+    def model(self) -> str:
+        """The model as given (a directory, .gguf file or repo id); the default model's directory when none was."""
+        return self.args.model or self.model_dir
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.args.max_logprobs
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
     def cache_metrics_info(self, num_gpu_blocks: int) -> dict:
         """The KV cache's settings (with the engine's `num_gpu_blocks`), as vLLM's cache_config_info metric labels
         them."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
 
@@ -15,6 +15,8 @@ from aserve.core.metrics import PeriodicLogger, PrometheusMetrics
 from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine
 from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
+from aserve.entrypoints.openai.protocol import TEMPLATE_CONTROLS
+from aserve.entrypoints.openai.request_fields import STRUCTURED_OUTPUT_BACKENDS
 from aserve.entrypoints.tokenize_options import TokenizeOptions
 from aserve.inputs import PromptType
 from aserve.metrics_reader import Metric, get_metrics_snapshot
@@ -25,6 +27,8 @@ logger = logging.getLogger("aserve")
 
 _POOLING = "aserve serves generative models only (no embeddings, scores, classes or rewards)"
 _CONTENT_FORMATS = ("auto", "string", "openai")
+# use_tqdm: True (tqdm's bar), False (none), or vLLM's callable making the bar (e.g. functools.partial(tqdm, ...))
+ProgressBar = bool | Callable[..., tqdm]
 
 
 def _refused(name: str, why: str, error: type[Exception] = NotImplementedError):
@@ -43,10 +47,40 @@ def _refuse_lora(lora_request) -> None:
         raise ValueError("lora_request: aserve does not run LoRA adapters")
 
 
+def _check_structured_outputs_config(config: dict | None) -> None:
+    """vLLM's LLM(structured_outputs_config={"backend": ...}): xgrammar (or auto) with its defaults is what aserve
+    runs; anything else is refused."""
+    if config is None:
+        return
+    backend = config.get("backend", "auto") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or set(config) - {"backend"} or backend not in STRUCTURED_OUTPUT_BACKENDS:
+        raise ValueError(f"structured_outputs_config {config!r}: structured output always uses xgrammar with its "
+                         'defaults ({"backend": "xgrammar"} or "auto" only)')  # fmt: skip
+
+
+def _template_kwargs(chat_template_kwargs: dict | None, tools: list[dict] | None) -> dict:
+    """LLM.chat's chat_template_kwargs with its tools (which win over a "tools" key, as in vLLM). Keys that control
+    how the chat is rendered rather than what the template reads are refused by name."""
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & (TEMPLATE_CONTROLS - {"tools"}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: LLM.chat takes add_generation_prompt, "
+                         "continue_final_message, tools and chat_template as its own arguments, truncation and "
+                         "max_length in tokenization_kwargs")  # fmt: skip
+    if tools is not None:
+        kwargs["tools"] = tools
+    return kwargs
+
+
 class LLM:
-    def __init__(self, model: str | None = None, disable_log_stats: bool = True, **engine_args) -> None:
+    def __init__(self, model: str | None = None, disable_log_stats: bool = True,
+                 structured_outputs_config: dict | None = None, **engine_args) -> None:  # fmt: skip
         """disable_log_stats: True by default, as in vLLM's LLM; False keeps the engine's Prometheus series for
-        get_metrics() and logs the periodic stats line (logger "aserve", INFO)."""
+        get_metrics() and logs the periodic stats line (logger "aserve", INFO). structured_outputs_config: vLLM's,
+        {"backend": "xgrammar"} or "auto" only."""
+        _check_structured_outputs_config(structured_outputs_config)
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
@@ -66,6 +100,21 @@ class LLM:
         """vLLM's name for the engine."""
         return self.engine
 
+    @property
+    def model_config(self):
+        """vLLM's `llm.model_config`: the engine's settings as resolved (max_model_len, hf_config, ...)."""
+        return self.engine.model_config
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what the model can be asked to do; aserve serves generative models only."""
+        return ("generate",)
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the processes the model runs in, the tensor-parallel size (include_dp changes nothing: there is no
+        pipeline or data parallelism)."""
+        return self.engine.config.args.tensor_parallel_size
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -77,7 +126,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressBar = True,
         lora_request=None,
         priority: list[int] | None = None,
         tokenization_kwargs: dict | None = None,
@@ -101,7 +150,7 @@ class LLM:
                      for p in prompts]  # fmt: skip
         return self._generate(tokenized, sampling_params, use_tqdm)
 
-    def _generate(self, tokenized: list[tuple[PromptType | None, list[int]]], sampling_params, use_tqdm: bool):
+    def _generate(self, tokenized: list[tuple[PromptType | None, list[int]]], sampling_params, use_tqdm: ProgressBar):
         """(prompt as given, or None, its token ids) for each request -> their final outputs."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(tokenized)
@@ -165,7 +214,7 @@ class LLM:
         self,
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressBar = True,
         lora_request=None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -190,9 +239,7 @@ class LLM:
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        kwargs = dict(chat_template_kwargs or {})
-        if tools is not None:
-            kwargs["tools"] = tools
+        kwargs = _template_kwargs(chat_template_kwargs, tools)
         options = TokenizeOptions.from_kwargs(tokenization_kwargs, self.engine.config.max_model_len,
                                               add_special_tokens=False)  # fmt: skip
         tokenized = []
@@ -252,10 +299,13 @@ class LLM:
     collective_rpc = _refused("collective_rpc", "aserve's workers run its own steps only")
     apply_model = _refused("apply_model", "aserve's workers run its own steps only")
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: ProgressBar) -> list[RequestOutput]:
         pending = set(request_ids)
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
+        if callable(use_tqdm):
+            bar = use_tqdm(total=len(request_ids), desc="Generating")
+        else:
+            bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
         gc_was_enabled = gc.isenabled()
         gc.disable()  # no cyclic-GC pauses between steps; what accumulates is collected after the call
         try:
