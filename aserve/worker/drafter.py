@@ -189,7 +189,7 @@ class ModelDrafter:
             else:
                 hidden = self._forward_eager(n, width, seq_lens[j])
             if greedy_t is None:
-                chosen[j] = self.model.compute_logits(hidden, None, self.lm_head).argmax(dim=-1)
+                chosen[j] = sampler.first_max(self.model.compute_logits(hidden, None, self.lm_head))
                 continue
             logits = self.model.compute_logits(hidden, lm_head=self.lm_head)
             p = sampler.probs(logits, sample_rows)

@@ -116,7 +116,7 @@ class Sampler:
     def warm_up(self, logits: torch.Tensor) -> None:
         """Runs the greedy pick once on logits of the kind steps produce (the model's dtype): its Triton kernels
         compile at start-up rather than on the first request."""
-        self._first_max(logits)
+        self.first_max(logits)
 
     def __call__(
         self,
@@ -143,7 +143,7 @@ class Sampler:
         if not want_logprobs and (picked := self._greedy_pick(logits, rows)) is not None:
             argmax, nonfinite = picked
             if check_greedy:
-                grammar.correct_greedy(logits, requests, drafts, argmax, self._first_max)
+                grammar.correct_greedy(logits, requests, drafts, argmax, self.first_max)
             candidates, accepted = self._candidates(logits, rows, drafts, draft_probs, argmax)
         else:
             if check_greedy:
@@ -407,7 +407,7 @@ class Sampler:
         supports, pick = self._greedy_kernel
         return pick(logits) if supports(logits) else None
 
-    def _first_max(self, logits: torch.Tensor) -> torch.Tensor:
+    def first_max(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum (the greedy kernel where it applies)."""
         if self._greedy_kernel is not None and self._greedy_kernel[0](logits):
             return self._greedy_kernel[1](logits)[0]
