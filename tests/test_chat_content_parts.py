@@ -3,24 +3,17 @@ parts (an assistant's refused turn in the history), the Responses API's `input_t
 and bare strings read as text, as vLLM reads them; parts with no text side (images) stay a 400 naming the message."""
 
 import pytest
-from test_responses_api import MODEL, llm_engine, open_client  # noqa: F401  (llm_engine: the fixture)
+from test_responses_api import MODEL, client, clients, llm_engine  # noqa: F401  (the fixtures)
 from test_server import assert_idle
 
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture
-async def client(llm_engine):  # noqa: F811
-    http, client = await open_client(llm_engine)
-    yield client
-    await client.close()
-    await http.close()
-
-
-async def reply(client, history):
+async def reply(openai_client, history):
     """(prompt token ids, text) of a greedy 4-token reply."""
-    resp = await client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0,
-                                                extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    resp = await openai_client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0,
+                                                       extra_body=extra)  # fmt: skip
     return resp.prompt_token_ids, resp.choices[0].message.content
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from aserve.entrypoints.chat_utils import parse_conversation
-from aserve.entrypoints.openai.request_fields import REFUSED_FIELDS, asks_for
+from aserve.entrypoints.openai.request_fields import REFUSED_FIELDS, asks_for, null_as_default
 from aserve.entrypoints.openai.structured_request import (
     STRUCTURED_FIELDS,
     ResponseFormat,
@@ -36,8 +36,8 @@ TEMPLATE_CONTROLS = frozenset({"add_generation_prompt", "continue_final_message"
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    include_usage: bool | None = None  # None: as continuous_usage_stats
-    continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk too
+    include_usage: bool | None = True  # vLLM's default: stream_options asks for the usage chunk unless false or null
+    continuous_usage_stats: bool | None = False  # vLLM's: usage (so far) on every chunk too
     include_obfuscation: bool | None = None  # accepted: aserve's chunks carry no obfuscation padding
 
 
@@ -49,12 +49,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = 1  # null: the default, for each of request_fields.NULLABLE_FIELDS (null_as_default)
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stream: bool = False
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
@@ -107,18 +107,18 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
 
+    def __post_init__(self) -> None:
+        null_as_default(self)
+
     @property
     def include_usage(self) -> bool:
-        """A usage chunk ends the stream (include_usage, or continuous_usage_stats without include_usage)."""
-        options = self.stream_options
-        if options is None:
-            return False
-        return bool(options.include_usage or (options.include_usage is None and options.continuous_usage_stats))
+        """A usage chunk ends the stream: stream_options with include_usage true, its default (as vLLM)."""
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
         """Every chunk carries the usage so far (vLLM's stream_options.continuous_usage_stats)."""
-        return self.include_usage and self.stream_options.continuous_usage_stats
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -250,7 +250,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     prompt: str | list  # a string, token ids, or a list of either (validated by prompts())
     max_tokens: int | None = 16  # OpenAI's default when absent; null: up to the context length (as vLLM)
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     prompt_embeds: Any = None
 
@@ -301,7 +301,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     messages: list[dict]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message stays open: the reply continues it
@@ -311,7 +311,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     include_reasoning: bool = True  # with --reasoning-parser: false drops the reasoning (reasoning.py)
     tools: list[dict] | None = None  # tool calling: tool_request.py (the request), tool_output.py (the response)
     tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
     documents: list[dict] | None = None  # to the chat template (retrieval-augmented templates read them)
     chat_template: str | None = None  # the request's own template (the server's --trust-request-chat-template)
     # OpenAI's and vLLM's fields that aserve accepts without effect or refuses (request_fields.py)

@@ -5,6 +5,10 @@ none of them is refused as unrecognised (OpenAI's rule; vLLM only logs it)."""
 
 from __future__ import annotations
 
+import functools
+
+import msgspec
+
 # Accepted and ignored: what they ask for is bookkeeping, billing or routing, or has no effect here, never the output.
 IGNORED_FIELDS = {
     "user": "an end-user id for abuse monitoring",
@@ -67,3 +71,22 @@ def asks_for(name: str, value) -> bool:
     if value is None or value is False or value in ("", []):
         return False
     return value not in ACCEPTED_VALUES.get(name, ())
+
+
+# OpenAI's request fields that may be null, meaning their default (as OpenAI and vLLM read them: clients send null for
+# what they leave unset); vLLM's own fields take no null, as in vLLM.
+NULLABLE_FIELDS = frozenset({"n", "presence_penalty", "frequency_penalty", "stream", "echo", "logprobs",
+                             "parallel_tool_calls"})  # fmt: skip
+
+
+def null_as_default(request: msgspec.Struct) -> None:
+    """Sets each of a request's NULLABLE_FIELDS that came as null to the field's default."""
+    for name, default in _nullable_defaults(type(request)):
+        if getattr(request, name) is None:
+            setattr(request, name, default)
+
+
+@functools.cache
+def _nullable_defaults(request_type: type) -> tuple[tuple[str, object], ...]:
+    return tuple((f.name, f.default) for f in msgspec.structs.fields(request_type)
+                 if f.name in NULLABLE_FIELDS and f.default not in (None, msgspec.NODEFAULT))  # fmt: skip

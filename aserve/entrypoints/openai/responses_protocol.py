@@ -74,7 +74,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: false (OpenAI's nullable field, as vLLM reads it)
     stream_options: ResponsesStreamOptions | None = None
     tools: list | None = None  # function tools in the flat shape: {"type": "function", "name", "parameters", ...}
     tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "name"}
@@ -179,7 +179,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         return ChatCompletionRequest(
             messages=messages, model=self.model, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, stream=self.stream,
-            stream_options=StreamOptions(include_obfuscation=self.stream_options.include_obfuscation)
+            stream_options=StreamOptions(include_usage=False,
+                                         include_obfuscation=self.stream_options.include_obfuscation)
             if self.stream_options is not None else None,
             tools=_chat_tools(self.tools), tool_choice=_chat_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls is not False, response_format=self._response_format(),
