@@ -52,3 +52,25 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request ended because of an internal error
     kv_transfer_params: None = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """vLLM's: merges a later output of the same request into this one. aggregate (DELTA outputs): each
+        completion's new text, token ids and logprobs are appended to those it has; otherwise (CUMULATIVE) a
+        completion is replaced by its newer one. A completion not seen before is added."""
+        self.finished |= next_output.finished
+        for new in next_output.outputs:
+            for i, old in enumerate(self.outputs):
+                if old.index != new.index:
+                    continue
+                if aggregate:
+                    old.text += new.text
+                    old.token_ids = [*old.token_ids, *new.token_ids]  # (new lists: the engine's are never extended)
+                    if new.logprobs:
+                        old.logprobs = [*(old.logprobs or []), *new.logprobs]
+                    old.cumulative_logprob = new.cumulative_logprob
+                    old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+                else:
+                    self.outputs[i] = new
+                break
+            else:
+                self.outputs.append(new)
