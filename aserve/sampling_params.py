@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 _GREEDY_EPS = 1e-5
-_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # A JSON schema nested deeper than this (objects and arrays of the schema document itself; an object property is
 # three levels) is refused: xgrammar's compile time grows steeply with nesting (SmolLM2's vocabulary, 480 nested
 # objects: 12-30 s in the compile pool, holding up every other request's grammar)
@@ -48,14 +48,17 @@ class ParamError(ValueError):
 class StructuredOutputsParams:
     """Constrains a request's output to a grammar (vLLM's shape; compiled by xgrammar): exactly one of `json` (a JSON
     schema, as a dict or its JSON text), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF, with
-    a `root` rule) or `json_object` (any JSON object). disable_any_whitespace: JSON without whitespace between its
-    tokens (otherwise any amount is allowed, as in JSON)."""
+    a `root` rule), `json_object` (any JSON object) or `structural_tag` (the JSON text of an xgrammar structural tag:
+    {"type": "structural_tag", "format": {...}}, or the older {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}: text is free until a trigger, then the structure it starts). disable_any_whitespace: JSON
+    without whitespace between its tokens (otherwise any amount is allowed, as in JSON)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -63,8 +66,8 @@ class StructuredOutputsParams:
         if len(kinds) != 1:
             raise ParamError(
                 "structured_outputs",
-                "structured_outputs takes exactly one of json, regex, choice, grammar or json_object, got "
-                + (", ".join(kinds) if kinds else "none"),
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object or "
+                "structural_tag, got " + (", ".join(kinds) if kinds else "none"),
             )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ParamError("structured_outputs", "structured_outputs.json must be a JSON schema (an object)")
@@ -78,7 +81,7 @@ class StructuredOutputsParams:
                 schema = None  # (not JSON: the compile says so)
             if _nesting(schema) > MAX_SCHEMA_DEPTH:
                 raise too_deep
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ParamError("structured_outputs", f"structured_outputs.{name} must be a string")
         if self.choice is not None and (
@@ -91,7 +94,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint it is: "json", "regex", "choice", "grammar" or "json_object"."""
+        """Which constraint it is: "json", "regex", "choice", "grammar", "json_object" or "structural_tag"."""
         return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 

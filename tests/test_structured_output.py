@@ -210,7 +210,7 @@ def test_what_does_not_compile_is_refused_before_anything_is_queued(llm):
         assert info.value.param == "structured_outputs" and "/project/" not in str(info.value)
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(
-        ParamError, match="exactly one of json, regex, choice, grammar or json_object, got regex, choice"
+        ParamError, match="exactly one of json, regex, choice, grammar, json_object or structural_tag, got regex, "
     ):
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ParamError, match="got none"):

@@ -223,7 +223,8 @@ def test_bad_requests_get_400_naming_the_problem_and_the_server_goes_on(client):
         (dict(extra_body={"structured_outputs": {"grammar": "root ::= "}}), "structured_outputs",
          "the EBNF grammar cannot be compiled"),
         (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}}), "structured_outputs",
-         "structured_outputs takes exactly one of json, regex, choice, grammar or json_object, got regex, choice"),
+         "structured_outputs takes exactly one of json, regex, choice, grammar, json_object or structural_tag, got "
+         "regex, choice"),
         (dict(extra_body={"structured_outputs": {"whitespace_pattern": " "}}), "structured_outputs",
          "structured_outputs.whitespace_pattern is not supported"),
         (dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {"regex": "a"}}),

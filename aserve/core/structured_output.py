@@ -46,6 +46,7 @@ _WHAT = {
     "regex": "the regex",
     "choice": "the choice",
     "grammar": "the EBNF grammar",
+    "structural_tag": "the structural tag",
 }
 
 
@@ -61,6 +62,30 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     else:
         spec = getattr(params, kind)
     return kind, spec, kind in ("json", "json_object") and not params.disable_any_whitespace
+
+
+def compile_structural_tag(compiler: xgr.GrammarCompiler, spec: str) -> xgr.CompiledGrammar:
+    """An xgrammar structural tag's JSON text -> its grammar. The older form (vLLM's "structures" and "triggers":
+    each structure a begin string, a JSON schema and an end string) goes through xgrammar's tag items."""
+    try:
+        tag = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ParamError("structured_outputs", f"the structural tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise ParamError("structured_outputs", "the structural tag must be a JSON object")
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(spec)
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+        raise ParamError("structured_outputs", "the structural tag's triggers must be a list of strings")
+    items = []
+    for s in structures if isinstance(structures, list) else [None]:
+        if not isinstance(s, dict) or not {"begin", "schema", "end"} <= s.keys():
+            raise ParamError("structured_outputs", "each of the structural tag's structures needs begin, schema "
+                             "and end")  # fmt: skip
+        schema = s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"])
+        items.append(xgr.StructuralTagItem(begin=s["begin"], schema=schema, end=s["end"]))
+    return compiler.compile_structural_tag(items, triggers)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -251,6 +276,8 @@ class StructuredOutputManager:
                 return compiler.compile_regex(spec)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(spec)))
+            if kind == "structural_tag":
+                return compile_structural_tag(compiler, spec)
             return compiler.compile_grammar(spec)
         except ParamError:
             raise

@@ -5,6 +5,7 @@ StructuredOutputsParams."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import msgspec
 
@@ -26,10 +27,15 @@ class JSONSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+    """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}, and vLLM's
+    {"type": "structural_tag", "format": {...}} (an xgrammar structural tag) or its older {"type":
+    "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}."""
 
     type: str
     json_schema: JSONSchemaFormat | None = None
+    format: dict | None = None
+    structures: list | None = None
+    triggers: list | None = None
 
 
 def _given(req) -> list[str]:
@@ -61,15 +67,31 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
         raise
 
 
+def _structural_tag(fmt: ResponseFormat) -> str:
+    """A structural_tag response_format as the JSON text StructuredOutputsParams.structural_tag takes (as vLLM
+    passes it on)."""
+    if fmt.format is not None:
+        if fmt.structures is not None or fmt.triggers is not None:
+            raise ParamError("response_format", "a structural_tag response_format takes format, or structures and "
+                             "triggers, not both")  # fmt: skip
+        return json.dumps({"type": "structural_tag", "format": fmt.format}, ensure_ascii=False)
+    if fmt.structures is None or fmt.triggers is None:
+        raise ParamError("response_format", "a structural_tag response_format needs format, or structures and "
+                         "triggers")  # fmt: skip
+    return json.dumps({"type": "structural_tag", "structures": fmt.structures, "triggers": fmt.triggers},
+                      ensure_ascii=False)  # fmt: skip
+
+
 def _params(req, field: str) -> StructuredOutputsParams:
     if field == "response_format":
         fmt: ResponseFormat = req.response_format
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
+        if fmt.type == "structural_tag":
+            return StructuredOutputsParams(structural_tag=_structural_tag(fmt))
         if fmt.type != "json_schema":
-            raise ParamError(
-                field, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {fmt.type!r}"
-            )
+            raise ParamError(field, "response_format.type must be 'text', 'json_object', 'json_schema' or "
+                             f"'structural_tag', got {fmt.type!r}")  # fmt: skip
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise ParamError(field, "response_format of type 'json_schema' needs json_schema.schema")
         return StructuredOutputsParams(json=fmt.json_schema.schema)
