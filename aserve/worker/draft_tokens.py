@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from aserve.worker.sampler import copy_to_host
+
 
 class PendingDrafts:
     """One propose()'s draft tokens [k_max, n] on their way to the host: on a GPU a copy into pinned memory that
@@ -19,14 +21,7 @@ class PendingDrafts:
 
     def __init__(self, chosen: torch.Tensor) -> None:
         self.tokens = chosen  # on the device
-        self._event = None
-        if chosen.is_cuda:
-            self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
-            self._host.copy_(chosen, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = chosen
+        (self._host,), self._event = copy_to_host(chosen)
         self._rows: list[list[int]] | None = None
 
     def row(self, row: int) -> list[int]:

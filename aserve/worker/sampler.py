@@ -47,6 +47,19 @@ def list_to_device(values: list, device: torch.device, dtype: torch.dtype | None
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def copy_to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Starts copying `tensors` (on one device) to the host without waiting -> (their host copies, the event to wait
+    for before reading them; None where they are on the host already)."""
+    if not tensors[0].is_cuda:
+        return list(tensors), None
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, t in zip(hosts, tensors):
+        host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return hosts, event
+
+
 class SampleRow:
     """A request at the position after `prefix` (draft tokens not yet accepted) and `pending` more tokens that
     earlier, still running steps sample (async scheduling: counted, their ids unknown on the host)."""
@@ -160,9 +173,11 @@ class Sampler:
         packed = [candidates, nonfinite.long()] + ([accepted.long()] if accepted is not None else [])
         early = on_emitted is not None and raw_logprobs is None
         if early:
-            host = self._copy_to_host(torch.stack(packed))
+            (host,), event = copy_to_host(torch.stack(packed))
             on_emitted(*self._last_emitted(candidates, accepted, drafts))
-            host = host()
+            if event is not None:
+                event.synchronize()
+            host = host.tolist()
         else:
             host = torch.stack(packed).tolist()
         candidate_list, nonfinite_list = host[0], host[1]
@@ -185,17 +200,6 @@ class Sampler:
         if on_emitted is not None and not early:
             on_emitted(*self._last_emitted(candidates, accepted, drafts))
         return SamplerOutput(token_ids, logprobs, [len(d) for d in drafts], request_nonfinite)
-
-    @staticmethod
-    def _copy_to_host(t: torch.Tensor) -> Callable[[], list]:
-        """Starts `t`'s copy to the host without waiting -> a function that waits for it and returns its values."""
-        if not t.is_cuda:
-            return t.tolist
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return lambda: (event.synchronize(), host.tolist())[1]
 
     def _last_emitted(self, candidates: torch.Tensor, accepted: torch.Tensor | None, drafts: list[list[int]]):
         """-> per request, on the device: its number of accepted drafts (the leading run of accepted rows) and the
@@ -237,15 +241,8 @@ class Sampler:
             device["ranks"] = (raw_logprobs > chosen).sum(dim=1) + 1
             max_n = max(r.sampling_params.logprobs or 0 for r in requests)
             device["top_lp"], device["top_ids"] = raw_logprobs.topk(max(max_n, 1), dim=-1)
-        if logits.device.type != "cuda":
-            return PendingSample(candidates, requests, device, None)
-        host = {}
-        for name, t in device.items():
-            host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host[name].copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return PendingSample(candidates, requests, host, event)
+        hosts, event = copy_to_host(*device.values())
+        return PendingSample(candidates, requests, dict(zip(device, hosts)), event)
 
     def _tensor(self, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
         return list_to_device(values, self.device, dtype)
