@@ -237,6 +237,7 @@ MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 before any of
 LARGE_BODY_BYTES = 1024 * 1024
 LARGE_BODY_SLOTS = 2  # large bodies received at once
 _PAUSE_S = 0.002  # between two large bodies' decoding turns
+_BODY_KEY = web.RequestKey("body", object)  # a body read and sniffed (POST /invocations), parsed again from here
 
 
 class BodyReader:
@@ -251,7 +252,9 @@ class BodyReader:
     async def parse(self, request: web.Request, struct_type, has_prompt: bool = False):
         """The request body decoded into `struct_type` (APIError 400 if it does not). has_prompt: a large body's
         prompt text is measured before it is decoded."""
-        body = await self.read(request)
+        body = request.pop(_BODY_KEY, None)
+        if body is None:
+            body = await self.read(request)
         if len(body) <= LARGE_BODY_BYTES:
             return _decode(body, struct_type)
         try:
@@ -264,11 +267,33 @@ class BodyReader:
         finally:
             body.close()
 
+    async def sniff(self, request: web.Request, struct_type):
+        """The body decoded into `struct_type` (a few of its fields), the body kept for the parse() that follows."""
+        body = await self.read(request)
+        try:
+            if len(body) <= LARGE_BODY_BYTES:
+                sniffed = _decode(body, struct_type)
+            else:
+                async with self._turn:
+                    await asyncio.sleep(_PAUSE_S)
+                    sniffed = _decode(body, struct_type)
+        except BaseException:
+            if not isinstance(body, bytes):
+                body.close()
+            raise
+        request[_BODY_KEY] = body
+        return sniffed
+
     async def read(self, request: web.Request) -> bytes | mmap.mmap:
         """The body, up to MAX_BODY_BYTES (else 413): bytes, or for one over LARGE_BODY_BYTES an anonymous memory
         map that the caller closes. A compressed body is refused before it is read: its Content-Length says nothing
         of what it inflates to (a small body can inflate to gigabytes before any limit applies; aiohttp's parser
-        answers one that does not inflate with its own 400)."""
+        answers one that does not inflate with its own 400). A body that is not declared JSON is refused as vLLM
+        refuses it (a browser's cross-site form post cannot declare it JSON without a CORS preflight)."""
+        media_type = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed",
+                           code="unsupported_media_type")  # fmt: skip
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise APIError(400, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",

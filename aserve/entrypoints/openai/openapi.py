@@ -110,6 +110,11 @@ def openapi_spec() -> dict:
                 "post": {"summary": "/health by vLLM's other name", "responses": ok},
             },
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": ok}},
+            "/invocations": _post(
+                "vLLM's SageMaker route: a chat completion when the body has messages, else a completion",
+                {"oneOf": [chat, completion]},
+                streams=True,
+            ),
         },
         "components": {"schemas": schemas},
     }

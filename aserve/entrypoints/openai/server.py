@@ -164,6 +164,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise
 
 
+class _InvocationKind(msgspec.Struct):
+    messages: msgspec.Raw = msgspec.Raw()  # left undecoded; empty when absent
+    prompt: msgspec.Raw = msgspec.Raw()
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """POST /invocations, vLLM's SageMaker route: a chat completion when the body has messages, else a completion
+    when it has a prompt."""
+    kind = await request.app[STATE_KEY].bodies.sniff(request, _InvocationKind)
+    if bytes(kind.messages) not in (b"", b"null"):
+        return await chat_completions(request)
+    if bytes(kind.prompt) not in (b"", b"null"):
+        return await completions(request)
+    raise APIError(400, "Cannot find suitable handler for request. Expected one of: "
+                   "['ChatCompletionRequest', 'CompletionRequest']")  # fmt: skip
+
+
 async def _chat_completions(request: web.Request, state: ServerState, req: ChatCompletionRequest, reply=None):
     state.check_model(req.model)
     req.check_limits(state.engine.config.args.max_logprobs)
@@ -318,7 +335,7 @@ async def errors_and_auth(request: web.Request, handler):
 
 
 async def _admit(request: web.Request, handler, state: ServerState):
-    if state.authorizations is not None and request.path.startswith("/v1"):
+    if state.authorizations is not None and request.path.startswith(("/v1", "/invocations")):
         given = request.headers.get("Authorization", "").encode("utf-8", "replace")
         if not any(hmac.compare_digest(given, key) for key in state.authorizations):
             return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
@@ -446,6 +463,7 @@ def build_app(
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)  # vLLM's (SageMaker's) name for the same, by GET or POST
     app.router.add_post("/ping", health)
+    app.router.add_post("/invocations", invocations)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
