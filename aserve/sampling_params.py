@@ -51,7 +51,10 @@ class StructuredOutputsParams:
     a `root` rule), `json_object` (any JSON object) or `structural_tag` (the JSON text of an xgrammar structural tag:
     {"type": "structural_tag", "format": {...}}, or the older {"structures": [{"begin", "schema", "end"}],
     "triggers": [...]}: text is free until a trigger, then the structure it starts). disable_any_whitespace: JSON
-    without whitespace between its tokens (otherwise any amount is allowed, as in JSON)."""
+    without whitespace between its tokens (otherwise any amount is allowed, as in JSON). vLLM's backend options:
+    disable_fallback (xgrammar is the only backend: nothing falls back), disable_additional_properties (xgrammar's
+    strict mode already treats a schema object without additionalProperties as closed), whitespace_pattern
+    (refused: xgrammar has no whitespace pattern; disable_any_whitespace removes whitespace)."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -60,8 +63,14 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
+        if self.whitespace_pattern is not None:
+            raise ParamError("structured_outputs", "structured_outputs.whitespace_pattern is not supported (xgrammar "
+                             "has none); disable_any_whitespace removes whitespace")  # fmt: skip
         kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise ParamError(
@@ -88,7 +97,7 @@ class StructuredOutputsParams:
             not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ParamError("structured_outputs", "structured_outputs.choice must be a non-empty list of strings")
-        for name in ("json_object", "disable_any_whitespace"):
+        for name in ("json_object", "disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
             if getattr(self, name) not in (None, True, False):
                 raise ParamError("structured_outputs", f"structured_outputs.{name} must be a boolean")
 

@@ -141,7 +141,7 @@ def test_llm_methods(llm):
     tokens = {"prompt_token_ids": LONG}
     llm.generate(tokens, GREEDY)
     assert cached(llm, tokens) == 32
-    assert llm.reset_prefix_cache() is True
+    assert llm.reset_prefix_cache() is True and llm.reset_mm_cache() is None
     assert cached(llm, tokens) == 0 and cached(llm, tokens) == 32
     for name in ("encode", "embed", "score", "classify", "reward"):
         with pytest.raises(ValueError, match=f"LLM.{name}.. is not supported: aserve serves generative models only"):
@@ -214,3 +214,32 @@ def test_spaces_between_special_tokens():
 
     assert text() == " <a> <b> world <a>"
     assert text(spaces_between_special_tokens=False) == " <a><b> world <a>"
+
+
+def test_engine_add_request_takes_vllms_positional_arguments(llm):
+    """LLMEngine.add_request(request_id, prompt, params, arrival_time, lora_request, tokenization_kwargs,
+    trace_headers, priority, prompt_text), as a vLLM step loop calls it; what aserve does not do is refused by name
+    and leaves nothing queued."""
+    engine = llm.llm_engine
+    text = "one two three four five six"
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+
+    def run(*args):
+        engine.add_request("p", *args)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        return outs[-1]
+
+    whole = run(text, GREEDY, None, None, None, None, 0)
+    kept = run(text, GREEDY, None, None, {"add_special_tokens": False, "truncate_prompt_tokens": 3})
+    assert kept.prompt_token_ids == ids[-3:] and whole.prompt_token_ids != kept.prompt_token_ids
+    named = run({"prompt_token_ids": ids}, GREEDY, None, None, None, None, 0, "my text")
+    assert named.prompt == "my text" and named.prompt_token_ids == ids
+    for args, param in (((None, object()), "lora_request"), ((None, None, None, {"x-trace": "1"}), "trace_headers"),
+                        ((None, None, None, None, 2), "priority"),
+                        ((None, None, {"padding": True}), "tokenization_kwargs")):  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            engine.add_request("q", text, GREEDY, *args)
+        assert param in str(info.value)
+        assert not engine.has_unfinished_requests() and not engine.output_processor.states

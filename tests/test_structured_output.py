@@ -417,3 +417,22 @@ def test_grammar_waits_for_its_start_token(tiny_model, llm, spec):
                        prompt, grammar_after=never) == [free]  # fmt: skip
     core = engine.core
     assert not core.scheduler.has_unfinished() and core.kv_manager.pool.num_free_blocks == core.num_kv_blocks
+
+
+def test_vllm_backend_options(llm):
+    """vLLM's disable_fallback and disable_additional_properties are taken (xgrammar is the only backend; a schema
+    object without additionalProperties is closed); whitespace_pattern is refused by name."""
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                   "required": ["a"]}  # fmt: skip
+    so = StructuredOutputsParams(json=open_schema, disable_fallback=True, disable_additional_properties=True,
+                                 disable_any_whitespace=True)  # fmt: skip
+    params = SamplingParams(structured_outputs=so, max_tokens=40, temperature=1.0, seed=3, n=4)
+    outputs = [c for o in llm.generate(PROMPTS, params) for c in o.outputs]
+    assert len(outputs) == 16
+    for c in outputs:
+        assert c.finish_reason == "stop", c.text
+        assert set(json.loads(c.text)) == {"a"}, c.text
+    with pytest.raises(ParamError, match="whitespace_pattern is not supported"):
+        StructuredOutputsParams(json=open_schema, whitespace_pattern=r"[\n ]*")
+    with pytest.raises(ParamError, match="disable_fallback must be a boolean"):
+        StructuredOutputsParams(json=open_schema, disable_fallback="yes")

@@ -40,6 +40,7 @@ from aserve.engine.output_processor import OutputProcessor
 from aserve.inputs import ParsedPrompt, PromptType, parse_prompt, with_prompt_salt
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from aserve.tokenize_options import TokenizeOptions
 
 logger = logging.getLogger("aserve")
 
@@ -107,16 +108,31 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request=None,
+        tokenization_kwargs: dict | None = None,
+        trace_headers=None,
+        priority: int = 0,
+        prompt_text: str | None = None,
+        *,
         prompt_token_ids: list[int] | None = None,
         max_tokens_must_fit: bool = False,
         grammar_after: int | None = None,
         output_kind: RequestOutputKind | None = None,
     ) -> None:
-        """Validates and queues a request. Raises ValueError (bad input) without changing any state.
+        """Validates and queues a request. Raises ValueError (bad input) without changing any state. The positional
+        parameters are vLLM's: lora_request and trace_headers are refused unless None (no LoRA adapters, no
+        tracing), priority unless 0 (first-come scheduling); tokenization_kwargs as LLM.generate's
+        (aserve/tokenize_options.py); prompt_text: the text of a token-ids prompt, reported in its outputs.
         prompt_token_ids: the prompt's ids where the caller tokenised it (`prompt` then gives its text and cache
         salt, if any). max_tokens_must_fit: see _make_sequences. grammar_after: a token id (a reasoning model's end of
         thinking) before which the structured-output grammar does not apply: it constrains the tokens after that
         one. output_kind: what step()'s outputs for it hold (default: the params' output_kind)."""
+        for name, value, why in (("lora_request", lora_request, "aserve does not run LoRA adapters"),
+                                 ("trace_headers", trace_headers, "aserve does not export traces")):  # fmt: skip
+            if value is not None:
+                raise ParamError(name, f"{name}: {why}")
+        if priority != 0:
+            raise ParamError("priority", "priority: aserve schedules first come, first served (priority 0 only)")
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
             raise ParamError("request_id", f"request id {request_id!r} is already in use")
@@ -124,7 +140,12 @@ class LLMEngine:
         if grammar is not None and grammar.done() and (error := compile_error(grammar)) is not None:
             raise error  # a ParamError naming the problem
         parsed = parse_prompt(prompt) if prompt is not None else ParsedPrompt(None, None)
-        prompt_text = parsed.text
+        prompt_text = parsed.text if prompt_text is None else prompt_text
+        if tokenization_kwargs:
+            options = TokenizeOptions.from_kwargs(tokenization_kwargs, self.config.max_model_len)
+            if prompt_token_ids is None:
+                prompt_token_ids = self.tokenize_prompt(prompt, options.add_special_tokens)[1]
+            prompt_token_ids = options.apply(prompt_token_ids)
         if prompt_token_ids is None:
             prompt_token_ids = parsed.token_ids if parsed.token_ids is not None else self._encode(parsed.text)
         params = with_prompt_salt(params, parsed.cache_salt)

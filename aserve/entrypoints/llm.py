@@ -17,11 +17,11 @@ from aserve.engine.llm_engine import LLMEngine
 from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
 from aserve.entrypoints.openai.protocol import TEMPLATE_CONTROLS
 from aserve.entrypoints.openai.request_fields import STRUCTURED_OUTPUT_BACKENDS
-from aserve.entrypoints.tokenize_options import TokenizeOptions
 from aserve.inputs import PromptType
 from aserve.metrics_reader import Metric, get_metrics_snapshot
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
+from aserve.tokenize_options import TokenizeOptions
 
 logger = logging.getLogger("aserve")
 
@@ -134,7 +134,7 @@ class LLM:
         """Runs every prompt (a string, TextPrompt or TokensPrompt: aserve/inputs.py) to completion; outputs come back
         in prompt order, each the final one (vLLM's LLM runs every request FINAL_ONLY). vLLM's lora_request is
         refused unless None (no LoRA adapters), priority unless every one is 0 (first-come scheduling);
-        tokenization_kwargs: aserve/entrypoints/tokenize_options.py."""
+        tokenization_kwargs: aserve/tokenize_options.py."""
         _refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -277,6 +277,10 @@ class LLM:
         """Forgets every cached prompt prefix (later prompts hit none of the blocks computed so far); True, as
         vLLM's."""
         return self.engine.reset_prefix_cache()
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's reset of its multimodal processor cache: aserve takes text only and keeps no such cache, so there
+        is nothing to forget."""
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's snapshot of the engine's Prometheus series (the `aserve:` names of `GET /metrics`) as Counter, Gauge,
