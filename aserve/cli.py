@@ -17,6 +17,7 @@ from aiohttp import web
 from aserve.config import EngineArgs
 from aserve.core.metrics import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
+from aserve.entrypoints.bench import add_bench_parser, run_bench
 from aserve.entrypoints.cli_client import add_client_parsers, run_client
 from aserve.entrypoints.config_file import add_config_arg, expand_config
 from aserve.entrypoints.openai.cli_args import (
@@ -175,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arg(batch)
     add_quantize_parser(sub)
     add_client_parsers(sub)
+    add_bench_parser(sub)
     for command in sub.choices.values():
         command.formatter_class = HelpWithDefaults
     return parser
@@ -344,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:  # a URL, a missing input, a refused engine argument
             print(f"aserve: error: {e}", file=sys.stderr)
             sys.exit(2)
+    elif ns.command == "bench":
+        run_bench(ns)
     elif ns.command == "quantize":
         try:
             run_quantize(ns)

@@ -21,7 +21,7 @@ class Target(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     endpoint: str = "completions"  # or "chat"
     api_key: str | None = None
-    temperature: float = 0.0
+    temperature: float | None = 0.0  # None: not sent (the server's default applies)
     ignore_eos: bool = False
     extra_body: dict = msgspec.field(default_factory=dict)
 
@@ -37,7 +37,6 @@ class Target(msgspec.Struct, frozen=True, kw_only=True):
         body = {
             "model": self.model,
             "max_tokens": max_tokens,
-            "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -49,6 +48,8 @@ class Target(msgspec.Struct, frozen=True, kw_only=True):
             )
         else:
             body["prompt"] = prompt
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         if self.ignore_eos:  # a vLLM extension: exactly max_tokens tokens
             body["ignore_eos"] = True
         body.update(self.extra_body)
