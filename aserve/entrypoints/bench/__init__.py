@@ -17,6 +17,7 @@ from aserve.entrypoints.bench.latency import add_latency_args, run_latency
 from aserve.entrypoints.bench.serve import run_serve
 from aserve.entrypoints.bench.serve_args import add_serve_args
 from aserve.entrypoints.bench.throughput import add_throughput_args, run_throughput
+from aserve.entrypoints.engine_cli_args import HelpWithDefaults
 
 _COMMANDS = {
     "serve": ("benchmark a running server's online serving (vLLM's bench serve)", add_serve_args, run_serve),
@@ -31,8 +32,6 @@ _COMMANDS = {
 
 def add_bench_parser(sub) -> None:
     """`aserve bench` and its subcommands, under `aserve`'s subparsers."""
-    from aserve.cli import HelpWithDefaults  # here: aserve.cli imports this package
-
     bench = sub.add_parser("bench", help="vLLM's benchmarks: bench serve, bench latency, bench throughput")
     commands = bench.add_subparsers(dest="bench_command", required=True)
     for name, (what, add_args, _) in _COMMANDS.items():

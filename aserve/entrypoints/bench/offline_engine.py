@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from aserve.entrypoints.engine_cli_args import add_engine_args, engine_args_from
 from aserve.sampling_params import SamplingParams
 
 OFFLINE_REFUSED = {
@@ -19,16 +20,12 @@ OFFLINE_REFUSED = {
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    # imported here: aserve.cli imports this package to register `aserve bench`
-    from aserve.cli import add_engine_args
-
     add_engine_args(parser)
 
 
 def make_llm(ns: argparse.Namespace):
     """LLM(...) from the engine flags, as `aserve serve` reads them."""
-    from aserve import LLM
-    from aserve.cli import engine_args_from
+    from aserve.entrypoints.llm import LLM
 
     args = engine_args_from(ns)
     return LLM(**{field.name: getattr(args, field.name) for field in dataclasses.fields(args)})
