@@ -208,7 +208,8 @@ class VariantTable:
         self.production = self.layer(None)().float()
 
     def layer(self, cfg):
-        return lambda: moe.fused_moe(self.x, self.logits, self.w13, self.w2, self.top_k, self.renormalize, cfg)
+        fused_moe = moe_sorted.fused_moe if cfg is not None and "sorted" in cfg else moe.fused_moe
+        return lambda: fused_moe(self.x, self.logits, self.w13, self.w2, self.top_k, self.renormalize, cfg)
 
     def add(self, variant: str, cfg, gemm_us: tuple = ("", "", "", "")) -> None:
         """A row: the layer under cfg timed and compared; gemm_us: (gather, gate/up, down, total) where swept."""

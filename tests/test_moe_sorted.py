@@ -34,7 +34,7 @@ def test_sorted_layout_matches_reference(options):
     for (tokens, experts, top_k, hidden, inter), block_m in (((19, 8, 2, 48, 40), 16), ((70, 6, 3, 64, 48), 32)):
         x, w13, w2, logits = random_moe(tokens, experts, hidden, inter, seed=tokens)
         renormalize = tokens % 2 == 1
-        out = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, sorted_config(block_m, OPTIONS[options]))
+        out = moe_sorted.fused_moe(x, logits, w13, w2, top_k, renormalize, sorted_config(block_m, OPTIONS[options]))
         ref = reference.fused_moe(x, w13, w2, *reference.select_experts(logits, top_k, renormalize))
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -67,8 +67,8 @@ def test_fixed_configuration_gives_a_token_the_same_bits_in_any_batch(options):
     descriptor's transposed tile in another order: close)."""
     x, w13, w2, logits = random_moe(37, 8, 64, 48, seed=9)
     config = sorted_config(16, OPTIONS[options])
-    run = lambda rows, cfg: moe.fused_moe(x[rows], logits[rows], w13, w2, 2, True, cfg,  # noqa: E731
-                                          fixed_order_sum=True)  # fmt: skip
+    run = lambda rows, cfg: (moe_sorted if "sorted" in cfg else moe).fused_moe(  # noqa: E731
+        x[rows], logits[rows], w13, w2, 2, True, cfg, fixed_order_sum=True)  # fmt: skip
     full = run(slice(None), config)
     for rows in (slice(36, 37), slice(30, 37), slice(0, 1)):
         assert torch.equal(run(rows, config), full[rows])
@@ -83,7 +83,7 @@ def test_16_bit_rounds_as_the_default_layout():
     GEMMs do; within the rounding of the reference."""
     x, w13, w2, logits = (t.half() for t in random_moe(37, 8, 64, 48, seed=5))
     config = sorted_config(16, OPTIONS["tma-gather"])
-    out = moe.fused_moe(x, logits, w13, w2, 2, True, config)
+    out = moe_sorted.fused_moe(x, logits, w13, w2, 2, True, config)
     ref = reference.fused_moe(x, w13, w2, *reference.select_experts(logits, 2, True))
     torch.testing.assert_close(out, ref, atol=3e-3, rtol=1e-2)
     default = moe.fused_moe(x, logits, w13, w2, 2, True, {k: v for k, v in config.items() if k != "sorted"})

@@ -280,17 +280,11 @@ def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: 
     w13 / w2 e4m3 with float32 scales per row, w13_scale [E, 2I] and w2_scale [E, H] (module docstring: past
     fp8_gemv.MAX_ROWS tokens the activations are rounded to e4m3 per row too). `config`: the grouped GEMMs' launch
     configuration; None: chosen by the number of slots, and a few tokens (moe_decode.use_decode) take aserve/
-    kernels/moe_decode.py's kernels instead; a `config` with a "sorted" entry takes aserve/kernels/moe_sorted.py's
-    layout (opt-in). fixed_order_sum: a token's k outputs added one after the other in
+    kernels/moe_decode.py's kernels instead. fixed_order_sum: a token's k outputs added one after the other in
     float32, in an order that depends on nothing but the token (deterministic mode, with a fixed `config`: then each
     token's result is the same bits whatever else the step holds)."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
-    if config is not None and "sorted" in config:  # opt-in: the intermediate rows in sorted order
-        from aserve.kernels import moe_sorted  # it builds on this module
-
-        assert w13_scale is None and w2_scale is None, "the sorted layout takes 16-bit or float32 experts"
-        return moe_sorted.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config, fixed_order_sum)
     if config is None and moe_decode.use_decode(t, top_k, num_experts):
         act, weights, ids = moe_decode.gate_up(x, router_logits, w13, top_k, renormalize, w13_scale)
         return moe_decode.down_sum(act, w2, ids, weights, w2_scale)

@@ -25,7 +25,7 @@ Either way the two GEMMs read every expert's weights once (1.2 GB at that shape:
 
 Each slot's row is computed alone (no sum across rows), so with a fixed configuration a token's result is the same
 bits whatever else the step holds, as with moe.py's layout. 16-bit or float32 experts only (no FP8 scales).
-Selected by a configuration with a "sorted" entry (SORTED_CONFIG): moe.fused_moe hands it to fused_moe below.
+Called directly (fused_moe below, with a configuration holding a "sorted" entry: SORTED_CONFIG); no model layer uses it.
 """
 
 from __future__ import annotations
