@@ -87,7 +87,8 @@ CONFIGS = {
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 4, 2, 64, 32), (19, 8, 2, 48, 40),
-                                                                    (70, 6, 3, 64, 48)])  # fmt: skip
+                                                                    (70, 6, 3, 64, 48),
+                                                                    (300, 4, 2, 64, 48)])  # fmt: skip
 def test_fused_moe_matches_reference(config, tokens, experts, top_k, hidden, inter):
     """Hidden / intermediate sizes that are not multiples of the tiles take the masked K loop and clamped columns."""
     x, w13, w2, logits = random_moe(tokens, experts, hidden, inter)
@@ -95,6 +96,16 @@ def test_fused_moe_matches_reference(config, tokens, experts, top_k, hidden, int
         out = moe.fused_moe(x, logits, w13, w2, top_k, renormalize, CONFIGS[config])
         ref = reference.fused_moe(x, w13, w2, *reference.select_experts(logits, top_k, renormalize))
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_configuration_by_rows_per_expert():
+    """Few rows per expert: 16-row blocks; many: 64; from MANY_SLOTS_PER_EXPERT on, 128-row blocks for 16-bit
+    experts (FP8 experts keep 64)."""
+    assert moe.moe_config(16 * 128, 128) is moe.SMALL_CONFIG
+    assert moe.moe_config(16 * 128 + 1, 128) is moe.LARGE_CONFIG
+    assert moe.moe_config(2048 * 8, 128) is moe.MANY_CONFIG and moe.MANY_CONFIG["BLOCK_M"] == 128
+    assert moe.moe_config(2048 * 8, 128, fp8_experts=True) is moe.LARGE_CONFIG
+    assert moe.moe_config(2048 * 8 - 1, 128) is moe.LARGE_CONFIG
 
 
 def test_fused_moe_16_bit_rounds_as_separate_ops():
