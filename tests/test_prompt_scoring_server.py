@@ -94,7 +94,8 @@ def test_prompt_logprobs_field_on_both_endpoints(client, hf_model):
     chat_entries = chat.model_extra["prompt_logprobs"]
     root = str(client.base_url).removesuffix("/").removesuffix("/v1")
     body = json.dumps({"model": MODEL, "messages": messages}).encode()
-    with urllib.request.urlopen(urllib.request.Request(f"{root}/tokenize", body)) as r:
+    tokenize = urllib.request.Request(f"{root}/tokenize", body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(tokenize) as r:
         ids = json.load(r)["tokens"]
     ref = hf_logprobs(hf_model, ids)
     assert chat_entries[0] is None and len(chat_entries) == len(ids)
