@@ -3,13 +3,9 @@
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from test_server import MODEL, assert_idle, make_client
 
 from aserve import EngineArgs, LLMEngine
-from aserve.engine.async_engine import AsyncEngine
-from aserve.entrypoints.openai.server import SERVER_OPTIONS, build_app
-
-MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -18,22 +14,11 @@ def llm_engine(tiny_model):
                                 served_model_name=MODEL))  # fmt: skip
 
 
-async def make_client(llm_engine, api_key=None):
-    client = TestClient(TestServer(build_app(AsyncEngine(llm_engine), MODEL, api_key), **SERVER_OPTIONS))
-    await client.start_server()
-    return client
-
-
 @pytest.fixture
 async def client(llm_engine):
     client = await make_client(llm_engine)
     yield client
     await client.close()
-
-
-def assert_idle(llm_engine):
-    assert not llm_engine.output_processor.states and not llm_engine.core.scheduler.has_unfinished()
-    assert llm_engine.core.kv_manager.pool.num_free_blocks == llm_engine.core.num_kv_blocks
 
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
