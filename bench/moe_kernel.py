@@ -1,7 +1,6 @@
 """The fused MoE kernel (aserve/kernels/moe.py) on the GPU, bf16, random weights and router logits:
 
     python bench/moe_kernel.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--tokens 2048] [--tune] [--fp8]
-    python bench/moe_kernel.py --variants [--smoke]
 
 For `--tokens` tokens: the two grouped GEMMs (gate/up with SiLU·mul, down with the routing weights) against cuBLAS
 doing the same FLOPs as two dense bf16 matmuls (every routed row through one weight: [T k, H] x [H, 2 I] and
@@ -12,13 +11,6 @@ copy bandwidth). `--tune` times a grid of launch configurations at both sizes fi
 experts in e4m3 with row scales (`--quantization fp8`'s experts: aserve/layers/quantization/fp8_moe.py), the
 activations rounded to e4m3 per row past fp8_gemv.MAX_ROWS tokens (FP8 MMAs), 16-bit below; the error is then
 against the per-expert path on the dequantised experts.
-
-`--variants`: moe.py's layout against aserve/kernels/moe_sorted.py's (the gate/up GEMM's activation stored in sorted
-row order, so the down GEMM reads contiguous tiles; with TMA descriptors; with x copied into sorted order first), at
-BLOCK_M 128 and 64 with a few tiles for each GEMM (VARIANT_TILES), at `--tokens` tokens: each GEMM's fastest tiles,
-the layer with them under a CUDA graph, its largest difference from the production default's output (relative to
-that output's largest magnitude); then each variant's fastest configuration again at 256 and 1 tokens. `--smoke`
-runs that on the CPU at a tiny shape in float32, for the script's own logic (with TRITON_INTERPRET=1).
 Prints a table.
 """
 
@@ -26,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 
 import torch
 from gpu_bench import bench_ms
 from triton.testing import do_bench_cudagraph
 
-from aserve.kernels import fp8_gemv, moe, moe_align, moe_decode, moe_sorted
+from aserve.kernels import fp8_gemv, moe, moe_align
 from aserve.kernels.fp8_reference import dequantize
 from aserve.layers.moe import FusedMoE, per_expert_matmuls
 from aserve.layers.quantization.fp8 import quantize_per_channel
@@ -40,15 +31,15 @@ from aserve.layers.quantization.fp8 import quantize_per_channel
 SHAPES = {  # experts, top_k, hidden, expert intermediate, renormalise
     "qwen3-30b-a3b": (128, 8, 2048, 768, True),
     "mixtral-8x7b": (8, 2, 4096, 14336, True),
-    "tiny": (8, 2, 64, 48, True),  # --smoke
 }
 
 
-def random_experts(shape: str, fp8: bool, dev="cuda", dt=torch.bfloat16):
-    """The shape's experts, random (seed 0; bf16 on the GPU unless told), or rounded to e4m3 with row scales ->
-    (w13, w2, (w13 scales, w2 scales) or (None, None), a FusedMoE block holding the experts' values for references)."""
+def random_experts(shape: str, fp8: bool):
+    """The shape's experts, random bf16 on the GPU (seed 0), or rounded to e4m3 with row scales -> (w13, w2, (w13
+    scales, w2 scales) or (None, None), a FusedMoE block holding the experts' values in bf16 for references)."""
     experts, top_k, hidden, inter, renormalize = SHAPES[shape]
     torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dt) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, device=dev, dtype=dt) * inter**-0.5
     layer = FusedMoE(experts, top_k, hidden, inter, renormalize).to(dev, dt)
@@ -112,199 +103,13 @@ def tune(x, w13, w2, logits, top_k, renormalize, scales=(None, None)) -> dict:
     return best[1]
 
 
-VARIANTS = {  # name -> the configuration's "sorted" entry (aserve/kernels/moe_sorted.py); None: moe.py's layout
-    "default": None,
-    "sorted": dict(tma=False),
-    "sorted+tma": dict(tma=True),
-    "sorted+tma+gather": dict(tma=True, gather_x=True),
-}
-
-
-def tiles(block_n, block_k, warps, stages, group_m=8):
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
-
-
-# Each GEMM's candidate tiles by BLOCK_M: around the tiles --tune chose on an H200 (BLOCK_M 128, gate/up 128 x 64 with
-# 8 warps and 4 stages, down 256 x 64), with fewer stages or narrower tiles where two programs then share an SM (shared
-# memory of a stage: (BLOCK_M + BLOCK_N, twice for gate/up) x BLOCK_K x 2 bytes, against 227 KiB an SM).
-VARIANT_TILES = {
-    128: dict(
-        gate_up=[tiles(128, 64, 8, 4), tiles(128, 64, 8, 3), tiles(64, 64, 4, 4)],
-        down=[tiles(256, 64, 8, 4), tiles(256, 64, 8, 3), tiles(128, 64, 8, 4), tiles(128, 64, 4, 3)],
-    ),
-    64: dict(
-        gate_up=[tiles(128, 64, 4, 4), tiles(128, 64, 8, 4), tiles(256, 64, 8, 3), tiles(128, 32, 4, 5)],
-        down=[tiles(256, 64, 4, 4), tiles(256, 64, 8, 4), tiles(128, 64, 4, 4), tiles(128, 64, 4, 6)],
-    ),
-}
-SMOKE_TILES = {16: dict(gate_up=[tiles(16, 16, 4, 2), tiles(32, 32, 4, 2)], down=[tiles(64, 32, 4, 2)]),
-               32: dict(gate_up=[tiles(64, 64, 4, 2)], down=[tiles(64, 64, 4, 2)])}  # fmt: skip
-
-
-def variant_gemms(x, logits, w13, w2, top_k, renormalize, block_m, options) -> dict:
-    """The routing done once and a variant's launches on it: "gate_up" / "down" as functions of their tiles, and
-    "gather" (x into sorted order) where the variant has it."""
-    if options is None:
-        return routed(x, logits, w13, w2, top_k, renormalize, block_m)
-    weights, _, sorted_slots, block_experts = moe_align.route_and_align(logits, top_k, renormalize, block_m)
-    n, num_experts = x.shape[0] * top_k, w13.shape[0]
-    tma, gather_x = options.get("tma", False), options.get("gather_x", False)
-    gather = lambda: moe_sorted.gather_rows(x, sorted_slots, block_experts, block_m, top_k, num_experts)  # noqa: E731
-    a = gather() if gather_x else x
-    act = torch.empty(sorted_slots.numel(), w2.shape[2], dtype=x.dtype, device=x.device).normal_()
-    out = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
-    layout = dict(sorted_slots=sorted_slots, block_experts=block_experts, block_m=block_m, num_slots=n, tma=tma)
-    gemms = {
-        "gate_up": lambda cfg: moe_sorted.sorted_gemm(a, w13, act, config=cfg, row_div=top_k, a_sorted=gather_x,
-                                                      out_sorted=True, gated=True, **layout),
-        "down": lambda cfg: moe_sorted.sorted_gemm(act, w2, out, config=cfg, a_sorted=True, out_sorted=False,
-                                                   gated=False, weights=weights, **layout),
-    }  # fmt: skip
-    return {**gemms, "gather": gather} if gather_x else gemms
-
-
-def timer(smoke: bool):
-    """ms per call of fn: CUDA-graph replays (triton's do_bench_cudagraph); --smoke: one call's wall time."""
-
-    def wall_ms(fn):
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
-    return wall_ms if smoke else do_bench_cudagraph
-
-
-def fastest_tiles(run, candidates, time_ms, label: str):
-    """(ms, tiles) of the fastest candidate that runs, or None."""
-    best = None
-    for cfg in candidates:
-        try:
-            ms = time_ms(lambda: run(cfg))
-        except Exception as e:  # out of resources, or a compiler's refusal: reported, the sweep goes on
-            print(f"   {label} {tile_text(cfg)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        print(f"   {label} {tile_text(cfg)}: {ms * 1e3:.1f} us", flush=True)
-        if best is None or ms < best[0]:
-            best = (ms, cfg)
-    return best
-
-
-def tile_text(cfg: dict) -> str:
-    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
-
-
-class VariantTable:
-    """The rows of --variants at one shape: each a layer run under one configuration (None: the production default,
-    moe.fused_moe choosing), its error against the production default's output and, where swept, its GEMMs' times."""
-
-    def __init__(self, w13, w2, top_k: int, renormalize: bool, time_ms):
-        self.w13, self.w2, self.top_k, self.renormalize, self.time_ms = w13, w2, top_k, renormalize, time_ms
-        self.rows = []
-
-    def tokens(self, x, logits) -> None:
-        """The batch the next rows run: x [T, H], router logits [T, E]."""
-        self.x, self.logits = x, logits
-        self.production = self.layer(None)().float()
-
-    def layer(self, cfg):
-        fused_moe = moe_sorted.fused_moe if cfg is not None and "sorted" in cfg else moe.fused_moe
-        return lambda: fused_moe(self.x, self.logits, self.w13, self.w2, self.top_k, self.renormalize, cfg)
-
-    def add(self, variant: str, cfg, gemm_us: tuple = ("", "", "", "")) -> None:
-        """A row: the layer under cfg timed and compared; gemm_us: (gather, gate/up, down, total) where swept."""
-        run = self.layer(cfg)
-        err = (run().float() - self.production).abs().max().item() / self.production.abs().max().item()
-        layer_ms = self.time_ms(run)
-        t, num_experts = self.x.shape[0], self.w13.shape[0]
-        if cfg is None and moe_decode.use_decode(t, self.top_k, num_experts):
-            tiles_text = ("", "few-token kernels", "")
-        else:
-            shown = cfg or moe.moe_config(t * self.top_k, num_experts)
-            tiles_text = (shown["BLOCK_M"], tile_text(shown["gate_up"]), tile_text(shown["down"]))
-        self.rows.append((self.x.shape[0], variant, *tiles_text, *gemm_us, f"{layer_ms * 1e3:.1f}", f"{err:.1e}"))
-        print(f"-- {self.x.shape[0]} tokens, {variant} {cfg}: layer {layer_ms * 1e3:.1f} us, max rel err {err:.1e}",
-              flush=True)  # fmt: skip
-
-    def sweep(self, variant: str, options, block_m: int, candidates: dict) -> tuple | None:
-        """Each GEMM's fastest of `candidates` at this BLOCK_M, then the layer with them: -> (GEMMs ms, config)."""
-        print(f"== {self.x.shape[0]} tokens, {variant}, BLOCK_M {block_m}", flush=True)
-        gemms = variant_gemms(self.x, self.logits, self.w13, self.w2, self.top_k, self.renormalize, block_m, options)
-        best = {w: fastest_tiles(gemms[w], candidates[w], self.time_ms, w) for w in ("gate_up", "down")}
-        if None in best.values():
-            return None
-        gather_ms = self.time_ms(gemms["gather"]) if "gather" in gemms else 0.0
-        total = gather_ms + best["gate_up"][0] + best["down"][0]
-        cfg = dict(BLOCK_M=block_m, gate_up=best["gate_up"][1], down=best["down"][1])
-        if options is not None:
-            cfg["sorted"] = options
-        us = [f"{gather_ms * 1e3:.1f}" if "gather" in gemms else ""]
-        self.add(variant, cfg, (*us, *(f"{ms * 1e3:.1f}" for ms in (best["gate_up"][0], best["down"][0], total))))
-        return total, cfg
-
-
-def compare_variants(shape: str, tokens: int, smoke: bool) -> None:
-    """--variants (module docstring): one row per variant and BLOCK_M at `tokens` tokens, then each variant's fastest
-    configuration at 256 and 1 tokens; the table last."""
-    experts, top_k, hidden, inter, renormalize = SHAPES[shape]
-    dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
-    time_ms, sweep = timer(smoke), SMOKE_TILES if smoke else VARIANT_TILES
-    w13, w2, _, _ = random_experts(shape, False, dev, dt)
-    started = time.perf_counter()
-    device = "CPU (Triton's interpreter)" if smoke else torch.cuda.get_device_name()
-    print(f"{device}, {shape}: E={experts} top_k={top_k} H={hidden} I={inter}, {dt}", flush=True)
-    m = tokens * top_k
-    dense = [(torch.randn(m, kk, device=dev, dtype=dt), torch.randn(kk, nn, device=dev, dtype=dt))
-             for kk, nn in ((hidden, 2 * inter), (inter, hidden))]  # fmt: skip
-    dense_ms = sum(time_ms(lambda a=a, b=b: a @ b) for a, b in dense)
-    table = VariantTable(w13, w2, top_k, renormalize, time_ms)
-    batch = lambda t: (torch.randn(t, hidden, device=dev, dtype=dt), torch.randn(t, experts, device=dev, dtype=dt))  # noqa: E731
-    table.tokens(*batch(tokens))
-    production = moe.moe_config(m, experts)
-    gemms = variant_gemms(table.x, table.logits, w13, w2, top_k, renormalize, production["BLOCK_M"], None)
-    gemm_ms = [time_ms(lambda w=w: gemms[w](production[w])) for w in ("gate_up", "down")]
-    table.add("default (production)", None, ("", *(f"{ms * 1e3:.1f}" for ms in (*gemm_ms, sum(gemm_ms)))))
-    fastest = {}  # variant -> (GEMMs ms, config) over the BLOCK_Ms
-    for variant, options in VARIANTS.items():
-        for block_m, candidates in sweep.items():
-            swept = table.sweep(variant, options, block_m, candidates)
-            if swept is not None and (variant not in fastest or swept[0] < fastest[variant][0]):
-                fastest[variant] = swept
-    for size in (256 if not smoke else 4, 1):
-        table.tokens(*batch(size))
-        table.add("default (production)", None)
-        for variant, (_, cfg) in fastest.items():
-            table.add(variant, cfg)
-    print(
-        f"\n{time.perf_counter() - started:.0f} s. GEMMs: each GEMM at its fastest tiles (the gather of x included); "
-        f"/ dense: cuBLAS's time for the same FLOPs at {tokens} tokens ({dense_ms * 1e3:.1f} us) over the GEMMs'; "
-        "max rel err: the largest difference from the production default's output over its largest magnitude\n"
-    )
-    print(
-        "| tokens | variant | BLOCK_M | gate/up tiles | down tiles | gather us | gate/up us | down us | GEMMs us "
-        "| / dense | layer us (graph) | max rel err |\n|" + "---|" * 12
-    )
-    for size, variant, block_m, gate_up, down, gather, up_us, down_us, total, layer_us, err in table.rows:
-        rate = f"{100 * dense_ms * 1e3 / float(total):.0f} %" if total else ""
-        print(
-            f"| {size} | {variant} | {block_m} | {gate_up} | {down} | {gather} | {up_us} | {down_us} | {total} | "
-            f"{rate} | {layer_us} | {err} |"
-        )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--tune", action="store_true")
     p.add_argument("--fp8", action="store_true", help="e4m3 experts with row scales")
-    p.add_argument("--variants", action="store_true", help="moe.py's layout against moe_sorted.py's variants")
-    p.add_argument("--smoke", action="store_true", help="--variants on the CPU, tiny shape (TRITON_INTERPRET=1)")
     args = p.parse_args()
-    if args.variants or args.smoke:
-        assert not args.fp8 and not args.tune, "--variants times 16-bit experts with its own grid"
-        compare_variants("tiny" if args.smoke else args.shape, args.tokens if not args.smoke else 16, args.smoke)
-        return
     experts, top_k, hidden, inter, renormalize = SHAPES[args.shape]
     dev, dt = "cuda", torch.bfloat16
     w13, w2, scales, layer = random_experts(args.shape, args.fp8)
