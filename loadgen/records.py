@@ -26,6 +26,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     status: int = 0  # HTTP status; 0 when no response came
     finish_reason: str | None = None
     usage_reported: bool = False
+    generated_text: str = ""  # the streamed text, joined
 
     @property
     def end(self) -> float:

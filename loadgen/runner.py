@@ -132,6 +132,7 @@ class Runner:
             status=outcome.status,
             finish_reason=outcome.finish_reason,
             usage_reported=outcome.output_tokens is not None,
+            generated_text=outcome.text,
         )
         return record, outcome
 

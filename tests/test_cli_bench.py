@@ -106,6 +106,7 @@ def test_serve_chat_at_a_rate_with_concurrency_cap(server, tmp_path):
     assert sum(saved["output_lens"]) == saved["total_output_tokens"] == int(values["Total generated tokens:"])
     assert saved["total_input_tokens"] == sum(saved["input_lens"]) > 4 * 5  # chat template around the prompts
     assert len(saved["ttfts"]) == len(saved["itls"]) == 4 and saved["errors"] == [""] * 4
+    assert len(saved["generated_texts"]) == 4 and all(saved["generated_texts"])  # the replies, as streamed
 
 
 def token_count(url: str, model: str, **body) -> int:

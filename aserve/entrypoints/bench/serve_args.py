@@ -196,7 +196,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--save-detailed",
         action="store_true",
-        help="the results file also lists every request's lengths, times and error",
+        help="the results file also lists every request's lengths, times, generated text and error",
     )
     o.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="fields added to the results")
     o.add_argument("--result-dir", default=None, help="the results file's directory (default: the current one)")

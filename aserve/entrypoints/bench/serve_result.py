@@ -148,12 +148,14 @@ def serve_result(records: list[RequestRecord], settings: ServeSettings) -> tuple
 
 
 def detailed_fields(records: list[RequestRecord]) -> dict:
-    """--save-detailed's per-request lists, in send order (a failed request's output length is 0)."""
+    """--save-detailed's per-request lists, in send order (a failed request's output length is 0, its text what
+    streamed before the failure)."""
     return {
         "input_lens": [r.prompt_tokens for r in records],
         "output_lens": [r.output_tokens if r.ok else 0 for r in records],
         "ttfts": [r.ttft or 0.0 for r in records],
         "itls": [r.inter_token_latencies() for r in records],
+        "generated_texts": [r.generated_text for r in records],
         "start_times": [r.start for r in records],
         "errors": [r.error for r in records],
     }
