@@ -109,6 +109,33 @@ def test_serve_chat_at_a_rate_with_concurrency_cap(server, tmp_path):
     assert len(saved["generated_texts"]) == 4 and all(saved["generated_texts"])  # the replies, as streamed
 
 
+def test_serve_against_a_speculating_server_prints_its_acceptance(tiny_model, tmp_path):
+    """A server drafting with the model itself (every draft accepted, greedy): vLLM's Speculative Decoding block
+    from the server's counters over the measured run (the warm-up's drafts left out), in the JSON too."""
+    draft = json.dumps({"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3})
+    args = ("--model", tiny_model, "--enforce-eager", "--max-model-len", "512", "--speculative-config", draft)
+    with running_server(*args) as url:
+        proc = aserve(
+            f"bench serve --base-url {url} --num-prompts 3 --random-input-len 16 --random-output-len 13 --ignore-eos "
+            f"--temperature 0 --num-warmups 1 --save-result --result-dir {tmp_path} --result-filename spec.json "
+            "--disable-tqdm"
+        )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    block = lines[lines.index("---------------Speculative Decoding---------------") :]
+    assert block[-1] == "=" * 50 and block[6] == "Per-position acceptance (%):"
+    saved = json.loads((tmp_path / "spec.json").read_text())
+    values = block_values(proc.stdout)
+    # 3 requests x 13 tokens: the first from the prefill, then 12 in steps of 4 (3 drafts + 1) -> 3 drafts each
+    assert saved["total_output_tokens"] == 39
+    assert (saved["spec_decode_num_drafts"], saved["spec_decode_draft_tokens"]) == (9, 27)
+    assert saved["spec_decode_accepted_tokens"] == 27 and saved["spec_decode_acceptance_rate"] == 100.0
+    assert saved["spec_decode_acceptance_length"] == 4.0
+    assert saved["spec_decode_per_position_acceptance_rates"] == [1.0, 1.0, 1.0]
+    assert values["Acceptance rate (%):"] == "100.00" and values["Drafts:"] == "9"
+    assert [values[f"  Position {i}:"] for i in range(3)] == ["100.00"] * 3
+
+
 def token_count(url: str, model: str, **body) -> int:
     """The server's own count (/tokenize) of a prompt or a chat's messages."""
     data = json.dumps({"model": model, **body}).encode()

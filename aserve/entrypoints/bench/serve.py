@@ -1,7 +1,8 @@
 """`aserve bench serve`: vLLM's `vllm bench serve` against a running OpenAI-compatible server (aserve, vLLM, ...).
 The requests go out through loadgen's runner and client (streamed, every chunk timestamped, arrivals a gamma process
 of --request-rate and --burstiness, --max-concurrency in flight); the result is vLLM's block and JSON
-(serve_result.py). The API key, where the server wants one, is read from $OPENAI_API_KEY, as vLLM's client does."""
+(serve_result.py), with the server's speculative decoding over the run where it verified drafts (spec_decode.py).
+The API key, where the server wants one, is read from $OPENAI_API_KEY, as vLLM's client does."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ from aserve.entrypoints.bench.serve_args import (
 from aserve.entrypoints.bench.serve_dataset import check_serve_dataset, serve_requests
 from aserve.entrypoints.bench.serve_result import ServeSettings, detailed_fields, serve_result
 from aserve.entrypoints.bench.server_tokenizer import ServerTokenizer
+from aserve.entrypoints.bench.spec_decode import spec_decode_fields, spec_decode_lines
 from loadgen.bench import LoadgenError, discover_model
 from loadgen.client import Target, auth_headers, stream_request
 from loadgen.config import Load, base_url
 from loadgen.records import RequestRecord
 from loadgen.runner import Bounds, Runner
+from loadgen.server_metrics import MetricsScraper
 from loadgen.workloads import RequestSpec, Session
 
 _TIMEOUT = 6 * 60 * 60.0  # seconds a request may take, and may stay silent (queued behind others): vLLM's
@@ -61,7 +64,7 @@ def run_serve(ns: argparse.Namespace) -> dict:
     endpoint = _endpoint(ns)
     url = base_url(ns.base_url or f"http://{_host(ns.host)}:{ns.port}")
     try:
-        model_id, records = asyncio.run(_benchmark(ns, url, endpoint))
+        model_id, records, spec_fields = asyncio.run(_benchmark(ns, url, endpoint))
     except LoadgenError as e:
         raise BenchmarkError(str(e)) from None
     failed = [r for r in records if not r.ok]
@@ -70,6 +73,7 @@ def run_serve(ns: argparse.Namespace) -> dict:
         for i, record in enumerate(failed[:10]):
             print(f"Error {i}: {record.error}")
     lines, fields = serve_result(records, settings)
+    lines[-1:-1] = spec_decode_lines(spec_fields)  # before the closing rule, as vLLM prints it
     print("\n".join(lines), flush=True)
     now = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     label = ns.label or ns.backend
@@ -86,6 +90,7 @@ def run_serve(ns: argparse.Namespace) -> dict:
         "burstiness": ns.burstiness,
         "max_concurrency": ns.max_concurrency,
         **fields,
+        **spec_fields,
     }
     if ns.save_detailed:
         result.update(detailed_fields(records))
@@ -123,7 +128,8 @@ def _host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-async def _benchmark(ns: argparse.Namespace, url: str, endpoint: str) -> tuple[str, list[RequestRecord]]:
+async def _benchmark(ns: argparse.Namespace, url: str, endpoint: str) -> tuple[str, list[RequestRecord], dict]:
+    """-> (the model's id, the measured requests' records, the server's speculative decoding over them)."""
     api_key = os.environ.get("OPENAI_API_KEY")
     headers = auth_headers(api_key)
     connector = aiohttp.TCPConnector(limit=0)  # --max-concurrency, not the pool, bounds the requests in flight
@@ -152,6 +158,8 @@ async def _benchmark(ns: argparse.Namespace, url: str, endpoint: str) -> tuple[s
             first = itertools.repeat(Session([specs[0]]))
             await warmup.run(Load("rate", None), first, Bounds(ns.num_warmups, None), np.random.default_rng(0))
             print("Warmup run completed.")
+        scraper = MetricsScraper(http, url, headers, model_name)
+        metrics_before = await scraper.scrape()
         print("Starting main benchmark run...")
         print(f"Traffic request rate: {ns.request_rate}")
         kind = "Poisson process" if ns.burstiness == 1.0 else "Gamma distribution"
@@ -168,7 +176,8 @@ async def _benchmark(ns: argparse.Namespace, url: str, endpoint: str) -> tuple[s
             records = await runner.run(Load("rate", rate), one_turn_each, Bounds(len(specs), None), rng)
         finally:
             bar.close()
-    return model_id, records
+        spec_fields = spec_decode_fields(metrics_before, await scraper.scrape())
+    return model_id, records, spec_fields
 
 
 def _extra_body(ns: argparse.Namespace, endpoint: str) -> dict:
