@@ -2,28 +2,31 @@
 
     python bench/moe_kernel.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--tokens 2048] [--tune] [--fp8]
 
-For `--tokens` tokens: the two grouped GEMMs (gate/up with SiLU·mul, down with the routing weights) against cuBLAS
-doing the same FLOPs as two dense bf16 matmuls (every routed row through one weight: [T k, H] x [H, 2 I] and
-[T k, I] x [I, H]); the ratio is the grouped GEMMs' share of the dense rate (issue 27's target: >= 60 % at 2,048
-tokens). Also the routing (route_and_align), the whole layer (fused_moe: routing, GEMMs, the sum over top_k), its
-error against the per-expert torch path, and batch-1 decode (one token: its top_k experts' weights read, against
-copy bandwidth). `--tune` times a grid of launch configurations at both sizes first and uses the best. `--fp8`: the
-experts in e4m3 with row scales (`--quantization fp8`'s experts: aserve/layers/quantization/fp8_moe.py), the
-activations rounded to e4m3 per row past fp8_gemv.MAX_ROWS tokens (FP8 MMAs), 16-bit below; the error is then
-against the per-expert path on the dequantised experts.
+For each of `--tokens` (comma-separated) tokens: the two grouped GEMMs (gate/up with SiLU·mul, down with the
+routing weights) against cuBLAS doing the same FLOPs as two dense bf16 matmuls (every routed row through one weight:
+[T k, H] x [H, 2 I] and [T k, I] x [I, H]); the ratio is the grouped GEMMs' share of the dense rate (issue 27's
+target: >= 60 % at 2,048 tokens). Also the routing (route_and_align), the whole layer (fused_moe: routing, GEMMs, the
+sum over top_k), its error against the per-expert torch path, and batch-1 decode (one token: its top_k experts'
+weights read, against copy bandwidth). `--tune` times a grid of launch configurations at both sizes first and uses
+the best. `--fp8`: the experts in e4m3 with row scales (`--quantization fp8`'s experts:
+aserve/layers/quantization/fp8_moe.py), the activations rounded to e4m3 per row past fp8_gemv.MAX_ROWS tokens (FP8
+MMAs), 16-bit below; the error is then against the per-expert path on the dequantised experts. Where torch._grouped_mm
+runs bf16 experts (aserve/kernels/moe_grouped_mm.py available), the same for its path: its two GEMMs, the routing
+and sort, the whole layer.
 Prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
 from gpu_bench import bench_ms
 from triton.testing import do_bench_cudagraph
 
-from aserve.kernels import fp8_gemv, moe, moe_align
+from aserve.kernels import fp8_gemv, fused, moe, moe_align, moe_grouped_mm
 from aserve.kernels.fp8_reference import dequantize
 from aserve.layers.moe import FusedMoE, per_expert_matmuls
 from aserve.layers.quantization.fp8 import quantize_per_channel
@@ -103,10 +106,30 @@ def tune(x, w13, w2, logits, top_k, renormalize, scales=(None, None)) -> dict:
     return best[1]
 
 
+def library_rows(tokens, x, logits, w13, w2, top_k, renormalize, layer, dense_ms) -> dict:
+    """moe_grouped_mm's path at every size: its two GEMMs (torch._grouped_mm), the routing and sort, the whole layer
+    (CUDA graph), its error."""
+    weights, xs, pos, offs = moe_grouped_mm.sort_by_expert(x, logits, top_k, renormalize)
+    act = fused.silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+    up_ms = bench_ms(lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+    down_ms = bench_ms(lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=offs))
+    sort_ms = do_bench_cudagraph(lambda: moe_grouped_mm.sort_by_expert(x, logits, top_k, renormalize))
+    run = functools.partial(moe_grouped_mm.library_moe, x, logits, w13, w2, top_k, renormalize)
+    layer_ms = do_bench_cudagraph(run)
+    ref = per_expert_matmuls(layer, x, logits).float()
+    err = ((run().float() - ref).norm() / ref.norm()).item()
+    return {
+        f"{tokens} tok: torch._grouped_mm gate_up / down": f"{up_ms * 1e3:.1f} / {down_ms * 1e3:.1f} us, "
+        f"{100 * dense_ms / (up_ms + down_ms):.0f} % of the dense rate",
+        f"{tokens} tok: moe_grouped_mm route and sort (CUDA graph)": f"{sort_ms * 1e3:.1f} us",
+        f"{tokens} tok: moe_grouped_mm whole layer (CUDA graph)": f"{layer_ms * 1e3:.1f} us, rel err {err:.1e}",
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--tokens", default="2048", help="comma-separated token counts (one token is always timed too)")
     p.add_argument("--tune", action="store_true")
     p.add_argument("--fp8", action="store_true", help="e4m3 experts with row scales")
     args = p.parse_args()
@@ -116,7 +139,8 @@ def main() -> None:
     rows = {}
     print(f"{torch.cuda.get_device_name()}, {args.shape}: E={experts} top_k={top_k} H={hidden} I={inter}", flush=True)
 
-    for tokens in (args.tokens, 1):
+    library = not args.fp8 and moe_grouped_mm.available(w13)
+    for tokens in [int(t) for t in args.tokens.split(",")] + [1]:
         x = torch.randn(tokens, hidden, device=dev, dtype=dt)
         logits = torch.randn(tokens, experts, device=dev, dtype=dt)
         cfg = moe.moe_config(tokens * top_k, experts)
@@ -146,6 +170,8 @@ def main() -> None:
                 )
             rate = 100 * sum(dense_ms) / (up_ms + down_ms)
             rows[f"{tokens} tok: grouped / dense rate"] = f"{rate:.0f} % (target >= 60 %)"
+            if library:
+                rows.update(library_rows(tokens, x, logits, w13, w2, top_k, renormalize, layer, sum(dense_ms)))
         else:
             src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)

@@ -156,16 +156,24 @@ def test_decode_kernels_serve_few_slots_per_expert():
     assert moe_decode.use_decode(1, 2, 8) and not moe_decode.use_decode(2, 2, 8)  # Mixtral: one token
 
 
-@pytest.mark.parametrize("kernel", ["per_expert", "triton"])
-def test_fused_moe_layer_matches_reference(kernel):
-    """The layer's two kernels (the CPU's per-expert matmuls, the fused Triton one) with the router."""
-    x, w13, w2, logits = random_moe(23, 8, 32, 16, seed=3)
+def random_layer():
+    """-> (x [23, 32], w13, w2, a FusedMoE block of 8 experts (top 2, not renormalised) holding them and a random
+    router)."""
+    x, w13, w2, _ = random_moe(23, 8, 32, 16, seed=3)
     layer = FusedMoE(8, 2, 32, 16, renormalize=False).to(DEVICE)
     with torch.no_grad():
         layer.w13.copy_(w13)
         layer.w2.copy_(w2)
         layer.gate.weight.copy_(torch.randn(8, 32, generator=torch.Generator().manual_seed(4)))
         layer.gate.process_weights_after_loading()
+    return x, w13, w2, layer
+
+
+@pytest.mark.parametrize("kernel", ["per_expert", "triton"])
+def test_fused_moe_layer_matches_reference(kernel):
+    """The layer's two kernels (the CPU's per-expert matmuls, the fused Triton one) with the router."""
+    x, w13, w2, layer = random_layer()
+    with torch.no_grad():
         if kernel == "triton":
             layer.use_triton()
         out = layer(x)

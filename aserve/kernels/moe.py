@@ -318,24 +318,33 @@ def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: 
 
 
 @triton.jit
-def _ordered_sum_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[t, cols] = x[t, 0, cols] + x[t, 1, cols] + ... in float32, one after the other, rounded once."""
+def _ordered_sum_kernel(x_ptr, pos_ptr, weights_ptr, out_ptr, H, TOP_K: tl.constexpr, GATHERED: tl.constexpr,
+                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """out[t, cols] = x[t k, cols] + x[t k + 1, cols] + ... in float32, one after the other, rounded once; GATHERED:
+    row pos[t k + j] of x instead, times weights[t, j]."""
     pdl.gdc_sync(USE_PDL)
     t = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        total += tl.load(x_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+        row = tl.load(pos_ptr + t * TOP_K + j).to(tl.int64) if GATHERED else t * TOP_K + j
+        value = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+        total += tl.load(weights_ptr + t * TOP_K + j) * value if GATHERED else value
     tl.store(out_ptr + t * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def ordered_sum(x: torch.Tensor) -> torch.Tensor:
+def ordered_sum(x: torch.Tensor, pos: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, k, H] (contiguous) -> [T, H]: each row's k vectors added in order j = 0 .. k - 1 (float32, rounded
-    once), whatever T: deterministic mode's sum of a token's expert outputs, in one launch."""
-    t, top_k, h = x.shape
+    once), whatever T: deterministic mode's sum of a token's expert outputs, in one launch. With pos [T k] and
+    weights [T, k]: x is [T k, H] and token t's j-th vector is x[pos[t k + j]] times weights[t, j]
+    (aserve/kernels/moe_grouped_mm.py's rows in expert order)."""
+    h = x.shape[-1]
+    t, top_k = weights.shape if weights is not None else x.shape[:2]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(h))
-    _ordered_sum_kernel[(triton.cdiv(h, block), t)](x, out, h, TOP_K=top_k, BLOCK=block, USE_PDL=pdl.ENABLED,
-                                                    **pdl.launch_kwargs())  # fmt: skip
+    _ordered_sum_kernel[(triton.cdiv(h, block), t)](
+        x, pos if pos is not None else x, weights if weights is not None else x, out, h, TOP_K=top_k,
+        GATHERED=pos is not None, BLOCK=block, USE_PDL=pdl.ENABLED, **pdl.launch_kwargs(),
+    )  # fmt: skip
     return out

@@ -15,7 +15,9 @@ The kernel is chosen once, in process_weights_after_loading, by the weights' dev
 
     CUDA        aserve/kernels/moe.py fused_moe: routing and grouping by expert in three Triton kernels, one grouped
                 GEMM per projection (SiLU·mul in the first one's epilogue, the routing weight in the second's); a
-                few tokens (T * k <= E / 4) two kernels of aserve/kernels/moe_decode.py instead; int4 experts kept
+                few tokens (T * k <= E / 4) two kernels of aserve/kernels/moe_decode.py instead; large bf16 experts
+                (Mixtral's) on compute capability 9 / 10 past a few tokens through torch._grouped_mm
+                (aserve/kernels/moe_grouped_mm.py: CUTLASS's grouped GEMM); int4 experts kept
                 packed (aserve/layers/quantization/int4_moe.py): the same two paths over packed weights,
                 aserve/kernels/moe_int4.py (the quantisation method's use_triton picks them)
     otherwise   per-expert matmuls: the tokens routed to each expert gathered, through its two projections, added
@@ -104,9 +106,15 @@ class UnquantizedMoEMethod:
 
     def use_triton(self, layer: FusedMoE, config: dict | None = None, fixed_order_sum: bool = False) -> None:
         """The fused Triton kernels of aserve/kernels/moe.py on the layer (FusedMoE.use_triton)."""
-        from aserve.kernels import moe  # Triton: optional (CPU installs may lack it), imported once it is chosen
+        # Triton: optional (CPU installs may lack it), imported once it is chosen
+        from aserve.kernels import moe, moe_grouped_mm
 
-        fused = functools.partial(moe.fused_moe, fixed_order_sum=True) if fixed_order_sum else moe.fused_moe
+        if fixed_order_sum:
+            fused = functools.partial(moe.fused_moe, fixed_order_sum=True)
+        elif config is None and moe_grouped_mm.chosen_for(layer.w13):
+            fused = moe_grouped_mm.fused_moe
+        else:
+            fused = moe.fused_moe
         layer.kernel, layer.triton_moe, layer.moe_config = triton_fused, fused, config
 
 
