@@ -44,8 +44,10 @@ def available(w13: torch.Tensor) -> bool:
 
 
 def chosen_for(w13: torch.Tensor) -> bool:
-    """Whether a layer with these experts takes this path (available, experts of LARGE_EXPERT_ELEMENTS or more)."""
-    return available(w13) and w13[0].numel() >= LARGE_EXPERT_ELEMENTS
+    """Whether a layer with these experts takes this path: available, experts of LARGE_EXPERT_ELEMENTS or more, rows
+    of x, of the activation and of the outputs in whole 16-byte units (the GEMM's TMA loads)."""
+    _, two_i, h = w13.shape
+    return available(w13) and w13[0].numel() >= LARGE_EXPERT_ELEMENTS and two_i % 16 == 0 and h % 8 == 0
 
 
 @triton.jit
