@@ -110,6 +110,15 @@ class EngineArgs:
     cpu_offload_gb: float = 0
     logprobs_mode: str = "raw_logprobs"
     scheduling_policy: str = "fcfs"
+    model_impl: str = "auto"
+    config_format: str = "auto"
+    code_revision: str | None = None
+    disable_sliding_window: bool = False
+    disable_cascade_attn: bool = False
+    calculate_kv_scales: bool = False
+    enable_expert_parallel: bool = False
+    kv_transfer_config: dict | None = None
+    mm_processor_kwargs: dict | None = None
 
     @property
     def kv_cache_budget_bytes(self) -> int | None:

@@ -135,6 +135,43 @@ FIXED_ENGINE_ARGS: dict[str, FixedArg] = {
     "scheduling_policy": FixedArg(
         _is("fcfs"), "requests are scheduled first come, first served", "accepted as fcfs: first come, first served"
     ),
+    "model_impl": FixedArg(
+        _is("auto", "vllm"),
+        "every architecture runs aserve's own model code (transformers' modeling code is never run)",
+        "accepted as auto or vllm: aserve's own model code",
+    ),
+    "config_format": FixedArg(
+        _is("auto", "hf"),
+        "checkpoints are read from transformers' config.json (no Mistral params.json)",
+        "accepted as auto or hf: transformers' config.json",
+    ),
+    "code_revision": FixedArg(_any, "", "accepted: a checkpoint's own code is never run"),
+    "disable_sliding_window": FixedArg(
+        _is(False),
+        "sliding-window layers attend within their windows (Mistral, Gemma 2 / 3), over any --max-model-len",
+        "accepted off: sliding-window layers attend within their windows",
+    ),
+    "disable_cascade_attn": FixedArg(
+        _any, "", "accepted: there is no cascade attention (a shared prefix's blocks are read by each request)"
+    ),
+    "calculate_kv_scales": FixedArg(
+        _is(False),
+        "an FP8 KV cache's scales are the checkpoint's or 1.0 (aserve computes none)",
+        "accepted off: FP8 KV cache scales are the checkpoint's or 1.0",
+    ),
+    "enable_expert_parallel": FixedArg(
+        _is(False),
+        "a mixture-of-experts model's experts are not split across GPUs (it runs on one)",
+        "accepted off: experts are not split across GPUs",
+    ),
+    "kv_transfer_config": FixedArg(
+        _is(None), "no KV cache is sent between instances (no disaggregated prefill)", "accepted unset"
+    ),
+    "mm_processor_kwargs": FixedArg(
+        lambda v: v is None or v == {},
+        "prompts are text only (no multimodal processor)",
+        "accepted unset or {}: prompts are text only",
+    ),
 }
 
 

@@ -13,7 +13,10 @@ ACCEPTED = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "disable_custo
             "distributed_executor_backend": "mp", "max_seq_len_to_capture": 8192, "compilation_config": {"level": 3},
             "task": "generate", "runner": "auto", "limit_mm_per_prompt": {"image": 0, "video": {"count": 0}},
             "enable_lora": False, "enable_sleep_mode": False, "skip_tokenizer_init": False, "cpu_offload_gb": 0,
-            "logprobs_mode": "raw_logprobs", "scheduling_policy": "fcfs", "download_dir": "/tmp/hf"}  # fmt: skip
+            "logprobs_mode": "raw_logprobs", "scheduling_policy": "fcfs", "download_dir": "/tmp/hf",
+            "model_impl": "vllm", "config_format": "hf", "code_revision": "main", "disable_sliding_window": False,
+            "disable_cascade_attn": True, "calculate_kv_scales": False, "enable_expert_parallel": False,
+            "kv_transfer_config": None, "mm_processor_kwargs": {}}  # fmt: skip
 
 REFUSED = [
     ({"pipeline_parallel_size": 2}, "tensor parallelism only"), ({"data_parallel_size": 2}, "one engine per server"),
@@ -26,6 +29,11 @@ REFUSED = [
     ({"skip_tokenizer_init": True}, "detokenises every output"), ({"cpu_offload_gb": 4}, "no CPU offload"),
     ({"logprobs_mode": "processed_logprobs"}, "raw_logprobs"), ({"scheduling_policy": "priority"}, "first come"),
     ({"max_seq_len_to_capture": 0}, "a length >= 1"),
+    ({"model_impl": "transformers"}, "aserve's own model code"), ({"config_format": "mistral"}, "config.json"),
+    ({"disable_sliding_window": True}, "within their windows"), ({"calculate_kv_scales": True}, "computes none"),
+    ({"enable_expert_parallel": True}, "not split across GPUs"),
+    ({"kv_transfer_config": {"kv_connector": "NixlConnector"}}, "no disaggregated prefill"),
+    ({"mm_processor_kwargs": {"num_crops": 4}}, "text only"),
 ]  # fmt: skip
 
 
@@ -50,14 +58,18 @@ def test_serve_flags(tiny_model, capsys):
             "--task", "auto", "--runner", "generate", "--limit-mm-per-prompt", '{"image": 0}', "--no-enable-lora",
             "--cpu-offload-gb", "0", "--logprobs-mode", "raw_logprobs", "--scheduling-policy", "fcfs",
             "--download-dir", "/tmp/hf", "--trust-remote-code", "--swap-space", "4", "--tokenizer-mode", "auto",
-            "--enable-chunked-prefill"]  # fmt: skip
+            "--enable-chunked-prefill", "--model-impl", "auto", "--config-format", "auto", "--code-revision", "v1",
+            "--disable-cascade-attn", "--no-disable-sliding-window", "--no-calculate-kv-scales",
+            "--no-enable-expert-parallel", "--mm-processor-kwargs", "{}"]  # fmt: skip
     args = engine_args_from(build_parser().parse_args(argv))
     args.validate()
     assert (args.compilation_config, args.limit_mm_per_prompt, args.download_dir) == (3, {"image": 0}, "/tmp/hf")
     for flags, message in ((["--enable-lora"], "enable_lora=True (--enable-lora)"),
                            (["--compilation-config", '{"level": 2}'], "(--compilation-config)"),
                            (["--no-enable-chunked-prefill"], "always chunks prompts"),
-                           (["--runner", "pooling"], "(--runner)")):  # fmt: skip
+                           (["--runner", "pooling"], "(--runner)"),
+                           (["--kv-transfer-config", '{"kv_role": "kv_both"}'], "(--kv-transfer-config)"),
+                           (["--enable-expert-parallel"], "(--enable-expert-parallel)")):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             cli_main(["serve", tiny_model, *flags])
         assert e.value.code == 2 and message in capsys.readouterr().err
