@@ -49,6 +49,9 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 8192 on GPU, 2048 on CPU
+    # The decode steps' CUDA graph sizes, vLLM's: N alone is 1, 2, 4 and each multiple of 8 up to N; several are those
+    # (aserve/worker/cuda_graphs.py capture_sizes); None: aserve's buckets up to max_num_seqs
+    cuda_graph_sizes: list[int] | None = None
     # A prompt longer than this computes at most this many tokens per step (0: as many as the budget leaves), so a
     # long prompt joining running decodes lengthens their steps less (vLLM's flag)
     long_prefill_token_threshold: int = 0
@@ -163,6 +166,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be sizes >= 1, got {self.cuda_graph_sizes}")
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1 (or unset for no limit), got {self.max_queue_len}")
         if self.tensor_parallel_size < 1:

@@ -489,7 +489,7 @@ def test_graph_keys_cover_decode_and_verification_steps():
 
     from aserve.worker.cuda_graphs import VERIFY_MAX_REQUESTS, StepGraphs
 
-    runner = SimpleNamespace(max_num_batched_tokens=256)
+    runner = SimpleNamespace(max_num_batched_tokens=256, cuda_graph_sizes=None)
     graphs = StepGraphs(runner, None, None, max_requests=128, max_query_len=5)
     assert graphs.key_for(1, 1, 1) == (1, 1) and graphs.key_for(3, 3, 1) == (4, 4)
     assert graphs.key_for(128, 128, 1) == (128, 128) and graphs.key_for(129, 129, 1) is None

@@ -95,6 +95,7 @@ class EngineCore:
             max_model_len=config.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            cuda_graph_sizes=args.cuda_graph_sizes,
             block_size=config.block_size,
             load_format=args.load_format,
             seed=args.seed,

@@ -19,6 +19,9 @@ _HELP = {
     "block_size": "tokens per KV-cache block (a power of two <= 128)",
     "max_model_len": "the longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "the most sequences in one step",
+    "cuda_graph_sizes": "decode steps of up to this many requests replay CUDA graphs: N alone captures 1, 2, 4 and "
+    "each multiple of 8 up to N, several values exactly those (default: aserve's 20 sizes from 1 to 512, up to "
+    "--max-num-seqs)",
     "max_num_batched_tokens": "the most tokens in one step, prompts chunked to fit (default: 8192 on GPU, 2048 on CPU)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
     "gpu_memory_utilization": "the share of GPU memory the model, activations and KV cache may take",
@@ -62,7 +65,7 @@ _HELP = {
 
 _HELP.update({name: rule.help for name, rule in FIXED_ENGINE_ARGS.items()})
 _ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}  # vLLM's short flags
-_NARGS = {"served_model_name": "+"}  # several names: requests may use any, responses carry the first
+_NARGS = {"served_model_name": "+", "cuda_graph_sizes": "+"}  # several names: requests may use any, responses carry the first
 
 
 def human_readable_int(value: str) -> int:
@@ -82,7 +85,7 @@ def human_readable_int(value: str) -> int:
 _TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int,
           "kv_cache_memory_bytes": human_readable_int,
           "override_generation_config": json_object, "hf_overrides": json_object, "limit_mm_per_prompt": json_object,
-          "kv_transfer_config": json_object, "mm_processor_kwargs": json_object,
+          "kv_transfer_config": json_object, "mm_processor_kwargs": json_object, "cuda_graph_sizes": int,
           "compilation_config": json_value}  # fmt: skip
 
 

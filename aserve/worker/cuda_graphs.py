@@ -35,6 +35,19 @@ VERIFY_MAX_REQUESTS = 64
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
+def capture_sizes(cuda_graph_sizes: list[int] | None, limit: int) -> list[int]:
+    """The request buckets of the decode graphs, none past `limit` (the most requests a step holds): vLLM's
+    cuda_graph_sizes (one value N: 1, 2, 4 and each multiple of 8 up to N; several: those), else _BUCKETS; a size
+    past the limit becomes the limit, the limit one where no size is given."""
+    if cuda_graph_sizes is None:
+        sizes = [*_BUCKETS, limit]
+    elif len(cuda_graph_sizes) == 1:
+        sizes = [b for b in (1, 2, 4, *range(8, cuda_graph_sizes[0] + 1, 8)) if b <= cuda_graph_sizes[0]]
+    else:
+        sizes = cuda_graph_sizes
+    return sorted({min(b, limit) for b in sizes})
+
+
 class StepGraphs:
     """The graphs of one model forward (`forward(input_ids, positions, meta) -> hidden`, attention through
     `backend`) over the runner's device buffers. max_query_len > 1: verification graphs too, for queries of up to
@@ -44,7 +57,7 @@ class StepGraphs:
         self.runner, self.forward, self.backend = runner, forward, backend
         self.max_query_len = max_query_len
         limit = min(max_requests, runner.max_num_batched_tokens)
-        self.buckets = sorted({b for b in _BUCKETS if b <= limit} | {limit})
+        self.buckets = capture_sizes(runner.cuda_graph_sizes, limit)
         keys = [(b, b) for b in self.buckets]
         self.verify_buckets = [b for b in self.buckets if b <= VERIFY_MAX_REQUESTS] if max_query_len > 1 else []
         for b in self.verify_buckets:

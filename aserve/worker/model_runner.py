@@ -160,6 +160,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         release_windows: bool = True,
         hybrid_kv: bool = True,
+        cuda_graph_sizes: list[int] | None = None,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -171,6 +172,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.cuda_graph_sizes = cuda_graph_sizes  # None: cuda_graphs.py's buckets
         # Tensor parallelism: this rank's group; on rank 0, the other ranks (TensorParallelWorkers)
         self.tp, self.workers = tp, workers
         self._shared_tokens: torch.Tensor | None = None  # a worker: the tokens rank 0 sampled in the last step
