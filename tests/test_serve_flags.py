@@ -2,6 +2,8 @@
 for browser clients; the flags aserve accepts as what it always does, and the values it refuses."""
 
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -133,6 +135,35 @@ async def test_enable_log_requests(tiny_model, caplog):
                                                                and "temperature=0.5" in logged[0]))  # fmt: skip
         finally:
             await client.close()
+
+
+def test_log_config_file_configures_the_loggers(tiny_model, tmp_path, monkeypatch, capsys):
+    """--log-config-file (or $VLLM_LOGGING_CONFIG_PATH): Python's dictConfig JSON over aserve's defaults; here the
+    aserve logger's records go to a file in the config's own format, with --enable-log-requests' line among them.
+    A file that is no such configuration fails at start-up, naming the flag."""
+    log = tmp_path / "aserve.log"
+    config = {"version": 1, "disable_existing_loggers": False,
+              "formatters": {"plain": {"format": "CONFIGURED %(name)s %(message)s"}},
+              "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain"}},
+              "loggers": {"aserve": {"handlers": ["file"], "level": "INFO"}}}  # fmt: skip
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps(config))
+    with running_server("--model", tiny_model, "--enforce-eager", "--max-model-len", "256", "--enable-log-requests",
+                        "--log-config-file", str(path)) as url:  # fmt: skip
+        status, _, _ = call(url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
+        assert status == 200
+    lines = log.read_text().splitlines()
+    assert any(line.startswith("CONFIGURED aserve") and "3 prompt tokens" in line for line in lines)
+    path.write_text(json.dumps({"handlers": {}}))
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(path))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["serve", "--model", tiny_model, "--enforce-eager"])
+    assert exit_info.value.code == 2 and "--log-config-file" in capsys.readouterr().err
+    # (in a process of its own: a configuration that fails has already closed the process's handlers)
+    path.write_text(json.dumps({"version": 1, "handlers": {"h": {"class": "no.such.Handler"}}}))
+    argv = [sys.executable, "-m", "aserve", "serve", "--model", tiny_model, "--log-config-file", str(path)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"--log-config-file {path}" in proc.stderr
 
 
 async def test_cors_options(tiny_model):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import logging.config
 import os
 
 from aserve.engine.llm_engine import DEFAULT_MAX_PENDING_CHARS, DEFAULT_POOL_SIZE
@@ -108,6 +109,10 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
                        help="no periodic log line of throughput, running / waiting requests and KV use")  # fmt: skip
     serve.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="the HTTP server's own loggers' level (aiohttp's; vLLM's name)")  # fmt: skip
+    serve.add_argument("--log-config-file", default=os.environ.get("VLLM_LOGGING_CONFIG_PATH") or None,
+                       help="a logging configuration file, JSON in Python's logging.config.dictConfig schema, applied "
+                            "over the defaults to aserve's and the HTTP server's loggers (default: "
+                            "$VLLM_LOGGING_CONFIG_PATH, else none)")  # fmt: skip
     serve.add_argument("--enable-log-requests", action="store_true",
                        help="log each request's id, prompt length and sampling parameters")  # fmt: skip
     serve.add_argument("--disable-log-requests", action="store_true",
@@ -195,6 +200,20 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
         raise ValueError(f"--default-chat-template-kwargs may not set {reserved[0]!r} (requests set it)")
     if ns.chat_template is not None:  # read now, before minutes of loading
         ns.chat_template = load_chat_template(ns.chat_template)
+    if ns.log_config_file is not None:
+        ns.log_config = load_log_config(ns.log_config_file)
+
+
+def load_log_config(path: str) -> dict:
+    """--log-config-file's JSON object (dictConfig's schema: a "version" key); ValueError naming the flag."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--log-config-file {path}: {e}") from None
+    if not isinstance(config, dict) or "version" not in config:
+        raise ValueError(f'--log-config-file {path}: not a logging configuration (a JSON object with a "version")')
+    return config
 
 
 def cors_options(ns: argparse.Namespace) -> CorsOptions:
@@ -213,6 +232,12 @@ def load_chat_template(value: str) -> str:
 
 
 def set_log_levels(ns: argparse.Namespace) -> None:
+    """The HTTP server's loggers at --uvicorn-log-level, then --log-config-file's configuration over everything."""
     level = "DEBUG" if ns.uvicorn_log_level == "trace" else ns.uvicorn_log_level.upper()
     logging.getLogger("aiohttp").setLevel(level)
     logging.getLogger("aiohttp.server").addFilter(bad_http_in_one_line)
+    if getattr(ns, "log_config", None) is not None:
+        try:
+            logging.config.dictConfig(ns.log_config)
+        except (ValueError, TypeError, AttributeError, ImportError) as e:
+            raise ValueError(f"--log-config-file {ns.log_config_file}: {e}") from None
