@@ -9,11 +9,13 @@ single KV head replicated on both ranks, a vocabulary split unevenly). The sweep
 import gc
 import os
 import random
+import shutil
 import signal
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from aserve_server import start_server, stop_server
 from openai import OpenAI
 from tiny_models import hf_greedy, make_config
@@ -147,9 +149,40 @@ def test_server_tp2_parity_then_a_killed_worker_stops_it(tiny_model_factory, tmp
     assert "aserve: error: the engine stopped" in output
 
 
+def test_tp2_mixture_of_experts(tiny_model_factory, tmp_path):
+    """Mixtral's experts split across the two ranks (each expert's 1/2 of the intermediate width, the router on both),
+    every scheduler feature at once: transformers' tokens; then the same model from transformers' stacked expert
+    tensors (experts.gate_up_proj / down_proj), sliced alike."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory("mixtral")
+    prompts = prompts_for(1)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE, **STRESS)
+    try:
+        assert greedy(llm, prompts)[1] == expected
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+    stacked = str(tmp_path / "stacked")
+    shutil.copytree(path, stacked, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(stacked, "model.safetensors"))
+    llm = LLM(stacked, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert greedy(llm, prompts)[1] == expected
+    finally:
+        llm.engine.shutdown()
+
+
 def test_refused_clearly_before_any_process_starts(tiny_model_factory):
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLM(tiny_model_factory("mixtral"), tensor_parallel_size=2, **ENGINE)
+    mixtral = make_config("mixtral")
+    with pytest.raises(ValueError, match="16-bit experts only"):
+        check_shardable(mixtral, 2, AWQConfig(group_size=32))
+    with pytest.raises(ValueError, match="experts' intermediate size"):
+        check_shardable(mixtral, 2 * mixtral.intermediate_size, None)
     cfg = make_config("gqa")  # 8 heads, 2 KV heads, MLP 128
     with pytest.raises(ValueError, match="8 attention heads"):
         check_shardable(cfg, 3, None)
@@ -175,7 +208,7 @@ def test_cli_flags():
 
 
 SWEEP = ["mha", "gqa", "tied", "llama3_rope", "qwen2", "qwen2_mqa", "qwen3", "phi3", "mistral_sliding", "gemma2",
-         "gemma3"]  # fmt: skip
+         "gemma3", "mixtral", "qwen3_moe"]  # fmt: skip
 
 
 @pytest.mark.slow

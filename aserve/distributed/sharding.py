@@ -8,14 +8,17 @@ loads.
     o_proj         row-parallel: the inputs of this rank's heads; the attention block's output is all-reduced
     gate_up_proj   column-parallel: this rank's 1/N of the gate rows and of the up rows ([gate_r | up_r])
     down_proj      row-parallel: the matching inputs; the MLP block's output is all-reduced
+    experts        a mixture-of-experts block's 16-bit experts as MLPs: each expert's 1/N of the gate and up rows
+                   (w13) and the matching columns of its down projection (w2), per-expert or stacked tensors; the
+                   router replicated (every rank routes every token alike); the block's output is all-reduced
     embeddings     vocab-parallel, lm_head too (vocab.py); its logits gathered on rank 0
     norms          replicated (q/k norms act per head, so they are whole on every rank)
 
 A row-parallel layer's bias is added once: rank 0 loads it, the others load zeros. Quantised layers split the same
 way, each parameter along whichever dimension its method lays out the outputs (column) or inputs (row), found by
 comparing its shape before and after the split: AWQ / GPTQ packed weights, zero points and scales, FP8 / INT8 scales.
-What cannot split (mixture-of-experts blocks, quantisation groups that would straddle two ranks, GPTQ act order) is
-refused by `check_shardable` before any process starts.
+What cannot split (quantised experts, quantisation groups that would straddle two ranks, GPTQ act order) is refused
+by `check_shardable` before any process starts.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 
 from aserve.distributed.group import TensorParallelGroup
 from aserve.distributed.vocab import GatherLogits, VocabParallelEmbedding, rows_per_rank
+from aserve.layers.moe import FusedMoE
 from aserve.layers.quantization.base import QuantizationConfig
 from aserve.models.llama import MLP, Attention, head_dim_of
 from aserve.models.registry import architecture_of
@@ -39,6 +43,8 @@ _COLUMN = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "kv"), "v_proj": 
            "qkv_proj": ("qkv_proj", "qkv"), "gate_proj": ("gate_up_proj", "even"),
            "up_proj": ("gate_up_proj", "even"), "gate_up_proj": ("gate_up_proj", "halves")}  # fmt: skip
 _PACK = 8  # int4 values per int32 of AWQ / GPTQ
+# an expert's checkpoint projections: gate / up (rows split: column-parallel), down (columns split: row-parallel)
+_EXPERT_ROWS, _EXPERT_COLUMNS = ("w1", "w3", "gate_proj", "up_proj"), ("w2", "down_proj")
 
 
 def local_kv_heads(num_kv_heads: int, size: int) -> int:
@@ -49,8 +55,13 @@ def check_shardable(hf_config, size: int, quant_config: QuantizationConfig | Non
     """ValueError naming the reason where a model cannot split across `size` ranks."""
     arch = architecture_of(hf_config)
     if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
-        raise ValueError(f"{arch} is a mixture-of-experts model, whose experts aserve cannot split across ranks yet: "
-                         "run it with tensor_parallel_size 1")  # fmt: skip
+        if quant_config is not None:
+            raise ValueError(f"{arch} with {quant_config.name} experts cannot split across ranks (16-bit experts "
+                             "only): run it with tensor_parallel_size 1")  # fmt: skip
+        expert_inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+        if expert_inter % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the experts' intermediate size "
+                             f"{expert_inter}")  # fmt: skip
     heads, kv_heads = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
     kv_heads = kv_heads or heads
     if heads % size:
@@ -122,11 +133,11 @@ class TensorParallelSharding:
         there), before its parameters are materialised."""
         full = {name: tuple(p.shape) for name, p in model.named_parameters()}
         for layer in model.layers:
-            if not isinstance(layer.self_attn, Attention) or not isinstance(layer.mlp, MLP):
+            if not isinstance(layer.self_attn, Attention) or not isinstance(layer.mlp, (MLP, FusedMoE)):
                 raise ValueError(f"{type(model).__name__}'s {type(layer.mlp).__name__} blocks cannot split across "
                                  "ranks: run it with tensor_parallel_size 1")  # fmt: skip
             self._split_attention(layer.self_attn)
-            self._split_mlp(layer.mlp)
+            (self._split_moe if isinstance(layer.mlp, FusedMoE) else self._split_mlp)(layer.mlp)
         self._split_vocab(model)
         model.one_token_path = False  # the CPU one-token forward has no all-reduce
         for name, p in model.named_parameters():
@@ -154,6 +165,12 @@ class TensorParallelSharding:
         mlp.intermediate_size = inter
         mlp.register_forward_hook(self._all_reduce_output)
 
+    def _split_moe(self, moe: FusedMoE) -> None:
+        moe.intermediate_size //= self.group.size
+        with torch.device("meta"):
+            moe.quant_method.create_weights(moe, moe.gate.in_features)
+        moe.register_forward_hook(self._all_reduce_output)
+
     def _split_vocab(self, model: nn.Module) -> None:
         vocab, hidden = model.embed_tokens.weight.shape
         self.vocab_rows = rows_per_rank(vocab, self.group.size)
@@ -176,6 +193,8 @@ class TensorParallelSharding:
         module, param = name.rsplit(".", 1)
         parent, _, leaf = module.rpartition(".")
         rank, size = self.group.rank, self.group.size
+        if ".experts" in module or leaf == "experts":
+            return self._expert_slice(leaf, param, t)
         if leaf in _ROW:
             if param == "bias":  # added once, after the all-reduce
                 return t if rank == 0 else torch.zeros_like(t)
@@ -197,6 +216,20 @@ class TensorParallelSharding:
         if split == "halves":  # Phi-3: gate | up in one tensor
             return torch.cat([self._column(half, dim, "even") for half in t.chunk(2, dim)], dim)
         return self._column(t, dim, split).contiguous()
+
+    def _expert_slice(self, leaf: str, param: str, t: torch.Tensor) -> torch.Tensor:
+        """An expert's projection ([I, H] gate / up, [H, I] down), or all experts' stacked (experts.gate_up_proj
+        [E, 2 I, H], experts.down_proj [E, H, I]): this rank's 1/N of the intermediate dimension."""
+        rank, size = self.group.rank, self.group.size
+        if leaf == "experts" and param == "gate_up_proj":
+            return torch.cat([_part(half, 1, size, rank) for half in t.chunk(2, 1)], 1).contiguous()
+        if leaf == "experts" and param == "down_proj":
+            return _part(t, 2, size, rank).contiguous()
+        if leaf in _EXPERT_ROWS:
+            return _part(t, 0, size, rank).contiguous()
+        if leaf in _EXPERT_COLUMNS:
+            return _part(t, 1, size, rank).contiguous()
+        return t
 
     def _column(self, t: torch.Tensor, dim: int, split: str) -> torch.Tensor:
         rank, size = self.group.rank, self.group.size
