@@ -161,8 +161,8 @@ FIXED_ENGINE_ARGS: dict[str, FixedArg] = {
     ),
     "enable_expert_parallel": FixedArg(
         _is(False),
-        "a mixture-of-experts model's experts are not split across GPUs (it runs on one)",
-        "accepted off: experts are not split across GPUs",
+        "experts split across GPUs by tensor parallelism (each expert's width), never placed whole on different GPUs",
+        "accepted off: experts split by tensor parallelism",
     ),
     "kv_transfer_config": FixedArg(
         _is(None), "no KV cache is sent between instances (no disaggregated prefill)", "accepted unset"

@@ -31,7 +31,7 @@ REFUSED = [
     ({"max_seq_len_to_capture": 0}, "a length >= 1"),
     ({"model_impl": "transformers"}, "aserve's own model code"), ({"config_format": "mistral"}, "config.json"),
     ({"disable_sliding_window": True}, "within their windows"), ({"calculate_kv_scales": True}, "computes none"),
-    ({"enable_expert_parallel": True}, "not split across GPUs"),
+    ({"enable_expert_parallel": True}, "by tensor parallelism"),
     ({"kv_transfer_config": {"kv_connector": "NixlConnector"}}, "no disaggregated prefill"),
     ({"mm_processor_kwargs": {"num_crops": 4}}, "text only"),
 ]  # fmt: skip
