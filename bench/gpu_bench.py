@@ -1,7 +1,7 @@
 """GPU benchmarks for a Llama-3-8B-shaped model with random weights (bf16), in one command:
 
     python bench/gpu_bench.py --out DIR [--sections ceilings,kernels,prefill,parity,decode,throughput,hf]
-        [--arch qwen3-8b|qwen3-30b-a3b|gemma3-12b] [--quantization fp8|int8] [--kv-cache-dtype fp8]
+        [--arch qwen3-8b|qwen3-30b-a3b|gemma3-12b|mixtral-8x7b] [--quantization fp8|int8] [--kv-cache-dtype fp8]
         [--quantize-lm-head]
 
 ceilings    device-to-device copy bandwidth and bf16 matmul rate (the two roofs everything is judged against)
@@ -56,7 +56,17 @@ GEMMA3_12B = dict(
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
 )  # fmt: skip
 
+# Mixtral-8x7B: 8 experts of 14,336, top 2 (93 GB in bf16: an H200, or two GPUs); its experts take torch._grouped_mm
+# past 16 rows per expert (aserve/kernels/moe_grouped_mm.py)
+MIXTRAL_8X7B = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)  # fmt: skip
+
 ARCHS = {"llama3-8b": ("LlamaConfig", LLAMA3_8B), "qwen3-8b": ("Qwen3Config", QWEN3_8B),
+         "mixtral-8x7b": ("MixtralConfig", MIXTRAL_8X7B),
          "gemma3-12b": ("Gemma3TextConfig", GEMMA3_12B),
          "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(QWEN3_8B, hidden_size=2048, intermediate_size=6144,
                            num_hidden_layers=48, num_key_value_heads=4, moe_intermediate_size=768, num_experts=128,
