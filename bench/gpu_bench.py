@@ -56,8 +56,7 @@ GEMMA3_12B = dict(
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
 )  # fmt: skip
 
-# Mixtral-8x7B: 8 experts of 14,336, top 2 (93 GB in bf16: an H200, or two GPUs); its experts take torch._grouped_mm
-# past 16 rows per expert (aserve/kernels/moe_grouped_mm.py)
+# Mixtral-8x7B: 8 experts of 14,336, top 2 (93 GB in bf16); experts through torch._grouped_mm (moe_grouped_mm.py)
 MIXTRAL_8X7B = dict(
     vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
