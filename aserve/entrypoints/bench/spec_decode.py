@@ -4,26 +4,19 @@ between, the acceptance over the run printed and saved (spec_decode_* fields).""
 
 from __future__ import annotations
 
-from loadgen.server_metrics import MetricsSnapshot
+from loadgen.server_metrics import MetricsSnapshot, server_delta
 
-_DRAFTS = ("spec_decode_num_drafts_total",)
-_DRAFT_TOKENS = ("spec_decode_num_draft_tokens_total",)
-_ACCEPTED = ("spec_decode_num_accepted_tokens_total",)
 _BY_POSITION = ("spec_decode_num_accepted_tokens_per_pos_total",)
 
 
 def spec_decode_fields(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> dict:
     """The run's spec_decode_* result fields (vLLM's keys: the acceptance rate in percent, the acceptance length
     1 + accepted / drafts, each draft position's accepted share of the drafts), or {} where the server verified no
-    draft during the run (or has no such counters)."""
+    draft during the run (or has no such counters). The counters' deltas are loadgen's (server_delta)."""
     if before is None or after is None:
         return {}
-
-    def delta(candidates):
-        a, b = before.total(candidates), after.total(candidates)
-        return 0 if a is None or b is None else int(b - a)
-
-    drafts, draft_tokens, accepted = delta(_DRAFTS), delta(_DRAFT_TOKENS), delta(_ACCEPTED)
+    stats = server_delta(before, after, [])
+    drafts = int(stats.spec_decode_drafts or 0)
     if drafts <= 0:
         return {}
     start, end = before.by_label(_BY_POSITION, "position"), after.by_label(_BY_POSITION, "position")
@@ -32,11 +25,11 @@ def spec_decode_fields(before: MetricsSnapshot | None, after: MetricsSnapshot | 
     for p in positions:
         per_position[p] = (end[str(p)] - start.get(str(p), 0.0)) / drafts
     return {
-        "spec_decode_acceptance_rate": 100.0 * accepted / draft_tokens if draft_tokens else 0.0,
-        "spec_decode_acceptance_length": 1.0 + accepted / drafts,
+        "spec_decode_acceptance_rate": 100.0 * (stats.spec_decode_acceptance_rate or 0.0),
+        "spec_decode_acceptance_length": stats.spec_decode_mean_acceptance_length,
         "spec_decode_num_drafts": drafts,
-        "spec_decode_draft_tokens": draft_tokens,
-        "spec_decode_accepted_tokens": accepted,
+        "spec_decode_draft_tokens": int(stats.spec_decode_draft_tokens or 0),
+        "spec_decode_accepted_tokens": int(stats.spec_decode_accepted_tokens or 0),
         "spec_decode_per_position_acceptance_rates": per_position,
     }
 
