@@ -12,7 +12,6 @@ decode      batch-1 decode, 128 prompt tokens, 256 generated: ms/token vs weight
 throughput  256 requests x 512 prompt / 256 output tokens (EOS ignored): aserve output tok/s
 hf          the same workload with transformers generate (static batches of 64) and generate_batch
 verify_cost step time with B requests of k+1 tokens vs 1 (speculative verification), B = 1..256, k = 0..4
-
 Prints a table last; writes results.json (and logs) under --out.
 """
 
@@ -64,6 +63,7 @@ MIXTRAL_8X7B = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )  # fmt: skip
 
+TOKEN_HIGH = [100000]  # random prompt ids stay below this and the model's vocabulary
 ARCHS = {"llama3-8b": ("LlamaConfig", LLAMA3_8B), "qwen3-8b": ("Qwen3Config", QWEN3_8B),
          "mixtral-8x7b": ("MixtralConfig", MIXTRAL_8X7B),
          "gemma3-12b": ("Gemma3TextConfig", GEMMA3_12B),
@@ -295,7 +295,7 @@ def batch1_decode_ms(llm) -> float:
     from aserve import SamplingParams
 
     gen = torch.Generator().manual_seed(1)
-    prompt = lambda: {"prompt_token_ids": torch.randint(100, 100000, (128,), generator=gen).tolist()}  # noqa: E731
+    prompt = lambda: {"prompt_token_ids": torch.randint(100, TOKEN_HIGH[0], (128,), generator=gen).tolist()}  # noqa: E731
     llm.generate(prompt(), SamplingParams(max_tokens=8, ignore_eos=True))
     times = []
     for _ in range(3):
@@ -337,8 +337,8 @@ def throughput(model_dir: str, llm=None) -> None:
 
     if llm is None:
         llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256, **ENGINE_KW)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [{"prompt_token_ids": torch.randint(100, 100000, (512,), generator=gen).tolist()} for _ in range(256)]
+    ids = torch.randint(100, TOKEN_HIGH[0], (256, 512), generator=torch.Generator().manual_seed(2))
+    prompts = [{"prompt_token_ids": row} for row in ids.tolist()]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     # Warm-up with the whole batch (few output tokens): Triton compiles its kernels' specialisations for the shapes
     # this workload reaches once per process; the timed run is the steady state a running server sees.
@@ -420,7 +420,7 @@ def hf(model_dir: str, generate_batch: bool = True) -> None:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(2)
-    prompts = torch.randint(100, 100000, (256, 512), generator=gen)
+    prompts = torch.randint(100, TOKEN_HIGH[0], (256, 512), generator=gen)
     with torch.no_grad():
         model.generate(prompts[:2].cuda(), max_new_tokens=4, min_new_tokens=4, do_sample=False)
         torch.cuda.synchronize()
@@ -463,8 +463,8 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="decode / throughput with this KV cache (auto, fp8)")
     p.add_argument("--quantize-lm-head", action="store_true", help="decode / throughput with a quantised lm_head")
     args = p.parse_args()
-    if args.quantization:
-        ENGINE_KW["quantization"] = args.quantization
+    TOKEN_HIGH[0] = min(TOKEN_HIGH[0], ARCHS[args.arch][1]["vocab_size"])
+    ENGINE_KW["quantization"] = args.quantization
     ENGINE_KW["kv_cache_dtype"] = args.kv_cache_dtype
     ENGINE_KW["quantize_lm_head"] = args.quantize_lm_head
     sections = args.sections.split(",")

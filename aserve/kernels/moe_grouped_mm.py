@@ -12,10 +12,11 @@ aserve/kernels/moe.py.
                                                                                   (moe.ordered_sum)
 
 moe.py's grouped GEMMs instead pad each expert's rows to BLOCK_M and gather x's rows inside the tile loop; this path
-pays for a sorted copy of x and a separate SiLU·mul. H100, 2026-12-06 (bench/moe_kernel.py, docs/benchmarks.md):
-Mixtral-8x7B's layer 6 % faster at 64 tokens, 10 % at 256, 5 % at 1,024 (the engine on its shape cut to 8 layers:
-offline throughput 1.36x); Qwen3-30B-A3B's (experts 30x smaller) 9 % slower at 2,048 tokens, 2 % faster at 8,192:
-hence the rule by expert size. Nothing reads the routing back to the host (CUDA graphs).
+pays for a sorted copy of x and a separate SiLU·mul. 2026-12-06 (bench/moe_kernel.py, docs/benchmarks.md):
+Mixtral-8x7B's layer 10 % faster at 256 tokens and 5 % at 1,024 on an H100 (the engine on its shape cut to 8
+layers: offline throughput 1.36x), 1 % slower and 9 % faster on an H200 (the whole model: offline 1.04x);
+Qwen3-30B-A3B's (experts 30x smaller) 9 % slower at 2,048 tokens on an H100, 6 % on an H200: hence the rule by
+expert size. Nothing reads the routing back to the host (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from aserve.kernels import fused, moe, moe_routing, pdl
 # Experts of at least this many w13 elements (2 I x H) take the library path: Mixtral-8x7B's 117 M do,
 # Qwen3-30B-A3B's 3.1 M do not (module docstring).
 LARGE_EXPERT_ELEMENTS = 1 << 26
-# From this many routed rows per expert on (Mixtral: 64 tokens), the library's GEMMs; below, moe.py's.
-MIN_SLOTS_PER_EXPERT = 16
+# From this many routed rows per expert on (Mixtral: 256 tokens), the library's GEMMs; below, moe.py's: at Mixtral's
+# 64 tokens moe.py's layer is 22 % faster on an H200 and 6 % slower on an H100, at 256 even on the H200 and 10 %
+# slower on the H100 (docs/benchmarks.md, 2026-12-06).
+MIN_SLOTS_PER_EXPERT = 64
 
 
 def available(w13: torch.Tensor) -> bool:
