@@ -133,7 +133,7 @@ async def _serve(
         engine.stats.add_listener(PeriodicLogger(logger.info))
     # drain() ends every request before cleanup; the runner's own timeout only backs up handlers stuck writing to a
     # client that stopped reading.
-    runner = web.AppRunner(app, **SERVER_OPTIONS, access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(app, **SERVER_OPTIONS, **options.parser_limits, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     options.setup_server(runner.server)
     # Every connection goes through the guard (read timeouts, connection limit) in front of aiohttp's protocol.

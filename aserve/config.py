@@ -122,6 +122,8 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     kv_transfer_config: dict | None = None
     mm_processor_kwargs: dict | None = None
+    hf_token: str | None = None
+    max_parallel_loading_workers: int | None = None
 
     @property
     def kv_cache_budget_bytes(self) -> int | None:

@@ -172,6 +172,12 @@ FIXED_ENGINE_ARGS: dict[str, FixedArg] = {
         "prompts are text only (no multimodal processor)",
         "accepted unset or {}: prompts are text only",
     ),
+    "hf_token": FixedArg(_any, "", "accepted: aserve downloads nothing (local checkpoints, the embedded model)"),
+    "max_parallel_loading_workers": FixedArg(
+        lambda v: v is None or (isinstance(v, int) and v >= 1),
+        "a worker count is at least 1",
+        "accepted: each process loads its weights file by file",
+    ),
 }
 
 

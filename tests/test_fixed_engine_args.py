@@ -16,7 +16,8 @@ ACCEPTED = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "disable_custo
             "logprobs_mode": "raw_logprobs", "scheduling_policy": "fcfs", "download_dir": "/tmp/hf",
             "model_impl": "vllm", "config_format": "hf", "code_revision": "main", "disable_sliding_window": False,
             "disable_cascade_attn": True, "calculate_kv_scales": False, "enable_expert_parallel": False,
-            "kv_transfer_config": None, "mm_processor_kwargs": {}}  # fmt: skip
+            "kv_transfer_config": None, "mm_processor_kwargs": {}, "hf_token": "hf_x",
+            "max_parallel_loading_workers": 2}  # fmt: skip
 
 REFUSED = [
     ({"pipeline_parallel_size": 2}, "tensor parallelism only"), ({"data_parallel_size": 2}, "one engine per server"),
@@ -33,7 +34,7 @@ REFUSED = [
     ({"disable_sliding_window": True}, "within their windows"), ({"calculate_kv_scales": True}, "computes none"),
     ({"enable_expert_parallel": True}, "by tensor parallelism"),
     ({"kv_transfer_config": {"kv_connector": "NixlConnector"}}, "no disaggregated prefill"),
-    ({"mm_processor_kwargs": {"num_crops": 4}}, "text only"),
+    ({"mm_processor_kwargs": {"num_crops": 4}}, "text only"), ({"max_parallel_loading_workers": 0}, "at least 1"),
 ]  # fmt: skip
 
 
@@ -60,7 +61,8 @@ def test_serve_flags(tiny_model, capsys):
             "--download-dir", "/tmp/hf", "--trust-remote-code", "--swap-space", "4", "--tokenizer-mode", "auto",
             "--enable-chunked-prefill", "--model-impl", "auto", "--config-format", "auto", "--code-revision", "v1",
             "--disable-cascade-attn", "--no-disable-sliding-window", "--no-calculate-kv-scales",
-            "--no-enable-expert-parallel", "--mm-processor-kwargs", "{}"]  # fmt: skip
+            "--no-enable-expert-parallel", "--mm-processor-kwargs", "{}", "--max-parallel-loading-workers", "4",
+            "--hf-token"]  # fmt: skip
     args = engine_args_from(build_parser().parse_args(argv))
     args.validate()
     assert (args.compilation_config, args.limit_mm_per_prompt, args.download_dir) == (3, {"image": 0}, "/tmp/hf")

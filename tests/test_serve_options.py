@@ -1,6 +1,7 @@
 """`aserve serve`'s listener and app flags from vLLM: TLS (--ssl-*) answering the official openai client over https,
---root-path, --enable-server-load-tracking (GET /load), --chat-template-content-format, the flags accepted without an
-effect and the ones refused, started from a --config YAML file as vLLM deployments start it."""
+--root-path, --enable-server-load-tracking (GET /load), --chat-template-content-format, --middleware, the logging and
+HTTP parser flags, the flags accepted without an effect and the ones refused, started from a --config YAML file as
+vLLM deployments start it."""
 
 import datetime
 import ipaddress
@@ -12,7 +13,7 @@ import subprocess
 import urllib.request
 
 import pytest
-from aserve_server import running_server
+from aserve_server import running_server, start_server, stop_server
 from test_server import make_client
 
 from aserve import EngineArgs, LLMEngine
@@ -121,8 +122,80 @@ async def test_content_format_string_joins_parts_for_every_template(tiny_model):
             await client.close()
 
 
+MIDDLEWARE = """
+async def tag(request, handler):
+    if request.path == "/v1/boom":
+        raise ValueError("a bad thing from the middleware")
+    response = await handler(request)
+    response.headers["X-Tagged"] = request.method
+    return response
+"""
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS {{ tools | length }}: {% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+
+
+def test_middleware_logging_and_parser_limits(tiny_model, tmp_path, monkeypatch):
+    """--middleware (an aiohttp middleware by import path, inside the error handling), --log-error-stack,
+    --enable-log-outputs cut to --max-log-len, --h11-max-header-count and --exclude-tools-when-tool-choice-none,
+    driven through the openai client and raw HTTP."""
+    import http.client
+
+    from openai import BadRequestError, OpenAI
+
+    (tmp_path / "aserve_test_middleware.py").write_text(MIDDLEWARE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    (tmp_path / "tools.jinja").write_text(TOOLS_TEMPLATE)
+    log = tmp_path / "server.log"
+    proc, url = start_server(tiny_model, "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
+                             "--middleware", "aserve_test_middleware.tag", "--log-error-stack", "--enable-log-outputs",
+                             "--max-log-len", "2", "--h11-max-header-count", "40", "--chat-template",
+                             str(tmp_path / "tools.jinja"), "--exclude-tools-when-tool-choice-none",
+                             log_path=str(log))  # fmt: skip
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        raw = client.completions.with_raw_response.create(model=model, prompt="Hi", max_tokens=4,
+                                                          extra_body={"ignore_eos": True})  # fmt: skip
+        assert raw.headers["X-Tagged"] == "POST"
+        completion = raw.parse()
+        with pytest.raises(BadRequestError, match="a bad thing from the middleware"):
+            client.post("/boom", cast_to=object, body={})
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        messages = [{"role": "user", "content": "Hello"}]
+        prompt_tokens = {choice: client.chat.completions.create(model=model, messages=messages, max_tokens=1,
+                                                                tools=tools, tool_choice=choice).usage.prompt_tokens
+                         for choice in ("none", "required")}  # fmt: skip
+        plain = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage.prompt_tokens
+        assert prompt_tokens["none"] == plain < prompt_tokens["required"]
+        for count, status in ((30, 200), (50, 400)):
+            conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+            conn.putrequest("GET", "/health")
+            for i in range(count):
+                conn.putheader(f"X-Extra-{i}", "1")
+            conn.endheaders()
+            assert conn.getresponse().status == status
+            conn.close()
+        assert client.models.list().data  # still serving
+    finally:
+        stop_server(proc)
+    text = log.read_text()
+    assert "Traceback" in text and "ValueError: a bad thing from the middleware" in text
+    logged = (
+        f"output of {completion.id} (choice 0): 4 tokens, finish_reason length, text {completion.choices[0].text[:2]!r}"
+    )
+    assert logged in text
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--otlp-traces-endpoint", "http://collector:4317"], "exports no OpenTelemetry traces"),
+    (["--api-server-count", "2"], "one API server process"),
+    (["--headless"], "no engine without its API server"),
+    (["--middleware", "aserve_no_such_module.mw"], "--middleware aserve_no_such_module.mw: cannot import it"),
+    (["--middleware", "collections.OrderedDict"], "ASGI middleware classes do not apply"),
+    (["--middleware", "json.dumps"], "a middleware is an async function"),
+    (["--h11-max-header-count", "0"], "--h11-max-header-count must be at least 1"),
+    (["--max-log-len", "-1"], "--max-log-len must be at least 0"),
     (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
     (["--ssl-certfile", "/nonexistent/cert.pem"], "TLS (--ssl-certfile /nonexistent/cert.pem"),
     (["--ssl-certfile", "c.pem", "--enable-ssl-refresh"], "reads its certificates once"),

@@ -66,7 +66,7 @@ _HELP = {
 _HELP.update({name: rule.help for name, rule in FIXED_ENGINE_ARGS.items()})
 _ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}  # vLLM's short flags
 # served_model_name: several names, requests may use any, responses carry the first
-_NARGS = {"served_model_name": "+", "cuda_graph_sizes": "+"}
+_NARGS = {"served_model_name": "+", "cuda_graph_sizes": "+", "hf_token": "?"}  # --hf-token alone: vLLM's
 
 
 def human_readable_int(value: str) -> int:

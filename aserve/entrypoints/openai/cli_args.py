@@ -3,7 +3,7 @@ and what they make of the app: the chat template, the reply role, CORS, the log 
 
 Some of vLLM's server flags name things aserve does in one way only; they are accepted where their value is the way
 aserve works and refused otherwise (never taken and ignored): --disable-log-requests (requests are logged only with
---enable-log-requests), --disable-uvicorn-access-log and --max-log-len (no access log, no prompt text logged),
+--enable-log-requests), --disable-uvicorn-access-log (no access log),
 --structured-outputs-config / --guided-decoding-backend naming xgrammar (the only backend). vLLM's engine flags of
 that kind are EngineArgs fields (aserve/fixed_engine_args.py)."""
 
@@ -134,8 +134,8 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="accepted: aserve writes no access log")  # fmt: skip
     serve.add_argument("--max-log-len", type=int, default=None,
-                       help="accepted: --enable-log-requests logs prompt lengths and parameters, never prompt "
-                            "text")  # fmt: skip
+                       help="the most characters of an output's text that --enable-log-outputs logs (default: all; "
+                            "--enable-log-requests logs prompt lengths and parameters, never prompt text)")  # fmt: skip
     serve.add_argument("--structured-outputs-config", type=json_object, default=None,
                        help='accepted as {"backend": "xgrammar"} or "auto": structured output always uses '
                             "xgrammar")  # fmt: skip

@@ -348,12 +348,13 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r} (request "
                              "fields set add_generation_prompt, continue_final_message and tools)")  # fmt: skip
 
-    def template_kwargs(self) -> dict | None:
-        """The chat template's extra arguments: chat_template_kwargs, tools, documents, continue_final_message,
-        reasoning_effort with enable_thinking (unless chat_template_kwargs sets it), as vLLM passes them, and the
-        request's own chat_template (the server checks that it may)."""
+    def template_kwargs(self, exclude_tools_when_none: bool = False) -> dict | None:
+        """The chat template's extra arguments: chat_template_kwargs, tools (not with tool_choice "none" where
+        exclude_tools_when_none), documents, continue_final_message, reasoning_effort with enable_thinking (unless
+        chat_template_kwargs sets it), as vLLM passes them, and the request's own chat_template (the server checks
+        that it may)."""
         kwargs = dict(self.chat_template_kwargs or {})
-        if self.tools:
+        if self.tools and not (exclude_tools_when_none and self.tool_choice == "none"):
             kwargs["tools"] = self.tools
         if self.documents is not None:
             kwargs["documents"] = self.documents

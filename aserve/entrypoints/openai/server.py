@@ -195,7 +195,8 @@ async def _chat_completions(request: web.Request, state: ServerState, req: ChatC
                                                 state.engine.config.tokenizer)  # fmt: skip
     await state.compile_grammar(req, params)
     conversation = state.conversation(req)
-    ids = await state.engine.render_chat(conversation, req.add_generation_prompt, req.template_kwargs(),
+    ids = await state.engine.render_chat(conversation, req.add_generation_prompt,
+                                         req.template_kwargs(state.exclude_tools_when_none),
                                          bool(req.add_special_tokens))  # fmt: skip
     ids = req.truncate(ids, params, state.engine.config.max_model_len)
     request_id = f"{'chatcmpl-' if reply is None else reply.id_prefix}{response_id(request, req)}"
@@ -284,7 +285,10 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     group = StreamGroup(streams)
     try:
         if req.stream:
-            return await stream_response(request, sink, group)
+            response = await stream_response(request, sink, group)
+            if state.log_outputs:
+                state.log_choices(request_id, choices)
+            return response
         async for batch in group.batches():
             for i, out in batch:
                 absorb(choices, i, n, out)
@@ -295,6 +299,8 @@ async def _generate(request, state: ServerState, req, request_id: str, prompts, 
     failed = next((c for c in choices if c.error), None)
     if failed is not None:
         raise APIError(failed.error_status, failed.error, type_=error_type(failed.error_status))
+    if state.log_outputs:
+        state.log_choices(request_id, choices)
     if chat:
         body = chat_chunk(request_id, created, state.model_name, choices, final=True, role=state.response_role)
     else:

@@ -4,6 +4,7 @@ of `aserve serve` that shape replies) and the JSON responses they answer with.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import msgspec
@@ -26,6 +27,7 @@ ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 STATE_KEY = web.AppKey("server_state", object)
 
 _encode = msgspec.json.encode
+logger = logging.getLogger("aserve")
 
 SHUTTING_DOWN = "the server is shutting down; retry on another replica or later"
 
@@ -74,6 +76,9 @@ class ServerState:
         self.reasoning_parser: str | None = None  # --reasoning-parser: the reasoning apart (reasoning.py)
         self.think_end_token: int | None = None  # its `</think>` token: a grammar waits for it
         self.log_requests = False  # --enable-log-requests: a log line per request with its parameters
+        self.log_outputs = False  # --enable-log-outputs: a log line per finished choice, its text cut to max_log_len
+        self.max_log_len: int | None = None
+        self.exclude_tools_when_none = False  # --exclude-tools-when-tool-choice-none
         self.trust_request_chat_template = False  # --trust-request-chat-template: requests may bring a template
         # the chat template reads content parts as a list (chat_utils.takes_content_parts), or takes a string
         self.content_parts = takes_content_parts(getattr(engine.config.tokenizer, "chat_template", None))
@@ -95,6 +100,13 @@ class ServerState:
             self.connections.count_closed("slow_client")
         else:
             self.metrics.on_connection_closed("slow_client")
+
+    def log_choices(self, request_id: str, choices) -> None:
+        """--enable-log-outputs: each finished choice's tokens, finish reason and text."""
+        for c in choices:
+            text = c.text if self.max_log_len is None else c.text[: self.max_log_len]
+            logger.info("output of %s (choice %d): %d tokens, finish_reason %s, text %r", request_id, c.index,
+                        c.num_tokens, c.finish_reason, text)  # fmt: skip
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
