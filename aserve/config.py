@@ -123,6 +123,7 @@ class EngineArgs:
     kv_transfer_config: dict | None = None
     mm_processor_kwargs: dict | None = None
     hf_token: str | None = None
+    profiler_config: dict | None = None  # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} (engine/profiler.py)
     max_parallel_loading_workers: int | None = None
 
     @property

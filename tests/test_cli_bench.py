@@ -218,7 +218,6 @@ def test_throughput_prints_vllm_lines_and_json(tiny_model, tmp_path):
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["serve", "--profile"], "--profile"),
         (["serve", "--ramp-up-strategy", "linear"], "--ramp-up-strategy"),
         (["serve", "--dataset-name", "sonnet"], "sonnet dataset"),
         (["serve", "--dataset-name", "sharegpt"], "--dataset-path"),

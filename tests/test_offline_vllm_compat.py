@@ -146,7 +146,7 @@ def test_llm_methods(llm):
     for name in ("encode", "embed", "score", "classify", "reward"):
         with pytest.raises(ValueError, match=f"LLM.{name}.. is not supported: aserve serves generative models only"):
             getattr(llm, name)(["Hello"])
-    for name in ("sleep", "wake_up", "start_profile", "stop_profile", "collective_rpc", "apply_model"):
+    for name in ("sleep", "wake_up", "collective_rpc", "apply_model"):
         with pytest.raises(NotImplementedError, match=f"LLM.{name}.. is not supported"):
             getattr(llm, name)()
 

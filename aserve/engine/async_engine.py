@@ -31,6 +31,7 @@ from aserve.engine.llm_engine import (
     TokenizerPool,
     freeze_for_serving,
 )
+from aserve.engine.profiler import Profiler, make_profiler
 from aserve.inputs import PromptType
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
@@ -163,6 +164,7 @@ class AsyncEngine:
         self._closed_reason: str | None = None  # set by abort_all(): no new requests after a forced shutdown
         self.failure: BaseException | None = None  # what ended the step loop, if an error did
         self._failed: asyncio.Event | None = None
+        self._profiler: Profiler | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **serving) -> AsyncEngine:
@@ -425,6 +427,18 @@ class AsyncEngine:
                 if out.finished:
                     del streams[out.request_id]
                 stream.deliver(out)
+
+    # -- vLLM's profiler hooks (aserve/engine/profiler.py) ----------------------------------------------------
+
+    async def start_profile(self) -> None:
+        """Starts the profiler in the step thread, between two steps; RuntimeError without one, or while it runs."""
+        self._profiler = self._profiler or make_profiler(self.config.profiler)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._profiler.start)
+
+    async def stop_profile(self) -> None:
+        """Ends the run (the trace is written when this returns); RuntimeError when none runs."""
+        self._profiler = self._profiler or make_profiler(self.config.profiler)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._profiler.stop)
 
     # -- the step loop ----------------------------------------------------------------------------------------
 

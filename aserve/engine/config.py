@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from aserve.config import GENERATION_DEFAULTS, EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
+from aserve.engine.profiler import ProfilerSettings
 from aserve.layers.batch_invariant import check_supported
 from aserve.layers.rotary import context_length, longrope_switch_length
 from aserve.models.model_path import resolve_model, resolve_tokenizer
@@ -51,6 +52,7 @@ class EngineConfig:
     # repetition_penalty: what it sets other than transformers' defaults, as vLLM reads it under --generation-config
     # auto): the defaults of requests that leave them unset (server) or of generate() given no SamplingParams
     default_sampling: dict = field(default_factory=dict)
+    profiler: ProfilerSettings | None = None  # --profiler-config (aserve/engine/profiler.py); None: no profiler
 
     @property
     def architecture(self) -> str:
@@ -86,6 +88,7 @@ class EngineConfig:
             check_supported(architecture_of(hf_config), args.quantization)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(args, model_dir))
         device = resolve_device(args.device)
+        profiler = ProfilerSettings.parse(args.profiler_config, device)
         spec_config = SpeculativeConfig.parse(args.speculative_config)
         async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.type == "cuda"
         max_model_len = resolve_max_model_len(args.max_model_len, context_length(hf_config))
@@ -111,6 +114,7 @@ class EngineConfig:
             extra_eos_token_ids=_extra_eos_token_ids(model_dir, hf_config, eos_token_id),
             default_sampling=default_sampling(args.generation_config, model_dir, args.override_generation_config),
             long_prompt_len=longrope_switch_length(hf_config),
+            profiler=profiler,
         )
 
 

@@ -58,6 +58,10 @@ _HELP = {
     "quantization": "awq / gptq / compressed-tensors / fp8: require a checkpoint so quantised (detected from the "
     "checkpoint either way); fp8 / int8 on a 16-bit checkpoint: quantise its linear weights at load to FP8 e4m3 / int8 "
     "(per channel)",
+    "profiler_config": 'vLLM\'s profiler hooks, a JSON object: {"profiler": "torch", "torch_profiler_dir": DIR} '
+    "(traces of the steps between LLM.start_profile / stop_profile or POST /start_profile / /stop_profile) or "
+    '{"profiler": "cuda"} (Nsight Systems\' capture range); default: $VLLM_TORCH_PROFILER_DIR as the torch one, if '
+    "set, else none",
     "quantize_lm_head": "round the lm_head at load: int8 per channel (unquantised / int8 models), fp8 per channel "
     "(--quantization fp8, FP8 checkpoints), int4 per group (AWQ / GPTQ); a tied embedding keeps its 16-bit table",
 }
@@ -87,6 +91,7 @@ _TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_r
           "kv_cache_memory_bytes": human_readable_int,
           "override_generation_config": json_object, "hf_overrides": json_object, "limit_mm_per_prompt": json_object,
           "kv_transfer_config": json_object, "mm_processor_kwargs": json_object, "cuda_graph_sizes": int,
+          "profiler_config": json_object,
           "compilation_config": json_value}  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from aserve.config import EngineArgs
 from aserve.core.metrics import PeriodicLogger, PrometheusMetrics
 from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine
+from aserve.engine.profiler import Profiler, make_profiler
 from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
 from aserve.entrypoints.openai.protocol import TEMPLATE_CONTROLS
 from aserve.entrypoints.openai.request_fields import STRUCTURED_OUTPUT_BACKENDS
@@ -87,6 +88,7 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
         self._metrics: PrometheusMetrics | None = None
+        self._profiler_run: Profiler | None = None
         if not disable_log_stats:
             config = self.engine.config
             cache_config = config.cache_metrics_info(self.engine.core.num_kv_blocks)
@@ -278,6 +280,19 @@ class LLM:
         vLLM's."""
         return self.engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """vLLM's: the profiler of profiler_config (aserve/engine/profiler.py) runs over the steps until
+        stop_profile(). RuntimeError without a profiler_config, or when one is running already."""
+        self._profiler().start()
+
+    def stop_profile(self) -> None:
+        """Ends the run start_profile() began; the trace is written before this returns."""
+        self._profiler().stop()
+
+    def _profiler(self) -> Profiler:
+        self._profiler_run = self._profiler_run or make_profiler(self.engine.config.profiler)
+        return self._profiler_run
+
     def reset_mm_cache(self) -> None:
         """vLLM's reset of its multimodal processor cache: aserve takes text only and keeps no such cache, so there
         is nothing to forget."""
@@ -298,8 +313,6 @@ class LLM:
     reward = _refused("reward", _POOLING, ValueError)
     sleep = _refused("sleep", "aserve has no sleep mode: weights and KV cache stay in memory until `del llm`")
     wake_up = _refused("wake_up", "aserve has no sleep mode: weights and KV cache stay in memory until `del llm`")
-    start_profile = _refused("start_profile", "profile generate() with torch.profiler")
-    stop_profile = _refused("stop_profile", "profile generate() with torch.profiler")
     collective_rpc = _refused("collective_rpc", "aserve's workers run its own steps only")
     apply_model = _refused("apply_model", "aserve's workers run its own steps only")
 

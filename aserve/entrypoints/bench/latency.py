@@ -79,6 +79,12 @@ def run_latency(ns: argparse.Namespace) -> dict:
     print("Warming up...")
     for _ in tqdm(range(ns.num_iters_warmup), desc="Warmup iterations"):
         latency()
+    if ns.profile:  # vLLM's: one profiled iteration instead of the measured ones
+        print("Profiling one iteration...")
+        llm.start_profile()
+        latency()
+        llm.stop_profile()
+        return {}
     latencies = np.array([latency() for _ in tqdm(range(ns.num_iters), desc="Bench iterations")])
     percentiles = np.percentile(latencies, PERCENTAGES)
     print(f"Avg latency: {np.mean(latencies).item()} seconds")

@@ -1,5 +1,5 @@
-"""What `aserve bench latency` and `aserve bench throughput` share: `aserve serve`'s engine flags, the LLM they make,
-and vLLM's offline benchmark flags that would change what is measured (refused by name)."""
+"""What `aserve bench latency` and `aserve bench throughput` share: `aserve serve`'s engine flags and --profile, the
+LLM they make, and vLLM's offline benchmark flags that would change what is measured (refused by name)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from aserve.entrypoints.engine_cli_args import add_engine_args, engine_args_from
 from aserve.sampling_params import SamplingParams
 
 OFFLINE_REFUSED = {
-    "--profile": "aserve has no profiler hooks in its benchmarks; see bench/kernel_profile.py",
     "--lora-path": "aserve serves no LoRA adapters",
     "--async-engine": "the offline benchmarks run LLM; `aserve bench serve` measures the async engine over HTTP",
     "--hf-max-batch-size": "it is for the hf backend, which aserve does not run",
@@ -21,6 +20,9 @@ OFFLINE_REFUSED = {
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
+    parser.add_argument("--profile", action="store_true",
+                        help="run the engine's profiler (--profiler-config, or $VLLM_TORCH_PROFILER_DIR) over the "
+                             "measured run")  # fmt: skip
 
 
 def make_llm(ns: argparse.Namespace):

@@ -172,12 +172,27 @@ async def _benchmark(ns: argparse.Namespace, url: str, endpoint: str) -> tuple[s
         rate = None if math.isinf(ns.request_rate) else ns.request_rate
         one_turn_each = (Session([spec]) for spec in specs)
         rng = np.random.default_rng([ns.seed, _ARRIVAL_STREAM])
+        if ns.profile:
+            await _profiler(http, url, headers, "start")
         try:
             records = await runner.run(Load("rate", rate), one_turn_each, Bounds(len(specs), None), rng)
         finally:
             bar.close()
+        if ns.profile:
+            await _profiler(http, url, headers, "stop")
         spec_fields = spec_decode_fields(metrics_before, await scraper.scrape())
     return model_id, records, spec_fields
+
+
+async def _profiler(http: aiohttp.ClientSession, url: str, headers: dict, action: str) -> None:
+    """--profile: POST /start_profile or /stop_profile at the server's root (vLLM's routes)."""
+    print("Starting profiler..." if action == "start" else "Stopping profiler...", flush=True)
+    async with http.post(f"{url}/{action}_profile", headers=headers) as resp:
+        if resp.status != 200:
+            detail = (await resp.text())[:300]
+            raise BenchmarkError(f"POST {url}/{action}_profile answered {resp.status}: start the server with "
+                                 f"--profiler-config to profile it ({detail})")  # fmt: skip
+    print("Profiler started" if action == "start" else "Profiler stopped", flush=True)
 
 
 def _extra_body(ns: argparse.Namespace, endpoint: str) -> dict:

@@ -30,7 +30,6 @@ PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el", "client_queue_time", "e2el_
 
 _NOT_HERE = "aserve's benchmark does not implement it"
 REFUSED = {
-    "--profile": "aserve has no profiler endpoints (/start_profile); see bench/kernel_profile.py",
     "--lora-modules": "aserve serves no LoRA adapters",
     "--lora-assignment": "aserve serves no LoRA adapters",
     "--ramp-up-strategy": _NOT_HERE + " (sweep rates with `loadgen --sweep rate=...`)",
@@ -161,6 +160,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="retry the first request this long until the server answers it (0: no check)",
     )
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the server's profiler over the measured requests (POST /start_profile, /stop_profile: a server "
+        "started with --profiler-config)",
+    )
     s = p.add_argument_group("sampling")
     s.add_argument(
         "--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens (always on for the random dataset)"

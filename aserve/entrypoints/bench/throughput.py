@@ -104,9 +104,14 @@ def run_throughput(ns: argparse.Namespace) -> dict:
         )
     prompts = [spec.prompt if isinstance(spec.prompt, str) else {"prompt_token_ids": spec.prompt} for spec in specs]
     params = [bench_sampling_params(ns.n, spec.max_tokens, ns.disable_detokenize) for spec in specs]
+    if ns.profile:
+        print("Profiling the run (the profiler's overhead is in the figures below)...")
+        llm.start_profile()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
+    if ns.profile:
+        llm.stop_profile()
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     output_tokens = sum(len(seq.token_ids) for out in outputs for seq in out.outputs)
     total_tokens = prompt_tokens + output_tokens

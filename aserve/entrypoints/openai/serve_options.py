@@ -1,10 +1,10 @@
 """vLLM's server flags for the listener and the app around build_app's: TLS (tls.py), --root-path,
 --chat-template-content-format, --enable-server-load-tracking (GET /load), --middleware, the HTTP parser's limits
 (--h11-max-header-count, --h11-max-incomplete-event-size), --log-error-stack, --enable-log-outputs with
---max-log-len, --exclude-tools-when-tool-choice-none, and the vLLM flags aserve answers without an effect or
-refuses: --show-hidden-metrics-for-version (accepted: no metric is hidden), --otlp-traces-endpoint (refused: no
-OpenTelemetry tracing), --api-server-count other than 1 and --headless (refused: one process serves the API and
-drives the engine).
+--max-log-len, --exclude-tools-when-tool-choice-none, the profiler routes of --profiler-config (POST /start_profile,
+/stop_profile), and the vLLM flags aserve answers without an effect or refuses: --show-hidden-metrics-for-version
+(accepted: no metric is hidden), --otlp-traces-endpoint (refused: no OpenTelemetry tracing), --api-server-count other
+than 1 and --headless (refused: one process serves the API and drives the engine).
 
 --middleware takes aiohttp middlewares (async functions (request, handler) -> response, by import path
 "package.module.name" or "package.module:name"), which run in the order given, inside the API key check and the
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from aserve.entrypoints.openai.protocol import APIError
 from aserve.entrypoints.openai.server_state import STATE_KEY, json_response
 from aserve.entrypoints.openai.tls import add_tls_args, ssl_context
 
@@ -130,6 +131,9 @@ class ServeOptions:
         state.exclude_tools_when_none = self.exclude_tools_when_none
         if self.server_load_tracking:
             app.router.add_get("/load", server_load)
+        if state.engine.config.profiler is not None:  # --profiler-config: vLLM's profiler routes
+            app.router.add_post("/start_profile", start_profile)
+            app.router.add_post("/stop_profile", stop_profile)
         if self.log_error_stack:
             app.middlewares.append(log_error_stack)
         if self.middlewares:
@@ -155,6 +159,25 @@ class ServeOptions:
 async def server_load(request: web.Request) -> web.Response:
     """vLLM's GET /load: the requests the server is handling (this one aside), for least-loaded routing."""
     return json_response({"server_load": request.app[STATE_KEY].inflight - 1})
+
+
+async def start_profile(request: web.Request) -> web.Response:
+    """vLLM's POST /start_profile: the profiler of --profiler-config runs over the engine's steps until
+    /stop_profile (aserve/engine/profiler.py); 400 while it runs already."""
+    try:
+        await request.app[STATE_KEY].engine.start_profile()
+    except RuntimeError as e:
+        raise APIError(400, str(e)) from None
+    return web.Response()
+
+
+async def stop_profile(request: web.Request) -> web.Response:
+    """vLLM's POST /stop_profile: ends the run; its trace is written when the response comes. 400 when none runs."""
+    try:
+        await request.app[STATE_KEY].engine.stop_profile()
+    except RuntimeError as e:
+        raise APIError(400, str(e)) from None
+    return web.Response()
 
 
 def import_middleware(path: str):
