@@ -34,6 +34,8 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
     ASERVE_STREAM_STALL_TIMEOUT  the server: how many seconds a streaming client that stopped reading may keep
                           its requests paused (left out of the batch, waiting for it to read) before they are ended
                           and its connection closed (aserve/entrypoints/openai/event_stream.py). Default 60.
+    VLLM_SERVER_DEV_MODE  vLLM's: 1 serves the development routes (/reset_prefix_cache, /server_info, ...:
+                          aserve/entrypoints/openai/dev_routes.py). Default off.
     VLLM_TORCH_PROFILER_DIR  vLLM's older switch for its profiler hooks: without --profiler-config, the torch
                           profiler writing its traces here (aserve/engine/profiler.py). Default unset.
 """
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     ASERVE_PDL: bool
     ASERVE_STREAM_BUFFER: int
     ASERVE_STREAM_STALL_TIMEOUT: float
+    VLLM_SERVER_DEV_MODE: bool
     VLLM_TORCH_PROFILER_DIR: str
 
 
@@ -89,6 +92,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "ASERVE_PDL": _switch("ASERVE_PDL"),
     "ASERVE_STREAM_BUFFER": lambda: int(os.environ.get("ASERVE_STREAM_BUFFER", str(4 << 20))),
     "ASERVE_STREAM_STALL_TIMEOUT": lambda: float(os.environ.get("ASERVE_STREAM_STALL_TIMEOUT", "60")),
+    "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"),
     "VLLM_TORCH_PROFILER_DIR": lambda: os.environ.get("VLLM_TORCH_PROFILER_DIR", ""),
 }
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import ssl
 import subprocess
+import urllib.error
 import urllib.request
 
 import pytest
@@ -185,6 +186,42 @@ def test_middleware_logging_and_parser_limits(tiny_model, tmp_path, monkeypatch)
         f"output of {completion.id} (choice 0): 4 tokens, finish_reason length, text {completion.choices[0].text[:2]!r}"
     )
     assert logged in text
+
+
+def test_dev_mode_routes_reset_the_prefix_cache(tiny_model, monkeypatch):
+    """VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache makes the next identical prompt compute from scratch (usage's
+    cached tokens), GET /server_info the resolved arguments, no sleep mode; without it the routes are 404."""
+    from openai import OpenAI
+
+    def call(url, path, method="POST"):
+        req = urllib.request.Request(url + path, data=b"" if method == "POST" else None, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    prompt = " ".join(["alpha beta gamma delta"] * 10)
+    args = ("--model", tiny_model, "--enforce-eager", "--max-model-len", "256", "--enable-prompt-tokens-details")
+    with running_server(*args) as url:
+        assert call(url, "/reset_prefix_cache")[0] == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with running_server(*args) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+
+        def cached() -> int:
+            usage = client.completions.create(model=model, prompt=prompt, max_tokens=1).usage
+            return usage.prompt_tokens_details.cached_tokens
+
+        assert cached() == 0 and cached() > 0
+        assert call(url, "/reset_prefix_cache") == (200, b"")
+        assert cached() == 0 and cached() > 0
+        status, body = call(url, "/server_info", "GET")
+        assert status == 200 and json.loads(body)["aserve_config"]["max_model_len"] == 256
+        assert json.loads(call(url, "/is_sleeping", "GET")[1]) == {"is_sleeping": False}
+        status, body = call(url, "/sleep")
+        assert status == 400 and "no sleep mode" in json.loads(body)["error"]["message"]
 
 
 @pytest.mark.parametrize("flags, message", [

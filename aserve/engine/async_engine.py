@@ -428,6 +428,11 @@ class AsyncEngine:
                     del streams[out.request_id]
                 stream.deliver(out)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (LLMEngine.reset_prefix_cache), on the event loop's thread, where steps are
+        scheduled and their blocks cached; True."""
+        return self.engine.reset_prefix_cache()
+
     # -- vLLM's profiler hooks (aserve/engine/profiler.py) ----------------------------------------------------
 
     async def start_profile(self) -> None:

@@ -2,9 +2,10 @@
 --chat-template-content-format, --enable-server-load-tracking (GET /load), --middleware, the HTTP parser's limits
 (--h11-max-header-count, --h11-max-incomplete-event-size), --log-error-stack, --enable-log-outputs with
 --max-log-len, --exclude-tools-when-tool-choice-none, the profiler routes of --profiler-config (POST /start_profile,
-/stop_profile), and the vLLM flags aserve answers without an effect or refuses: --show-hidden-metrics-for-version
-(accepted: no metric is hidden), --otlp-traces-endpoint (refused: no OpenTelemetry tracing), --api-server-count other
-than 1 and --headless (refused: one process serves the API and drives the engine).
+/stop_profile), vLLM's development routes with $VLLM_SERVER_DEV_MODE (dev_routes.py), and the vLLM flags aserve
+answers without an effect or refuses: --show-hidden-metrics-for-version (accepted: no metric is hidden),
+--otlp-traces-endpoint (refused: no OpenTelemetry tracing), --api-server-count other than 1 and --headless (refused:
+one process serves the API and drives the engine).
 
 --middleware takes aiohttp middlewares (async functions (request, handler) -> response, by import path
 "package.module.name" or "package.module:name"), which run in the order given, inside the API key check and the
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from aserve.entrypoints.openai import dev_routes
 from aserve.entrypoints.openai.protocol import APIError
 from aserve.entrypoints.openai.server_state import STATE_KEY, json_response
 from aserve.entrypoints.openai.tls import add_tls_args, ssl_context
@@ -134,6 +136,7 @@ class ServeOptions:
         if state.engine.config.profiler is not None:  # --profiler-config: vLLM's profiler routes
             app.router.add_post("/start_profile", start_profile)
             app.router.add_post("/stop_profile", stop_profile)
+        dev_routes.install(app)  # with $VLLM_SERVER_DEV_MODE only
         if self.log_error_stack:
             app.middlewares.append(log_error_stack)
         if self.middlewares:
