@@ -123,6 +123,13 @@ class EngineArgs:
     kv_transfer_config: dict | None = None
     mm_processor_kwargs: dict | None = None
     hf_token: str | None = None
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    kv_events_config: dict | None = None
+    disable_hybrid_kv_cache_manager: bool = False
+    kv_sharing_fast_prefill: bool = False
+    kv_offloading_size: float | None = None
+    enable_eplb: bool = False
     profiler_config: dict | None = None  # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} (engine/profiler.py)
     max_parallel_loading_workers: int | None = None
 

@@ -173,6 +173,30 @@ FIXED_ENGINE_ARGS: dict[str, FixedArg] = {
         "accepted unset or {}: prompts are text only",
     ),
     "hf_token": FixedArg(_any, "", "accepted: aserve downloads nothing (local checkpoints, the embedded model)"),
+    "max_num_partial_prefills": FixedArg(
+        _is(1),
+        "prompts are scheduled as vLLM v1 schedules them, with no cap of their own on partly computed prompts "
+        "(--long-prefill-token-threshold bounds a prompt's share of a step)",
+        "accepted as 1: vLLM v1's scheduling",
+    ),
+    "max_long_partial_prefills": FixedArg(
+        _is(1),
+        "prompts are scheduled as vLLM v1 schedules them, with no cap of their own on partly computed long prompts",
+        "accepted as 1: vLLM v1's scheduling",
+    ),
+    "kv_events_config": FixedArg(_is(None), "aserve publishes no KV cache events", "accepted unset"),
+    "disable_hybrid_kv_cache_manager": FixedArg(
+        _is(False),
+        "models with sliding-window and full-attention layers keep a block table per kind (the hybrid manager)",
+        "accepted off: the hybrid KV cache manager for sliding-window models",
+    ),
+    "kv_sharing_fast_prefill": FixedArg(
+        _is(False), "every layer computes its own KV for every prompt token", "accepted off"
+    ),
+    "kv_offloading_size": FixedArg(_is(None), "the KV cache stays on the device (no CPU offloading)", "accepted unset"),
+    "enable_eplb": FixedArg(
+        _is(False), "no expert-parallel load balancing: experts split by tensor parallelism", "accepted off"
+    ),
     "max_parallel_loading_workers": FixedArg(
         lambda v: v is None or (isinstance(v, int) and v >= 1),
         "a worker count is at least 1",

@@ -17,7 +17,9 @@ ACCEPTED = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "disable_custo
             "model_impl": "vllm", "config_format": "hf", "code_revision": "main", "disable_sliding_window": False,
             "disable_cascade_attn": True, "calculate_kv_scales": False, "enable_expert_parallel": False,
             "kv_transfer_config": None, "mm_processor_kwargs": {}, "hf_token": "hf_x",
-            "max_parallel_loading_workers": 2}  # fmt: skip
+            "max_parallel_loading_workers": 2, "max_num_partial_prefills": 1, "max_long_partial_prefills": 1,
+            "kv_events_config": None, "disable_hybrid_kv_cache_manager": False, "kv_sharing_fast_prefill": False,
+            "kv_offloading_size": None, "enable_eplb": False}  # fmt: skip
 
 REFUSED = [
     ({"pipeline_parallel_size": 2}, "tensor parallelism only"), ({"data_parallel_size": 2}, "one engine per server"),
@@ -35,6 +37,11 @@ REFUSED = [
     ({"enable_expert_parallel": True}, "by tensor parallelism"),
     ({"kv_transfer_config": {"kv_connector": "NixlConnector"}}, "no disaggregated prefill"),
     ({"mm_processor_kwargs": {"num_crops": 4}}, "text only"), ({"max_parallel_loading_workers": 0}, "at least 1"),
+    ({"max_num_partial_prefills": 4}, "vLLM v1 schedules"), ({"max_long_partial_prefills": 2}, "long prompts"),
+    ({"kv_events_config": {"enable_kv_cache_events": True}}, "no KV cache events"),
+    ({"disable_hybrid_kv_cache_manager": True}, "a block table per kind"),
+    ({"kv_sharing_fast_prefill": True}, "its own KV"), ({"kv_offloading_size": 8.0}, "no CPU offloading"),
+    ({"enable_eplb": True}, "no expert-parallel load balancing"),
 ]  # fmt: skip
 
 
@@ -62,7 +69,8 @@ def test_serve_flags(tiny_model, capsys):
             "--enable-chunked-prefill", "--model-impl", "auto", "--config-format", "auto", "--code-revision", "v1",
             "--disable-cascade-attn", "--no-disable-sliding-window", "--no-calculate-kv-scales",
             "--no-enable-expert-parallel", "--mm-processor-kwargs", "{}", "--max-parallel-loading-workers", "4",
-            "--hf-token"]  # fmt: skip
+            "--hf-token", "--max-num-partial-prefills", "1", "--max-long-partial-prefills", "1",
+            "--no-disable-hybrid-kv-cache-manager", "--no-kv-sharing-fast-prefill", "--no-enable-eplb"]  # fmt: skip
     args = engine_args_from(build_parser().parse_args(argv))
     args.validate()
     assert (args.compilation_config, args.limit_mm_per_prompt, args.download_dir) == (3, {"image": 0}, "/tmp/hf")
@@ -71,7 +79,9 @@ def test_serve_flags(tiny_model, capsys):
                            (["--no-enable-chunked-prefill"], "always chunks prompts"),
                            (["--runner", "pooling"], "(--runner)"),
                            (["--kv-transfer-config", '{"kv_role": "kv_both"}'], "(--kv-transfer-config)"),
-                           (["--enable-expert-parallel"], "(--enable-expert-parallel)")):  # fmt: skip
+                           (["--enable-expert-parallel"], "(--enable-expert-parallel)"),
+                           (["--kv-events-config", '{"publisher": "zmq"}'], "(--kv-events-config)"),
+                           (["--max-num-partial-prefills", "2"], "(--max-num-partial-prefills)")):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             cli_main(["serve", tiny_model, *flags])
         assert e.value.code == 2 and message in capsys.readouterr().err

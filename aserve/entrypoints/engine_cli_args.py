@@ -91,7 +91,7 @@ _TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_r
           "kv_cache_memory_bytes": human_readable_int,
           "override_generation_config": json_object, "hf_overrides": json_object, "limit_mm_per_prompt": json_object,
           "kv_transfer_config": json_object, "mm_processor_kwargs": json_object, "cuda_graph_sizes": int,
-          "profiler_config": json_object,
+          "profiler_config": json_object, "kv_events_config": json_object,
           "compilation_config": json_value}  # fmt: skip
 
 
