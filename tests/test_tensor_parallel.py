@@ -2,9 +2,10 @@
 output equals transformers' generate and the one-rank engine's, token for token, through the offline LLM and over
 HTTP; a worker that dies stops the server with an error; no worker outlives its engine.
 
-Each engine starts a process (seconds), so the default run builds two: one LLM that drives chunked prefill,
-preemption, async scheduling and prefix caching at once (GQA, KV heads split), and one server (Qwen2: q/k/v biases, a
-single KV head replicated on both ranks, a vocabulary split unevenly). The sweep over every model family is slow."""
+Each engine starts a process (seconds), so the default run builds few: one LLM that drives chunked prefill,
+preemption, async scheduling and prefix caching at once (GQA, KV heads split), one server (Qwen2: q/k/v biases, a
+single KV head replicated on both ranks, a vocabulary split unevenly), the mixture-of-experts models (16-bit
+experts, and FP8 experts with their scales). The sweep over every model family is slow."""
 
 import gc
 import os
@@ -25,6 +26,7 @@ from aserve.cli import build_parser, engine_args_from
 from aserve.distributed.group import TensorParallelError
 from aserve.distributed.sharding import check_shardable
 from aserve.layers.quantization.awq import AWQConfig
+from aserve.layers.quantization.fp8_config import Fp8Config
 from aserve.layers.quantization.gptq import GPTQConfig
 
 MAX_NEW = 24
@@ -177,10 +179,61 @@ def test_tp2_mixture_of_experts(tiny_model_factory, tmp_path):
         llm.engine.shutdown()
 
 
+def test_tp2_fp8_checkpoint_experts(tiny_model_factory, tmp_path, monkeypatch):
+    """Qwen3-MoE with FP8 experts (compressed-tensors, a scale per output row; the dense linears FP8 too): each
+    rank's rows of gate / up with their scales, its columns of down with down's scales whole; transformers' tokens
+    on the dequantised checkpoint."""
+    import test_fp8_checkpoints
+    from test_moe_fp8 import LINEARS, MIXTRAL_EXPERTS
+
+    monkeypatch.setattr(test_fp8_checkpoints, "LINEARS", LINEARS + MIXTRAL_EXPERTS)
+    fp8_dir, deq_dir = test_fp8_checkpoints.fp8_checkpoint(tiny_model_factory("qwen3_moe"), str(tmp_path / "fp8"),
+                                                           "ct-channel")  # fmt: skip
+    prompts = prompts_for(2)
+    llm = LLM(fp8_dir, tensor_parallel_size=2, **ENGINE, max_num_batched_tokens=16)
+    try:
+        assert greedy(llm, prompts)[1] == hf_greedy(deq_dir, prompts, MAX_NEW)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["fp8-static", "at-load"])
+def test_tp2_fp8_experts_sweep(tiny_model_factory, tmp_path, monkeypatch, source):
+    """Mixtral's FP8 experts across two ranks: a checkpoint's per-tensor scales with static input scales
+    (transformers' tokens on the dequantised checkpoint), and every linear and expert quantised at load, where each
+    rank rounds its own slice, so that a row-parallel weight (o_proj, an expert's w2) has a scale per row for each
+    half of its inputs: transformers' tokens on the checkpoint rounded so."""
+    import test_fp8_checkpoints
+    from test_fp8 import fp8_rounding, rounded_copy
+    from test_moe_fp8 import LINEARS, MIXTRAL_EXPERTS
+
+    path, prompts = tiny_model_factory("mixtral"), prompts_for(3)
+    if source == "at-load":
+        halves = rounded_copy(path, str(tmp_path / "halves"), linears=("o_proj", "w2"),
+                              rounding=lambda w: torch.cat([fp8_rounding(h) for h in w.chunk(2, 1)], 1))  # fmt: skip
+        reference = rounded_copy(halves, str(tmp_path / "rounded"), linears=("q_proj", "k_proj", "v_proj", "w1", "w3"))
+        llm = LLM(path, quantization="fp8", tensor_parallel_size=2, **ENGINE, **STRESS)
+    else:
+        monkeypatch.setattr(test_fp8_checkpoints, "LINEARS", LINEARS + MIXTRAL_EXPERTS)
+        fp8_dir, reference = test_fp8_checkpoints.fp8_checkpoint(path, str(tmp_path / "fp8"), source)
+        llm = LLM(fp8_dir, tensor_parallel_size=2, **ENGINE, **STRESS)
+    try:
+        assert greedy(llm, prompts)[1] == hf_greedy(reference, prompts, MAX_NEW)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_refused_clearly_before_any_process_starts(tiny_model_factory):
     mixtral = make_config("mixtral")
-    with pytest.raises(ValueError, match="16-bit experts only"):
+    with pytest.raises(ValueError, match="16-bit and FP8 experts only"):
         check_shardable(mixtral, 2, AWQConfig(group_size=32))
+    qwen3_moe = make_config("qwen3_moe")  # experts of 48: 24 a rank at TP 2, half a 48 x 48 tile
+    block = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [48, 48]})
+    with pytest.raises(ValueError, match="48 x 48 scale tiles: .* 24 of an expert's intermediate width"):
+        check_shardable(qwen3_moe, 2, block)
+    check_shardable(qwen3_moe, 2, Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [24, 24]}))
+    check_shardable(mixtral, 2, Fp8Config.from_config({"quant_method": "fp8"}))
     with pytest.raises(ValueError, match="experts' intermediate size"):
         check_shardable(mixtral, 2 * mixtral.intermediate_size, None)
     cfg = make_config("gqa")  # 8 heads, 2 KV heads, MLP 128

@@ -8,17 +8,19 @@ loads.
     o_proj         row-parallel: the inputs of this rank's heads; the attention block's output is all-reduced
     gate_up_proj   column-parallel: this rank's 1/N of the gate rows and of the up rows ([gate_r | up_r])
     down_proj      row-parallel: the matching inputs; the MLP block's output is all-reduced
-    experts        a mixture-of-experts block's 16-bit experts as MLPs: each expert's 1/N of the gate and up rows
-                   (w13) and the matching columns of its down projection (w2), per-expert or stacked tensors; the
-                   router replicated (every rank routes every token alike); the block's output is all-reduced
+    experts        a mixture-of-experts block's 16-bit or FP8 experts as MLPs: each expert's 1/N of the gate and up
+                   rows (w13) and the matching columns of its down projection (w2), per-expert or stacked tensors;
+                   the router replicated (every rank routes every token alike); the block's output is all-reduced
     embeddings     vocab-parallel, lm_head too (vocab.py); its logits gathered on rank 0
     norms          replicated (q/k norms act per head, so they are whole on every rank)
 
 A row-parallel layer's bias is added once: rank 0 loads it, the others load zeros. Quantised layers split the same
 way, each parameter along whichever dimension its method lays out the outputs (column) or inputs (row), found by
-comparing its shape before and after the split: AWQ / GPTQ packed weights, zero points and scales, FP8 / INT8 scales.
-What cannot split (quantised experts, quantisation groups that would straddle two ranks, GPTQ act order) is refused
-by `check_shardable` before any process starts.
+comparing its shape before and after the split: AWQ / GPTQ packed weights, zero points and scales, FP8 / INT8 scales
+(a checkpoint tensor's single scale, weight or static input, goes whole to every rank).
+FP8 experts split as 16-bit ones do, their scales with them (`_expert_slice`). What cannot split (AWQ / GPTQ experts,
+quantisation groups or FP8 scale tiles that would straddle two ranks, GPTQ act order) is refused by `check_shardable`
+before any process starts.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _COLUMN = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "kv"), "v_proj": 
 _PACK = 8  # int4 values per int32 of AWQ / GPTQ
 # an expert's checkpoint projections: gate / up (rows split: column-parallel), down (columns split: row-parallel)
 _EXPERT_ROWS, _EXPERT_COLUMNS = ("w1", "w3", "gate_proj", "up_proj"), ("w2", "down_proj")
+_FP8_CONFIGS = ("fp8", "compressed-tensors")  # quantisations whose experts split (FP8: one scale per row or tile)
 
 
 def local_kv_heads(num_kv_heads: int, size: int) -> int:
@@ -55,13 +58,18 @@ def check_shardable(hf_config, size: int, quant_config: QuantizationConfig | Non
     """ValueError naming the reason where a model cannot split across `size` ranks."""
     arch = architecture_of(hf_config)
     if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
-        if quant_config is not None:
-            raise ValueError(f"{arch} with {quant_config.name} experts cannot split across ranks (16-bit experts "
-                             "only): run it with tensor_parallel_size 1")  # fmt: skip
+        if quant_config is not None and quant_config.name not in _FP8_CONFIGS:
+            raise ValueError(f"{arch} with {quant_config.name} experts cannot split across ranks (16-bit and FP8 "
+                             "experts only): run it with tensor_parallel_size 1")  # fmt: skip
         expert_inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
         if expert_inter % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the experts' intermediate size "
                              f"{expert_inter}")  # fmt: skip
+        for block in _fp8_blocks(quant_config):
+            if (expert_inter // size) % block[0] or (expert_inter // size) % block[1]:
+                raise ValueError(f"FP8 experts with {block[0]} x {block[1]} scale tiles: tensor_parallel_size {size} "
+                                 f"gives each rank {expert_inter // size} of an expert's intermediate width, not a "
+                                 "whole number of tiles (a tile must not straddle two ranks)")  # fmt: skip
     heads, kv_heads = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
     kv_heads = kv_heads or heads
     if heads % size:
@@ -95,6 +103,12 @@ def check_shardable(hf_config, size: int, quant_config: QuantizationConfig | Non
         if n % _PACK:
             raise ValueError(f"{name}: tensor_parallel_size {size} gives each rank {n} of {layer}'s outputs, not a "
                              f"multiple of the {_PACK} packed in each int32")  # fmt: skip
+
+
+def _fp8_blocks(quant_config: QuantizationConfig | None) -> list[tuple[int, int]]:
+    """The block-wise scale tiles (bn, bk) of an FP8 checkpoint's schemes (fp8_config.py, compressed_tensors.py)."""
+    schemes = [getattr(quant_config, "scheme", None)] + [scheme for _, scheme in getattr(quant_config, "groups", ())]
+    return [s.block for s in schemes if s is not None and s.block is not None]
 
 
 def rank_attention_config(hf_config, size: int):
@@ -193,6 +207,8 @@ class TensorParallelSharding:
         module, param = name.rsplit(".", 1)
         parent, _, leaf = module.rpartition(".")
         rank, size = self.group.rank, self.group.size
+        if param.endswith(("_scale", "_scale_inv")) and t.numel() == 1:
+            return t  # an FP8 tensor's one scale (weight or static input): every rank's slice has it
         if ".experts" in module or leaf == "experts":
             return self._expert_slice(leaf, param, t)
         if leaf in _ROW:
@@ -219,15 +235,22 @@ class TensorParallelSharding:
 
     def _expert_slice(self, leaf: str, param: str, t: torch.Tensor) -> torch.Tensor:
         """An expert's projection ([I, H] gate / up, [H, I] down), or all experts' stacked (experts.gate_up_proj
-        [E, 2 I, H], experts.down_proj [E, H, I]): this rank's 1/N of the intermediate dimension."""
+        [E, 2 I, H], experts.down_proj [E, H, I]): this rank's 1/N of the intermediate dimension. An FP8 expert's
+        weight scale goes with it: one per tensor on every rank; per output row ([I, 1]) with gate / up's rows,
+        whole with down's (its rows are not split); per tile ([I / bn, H / bk], [H / bn, I / bk]) along the same
+        dimension as the weight. Static input scales stay whole."""
         rank, size = self.group.rank, self.group.size
         if leaf == "experts" and param == "gate_up_proj":
             return torch.cat([_part(half, 1, size, rank) for half in t.chunk(2, 1)], 1).contiguous()
         if leaf == "experts" and param == "down_proj":
             return _part(t, 2, size, rank).contiguous()
+        if param == "input_scale":
+            return t
         if leaf in _EXPERT_ROWS:
             return _part(t, 0, size, rank).contiguous()
         if leaf in _EXPERT_COLUMNS:
+            if param != "weight" and (t.dim() < 2 or t.shape[1] == 1):
+                return t  # per-row scales of down's rows
             return _part(t, 1, size, rank).contiguous()
         return t
 
