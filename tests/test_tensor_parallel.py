@@ -232,8 +232,12 @@ def test_refused_clearly_before_any_process_starts(tiny_model_factory):
     block = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [48, 48]})
     with pytest.raises(ValueError, match="48 x 48 scale tiles: .* 24 of an expert's intermediate width"):
         check_shardable(qwen3_moe, 2, block)
-    check_shardable(qwen3_moe, 2, Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [24, 24]}))
+    check_shardable(qwen3_moe, 2, Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [8, 8]}))
     check_shardable(mixtral, 2, Fp8Config.from_config({"quant_method": "fp8"}))
+    gqa = make_config("gqa")  # at TP 2 a rank has 16 rows of k / v (one head of 16), 64 of q and of the MLP
+    with pytest.raises(ValueError, match="FP8 32 x 32 scale tiles: tensor_parallel_size 2"):
+        check_shardable(gqa, 2, Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [32, 32]}))
+    check_shardable(gqa, 2, Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [16, 16]}))
     with pytest.raises(ValueError, match="experts' intermediate size"):
         check_shardable(mixtral, 2 * mixtral.intermediate_size, None)
     cfg = make_config("gqa")  # 8 heads, 2 KV heads, MLP 128

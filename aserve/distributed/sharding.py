@@ -80,6 +80,13 @@ def check_shardable(hf_config, size: int, quant_config: QuantizationConfig | Non
     inter = hf_config.intermediate_size
     if inter % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the MLP's intermediate size {inter}")
+    head_dim = head_dim_of(hf_config)
+    rows = (heads * head_dim // size, local_kv_heads(kv_heads, size) * head_dim, inter // size)  # column-parallel
+    for bn, bk in _fp8_blocks(quant_config):
+        if any(n % bn for n in rows) or any(n % bk for n in (heads * head_dim // size, inter // size)):
+            raise ValueError(f"FP8 {bn} x {bk} scale tiles: tensor_parallel_size {size} gives a rank a part of a "
+                             "linear's outputs or inputs that is not a whole number of tiles (a tile must not "
+                             "straddle two ranks)")  # fmt: skip
     if quant_config is None or not hasattr(quant_config, "group_size"):
         return
     name = quant_config.name.upper()
@@ -89,7 +96,7 @@ def check_shardable(hf_config, size: int, quant_config: QuantizationConfig | Non
     if getattr(quant_config, "desc_act", False):
         raise ValueError(f"{name} with act order (desc_act) cannot split across ranks: run it with "
                          "tensor_parallel_size 1")  # fmt: skip
-    head_dim, group = head_dim_of(hf_config), quant_config.group_size
+    group = quant_config.group_size
     for layer, inputs in (("o_proj", heads * head_dim // size), ("down_proj", inter // size)):
         if group > 0 and inputs % group:
             raise ValueError(
