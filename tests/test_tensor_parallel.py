@@ -224,10 +224,38 @@ def test_tp2_fp8_experts_sweep(tiny_model_factory, tmp_path, monkeypatch, source
         llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("fmt", ["awq", pytest.param("gptq", marks=pytest.mark.slow)])
+def test_tp2_int4_experts(tiny_model_factory, tmp_path, monkeypatch, fmt):
+    """Mixtral with AWQ / GPTQ int4 experts and linears in groups of 16: gate / up's packed outputs and down's
+    packed inputs with their groups (scales, zero points, GPTQ's group indices renumbered from 0) split across the
+    ranks; transformers' tokens on the dequantised checkpoint."""
+    import test_awq_model
+    import test_gptq
+    from test_moe_int4 import MIXTRAL_EXPERTS
+
+    monkeypatch.setattr(test_awq_model, "LINEARS", test_awq_model.LINEARS + MIXTRAL_EXPERTS)
+    monkeypatch.setattr(test_gptq, "LINEARS", test_awq_model.LINEARS + MIXTRAL_EXPERTS)
+    monkeypatch.setattr(test_gptq, "_INPUT_OF", {**test_gptq._INPUT_OF, "w1": "mlp", "w3": "mlp", "w2": "down"})
+    path = tiny_model_factory("mixtral")
+    if fmt == "awq":
+        int4_dir = test_awq_model.autoawq_checkpoint(path, str(tmp_path / "awq"), 16, skip=("gate",))
+        reference = test_awq_model.dequantized_checkpoint(int4_dir, str(tmp_path / "deq"))
+    else:
+        int4_dir, reference = test_gptq.gptq_checkpoint(path, str(tmp_path / "gptq"), 16, sym=False, desc_act=False,
+                                                        version=1)  # fmt: skip
+    prompts = prompts_for(4)
+    llm = LLM(int4_dir, quantization=fmt, tensor_parallel_size=2, **ENGINE, max_num_batched_tokens=16)
+    try:
+        assert greedy(llm, prompts)[1] == hf_greedy(reference, prompts, MAX_NEW)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_refused_clearly_before_any_process_starts(tiny_model_factory):
     mixtral = make_config("mixtral")
-    with pytest.raises(ValueError, match="16-bit and FP8 experts only"):
-        check_shardable(mixtral, 2, AWQConfig(group_size=32))
+    with pytest.raises(ValueError, match="AWQ experts: tensor_parallel_size 2 gives each rank 32 .* groups of 64"):
+        check_shardable(mixtral, 2, AWQConfig(group_size=64))  # experts of 64: 32 a rank
+    check_shardable(mixtral, 2, AWQConfig(group_size=32))
     qwen3_moe = make_config("qwen3_moe")  # experts of 48: 24 a rank at TP 2, half a 48 x 48 tile
     block = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [48, 48]})
     with pytest.raises(ValueError, match="48 x 48 scale tiles: .* 24 of an expert's intermediate width"):

@@ -8,9 +8,9 @@ loads.
     o_proj         row-parallel: the inputs of this rank's heads; the attention block's output is all-reduced
     gate_up_proj   column-parallel: this rank's 1/N of the gate rows and of the up rows ([gate_r | up_r])
     down_proj      row-parallel: the matching inputs; the MLP block's output is all-reduced
-    experts        a mixture-of-experts block's 16-bit or FP8 experts as MLPs: each expert's 1/N of the gate and up
-                   rows (w13) and the matching columns of its down projection (w2), per-expert or stacked tensors;
-                   the router replicated (every rank routes every token alike); the block's output is all-reduced
+    experts        a mixture-of-experts block's experts (16-bit, FP8, int4) as MLPs: each expert's 1/N of the gate
+                   and up rows (w13) and the matching columns of its down projection (w2), per-expert or stacked
+                   tensors; the router replicated (every rank routes alike); the block's output is all-reduced
     embeddings     vocab-parallel, lm_head too (vocab.py); its logits gathered on rank 0
     norms          replicated (q/k norms act per head, so they are whole on every rank)
 
@@ -18,9 +18,9 @@ A row-parallel layer's bias is added once: rank 0 loads it, the others load zero
 way, each parameter along whichever dimension its method lays out the outputs (column) or inputs (row), found by
 comparing its shape before and after the split: AWQ / GPTQ packed weights, zero points and scales, FP8 / INT8 scales
 (a checkpoint tensor's single scale, weight or static input, goes whole to every rank).
-FP8 experts split as 16-bit ones do, their scales with them (`_expert_slice`). What cannot split (AWQ / GPTQ experts,
-quantisation groups or FP8 scale tiles that would straddle two ranks, GPTQ act order) is refused by `check_shardable`
-before any process starts.
+FP8 and AWQ / GPTQ experts split as 16-bit ones do, their scales, zero points and group indices with them
+(`_expert_slice`). What cannot split (quantisation groups or FP8 scale tiles that would straddle two ranks, GPTQ act
+order) is refused by `check_shardable` before any process starts.
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ _COLUMN = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "kv"), "v_proj": 
            "qkv_proj": ("qkv_proj", "qkv"), "gate_proj": ("gate_up_proj", "even"),
            "up_proj": ("gate_up_proj", "even"), "gate_up_proj": ("gate_up_proj", "halves")}  # fmt: skip
 _PACK = 8  # int4 values per int32 of AWQ / GPTQ
+# AWQ's qweight [K, N / 8], GPTQ's [K / 8, N]; both formats' qzeros [K / g, N / 8], scales [K / g, N]; g_idx [K]
+_INT4_PARAMS = ("qweight", "qzeros", "scales", "g_idx")
 # an expert's checkpoint projections: gate / up (rows split: column-parallel), down (columns split: row-parallel)
 _EXPERT_ROWS, _EXPERT_COLUMNS = ("w1", "w3", "gate_proj", "up_proj"), ("w2", "down_proj")
-_FP8_CONFIGS = ("fp8", "compressed-tensors")  # quantisations whose experts split (FP8: one scale per row or tile)
+# quantisations whose experts split: FP8 (a scale per tensor, row or tile), AWQ / GPTQ int4 (groups along the inputs)
+_SPLIT_EXPERTS = ("fp8", "compressed-tensors", "awq", "gptq")
 
 
 def local_kv_heads(num_kv_heads: int, size: int) -> int:
@@ -58,13 +61,19 @@ def check_shardable(hf_config, size: int, quant_config: QuantizationConfig | Non
     """ValueError naming the reason where a model cannot split across `size` ranks."""
     arch = architecture_of(hf_config)
     if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
-        if quant_config is not None and quant_config.name not in _FP8_CONFIGS:
-            raise ValueError(f"{arch} with {quant_config.name} experts cannot split across ranks (16-bit and FP8 "
-                             "experts only): run it with tensor_parallel_size 1")  # fmt: skip
+        if quant_config is not None and quant_config.name not in _SPLIT_EXPERTS:
+            raise ValueError(f"{arch} with {quant_config.name} experts cannot split across ranks (16-bit, FP8, AWQ "
+                             "and GPTQ experts only): run it with tensor_parallel_size 1")  # fmt: skip
         expert_inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
         if expert_inter % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the experts' intermediate size "
                              f"{expert_inter}")  # fmt: skip
+        group = getattr(quant_config, "group_size", 0)
+        per_rank = expert_inter // size
+        if group and ((group > 0 and per_rank % group) or per_rank % _PACK):
+            raise ValueError(f"{quant_config.name.upper()} experts: tensor_parallel_size {size} gives each rank "
+                             f"{per_rank} of an expert's intermediate width, not a whole number of quantisation "
+                             f"groups of {group} and of the {_PACK} packed in each int32")  # fmt: skip
         for block in _fp8_blocks(quant_config):
             if (expert_inter // size) % block[0] or (expert_inter // size) % block[1]:
                 raise ValueError(f"FP8 experts with {block[0]} x {block[1]} scale tiles: tensor_parallel_size {size} "
@@ -252,6 +261,15 @@ class TensorParallelSharding:
         if leaf == "experts" and param == "down_proj":
             return _part(t, 2, size, rank).contiguous()
         if param == "input_scale":
+            return t
+        if param in _INT4_PARAMS:  # [inputs (packed), outputs (packed)]: the outputs along 1, the inputs along 0
+            if leaf in _EXPERT_ROWS:
+                return t if param == "g_idx" else _part(t, 1, size, rank).contiguous()
+            if leaf in _EXPERT_COLUMNS:
+                if param in ("qzeros", "scales") and t.shape[0] == 1:
+                    return t  # one group over all the inputs (group size -1): every rank's share uses it
+                part = _part(t, 0, size, rank).contiguous()
+                return part - part.min() if param == "g_idx" else part  # GPTQ: this rank's groups, from 0
             return t
         if leaf in _EXPERT_ROWS:
             return _part(t, 0, size, rank).contiguous()
