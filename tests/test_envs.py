@@ -26,7 +26,8 @@ def clean_env(monkeypatch):
 
 
 def test_every_variable_is_listed_and_documented():
-    others = ["ASERVE_CACHE", "HF_HUB_CACHE", "CXX", "ASERVE_STREAM_BUFFER", "ASERVE_STREAM_STALL_TIMEOUT"]
+    others = ["ASERVE_CACHE", "HF_HUB_CACHE", "CXX", "ASERVE_STREAM_BUFFER", "ASERVE_STREAM_STALL_TIMEOUT",
+              "VLLM_SERVER_DEV_MODE", "VLLM_TORCH_PROFILER_DIR"]  # fmt: skip
     assert sorted(dir(envs)) == sorted(SWITCHES + others)
     for name in envs.environment_variables:
         assert f"    {name} " in envs.__doc__, name
@@ -40,6 +41,13 @@ def test_defaults(clean_env):
     assert envs.ASERVE_STREAM_BUFFER == 4 << 20
     assert envs.ASERVE_STREAM_STALL_TIMEOUT == 60.0
     assert envs.ASERVE_CACHE == os.path.join(os.path.expanduser("~"), ".cache", "aserve")
+    assert envs.VLLM_SERVER_DEV_MODE is False and envs.VLLM_TORCH_PROFILER_DIR == ""
+
+
+def test_vllm_dev_mode_is_on_for_any_value_but_0(clean_env):
+    for value, on in (("0", False), ("", False), ("1", True), ("true", True)):
+        clean_env.setenv("VLLM_SERVER_DEV_MODE", value)
+        assert envs.VLLM_SERVER_DEV_MODE is on, value
 
 
 @pytest.mark.parametrize("name", SWITCHES)
