@@ -202,7 +202,8 @@ def test_dev_mode_routes_reset_the_prefix_cache(tiny_model, monkeypatch):
             return e.code, e.read()
 
     prompt = " ".join(["alpha beta gamma delta"] * 10)
-    args = ("--model", tiny_model, "--enforce-eager", "--max-model-len", "256", "--enable-prompt-tokens-details")
+    args = ("--model", tiny_model, "--enforce-eager", "--max-model-len", "256", "--enable-prompt-tokens-details",
+            "--hf-token", "hf_secret")  # fmt: skip
     with running_server(*args) as url:
         assert call(url, "/reset_prefix_cache")[0] == 404
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
@@ -218,7 +219,9 @@ def test_dev_mode_routes_reset_the_prefix_cache(tiny_model, monkeypatch):
         assert call(url, "/reset_prefix_cache") == (200, b"")
         assert cached() == 0 and cached() > 0
         status, body = call(url, "/server_info", "GET")
-        assert status == 200 and json.loads(body)["aserve_config"]["max_model_len"] == 256
+        info = json.loads(body)["aserve_config"]
+        assert status == 200 and info["max_model_len"] == 256 and info["hf_token"] == "<withheld>"
+        assert b"hf_secret" not in body
         assert json.loads(call(url, "/is_sleeping", "GET")[1]) == {"is_sleeping": False}
         status, body = call(url, "/sleep")
         assert status == 400 and "no sleep mode" in json.loads(body)["error"]["message"]

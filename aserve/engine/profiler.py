@@ -101,10 +101,6 @@ class Profiler:
         self.settings = settings
         self._running: torch.profiler.profile | bool | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._running is not None
-
     def start(self) -> None:
         if self._running is not None:
             raise RuntimeError("the profiler is already running: stop_profile first")

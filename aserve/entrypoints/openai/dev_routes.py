@@ -5,6 +5,7 @@ client change the server's state, so they are off otherwise, and the server logs
                                benchmarks measure cold prefills again without a restart
     POST /reset_mm_cache       nothing to reset: aserve serves text and keeps no multimodal cache
     GET  /server_info          the engine's arguments as the server resolved them, {"aserve_config": {...}}
+                               (--hf-token's value withheld)
     GET  /is_sleeping          {"is_sleeping": false}: aserve has no sleep mode
     POST /sleep, /wake_up      refused (400): no sleep mode, weights and KV cache stay in memory
 
@@ -48,8 +49,10 @@ async def reset_mm_cache(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    args = request.app[STATE_KEY].engine.config.args
-    return json_response({"aserve_config": {k: _plain(v) for k, v in dataclasses.asdict(args).items()}})
+    args = dataclasses.asdict(request.app[STATE_KEY].engine.config.args)
+    if args.get("hf_token"):
+        args["hf_token"] = "<withheld>"
+    return json_response({"aserve_config": {k: _plain(v) for k, v in args.items()}})
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
