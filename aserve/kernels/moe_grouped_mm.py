@@ -30,9 +30,9 @@ from aserve.kernels import fused, moe, moe_routing, pdl
 # Experts of at least this many w13 elements (2 I x H) take the library path: Mixtral-8x7B's 117 M do,
 # Qwen3-30B-A3B's 3.1 M do not (module docstring).
 LARGE_EXPERT_ELEMENTS = 1 << 26
-# From this many routed rows per expert on (Mixtral: 256 tokens), the library's GEMMs; below, moe.py's: at Mixtral's
-# 64 tokens moe.py's layer is 22 % faster on an H200 and 6 % slower on an H100, at 256 even on the H200 and 10 %
-# slower on the H100 (docs/benchmarks.md, 2026-12-06).
+# From this many routed rows per expert on (Mixtral: 256 tokens), the library's GEMMs; below, moe.py's. moe.py's
+# layer against the library's at Mixtral's 64 tokens: 22 % faster on an H200, 6 % slower on an H100; at 256: 1 %
+# faster on the H200, 10 % slower on the H100 (docs/benchmarks.md, 2026-12-06).
 MIN_SLOTS_PER_EXPERT = 64
 
 
