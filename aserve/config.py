@@ -130,7 +130,7 @@ class EngineArgs:
     kv_sharing_fast_prefill: bool = False
     kv_offloading_size: float | None = None
     enable_eplb: bool = False
-    profiler_config: dict | None = None  # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} (engine/profiler.py)
+    profiler_config: dict | None = None  # vLLM's {"profiler": "torch", ...} (worker/profiler_hooks.py)
     max_parallel_loading_workers: int | None = None
 
     @property

@@ -37,7 +37,7 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
     VLLM_SERVER_DEV_MODE  vLLM's: 1 serves the development routes (/reset_prefix_cache, /server_info, ...:
                           aserve/entrypoints/openai/dev_routes.py). Default off.
     VLLM_TORCH_PROFILER_DIR  vLLM's older switch for its profiler hooks: without --profiler-config, the torch
-                          profiler writing its traces here (aserve/engine/profiler.py). Default unset.
+                          profiler writing its traces here (aserve/worker/profiler_hooks.py). Default unset.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vLLM's profiler hooks (aserve/engine/profiler.py) as a vLLM user drives them: `LLM(profiler_config=...)` with
+"""vLLM's profiler hooks (aserve/worker/profiler_hooks.py) as a vLLM user drives them: `LLM(profiler_config=...)` with
 start_profile / stop_profile, `aserve serve --profiler-config` with POST /start_profile and /stop_profile driven by
 `aserve bench serve --profile`, `aserve bench latency --profile`, and $VLLM_TORCH_PROFILER_DIR; each run leaves a
 trace of the model's ops that Perfetto reads, and bad settings are refused naming what is wrong."""
@@ -19,8 +19,8 @@ from aserve import LLM, SamplingParams
 
 
 def trace_ops(directory) -> set[str]:
-    """The op names of the one trace the profiler wrote to `directory`."""
-    traces = glob.glob(f"{directory}/aserve-*.pt.trace.json*")
+    """The op names of the one trace rank 0's profiler wrote to `directory`."""
+    traces = glob.glob(f"{directory}/aserve-[0-9]*.pt.trace.json*")
     assert len(traces) == 1, traces
     opener = gzip.open if traces[0].endswith(".gz") else open
     with opener(traces[0], "rt") as f:
@@ -47,6 +47,28 @@ def test_llm_start_and_stop_profile_write_a_trace(tiny_model, tmp_path):
     llm.generate("Hi", SamplingParams(max_tokens=2))
     llm.stop_profile()
     assert len(glob.glob(f"{tmp_path}/traces/aserve-*.pt.trace.json*")) == 2
+
+
+def test_every_tensor_parallel_rank_writes_its_trace(tiny_model, tmp_path):
+    """Two ranks: rank 0's trace and the worker's (aserve-rank1-PID), each of the model's ops; a second start while
+    one runs is refused on rank 0 and the worker keeps serving."""
+    config = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_with_stack": False}
+    llm = LLM(tiny_model, dtype=torch.float32, max_model_len=128, enforce_eager=True, tensor_parallel_size=2,
+              profiler_config=config)  # fmt: skip
+    try:
+        llm.start_profile()
+        with pytest.raises(RuntimeError, match="already running"):
+            llm.start_profile()
+        llm.generate("Hello", SamplingParams(max_tokens=3))
+        llm.stop_profile()
+        assert len(llm.generate("Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+    finally:
+        llm.engine.shutdown()
+    worker = glob.glob(f"{tmp_path}/aserve-rank1-*.pt.trace.json*")
+    assert len(worker) == 1 and len(glob.glob(f"{tmp_path}/aserve-*.pt.trace.json*")) == 2
+    with gzip.open(worker[0], "rt") as f:
+        assert "aten::embedding" in {event.get("name", "") for event in json.load(f)["traceEvents"]}
+    assert len(glob.glob(f"{tmp_path}/profiler_out_*.txt")) == 2
 
 
 def test_without_a_profiler_config_the_hooks_say_how_to_arm_them(tiny_model, monkeypatch):

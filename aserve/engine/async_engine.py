@@ -31,10 +31,10 @@ from aserve.engine.llm_engine import (
     TokenizerPool,
     freeze_for_serving,
 )
-from aserve.engine.profiler import Profiler, make_profiler
 from aserve.inputs import PromptType
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from aserve.worker.profiler_hooks import require
 
 logger = logging.getLogger("aserve")
 
@@ -164,7 +164,6 @@ class AsyncEngine:
         self._closed_reason: str | None = None  # set by abort_all(): no new requests after a forced shutdown
         self.failure: BaseException | None = None  # what ended the step loop, if an error did
         self._failed: asyncio.Event | None = None
-        self._profiler: Profiler | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **serving) -> AsyncEngine:
@@ -433,17 +432,17 @@ class AsyncEngine:
         scheduled and their blocks cached; True."""
         return self.engine.reset_prefix_cache()
 
-    # -- vLLM's profiler hooks (aserve/engine/profiler.py) ----------------------------------------------------
+    # -- vLLM's profiler hooks (aserve/worker/profiler_hooks.py) ----------------------------------------------
 
     async def start_profile(self) -> None:
         """Starts the profiler in the step thread, between two steps; RuntimeError without one, or while it runs."""
-        self._profiler = self._profiler or make_profiler(self.config.profiler)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._profiler.start)
+        settings, runner = require(self.config.profiler), self.engine.core.runner
+        await asyncio.get_running_loop().run_in_executor(self._executor, runner.start_profile, settings)
 
     async def stop_profile(self) -> None:
-        """Ends the run (the trace is written when this returns); RuntimeError when none runs."""
-        self._profiler = self._profiler or make_profiler(self.config.profiler)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._profiler.stop)
+        """Ends the run (the traces are written when this returns); RuntimeError when none runs."""
+        runner = self.engine.core.runner
+        await asyncio.get_running_loop().run_in_executor(self._executor, runner.stop_profile)
 
     # -- the step loop ----------------------------------------------------------------------------------------
 

@@ -11,13 +11,13 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from aserve.config import GENERATION_DEFAULTS, EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
-from aserve.engine.profiler import ProfilerSettings
 from aserve.layers.batch_invariant import check_supported
 from aserve.layers.rotary import context_length, longrope_switch_length
 from aserve.models.model_path import resolve_model, resolve_tokenizer
 from aserve.models.registry import architecture_of
 from aserve.models.vision_language import text_side
 from aserve.spec.config import SpeculativeConfig
+from aserve.worker.profiler_hooks import ProfilerSettings
 
 logger = logging.getLogger("aserve")
 
@@ -52,7 +52,7 @@ class EngineConfig:
     # repetition_penalty: what it sets other than transformers' defaults, as vLLM reads it under --generation-config
     # auto): the defaults of requests that leave them unset (server) or of generate() given no SamplingParams
     default_sampling: dict = field(default_factory=dict)
-    profiler: ProfilerSettings | None = None  # --profiler-config (aserve/engine/profiler.py); None: no profiler
+    profiler: ProfilerSettings | None = None  # --profiler-config (worker/profiler_hooks.py); None: no profiler
 
     @property
     def architecture(self) -> str:

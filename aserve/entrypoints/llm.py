@@ -14,7 +14,6 @@ from aserve.config import EngineArgs
 from aserve.core.metrics import PeriodicLogger, PrometheusMetrics
 from aserve.core.structured_output import compile_error
 from aserve.engine.llm_engine import LLMEngine
-from aserve.engine.profiler import Profiler, make_profiler
 from aserve.entrypoints.chat_utils import parse_conversation, takes_content_parts
 from aserve.entrypoints.openai.protocol import TEMPLATE_CONTROLS
 from aserve.entrypoints.openai.request_fields import STRUCTURED_OUTPUT_BACKENDS
@@ -23,6 +22,7 @@ from aserve.metrics_reader import Metric, get_metrics_snapshot
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 from aserve.tokenize_options import TokenizeOptions
+from aserve.worker.profiler_hooks import require
 
 logger = logging.getLogger("aserve")
 
@@ -88,7 +88,6 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
         self._metrics: PrometheusMetrics | None = None
-        self._profiler_run: Profiler | None = None
         if not disable_log_stats:
             config = self.engine.config
             cache_config = config.cache_metrics_info(self.engine.core.num_kv_blocks)
@@ -281,17 +280,13 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def start_profile(self) -> None:
-        """vLLM's: the profiler of profiler_config (aserve/engine/profiler.py) runs over the steps until
-        stop_profile(). RuntimeError without a profiler_config, or when one is running already."""
-        self._profiler().start()
+        """vLLM's: the profiler of profiler_config (aserve/worker/profiler_hooks.py) runs over the steps until
+        stop_profile(), on every rank. RuntimeError without a profiler_config, or when one is running already."""
+        self.engine.core.runner.start_profile(require(self.engine.config.profiler))
 
     def stop_profile(self) -> None:
-        """Ends the run start_profile() began; the trace is written before this returns."""
-        self._profiler().stop()
-
-    def _profiler(self) -> Profiler:
-        self._profiler_run = self._profiler_run or make_profiler(self.engine.config.profiler)
-        return self._profiler_run
+        """Ends the run start_profile() began; the traces are written before this returns."""
+        self.engine.core.runner.stop_profile()
 
     def reset_mm_cache(self) -> None:
         """vLLM's reset of its multimodal processor cache: aserve takes text only and keeps no such cache, so there

@@ -40,6 +40,7 @@ from aserve.worker.batch_invariant_sampler import BatchInvariantSampler
 from aserve.worker.cuda_graphs import StepGraphs
 from aserve.worker.draft_tokens import DraftTokens
 from aserve.worker.host_batch import fill_host
+from aserve.worker.profiler_hooks import Profiler, ProfilerSettings
 from aserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logits_rows
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device
 from aserve.worker.step_plan import StepLayout, StepPlan
@@ -206,6 +207,23 @@ class ModelRunner:
                                     self.kv_layout.num_groups)  # fmt: skip
         self.sampler = (BatchInvariantSampler if deterministic else Sampler)(device, seed)
         self.kv_caches: torch.Tensor | None = None
+        self.profiler: Profiler | None = None  # a profiling run (start_profile .. stop_profile)
+
+    def start_profile(self, settings: ProfilerSettings) -> None:
+        """vLLM's profiler hooks (aserve/worker/profiler_hooks.py) on every rank, between two steps."""
+        if self.profiler is not None:
+            raise RuntimeError("the profiler is already running: stop_profile first")
+        self._on_every_rank("start_profile", settings)
+        self.profiler = Profiler(settings, self.tp.rank if self.tp is not None else 0)
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        """Ends every rank's run; their traces are written when this returns on rank 0."""
+        if self.profiler is None:
+            raise RuntimeError("the profiler is not running: start_profile first")
+        self._on_every_rank("stop_profile")
+        profiler, self.profiler = self.profiler, None
+        profiler.stop()
 
     def _on_every_rank(self, method: str, *args) -> None:
         """Rank 0 of a tensor-parallel engine: the other ranks run `method` too (their runners' own)."""

@@ -166,7 +166,7 @@ async def server_load(request: web.Request) -> web.Response:
 
 async def start_profile(request: web.Request) -> web.Response:
     """vLLM's POST /start_profile: the profiler of --profiler-config runs over the engine's steps until
-    /stop_profile (aserve/engine/profiler.py); 400 while it runs already."""
+    /stop_profile (aserve/worker/profiler_hooks.py); 400 while it runs already."""
     try:
         await request.app[STATE_KEY].engine.start_profile()
     except RuntimeError as e:

@@ -1,6 +1,7 @@
 """vLLM's profiler hooks: `--profiler-config` (or `$VLLM_TORCH_PROFILER_DIR`) arms them, `LLM.start_profile()` /
 `stop_profile()` and the server's POST /start_profile and /stop_profile run them, `aserve bench serve --profile` and
-`aserve bench latency / throughput --profile` call them around the measured run.
+`aserve bench latency / throughput --profile` call them around the measured run; the model runner of every rank
+runs one (ModelRunner.start_profile).
 
     {"profiler": "torch", "torch_profiler_dir": DIR, ...}   torch.profiler over the engine's steps (CPU ops of the
         thread that runs the model, and every GPU kernel); stop writes a trace (Perfetto / chrome://tracing) to DIR,
@@ -12,7 +13,7 @@
 The torch keys and their defaults are vLLM's ProfilerConfig's: torch_profiler_with_stack (true),
 torch_profiler_with_flops (false), torch_profiler_use_gzip (true), torch_profiler_dump_cuda_time_total (true),
 torch_profiler_record_shapes (false), torch_profiler_with_memory (false). Any other key is refused, naming it. With
-tensor parallelism the profiled process is the one that serves (rank 0).
+tensor parallelism every rank writes its own trace and table.
 """
 
 from __future__ import annotations
@@ -83,55 +84,50 @@ class ProfilerSettings:
                    *(flags[key] for key in _TORCH_KEYS))  # fmt: skip
 
 
-def make_profiler(settings: ProfilerSettings | None) -> Profiler:
-    """The engine's profiler; RuntimeError saying how to arm one where settings is None."""
+def require(settings: ProfilerSettings | None) -> ProfilerSettings:
+    """The engine's profiler settings; RuntimeError saying how to arm them where there are none."""
     if settings is None:
         raise RuntimeError(
             'the profiler is off: start the engine with profiler_config {"profiler": "torch", '
             '"torch_profiler_dir": DIR} (--profiler-config), or with $VLLM_TORCH_PROFILER_DIR set'
         )
-    return Profiler(settings)
+    return settings
 
 
 class Profiler:
-    """One profiling run at a time: start(), the engine's steps, stop(). start and stop run in the thread that runs
-    the model (the torch profiler records the CPU ops of the thread it starts in)."""
+    """One profiling run of one rank: start(), its steps, stop() (ModelRunner.start_profile / stop_profile, in the
+    thread that runs the model: the torch profiler records the CPU ops of the thread it starts in). Rank r > 0 of a
+    tensor-parallel engine names its trace aserve-rankR-PID.*."""
 
-    def __init__(self, settings: ProfilerSettings) -> None:
+    def __init__(self, settings: ProfilerSettings, rank: int = 0) -> None:
         self.settings = settings
-        self._running: torch.profiler.profile | bool | None = None
+        self.name = f"aserve-rank{rank}-{os.getpid()}" if rank else f"aserve-{os.getpid()}"
+        self._prof: torch.profiler.profile | None = None
 
     def start(self) -> None:
-        if self._running is not None:
-            raise RuntimeError("the profiler is already running: stop_profile first")
         s = self.settings
         if s.kind == "cuda":
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
-            self._running = True
             return
         os.makedirs(s.directory, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        handler = torch.profiler.tensorboard_trace_handler(s.directory, f"aserve-{os.getpid()}", use_gzip=s.use_gzip)
-        prof = torch.profiler.profile(activities=activities, record_shapes=s.record_shapes,
-                                      profile_memory=s.with_memory, with_stack=s.with_stack, with_flops=s.with_flops,
-                                      on_trace_ready=handler)  # fmt: skip
-        prof.start()
-        self._running = prof
+        handler = torch.profiler.tensorboard_trace_handler(s.directory, self.name, use_gzip=s.use_gzip)
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=s.record_shapes,
+                                            profile_memory=s.with_memory, with_stack=s.with_stack,
+                                            with_flops=s.with_flops, on_trace_ready=handler)  # fmt: skip
+        self._prof.start()
 
     def stop(self) -> None:
         """Ends the run; the torch profiler writes its trace (and op table) before this returns."""
-        if self._running is None:
-            raise RuntimeError("the profiler is not running: start_profile first")
-        prof, self._running = self._running, None
-        if self.settings.kind == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
-            return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        if self.settings.kind == "cuda":
+            torch.cuda.profiler.stop()
+            return
+        prof, self._prof = self._prof, None
         prof.stop()
         if self.settings.dump_cuda_time_total:
             sort_by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
