@@ -251,6 +251,23 @@ def test_tp2_int4_experts(tiny_model_factory, tmp_path, monkeypatch, fmt):
         llm.engine.shutdown()
 
 
+def test_tp2_deterministic_mode_keeps_a_requests_bits_in_any_batch(tiny_model_factory):
+    """Deterministic mode across two ranks: a seeded request's tokens and logprobs alone equal its own among seven
+    other requests (each rank's batch-invariant kernels, one all-reduce order)."""
+    llm = LLM(tiny_model_factory("gqa"), tensor_parallel_size=2, deterministic=True, **ENGINE, max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_NEW, logprobs=2)
+        target = {"prompt_token_ids": list(range(5, 40))}
+        others = [{"prompt_token_ids": list(range(50 + i, 80 + 2 * i))} for i in range(7)]
+        alone = llm.generate([target], params)[0].outputs[0]
+        beside = llm.generate(others[:3] + [target] + others[3:], params)[3].outputs[0]
+    finally:
+        llm.engine.shutdown()
+    assert alone.token_ids == beside.token_ids
+    assert [{t: lp.logprob for t, lp in e.items()} for e in alone.logprobs] == [
+        {t: lp.logprob for t, lp in e.items()} for e in beside.logprobs]  # fmt: skip
+
+
 def test_refused_clearly_before_any_process_starts(tiny_model_factory):
     mixtral = make_config("mixtral")
     with pytest.raises(ValueError, match="AWQ experts: tensor_parallel_size 2 gives each rank 32 .* groups of 64"):
