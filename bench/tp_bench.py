@@ -2,7 +2,11 @@
 decode and offline throughput, on the 2-GPU machine (NCCL):
 
     python bench/tp_bench.py --out DIR [--arch llama3-8b,llama3-70b] [--tp 1,2] [--sections decode,throughput]
+        [--quantization fp8]
     python bench/tp_bench.py --tiny [--tp 1,2]       # CPU, a tiny Llama shape, gloo between processes: a smoke run
+
+--arch also takes bench/gpu_bench.py's shapes (qwen3-30b-a3b and mixtral-8x7b: mixture-of-experts models, their
+experts split across the ranks; --quantization fp8 rounds every linear and expert to e4m3 at load).
 
 decode      batch 1: 128 random prompt tokens, 256 generated, minus the time to the first token; ms/token against the
             per-GPU floor (the weights one rank reads per token / the measured copy bandwidth)
@@ -43,6 +47,8 @@ def model_dir(root: str, arch: str) -> str:
     from tiny_models import build_tokenizer
     from transformers import LlamaConfig
 
+    if arch not in SHAPES:
+        return gb.dummy_model_dir(root, arch)
     path = os.path.join(root, f"{arch}-shape")
     LlamaConfig(**SHAPES[arch]).save_pretrained(path)
     build_tokenizer(path)
@@ -82,11 +88,12 @@ def throughput_tok_s(llm, requests: int, prompt_len: int, gen: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def run(arch: str, path: str, tp: int, sections: list[str], cpu: bool) -> None:
+def run(arch: str, path: str, tp: int, sections: list[str], cpu: bool, quantization: str | None = None) -> None:
     from aserve import LLM
 
     workload = CPU_WORKLOAD if cpu else GPU_WORKLOAD
     kwargs = dict(device="cpu", dtype="float32", enforce_eager=True, kv_cache_memory_gb=0.25) if cpu else {}
+    kwargs["quantization"] = quantization
     kwargs.setdefault("dtype", "bfloat16")
     t0 = time.perf_counter()
     llm = LLM(path, load_format="dummy", tensor_parallel_size=tp, max_model_len=4096, max_num_seqs=256, **kwargs)
@@ -138,6 +145,7 @@ def main() -> None:
     p.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated")
     p.add_argument("--sections", default="decode,throughput")
     p.add_argument("--tiny", action="store_true", help="CPU, a tiny Llama shape, gloo (a smoke run of this script)")
+    p.add_argument("--quantization", default=None, help="e.g. fp8: every linear and expert rounded at load")
     p.add_argument("--out", default=".")
     args = p.parse_args()
     archs = ["tiny"] if args.tiny else args.arch.split(",")
@@ -155,7 +163,7 @@ def main() -> None:
                 continue
             print(f"== {arch} tensor_parallel_size {tp}", flush=True)
             try:
-                run(arch, path, tp, sections, args.tiny)
+                run(arch, path, tp, sections, args.tiny, args.quantization)
             except Exception as e:  # recorded; the next configuration still runs
                 gb.record(f"{arch}_tp{tp}_error", f"{type(e).__name__}: {str(e)[:300]}")
     ratios(archs, sizes)
