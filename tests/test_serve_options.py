@@ -138,8 +138,8 @@ TOOLS_TEMPLATE = (
 
 def test_middleware_logging_and_parser_limits(tiny_model, tmp_path, monkeypatch):
     """--middleware (an aiohttp middleware by import path, inside the error handling), --log-error-stack,
-    --enable-log-outputs cut to --max-log-len, --h11-max-header-count and --exclude-tools-when-tool-choice-none,
-    driven through the openai client and raw HTTP."""
+    --enable-log-outputs cut to --max-log-len, --h11-max-header-count, --h11-max-incomplete-event-size and
+    --exclude-tools-when-tool-choice-none, driven through the openai client and raw HTTP."""
     import http.client
 
     from openai import BadRequestError, OpenAI
@@ -150,7 +150,8 @@ def test_middleware_logging_and_parser_limits(tiny_model, tmp_path, monkeypatch)
     log = tmp_path / "server.log"
     proc, url = start_server(tiny_model, "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
                              "--middleware", "aserve_test_middleware.tag", "--log-error-stack", "--enable-log-outputs",
-                             "--max-log-len", "2", "--h11-max-header-count", "40", "--chat-template",
+                             "--max-log-len", "2", "--h11-max-header-count", "40",
+                             "--h11-max-incomplete-event-size", "2000", "--chat-template",
                              str(tmp_path / "tools.jinja"), "--exclude-tools-when-tool-choice-none",
                              log_path=str(log))  # fmt: skip
     try:
@@ -169,13 +170,13 @@ def test_middleware_logging_and_parser_limits(tiny_model, tmp_path, monkeypatch)
                          for choice in ("none", "required")}  # fmt: skip
         plain = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage.prompt_tokens
         assert prompt_tokens["none"] == plain < prompt_tokens["required"]
-        for count, status in ((30, 200), (50, 400)):
+        for count, size, status in ((30, 1000, 200), (50, 1, 400), (1, 3000, 400)):
             conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
             conn.putrequest("GET", "/health")
             for i in range(count):
-                conn.putheader(f"X-Extra-{i}", "1")
+                conn.putheader(f"X-Extra-{i}", "v" * size)
             conn.endheaders()
-            assert conn.getresponse().status == status
+            assert conn.getresponse().status == status, (count, size)
             conn.close()
         assert client.models.list().data  # still serving
     finally:
