@@ -228,6 +228,51 @@ def test_dev_mode_routes_reset_the_prefix_cache(tiny_model, monkeypatch):
         assert status == 400 and "no sleep mode" in json.loads(body)["error"]["message"]
 
 
+PLUGIN = """
+import json
+
+from aserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser
+
+
+class ShoutParser(ToolParser):
+    name = "shout"
+    aliases = ("shout_v2",)
+
+    def extract(self, text):
+        return "", [ToolCall("shout", json.dumps({"words": text}))]
+"""
+
+
+def test_tool_parser_plugin_registers_its_parsers(tiny_model, tmp_path):
+    """--tool-parser-plugin FILE: the ToolParser subclasses it defines answer to their names in --tool-call-parser:
+    every reply of this one is a call to `shout` with the generated text, through the openai client."""
+    from openai import OpenAI
+
+    plugin = tmp_path / "shout_plugin.py"
+    plugin.write_text(PLUGIN)
+    args = ("--model", tiny_model, "--enforce-eager", "--max-model-len", "256", "--tool-parser-plugin", str(plugin),
+            "--tool-call-parser", "shout_v2", "--enable-auto-tool-choice")  # fmt: skip
+    with running_server(*args) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        tools = [{"type": "function", "function": {"name": "shout", "parameters": {"type": "object"}}}]
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], tools=tools,
+                                               max_tokens=5, extra_body={"ignore_eos": True})  # fmt: skip
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "shout"
+    assert reply.usage.completion_tokens == 5 and json.loads(call.function.arguments)["words"]
+
+
+def test_a_vllm_tool_parser_plugin_is_refused_by_name(tiny_model, tmp_path, capsys):
+    plugin = tmp_path / "vllm_plugin.py"
+    plugin.write_text("from vllm.tool_parsers import ToolParser, ToolParserManager\n")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", tiny_model, "--tool-parser-plugin", str(plugin), "--tool-call-parser", "mine"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--tool-parser-plugin {plugin}: importing it failed (ModuleNotFoundError" in err
+    assert "subclasses aserve.entrypoints.openai.tool_parsers.ToolParser" in err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--otlp-traces-endpoint", "http://collector:4317"], "exports no OpenTelemetry traces"),
     (["--api-server-count", "2"], "one API server process"),
@@ -237,6 +282,8 @@ def test_dev_mode_routes_reset_the_prefix_cache(tiny_model, monkeypatch):
     (["--middleware", "json.dumps"], "a middleware is an async function"),
     (["--h11-max-header-count", "0"], "--h11-max-header-count must be at least 1"),
     (["--max-log-len", "-1"], "--max-log-len must be at least 0"),
+    (["--tool-call-parser", "nonesuch"], "--tool-call-parser nonesuch: not a tool-call parser here"),
+    (["--tool-parser-plugin", "/nonexistent/plugin.py"], "--tool-parser-plugin /nonexistent/plugin.py: no such"),
     (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
     (["--ssl-certfile", "/nonexistent/cert.pem"], "TLS (--ssl-certfile /nonexistent/cert.pem"),
     (["--ssl-certfile", "c.pem", "--enable-ssl-refresh"], "reads its certificates once"),

@@ -21,7 +21,7 @@ from aserve.entrypoints.openai.cors import CorsOptions
 from aserve.entrypoints.openai.protocol import TEMPLATE_CONTROLS
 from aserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from aserve.entrypoints.openai.request_fields import STRUCTURED_OUTPUT_BACKENDS
-from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from aserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, load_plugin
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -74,10 +74,14 @@ def add_frontend_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="parse tool calls from the output when a chat request's tool_choice is 'auto' (the default "
                             "with tools); needs --tool-call-parser (default: off, such requests get 400)")  # fmt: skip
-    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+    serve.add_argument("--tool-call-parser", default=None,
                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.x), "
                             "mistral, pythonic / llama4_pythonic (Llama 3.2 / 4), qwen3_coder / qwen3_xml "
-                            "(Qwen3-Coder), phi4_mini_json (Phi-4-mini) (default: none)")  # fmt: skip
+                            "(Qwen3-Coder), phi4_mini_json (Phi-4-mini), or one a --tool-parser-plugin file "
+                            "defines (default: none)")  # fmt: skip
+    serve.add_argument("--tool-parser-plugin", default=None,
+                       help="a Python file of one's own tool-call parsers, subclasses of aserve.entrypoints.openai."
+                            "tool_parsers.ToolParser, registered under their names for --tool-call-parser")  # fmt: skip
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
                             "cache; default: off, the field is absent)")  # fmt: skip
@@ -186,6 +190,11 @@ def check_frontend_args(ns: argparse.Namespace) -> None:
         raise ValueError("--tokenizer-pool-size and --max-pending-prompt-chars must be >= 1")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if ns.tool_parser_plugin is not None:
+        load_plugin(ns.tool_parser_plugin)
+    if ns.tool_call_parser is not None and ns.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {ns.tool_call_parser}: not a tool-call parser here (one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))}, or one a --tool-parser-plugin file defines)")  # fmt: skip
     outputs = dict(ns.structured_outputs_config or {})
     if set(outputs) - {"backend"} or outputs.get("backend", "auto") not in STRUCTURED_OUTPUT_BACKENDS:
         raise ValueError(f"--structured-outputs-config {json.dumps(outputs)}: structured output always uses xgrammar "
