@@ -18,6 +18,7 @@ tensor parallelism every rank writes its own trace and table.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -25,20 +26,12 @@ import torch
 
 from aserve import envs
 
-_TORCH_KEYS = {
-    "torch_profiler_with_stack": True,
-    "torch_profiler_with_flops": False,
-    "torch_profiler_use_gzip": True,
-    "torch_profiler_dump_cuda_time_total": True,
-    "torch_profiler_record_shapes": False,
-    "torch_profiler_with_memory": False,
-}
-
 
 @dataclass(frozen=True)
 class ProfilerSettings:
     kind: str  # "torch" or "cuda"
     directory: str = ""  # torch: where traces go (absolute)
+    # the torch profiler's switches, vLLM's keys torch_profiler_<name> with vLLM's defaults
     with_stack: bool = True
     with_flops: bool = False
     use_gzip: bool = True
@@ -65,11 +58,12 @@ class ProfilerSettings:
             kind = "torch"
         if kind not in ("torch", "cuda"):
             raise ValueError(f'profiler_config: profiler must be "torch" or "cuda", got {kind!r}')
-        unknown = sorted(set(config) - {"profiler", "torch_profiler_dir", *_TORCH_KEYS})
+        switches = {f"torch_profiler_{f.name}": f.name for f in dataclasses.fields(cls) if f.type == "bool"}
+        unknown = sorted(set(config) - {"profiler", "torch_profiler_dir", *switches})
         if unknown:
             raise ValueError(f"profiler_config: {unknown[0]!r} is not a profiler setting aserve takes (profiler, "
-                             f"torch_profiler_dir, {', '.join(_TORCH_KEYS)})")  # fmt: skip
-        for key in _TORCH_KEYS:
+                             f"torch_profiler_dir, {', '.join(switches)})")  # fmt: skip
+        for key in switches:
             if key in config and not isinstance(config[key], bool):
                 raise ValueError(f"profiler_config: {key} must be true or false, got {config[key]!r}")
         if kind == "cuda":
@@ -79,9 +73,8 @@ class ProfilerSettings:
         directory = config.get("torch_profiler_dir")
         if not isinstance(directory, str) or not directory:
             raise ValueError("profiler_config: the torch profiler needs torch_profiler_dir, where its traces go")
-        flags = {key: config.get(key, default) for key, default in _TORCH_KEYS.items()}
         return cls("torch", os.path.abspath(os.path.expanduser(directory)),
-                   *(flags[key] for key in _TORCH_KEYS))  # fmt: skip
+                   **{name: config[key] for key, name in switches.items() if key in config})  # fmt: skip
 
 
 def require(settings: ProfilerSettings | None) -> ProfilerSettings:
