@@ -74,10 +74,10 @@ def check_shardable(hf_config, size: int, quant_config: QuantizationConfig | Non
             raise ValueError(f"{quant_config.name.upper()} experts: tensor_parallel_size {size} gives each rank "
                              f"{per_rank} of an expert's intermediate width, not a whole number of quantisation "
                              f"groups of {group} and of the {_PACK} packed in each int32")  # fmt: skip
-        for block in _fp8_blocks(quant_config):
-            if (expert_inter // size) % block[0] or (expert_inter // size) % block[1]:
-                raise ValueError(f"FP8 experts with {block[0]} x {block[1]} scale tiles: tensor_parallel_size {size} "
-                                 f"gives each rank {expert_inter // size} of an expert's intermediate width, not a "
+        for bn, bk in _fp8_blocks(quant_config):
+            if per_rank % bn or per_rank % bk:
+                raise ValueError(f"FP8 experts with {bn} x {bk} scale tiles: tensor_parallel_size {size} "
+                                 f"gives each rank {per_rank} of an expert's intermediate width, not a "
                                  "whole number of tiles (a tile must not straddle two ranks)")  # fmt: skip
     heads, kv_heads = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
     kv_heads = kv_heads or heads
@@ -254,14 +254,12 @@ class TensorParallelSharding:
         [E, 2 I, H], experts.down_proj [E, H, I]): this rank's 1/N of the intermediate dimension. An FP8 expert's
         weight scale goes with it: one per tensor on every rank; per output row ([I, 1]) with gate / up's rows,
         whole with down's (its rows are not split); per tile ([I / bn, H / bk], [H / bn, I / bk]) along the same
-        dimension as the weight. Static input scales stay whole."""
+        dimension as the weight. (Static input scales, one per tensor, stay whole: `_slice`.)"""
         rank, size = self.group.rank, self.group.size
         if leaf == "experts" and param == "gate_up_proj":
             return torch.cat([_part(half, 1, size, rank) for half in t.chunk(2, 1)], 1).contiguous()
         if leaf == "experts" and param == "down_proj":
             return _part(t, 2, size, rank).contiguous()
-        if param == "input_scale":
-            return t
         if param in _INT4_PARAMS:  # [inputs (packed), outputs (packed)]: the outputs along 1, the inputs along 0
             if leaf in _EXPERT_ROWS:
                 return t if param == "g_idx" else _part(t, 1, size, rank).contiguous()
