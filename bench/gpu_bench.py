@@ -63,7 +63,7 @@ MIXTRAL_8X7B = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )  # fmt: skip
 
-TOKEN_HIGH = [100000]  # random prompt ids stay below this and the model's vocabulary
+MAX_PROMPT_ID = 100000  # random prompt ids stay below this and below the model's vocabulary
 ARCHS = {"llama3-8b": ("LlamaConfig", LLAMA3_8B), "qwen3-8b": ("Qwen3Config", QWEN3_8B),
          "mixtral-8x7b": ("MixtralConfig", MIXTRAL_8X7B),
          "gemma3-12b": ("Gemma3TextConfig", GEMMA3_12B),
@@ -294,8 +294,8 @@ def batch1_decode_ms(llm) -> float:
     first token (a max_tokens=1 request); the median of 3, after a warm-up request."""
     from aserve import SamplingParams
 
-    gen = torch.Generator().manual_seed(1)
-    prompt = lambda: {"prompt_token_ids": torch.randint(100, TOKEN_HIGH[0], (128,), generator=gen).tolist()}  # noqa: E731
+    gen, high = torch.Generator().manual_seed(1), min(MAX_PROMPT_ID, llm.engine.config.vocab_size)
+    prompt = lambda: {"prompt_token_ids": torch.randint(100, high, (128,), generator=gen).tolist()}  # noqa: E731
     llm.generate(prompt(), SamplingParams(max_tokens=8, ignore_eos=True))
     times = []
     for _ in range(3):
@@ -337,7 +337,8 @@ def throughput(model_dir: str, llm=None) -> None:
 
     if llm is None:
         llm = LLM(model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256, **ENGINE_KW)
-    ids = torch.randint(100, TOKEN_HIGH[0], (256, 512), generator=torch.Generator().manual_seed(2))
+    high = min(MAX_PROMPT_ID, llm.engine.config.vocab_size)
+    ids = torch.randint(100, high, (256, 512), generator=torch.Generator().manual_seed(2))
     prompts = [{"prompt_token_ids": row} for row in ids.tolist()]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     # Warm-up with the whole batch (few output tokens): Triton compiles its kernels' specialisations for the shapes
@@ -420,7 +421,7 @@ def hf(model_dir: str, generate_batch: bool = True) -> None:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(2)
-    prompts = torch.randint(100, TOKEN_HIGH[0], (256, 512), generator=gen)
+    prompts = torch.randint(100, min(MAX_PROMPT_ID, cfg.vocab_size), (256, 512), generator=gen)
     with torch.no_grad():
         model.generate(prompts[:2].cuda(), max_new_tokens=4, min_new_tokens=4, do_sample=False)
         torch.cuda.synchronize()
@@ -463,7 +464,6 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="decode / throughput with this KV cache (auto, fp8)")
     p.add_argument("--quantize-lm-head", action="store_true", help="decode / throughput with a quantised lm_head")
     args = p.parse_args()
-    TOKEN_HIGH[0] = min(TOKEN_HIGH[0], ARCHS[args.arch][1]["vocab_size"])
     ENGINE_KW["quantization"] = args.quantization
     ENGINE_KW["kv_cache_dtype"] = args.kv_cache_dtype
     ENGINE_KW["quantize_lm_head"] = args.quantize_lm_head
