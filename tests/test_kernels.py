@@ -238,6 +238,28 @@ def test_gemv_matches_linear(n, k, config, bias):
     torch.testing.assert_close(gemv(x, w, b, config=config), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_rows_sums_every_row_as_the_one_row_gemv(dtype, bias):
+    """gemv_rows: each row's bits are the one-row GEMV's with the same launch configuration, whatever the number of
+    rows, the rows sharing a program and the row's place among them (layer-skip verification and deterministic
+    mode rely on it); and it computes x W^T + b."""
+    from aserve.kernels.gemv import gemv, gemv_rows
+
+    torch.manual_seed(5)
+    n, k = 37, 256
+    x = torch.randn(19, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * 0.1).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    cfg = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2)
+    alone = torch.cat([gemv(x[i : i + 1], w, b, config=cfg) for i in range(len(x))])
+    for m, rows in ((1, 8), (5, 8), (19, 8), (19, 3), (8, 1)):
+        assert torch.equal(gemv_rows(x[:m], w, b, config=cfg, rows_per_program=rows), alone[:m]), (m, rows)
+    assert torch.equal(gemv_rows(x[7:12], w, b, config=cfg), alone[7:12])
+    assert gemv_rows(x[:0], w, b, config=cfg).shape == (0, n)
+    torch.testing.assert_close(alone.float(), torch.nn.functional.linear(x, w, b).float(), atol=2e-2, rtol=2e-2)
+
+
 def test_gemv_refuses_k_without_64_multiple():
     from aserve.kernels.gemv import gemv_config
 

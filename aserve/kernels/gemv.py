@@ -122,6 +122,90 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+# gemv_rows: up to ROWS_PER_PROGRAM rows a program, each with its own accumulator of the one-row kernel's shape
+ROWS_PER_PROGRAM = 8
+
+
+@triton.jit
+def _row_dot(acc, w, x_ptr, m, M, stride_x, k, USED: tl.constexpr):
+    """acc + w * x[row m] (the row clamped to M - 1: computed, not stored) where this accumulator is in use."""
+    if USED:
+        row = tl.minimum(m, M - 1).to(tl.int64)
+        acc += w * tl.load(x_ptr + row * stride_x + k).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _store_row(out_ptr, acc, bias, m, M, stride_out, rn, N, USED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if USED:
+        y = tl.sum(acc, 1)
+        if HAS_BIAS:
+            y += bias
+        tl.store(
+            out_ptr + m.to(tl.int64) * stride_out + rn, y.to(out_ptr.dtype.element_ty), mask=rn < tl.where(m < M, N, 0)
+        )
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (n, g): output rows rn of input rows g * ROWS .. + ROWS. Each input row keeps an accumulator of
+    _gemv_rows' shape, fed the same weight tile in the same order: its sums are _gemv_kernel's, whatever ROWS."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0 = tl.program_id(1) * ROWS
+    w_rows = tl.minimum(rn, N - 1).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + w_rows[:, None] * stride_w + rk[None, :]
+    pdl.gdc_sync(USE_PDL)
+    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+    for k_tile in range(0, K, BLOCK_K):
+        k0 = tl.multiple_of(k_tile, BLOCK_K)
+        w = tl.load(w_ptrs + k0, eviction_policy="evict_first").to(tl.float32)
+        k = k0 + rk
+        a0 = _row_dot(a0, w, x_ptr, m0, M, stride_x, k, True)
+        a1 = _row_dot(a1, w, x_ptr, m0 + 1, M, stride_x, k, ROWS > 1)
+        a2 = _row_dot(a2, w, x_ptr, m0 + 2, M, stride_x, k, ROWS > 2)
+        a3 = _row_dot(a3, w, x_ptr, m0 + 3, M, stride_x, k, ROWS > 3)
+        a4 = _row_dot(a4, w, x_ptr, m0 + 4, M, stride_x, k, ROWS > 4)
+        a5 = _row_dot(a5, w, x_ptr, m0 + 5, M, stride_x, k, ROWS > 5)
+        a6 = _row_dot(a6, w, x_ptr, m0 + 6, M, stride_x, k, ROWS > 6)
+        a7 = _row_dot(a7, w, x_ptr, m0 + 7, M, stride_x, k, ROWS > 7)
+    bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    _store_row(out_ptr, a0, bias, m0, M, stride_out, rn, N, True, HAS_BIAS)
+    _store_row(out_ptr, a1, bias, m0 + 1, M, stride_out, rn, N, ROWS > 1, HAS_BIAS)
+    _store_row(out_ptr, a2, bias, m0 + 2, M, stride_out, rn, N, ROWS > 2, HAS_BIAS)
+    _store_row(out_ptr, a3, bias, m0 + 3, M, stride_out, rn, N, ROWS > 3, HAS_BIAS)
+    _store_row(out_ptr, a4, bias, m0 + 4, M, stride_out, rn, N, ROWS > 4, HAS_BIAS)
+    _store_row(out_ptr, a5, bias, m0 + 5, M, stride_out, rn, N, ROWS > 5, HAS_BIAS)
+    _store_row(out_ptr, a6, bias, m0 + 6, M, stride_out, rn, N, ROWS > 6, HAS_BIAS)
+    _store_row(out_ptr, a7, bias, m0 + 7, M, stride_out, rn, N, ROWS > 7, HAS_BIAS)
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
+              rows_per_program: int = ROWS_PER_PROGRAM) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N], every row summed as `gemv` sums a one-row input with the same
+    config: a row's result depends on nothing but the row (not on M, nor on the rows beside it). Up to
+    `rows_per_program` rows share each weight tile a program loads (min(M, that) rows: a program per row group)."""
+    assert x.dim() == 2 and x.shape[1] == weight.shape[1] and 1 <= rows_per_program <= ROWS_PER_PROGRAM
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    (m, k), n = x.shape, weight.shape[0]
+    cfg = gemv_config(n, k, config)
+    assert cfg is not None, f"K={k} is not a multiple of 64"
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    rows = min(m, rows_per_program)
+    _gemv_rows_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, rows))](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        ROWS=rows, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], HAS_BIAS=bias is not None, USE_PDL=pdl.ENABLED,
+        **pdl.launch_kwargs(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
 # scaled_gemv over 8-bit weights (int8, float8), half the bytes of bf16: one set of launch configurations for both
 SCALED_GEMV_CONFIG_FEW_ROWS = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=3)
 SCALED_GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)

@@ -10,7 +10,10 @@ SDPA too), deterministic mode chooses, once, when the model is built:
     linear layers   BatchInvariantLinearMethod: CPU, the C kernel aserve/kernels/cpu.py gemm_rows over a packed copy
                     of the weight, for every row count (the CPU one-token forward, aserve/models/cpu_one_token.py,
                     runs it too); GPU, the Triton matmul of aserve/kernels/batch_invariant_matmul.py (one K
-                    order from the weight's shape, whatever M is; its tiles by M checked on the device at load)
+                    order from the weight's shape, whatever M is; its tiles by M checked on the device at load),
+                    or for weights of at most ROWS_GEMV_MAX_N outputs (a mixture of experts' router) the row-wise
+                    GEMV of aserve/kernels/gemv.py (gemv_rows: each row summed as a one-row input is, at every M),
+                    whose one-row launch streams such a narrow weight with more programs than the matmul's tiles
     element-wise    CPU: the C kernels for every row count and dtype (SiLU·mul in C for float32 too, where eager torch
                     could round a chunk's tail another way; Qwen3's q/k norms through the C RMSNorm); GPU: the Triton
                     kernels, one program per row already
@@ -117,12 +120,18 @@ def _triton_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer.bi_matmul(x, layer.weight, layer.bias, layer.bi_config)
 
 
+# Narrow weights on GPUs: the row-wise GEMV (a launch configuration for all row counts; its rows' bits do not depend
+# on M or on the rows that share a program, checked bit for bit against the one-row GEMV on an H100 at 1-2048 rows).
+ROWS_GEMV_MAX_N = 256
+ROWS_GEMV_CONFIG = dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=3)
+
+
 class BatchInvariantLinearMethod(UnquantizedLinearMethod):
     """The unquantised weights (same parameters and loading), run by a kernel whose sums per output element depend
     on K alone. process_weights_after_loading sets `kernel` and, on CPU, `packed_weight` (what gemm_rows reads: a
     packed bf16 copy, or the float32 weight) and `rows_packed` (True: the one-token forward may run gemm_rows over
     it); on a GPU `bi_matmul` / `bi_config` (the Triton matmul and its tiling and split-K, chosen from N, K and
-    the dtype, and checked on the device: checked_config)."""
+    the dtype, and checked on the device: checked_config; narrow weights: gemv_rows and ROWS_GEMV_CONFIG)."""
 
     @staticmethod
     def _reset(layer: nn.Module) -> None:
@@ -134,8 +143,12 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
         self._reset(layer)
         w = layer.weight
         if w.is_cuda:
-            from aserve.kernels import batch_invariant_matmul  # Triton: imported where a GPU runs it
+            from aserve.kernels import batch_invariant_matmul, gemv  # Triton: imported where a GPU runs it
 
+            n, k = w.shape
+            if n <= ROWS_GEMV_MAX_N and (config := gemv.gemv_config(n, k, ROWS_GEMV_CONFIG)) is not None:
+                layer.bi_matmul, layer.bi_config, layer.kernel = gemv.gemv_rows, config, _triton_rows
+                return
             layer.bi_matmul = batch_invariant_matmul.matmul
             layer.bi_config = batch_invariant_matmul.checked_config(w.detach())
             layer.kernel = _triton_rows
