@@ -101,3 +101,39 @@ def test_draft_head_is_checked():
     with pytest.raises(ValueError, match="unknown speculative_config keys for ngram: draft_head"):
         SpeculativeConfig.parse({"method": "ngram", "draft_head": "int8"})
     assert SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1, "draft_head": "int8"}).draft_head == "int8"
+
+
+def zero_layers_after(llm, first: int) -> None:
+    """Layers `first`.. add nothing to the residual stream (their attention and MLP output projections zeroed)."""
+    model = llm.engine.core.runner.model
+    for layer in model.layers[first:]:
+        for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            module.weight.data.zero_()
+    model.process_weights_after_loading()  # the CPU kernels' packed copies
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["gqa", "gemma2"])
+def test_layer_skip_verification_resumes_from_the_drafting(tiny_model_factory, dtype, variant, monkeypatch):
+    """The verification step takes the draft layers' hidden states (and KV) from the drafting instead of computing
+    them again: where the layers after the draft's add nothing, every draft is accepted, in bfloat16 too, and the
+    greedy tokens are those of the same model without speculation."""
+    model_dir = tiny_model_factory(variant)
+    prompts = [{"prompt_token_ids": [5 + (i * 7) % 31 for i in range(n)]} for n in (9, 30, 51)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = LLM(model_dir, dtype=dtype, enforce_eager=True,
+               speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 4})  # fmt: skip
+    zero_layers_after(spec, 1)
+    drafter = spec.engine.core.runner.drafter
+    resumed = []
+    resume = drafter.resume
+    monkeypatch.setattr(drafter, "resume", lambda sources, *a: resumed.append(len(sources[1])) or resume(sources, *a))
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    stats = spec.engine.stats
+    assert stats.spec_draft_tokens_total > 60 and stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total
+    # 40 tokens at 5 a step; the most rows a step resumes: three requests' last token and four drafts each
+    assert len(resumed) >= 7 and max(resumed) == 15
+    if dtype == "float32":
+        plain = LLM(model_dir, dtype=dtype, enforce_eager=True)
+        zero_layers_after(plain, 1)
+        assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]

@@ -277,11 +277,12 @@ class Scheduler:
         if self.spec_policy is None or request.num_computed_tokens + num_new < request.num_tokens:
             return 0, 0  # mid-prompt: nothing to draft from yet
         k = self.spec_policy.num_drafts(request, len(self.running))
-        # Drafting writes KV up to position (computed + new) + k - 1: stay inside max_model_len.
+        # Verifying k drafts computes positions up to (computed + new) + k (layer_skip's drafting writes KV there
+        # too): stay inside max_model_len.
         k = max(0, min(k, self.max_model_len - (request.num_computed_tokens + num_new) - 1))
         if k and self._no_ngram_can_follow(request, num_new):
             return 0, 0
-        return k, (k if self.spec_policy.config.needs_kv else 0)
+        return k, self.spec_policy.config.lookahead_slots(k)
 
     def _no_ngram_can_follow(self, request: Request, num_new: int) -> bool:
         """n-gram speculation, a step that computes every known token of the request and verifies nothing (so it

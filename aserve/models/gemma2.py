@@ -172,12 +172,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.soft_cap = batch_invariant.soft_cap
         self.gemma_ops = batch_invariant_gemma_ops(self.gemma_ops)
 
-    def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta, num_layers: int | None = None):
+    def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta, num_layers: int | None = None,
+                start_layer: int = 0, start_hidden: torch.Tensor | None = None):  # fmt: skip
         """As LlamaForCausalLM.forward: -> hidden [T, hidden] before the final norm."""
-        x = self.embed_tokens(input_ids) * self.embed_scale
+        x = self.embed_tokens(input_ids) * self.embed_scale if start_hidden is None else start_hidden
         tables = self.rotary_tables(positions, x.dtype)
         metas = (meta, *meta.groups)
-        for layer in self.layers[:num_layers]:
+        for layer in self.layers[start_layer:num_layers]:
             x = layer(tables[layer.rotary_index], x, kv_caches[layer.kv_slot], metas[layer.kv_group])
         return x
 

@@ -219,17 +219,20 @@ class LlamaForCausalLM(nn.Module):
             self.cpu_one_token = OneTokenForward(self)
 
     def forward(
-        self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata, num_layers: int | None = None
-    ) -> torch.Tensor:
+        self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata, num_layers: int | None = None,
+        start_layer: int = 0, start_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """input_ids/positions [T]; kv_caches [num_layers, 2, num_blocks, block_size, Hkv, D] -> hidden [T, hidden]
-        (before the final norm). `num_layers` runs only the first layers (layer-skip self-speculation)."""
-        x = self.embed_tokens(input_ids)
+        (before the final norm). `num_layers` runs only the first layers (layer-skip self-speculation);
+        `start_hidden`: the hidden states a forward with num_layers = `start_layer` returned for the same tokens,
+        from which this one goes on (the layers before it and their KV are not computed again)."""
+        x = self.embed_tokens(input_ids) if start_hidden is None else start_hidden
         rotary_cos_sin = self.rotary(positions, x.dtype, meta)
-        if self.cpu_one_token is not None and x.shape[0] == 1:
+        if self.cpu_one_token is not None and x.shape[0] == 1 and start_hidden is None:
             return self.cpu_one_token(x, *rotary_cos_sin, kv_caches, meta, num_layers)
         residual = None
-        for i, layer in enumerate(self.layers[:num_layers]):
-            x, residual = layer(rotary_cos_sin, x, residual, kv_caches[i], meta)
+        for i in range(start_layer, len(self.layers) if num_layers is None else num_layers):
+            x, residual = self.layers[i](rotary_cos_sin, x, residual, kv_caches[i], meta)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32,

@@ -35,6 +35,11 @@ class SpeculativeConfig:
         """Model drafters write KV for the positions they draft at (lookahead slots)."""
         return self.method != "ngram"
 
+    def lookahead_slots(self, k: int) -> int:
+        """KV slots past a step's tokens that drafting k tokens after it writes: a model drafter's at the k
+        positions it drafts at, layer_skip's at its last draft's too (aserve/worker/drafter.py)."""
+        return k + (self.method == "layer_skip") if self.needs_kv and k else 0
+
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
         if value is None or isinstance(value, SpeculativeConfig):

@@ -51,14 +51,15 @@ def capture_sizes(cuda_graph_sizes: list[int] | None, limit: int) -> list[int]:
 class StepGraphs:
     """The graphs of one model forward (`forward(input_ids, positions, meta) -> hidden`, attention through
     `backend`) over the runner's device buffers. max_query_len > 1: verification graphs too, for queries of up to
-    that many tokens."""
+    that many tokens; decode=False: those only."""
 
-    def __init__(self, runner, forward: Forward, backend, max_requests: int, max_query_len: int = 1) -> None:
+    def __init__(self, runner, forward: Forward, backend, max_requests: int, max_query_len: int = 1,
+                 decode: bool = True) -> None:  # fmt: skip
         self.runner, self.forward, self.backend = runner, forward, backend
         self.max_query_len = max_query_len
         limit = min(max_requests, runner.max_num_batched_tokens)
         self.buckets = capture_sizes(runner.cuda_graph_sizes, limit)
-        keys = [(b, b) for b in self.buckets]
+        keys = [(b, b) for b in self.buckets] if decode else []
         self.verify_buckets = [b for b in self.buckets if b <= VERIFY_MAX_REQUESTS] if max_query_len > 1 else []
         for b in self.verify_buckets:
             keys += [(b, b * q) for q in range(2, max_query_len + 1) if b * q <= runner.max_num_batched_tokens]
@@ -72,7 +73,7 @@ class StepGraphs:
             if num_reqs > self.buckets[-1]:
                 return None
             b = next(b for b in self.buckets if b >= num_reqs)
-            return b, b
+            return (b, b) if (b, b) in self.keys else None
         if max_query_len > self.max_query_len or not self.verify_buckets or num_reqs > self.verify_buckets[-1]:
             return None
         b = next(b for b in self.verify_buckets if b >= num_reqs)
@@ -161,14 +162,14 @@ class StepGraphs:
         r.buffers.to_device("seq_lens", b)
         r.buffers.to_device("query_start_loc", b + 1)
 
-    def replay(self, layout, key: tuple[int, int], patch=None) -> torch.Tensor:
+    def replay(self, layout, key: tuple[int, int], patch=None, run: bool = True) -> torch.Tensor | None:
         """Pads the step (host buffers) to the graph's shape, copies, runs `patch` (device-side fix-ups of the
-        inputs), replays. -> hidden states [tokens of the graph, hidden]."""
+        inputs), replays (run=False: the caller does). -> hidden states [tokens of the graph, hidden]."""
         self.pad(layout.num_reqs, layout.num_tokens, key)
         self.runner.buffers.to_device("block_tables", layout.num_reqs, layout.max_blocks)
         if patch is not None:
             patch()
-        return self.run(key)
+        return self.run(key) if run else None
 
     def run(self, key: tuple[int, int]) -> torch.Tensor:
         """Replays the graph over the device buffers as they are."""

@@ -19,8 +19,9 @@ class PendingDrafts:
     """One propose()'s draft tokens [k_max, n] on their way to the host: on a GPU a copy into pinned memory that
     does not wait for the device, and an event the first reader waits on."""
 
-    def __init__(self, chosen: torch.Tensor) -> None:
+    def __init__(self, chosen: torch.Tensor, exits: torch.Tensor | None = None) -> None:
         self.tokens = chosen  # on the device
+        self.exits = exits  # layer_skip: the drafting's hidden states [passes, n, hidden] (drafter.py)
         (self._host,), self._event = copy_to_host(chosen)
         self._rows: list[list[int]] | None = None
 
@@ -56,6 +57,11 @@ class DraftTokens(Sequence):
     def device_source(self) -> tuple[torch.Tensor, int, int]:
         """(the propose()'s drafts on the device [k_max, requests], this request's column, its count)."""
         return self._pending.tokens, self._row, self._count
+
+    def exit_source(self) -> tuple[torch.Tensor | None, int]:
+        """(the propose()'s hidden states after the draft layers [passes, requests, hidden] or None, this request's
+        column): pass j holds its last token's (j = 0) or its j-th draft's."""
+        return self._pending.exits, self._row
 
     def __iter__(self):
         return iter(self.tolist())

@@ -1,8 +1,12 @@
 """Model-based drafting, run by the model runner right after the target's step.
 
 layer_skip   the target's first L layers, its final norm and lm_head (or an int8 copy of the head: "draft_head")
-             are the draft model. Its KV cache is the target's own (layers 0..L-1): for accepted tokens the target
-             wrote exactly what the draft would, so there is nothing to keep in sync.
+             are the draft model. Its KV cache is the target's own (layers 0..L-1). The verification does not
+             compute those layers again: drafting runs them over each request's last draft too (one pass more,
+             without the head) and keeps every pass's hidden states, and the verification step resumes the target
+             from them at layer L (`resume_sources`; the KV of layers 0..L-1 is the drafting's). So the target
+             sees, for its first L layers, exactly what the draft saw: where the layers after L add nothing, every
+             draft is accepted, instead of a few being lost where one-row and multi-row kernels round apart.
 draft_model  a separate small model with its own KV cache tensor, indexed by the same block ids (the target's block
              tables and slots serve both). It "mirrors" every target step over the same tokens to keep its KV
              complete.
@@ -48,6 +52,8 @@ class ModelDrafter:
                     f"got {config.num_layers}"
                 )
             self.model, self.num_layers, self.backend = target, config.num_layers, runner.backend
+            # Deterministic mode recomputes those layers: a token's numbers then do not depend on the drafting.
+            self.resumes = not runner.deterministic
             self.lm_head = int8_copy(target.lm_head) if config.draft_head == "int8" else None
             self.needs_mirror = False
             self.kv_bytes_per_block = 0
@@ -68,12 +74,16 @@ class ModelDrafter:
                 hf_config, model_dir, runner.dtype, runner.device, runner.max_model_len, self.backend, "auto", seed
             )
             self.num_layers, self.lm_head = None, None
+            self.resumes = False
             self.needs_mirror = True
             self.kv_bytes_per_block = kv_bytes_per_block(self.model, runner.block_size, runner.dtype)
             target_params = sum(p.numel() for p in target.parameters())
             self.cost_fraction = sum(p.numel() for p in self.model.parameters()) / target_params
         self._own_kv: torch.Tensor | None = None
         self.graphs: StepGraphs | None = None  # CUDA graphs of the drafting steps (capture_cuda_graphs)
+        # layer_skip: graphs of the target's verification steps from layer L on, and their input hidden states
+        self.resume_graphs: StepGraphs | None = None
+        self.resume_in: torch.Tensor | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.needs_mirror:
@@ -109,7 +119,47 @@ class ModelDrafter:
         # A draft model also mirrors the target's steps: its graphs cover the target's verification shapes too.
         max_query_len = r.graphs.max_query_len if self.needs_mirror else 1
         self.graphs = StepGraphs(r, forward, self.backend, r.max_num_seqs, max_query_len)
-        self.graphs.capture(pool)
+        pool = self.graphs.capture(pool)
+        if self.resumes and r.graphs.max_query_len > 1:
+
+            def resume(input_ids, positions, meta):
+                hidden, first = self.resume_in[: input_ids.shape[0]], self.num_layers
+                return r.model(input_ids, positions, r.kv_caches, meta, start_layer=first, start_hidden=hidden)
+
+            self.resume_graphs = StepGraphs(r, resume, self.backend, r.max_num_seqs, r.graphs.max_query_len, False)
+            rows = max(t for _, t in self.resume_graphs.keys)
+            self.resume_in = torch.zeros(rows, r.hf_config.hidden_size, dtype=r.dtype, device=r.device)
+            self.resume_graphs.capture(pool)
+
+    def resume_sources(self, order) -> tuple[torch.Tensor, list[int]] | None:
+        """Where a step's hidden states at layer L come from when every request in it (`order`: the flat batch's)
+        verifies drafts of one propose() over all its query tokens (its last token, then those drafts): -> (that
+        drafting's hidden states [passes * requests, hidden], the row of each of the step's tokens); else None."""
+        if not self.resumes:
+            return None
+        exits, rows = None, []
+        for s in order:
+            spec = s.spec_token_ids
+            if not isinstance(spec, DraftTokens) or s.num_new_tokens != len(spec) + 1:
+                return None
+            source, column = spec.exit_source()
+            if source is None or (exits is not None and source is not exits):
+                return None
+            exits = source
+            rows.extend(j * source.shape[1] + column for j in range(s.num_new_tokens))
+        return exits.view(-1, exits.shape[-1]), rows
+
+    def resume(self, sources: tuple[torch.Tensor, list[int]], input_ids, positions, meta, key) -> torch.Tensor:
+        """The target's forward from layer L over hidden states of the drafting (`sources`: resume_sources'): the
+        replay of resume_graphs' graph `key` (its inputs in the device buffers), else eagerly."""
+        exits, rows = sources
+        index = list_to_device(rows, exits.device)
+        if key is not None:
+            torch.index_select(exits, 0, index, out=self.resume_in[: len(rows)])
+            return self.resume_graphs.run(key)
+        hidden = exits.index_select(0, index)
+        return self.model(input_ids, positions, self.runner.kv_caches, meta, start_layer=self.num_layers,
+                          start_hidden=hidden)  # fmt: skip
 
     @torch.inference_mode()
     def propose(self, sampled, accepted: torch.Tensor, last: torch.Tensor):
@@ -118,10 +168,11 @@ class ModelDrafter:
         (Sampler's on_emitted), so that the drafts are launched without waiting for the step's results.
 
         The active requests draft together, most drafts first, for as many one-token steps as the most any of
-        them wants; a request past its own count keeps drafting at its last draft position without writing KV
-        (slot -1) and that output is dropped. So every step has the same rows, its inputs (positions, slots,
-        lengths) are staged on the device for all steps at once, each step's tokens feed the next on the device,
-        and the drafts reach the host in one copy at the end."""
+        them wants (layer_skip: one more, over each request's last draft, without the head); a request past its
+        own count keeps drafting at its last position without writing KV (slot -1) and that output is dropped. So
+        every step has the same rows, its inputs (positions, slots, lengths) are staged on the device for all
+        steps at once, each step's tokens feed the next on the device, and the drafts reach the host in one copy
+        at the end."""
         active = sorted((i for i, s in enumerate(sampled) if s.num_draft_next > 0),
                         key=lambda i: -sampled[i].num_draft_next)  # fmt: skip
         drafts: list[list[int] | None] = [None] * len(sampled)
@@ -131,6 +182,7 @@ class ModelDrafter:
         r, n = self.runner, len(active)
         counts = np.fromiter((sampled[i].num_draft_next for i in active), np.int64, n)
         k_max = int(counts[0])
+        passes = k_max + self.resumes
         key = self.graphs.key_for(n, n, 1) if self.graphs is not None else None
         rows = n if key is None else key[0]  # the graph's rows: n, then padding
         # The last emitted token sits at position N + accepted, N = known tokens before the step (its first row).
@@ -138,10 +190,11 @@ class ModelDrafter:
             (sampled[i].num_computed_tokens + sampled[i].num_new_tokens - len(sampled[i].spec_token_ids)
              for i in active), np.int64, n,
         )  # fmt: skip
-        steps = np.arange(k_max)[:, None]
-        host = np.empty((3, k_max, n), dtype=np.int64)
-        host[0] = first[None, :] + np.minimum(steps, counts[None, :] - 1)  # positions, less the accepted drafts
-        host[1] = steps < counts[None, :]  # whether the step writes KV
+        steps = np.arange(passes)[:, None]
+        host = np.empty((3, passes, n), dtype=np.int64)
+        final = counts[None, :] - 1 + self.resumes  # each request's last pass that computes a new position
+        host[0] = first[None, :] + np.minimum(steps, final)  # positions, less the accepted drafts
+        host[1] = steps <= final  # whether the step writes KV
         host[2] = active  # the request's index among `sampled`
         buf = r.buffers.np
         # One group of layers: a model drafter runs on engines whose layers share one block table
@@ -160,7 +213,7 @@ class ModelDrafter:
         index = host_dev[2, 0]
         dev["input_ids"][:n].copy_(last[index])
         # Per step: positions, slots, sequence lengths (padding rows: position 0, slot -1, length 0)
-        stage = torch.zeros((k_max, 3, rows), dtype=torch.int64, device=r.device)
+        stage = torch.zeros((passes, 3, rows), dtype=torch.int64, device=r.device)
         stage[:, 1, n:] = -1
         positions = stage[:, 0, :n]
         torch.add(host_dev[0], accepted[index], out=positions)
@@ -177,8 +230,10 @@ class ModelDrafter:
         greedy_t = None if all(greedy) else list_to_device(greedy, r.device)
         sampler = r.sampler
         chosen = torch.empty(k_max, n, dtype=torch.int64, device=r.device)
+        exits = torch.empty(passes, n, self.model.config.hidden_size, dtype=r.dtype, device=r.device) \
+            if self.resumes else None  # fmt: skip
         step_probs = []
-        for j in range(k_max):
+        for j in range(passes):
             dev["positions"][:rows].copy_(stage[j, 0])
             dev["slot_mapping"][0, :rows].copy_(stage[j, 1])
             dev["seq_lens"][:rows].copy_(stage[j, 2])
@@ -188,6 +243,10 @@ class ModelDrafter:
                 hidden = self.graphs.run(key)[:n]
             else:
                 hidden = self._forward_eager(n, width, seq_lens[j])
+            if exits is not None:
+                exits[j].copy_(hidden)
+            if j == k_max:  # layer_skip's pass over the last drafts: their hidden states only
+                break
             if greedy_t is None:
                 chosen[j] = sampler.first_max(self.model.compute_logits(hidden, None, self.lm_head))
                 continue
@@ -196,7 +255,7 @@ class ModelDrafter:
             u = torch.rand(n, generator=sampler.generator, device=logits.device)
             chosen[j] = torch.where(greedy_t, logits.argmax(dim=-1), sampler.draw(p, u))
             step_probs.append(p)
-        pending = PendingDrafts(chosen)
+        pending = PendingDrafts(chosen, exits)
         q_all = torch.stack(step_probs, dim=1) if step_probs else None  # [n, k_max, vocab]
         for row, i in enumerate(active):
             drafts[i] = DraftTokens(pending, row, int(counts[row]))

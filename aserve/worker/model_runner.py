@@ -315,6 +315,8 @@ class ModelRunner:
             self.buffers.flip()
         batch = fill_host(self.buffers.np, order, self.block_size, self.kv_layout.num_groups, drafts_on_device)
         layout, inflight = batch.layout, batch.inflight
+        # layer_skip: a step verifying nothing but one drafting's drafts resumes the target from its hidden states
+        resume = self.drafter.resume_sources(order) if drafts_on_device and self.drafter is not None else None
         sampled = [s for s in sched.scheduled if s.samples]
         # Logits rows, in scheduler order: each sampling request's last known token, then its drafts.
         where = {id(s): i for i, s in enumerate(order)}
@@ -331,7 +333,8 @@ class ModelRunner:
             self.workers.call("replay_step", plan.with_host(self.buffers.np))
         with self._stream():
             try:
-                hidden, meta, key = self._forward(plan, prev.tokens if prev is not None else None, batch.drafts)
+                hidden, meta, key = self._forward(plan, prev.tokens if prev is not None else None, batch.drafts,
+                                                  resume)  # fmt: skip
                 if self.drafter is not None and self.drafter.needs_mirror:
                     self._mirror(layout, meta, key)
                 # Requests asking for prompt logprobs run without overlap (the engine makes sure): scored here.
@@ -394,14 +397,16 @@ class ModelRunner:
                 tokens = torch.empty(plan.num_logits_rows, dtype=torch.int64, device=self.device)
                 self._shared_tokens = self.tp.broadcast_(tokens)
 
-    def _forward(self, plan: StepPlan, prev_tokens: torch.Tensor | None, drafts: list | None = None):
+    def _forward(self, plan: StepPlan, prev_tokens: torch.Tensor | None, drafts: list | None = None, resume=None):
         """Host buffers -> device, in-flight inputs patched from `prev_tokens` and drafts from the drafter's device
         tensor (`drafts`: HostBatch.drafts), the model (a CUDA graph's replay for decode and verification steps it
-        covers). -> (hidden states, the attention metadata of an eager forward or None, the graph's key or None)."""
+        covers; `resume`: the drafter's resume_sources, from which it runs the layers after the draft's). ->
+        (hidden states, the attention metadata of an eager forward or None, the graph's key or None)."""
         layout = plan.layout
+        graphs = self.graphs if resume is None else self.drafter.resume_graphs
         key = None
-        if self.graphs is not None:
-            key = self.graphs.key_for(layout.num_reqs, layout.num_tokens, layout.max_query_len)
+        if graphs is not None:
+            key = graphs.key_for(layout.num_reqs, layout.num_tokens, layout.max_query_len)
         patch = None
         if plan.inflight_dst or drafts:
 
@@ -411,14 +416,19 @@ class ModelRunner:
                 if drafts:
                     self._patch_drafts(drafts)
 
+        if key is not None and resume is not None:
+            graphs.replay(layout, key, patch, run=False)
+            return self.drafter.resume(resume, None, None, None, key), None, key
         if key is not None:
-            return self.graphs.replay(layout, key, patch), None, key
+            return graphs.replay(layout, key, patch), None, key
         meta = self._device_meta(layout)
         self.backend.prepare_groups(meta, self.block_size)
         input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
         positions = self.buffers.to_device("positions", layout.num_tokens)
         if patch is not None:
             patch()
+        if resume is not None:
+            return self.drafter.resume(resume, input_ids, positions, meta, None), meta, None
         return self.model(input_ids, positions, self.kv_caches, meta), meta, None
 
     def _mirror(self, layout: StepLayout, meta: AttentionMetadata | None, key: tuple[int, int] | None) -> None:
