@@ -185,10 +185,14 @@ def _gemv_rows_kernel(
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
-              rows_per_program: int = ROWS_PER_PROGRAM) -> torch.Tensor:  # fmt: skip
+              rows_per_program: int | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N], every row summed as `gemv` sums a one-row input with the same
     config: a row's result depends on nothing but the row (not on M, nor on the rows beside it). Up to
-    `rows_per_program` rows share each weight tile a program loads (min(M, that) rows: a program per row group)."""
+    `rows_per_program` rows share each weight tile a program loads (min(M, that) rows: a program per row group);
+    None: one row a program up to 32 rows (programs enough to stream a narrow weight), then more per program, up
+    to ROWS_PER_PROGRAM from 256 rows (fewer loads of the weight). It changes the speed, not the bits."""
+    if rows_per_program is None:
+        rows_per_program = min(ROWS_PER_PROGRAM, max(1, x.shape[0] // 32))
     assert x.dim() == 2 and x.shape[1] == weight.shape[1] and 1 <= rows_per_program <= ROWS_PER_PROGRAM
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     (m, k), n = x.shape, weight.shape[0]
