@@ -108,6 +108,30 @@ def test_configuration_by_rows_per_expert():
     assert moe.moe_config(2048 * 8 - 1, 128) is moe.LARGE_CONFIG
 
 
+def test_deterministic_configurations_sum_k_in_the_same_steps():
+    """Deterministic mode: SMALL_CONFIG below MANY_SLOTS_PER_EXPERT slots an expert (a decode step too: no few-token
+    kernels), its own many-row tiles from there, both GEMMs with the same BLOCK_K in both."""
+    many = moe.MANY_SLOTS_PER_EXPERT * 128
+    assert moe.moe_config(1, 128, deterministic=True) is moe.SMALL_CONFIG
+    assert moe.moe_config(many - 1, 128, deterministic=True) is moe.SMALL_CONFIG
+    assert moe.moe_config(many, 128, deterministic=True) is moe.DETERMINISTIC_MANY_CONFIG
+    for gemm in ("gate_up", "down"):
+        assert moe.DETERMINISTIC_MANY_CONFIG[gemm]["BLOCK_K"] == moe.SMALL_CONFIG[gemm]["BLOCK_K"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_gets_the_same_bits_through_either_deterministic_configuration(dtype):
+    """deterministic_tiles_agree on this device (the interpreter on CPU): the tokens of a step large enough for the
+    many-row tiles give the bits SMALL_CONFIG gives them, and so do they alone, through fused_moe's deterministic
+    path (fixed-order sums, the configuration by slots)."""
+    _, w13, w2, _ = (t.to(dtype) for t in random_moe(1, 4, 64, 128, seed=9))
+    moe._TILES_AGREE.clear()
+    assert moe.deterministic_tiles_agree(w13, w2, 2, True)
+    x, _, _, logits = (t.to(dtype) for t in random_moe(moe.MANY_SLOTS_PER_EXPERT * 2, 4, 64, 128, seed=10))
+    step = moe.fused_moe(x, logits, w13, w2, 2, True, fixed_order_sum=True)
+    assert torch.equal(moe.fused_moe(x[:3], logits[:3], w13, w2, 2, True, fixed_order_sum=True), step[:3])
+
+
 def test_fused_moe_16_bit_rounds_as_separate_ops():
     """float16 (Triton's interpreter multiplies bfloat16 wrongly, so the 16-bit case on CPU is float16): within the
     rounding of the projections and the activation to 16 bits."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from aserve.kernels import fp8, fp8_gemv, fp8_reference, moe_align, moe_decode, pdl
 from aserve.kernels.fused import silu_mul_rounded
@@ -51,11 +52,52 @@ MANY_SLOTS_PER_EXPERT = 128
 FOLD_ROUTE_MAX_SLOTS = 16
 
 
-def moe_config(num_slots: int, num_experts: int, fp8_experts: bool = False) -> dict:
+# Deterministic mode (fused_moe's fixed_order_sum without a config): SMALL_CONFIG up to MANY_SLOTS_PER_EXPERT slots
+# an expert, this from there. Both sum K in steps of 128 (SMALL_CONFIG's BLOCK_K), so a token's bits do not depend on
+# which of the two its step's token count picks, where the device's MMAs sum a row's K step whatever the tile around
+# it (BatchInvariantMoEMethod uses it only once deterministic_tiles_agree has shown that on the device).
+DETERMINISTIC_MANY_CONFIG = dict(
+    BLOCK_M=64,
+    gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+    down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+)
+
+
+def moe_config(num_slots: int, num_experts: int, fp8_experts: bool = False, deterministic: bool = False) -> dict:
     """The launch configuration for T * k = num_slots routed rows over num_experts experts."""
+    many = num_slots >= MANY_SLOTS_PER_EXPERT * num_experts
+    if deterministic:
+        return DETERMINISTIC_MANY_CONFIG if many else SMALL_CONFIG
     if num_slots <= 16 * num_experts:
         return SMALL_CONFIG
-    return LARGE_CONFIG if fp8_experts or num_slots < MANY_SLOTS_PER_EXPERT * num_experts else MANY_CONFIG
+    return LARGE_CONFIG if fp8_experts or not many else MANY_CONFIG
+
+
+_TILES_AGREE: dict[tuple, bool] = {}  # deterministic_tiles_agree's answers, by shapes, dtype, routing and device
+
+
+def deterministic_tiles_agree(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> bool:
+    """Whether every token's output is the same bits through DETERMINISTIC_MANY_CONFIG as through SMALL_CONFIG
+    (fixed-order sums) on these experts' device: random tokens enough to pick the former, run through both (once
+    per shape, dtype and routing)."""
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, top_k, renormalize, w13.device)
+    if key not in _TILES_AGREE:
+        _TILES_AGREE[key] = _tiles_agree(w13, w2, top_k, renormalize)
+    return _TILES_AGREE[key]
+
+
+def _tiles_agree(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> bool:
+    num_experts, _, hidden = w13.shape
+    t = triton.cdiv(MANY_SLOTS_PER_EXPERT * num_experts, top_k)
+    gen = torch.Generator(device=w13.device).manual_seed(0)
+    x = torch.randn(t, hidden, generator=gen, device=w13.device).to(w13.dtype)
+    logits = torch.randn(t, num_experts, generator=gen, device=w13.device)
+    try:
+        many = fused_moe(x, logits, w13, w2, top_k, renormalize, fixed_order_sum=True)
+        small = fused_moe(x, logits, w13, w2, top_k, renormalize, SMALL_CONFIG, fixed_order_sum=True)
+    except (RuntimeError, OutOfResources):  # the tiles do not fit this device
+        return False
+    return torch.equal(many, small)
 
 
 @triton.jit
@@ -290,14 +332,15 @@ def fused_moe(x, router_logits, w13, w2, top_k: int, renormalize: bool, config: 
     fp8_gemv.MAX_ROWS tokens the activations are rounded to e4m3 per row too). `config`: the grouped GEMMs' launch
     configuration; None: chosen by the number of slots, and a few tokens (moe_decode.use_decode) take aserve/
     kernels/moe_decode.py's kernels instead. fixed_order_sum: a token's k outputs added one after the other in
-    float32, in an order that depends on nothing but the token (deterministic mode, with a fixed `config`: then each
-    token's result is the same bits whatever else the step holds)."""
+    float32, in an order that depends on nothing but the token (deterministic mode: then each token's result is the
+    same bits whatever else the step holds, with a fixed `config`, or without one (the deterministic
+    configurations by slots, no decode kernels) where deterministic_tiles_agree)."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
-    if config is None and moe_decode.use_decode(t, top_k, num_experts):
+    if config is None and not fixed_order_sum and moe_decode.use_decode(t, top_k, num_experts):
         act, weights, ids = moe_decode.gate_up(x, router_logits, w13, top_k, renormalize, w13_scale)
         return moe_decode.down_sum(act, w2, ids, weights, w2_scale)
-    cfg = config or moe_config(t * top_k, num_experts, w13_scale is not None)
+    cfg = config or moe_config(t * top_k, num_experts, w13_scale is not None, fixed_order_sum)
     act = torch.empty(t * top_k, two_i // 2, dtype=x.dtype, device=x.device)
     fp8_activations = w13_scale is not None and t > fp8_gemv.MAX_ROWS
     if t * top_k <= FOLD_ROUTE_MAX_SLOTS and not fp8_activations:

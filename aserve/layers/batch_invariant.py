@@ -193,7 +193,9 @@ class BatchInvariantMoEMethod:
         if layer.w13.is_cuda:
             from aserve.kernels import moe  # Triton: imported where a GPU runs it
 
-            layer.use_triton(moe.SMALL_CONFIG, fixed_order_sum=True)
+            # Tiles by the step's slots where the device gives a token the same bits through each, else one
+            tiles = moe.deterministic_tiles_agree(layer.w13, layer.w2, layer.top_k, layer.renormalize)
+            layer.use_triton(None if tiles else moe.SMALL_CONFIG, fixed_order_sum=True)
             return
         if not cpu.gemm_rows_supports(layer.w13[0]):
             raise ValueError(f"deterministic mode on CPU needs aserve's C kernels (a C++ compiler and ninja; "
