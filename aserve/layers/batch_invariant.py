@@ -24,8 +24,9 @@ SDPA too), deterministic mode chooses, once, when the model is built:
                     renormalisation over the k). CPU: each expert's two projections run gemm_rows over packed
                     copies of its weights and SiLU·mul the C kernel, on whichever of the step's tokens chose it;
                     every token's k weighted outputs are added in expert order. GPU: the fused Triton kernels with
-                    one launch configuration for every number of tokens (a row's sums do not depend on the rows
-                    that share its tile) and each token's k outputs added in slot order
+                    tiles that all sum K in the same steps (a row's sums do not depend on the rows that share its
+                    tile), chosen by the step's slots where a check at load shows the same bits through each, else
+                    one configuration for every number of tokens, and each token's k outputs added in slot order
     Gemma 2 / 3     models/gemma2.py's use_batch_invariant. CPU: the (1 + w) RMSNorms (also Gemma 3's q / k
                     norms) through the C RMSNorm in float32 (gemma_rms_norm below); GeGLU and the final logits'
                     soft-cap with tanh_rows, a tanh of +, * and / alone (torch's GELU-tanh rounds some elements
@@ -184,10 +185,11 @@ def _cpu_experts(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) 
 
 class BatchInvariantMoEMethod:
     """Deterministic mode's kernel for a FusedMoE block (its `kernel_method`). CPU: _cpu_experts over per-expert
-    gemm_rows_prepare copies of w13 / w2 (`packed_w13`, `packed_w2`). GPU: the fused Triton kernels with one launch
-    configuration for every number of tokens (normal mode picks the tiles by it) and each token's k outputs added in
-    a fixed order: a row's routing, its two GEMMs' sums and its total depend on nothing but the row, and nothing
-    reads the routing back to the host (CUDA graphs capture it)."""
+    gemm_rows_prepare copies of w13 / w2 (`packed_w13`, `packed_w2`). GPU: the fused Triton kernels with their
+    deterministic configurations (moe.moe_config: tiles by the step's slots, one K step), or SMALL_CONFIG for every
+    number of tokens where moe.deterministic_tiles_agree does not hold on the device, and each token's k outputs
+    added in a fixed order: a row's routing, its two GEMMs' sums and its total depend on nothing but the row, and
+    nothing reads the routing back to the host (CUDA graphs capture it)."""
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         if layer.w13.is_cuda:
