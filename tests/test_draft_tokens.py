@@ -126,8 +126,10 @@ def test_layer_skip_verification_resumes_from_the_drafting(tiny_model_factory, d
     zero_layers_after(spec, 1)
     drafter = spec.engine.core.runner.drafter
     resumed = []
-    resume = drafter.resume
-    monkeypatch.setattr(drafter, "resume", lambda sources, *a: resumed.append(len(sources[1])) or resume(sources, *a))
+    rows = drafter.resume_rows
+    monkeypatch.setattr(
+        drafter, "resume_rows", lambda sources, graph: resumed.append(len(sources[1])) or rows(sources, graph)
+    )
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     stats = spec.engine.stats
     assert stats.spec_draft_tokens_total > 60 and stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total

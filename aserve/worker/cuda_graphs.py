@@ -162,14 +162,14 @@ class StepGraphs:
         r.buffers.to_device("seq_lens", b)
         r.buffers.to_device("query_start_loc", b + 1)
 
-    def replay(self, layout, key: tuple[int, int], patch=None, run: bool = True) -> torch.Tensor | None:
+    def replay(self, layout, key: tuple[int, int], patch=None) -> torch.Tensor:
         """Pads the step (host buffers) to the graph's shape, copies, runs `patch` (device-side fix-ups of the
-        inputs), replays (run=False: the caller does). -> hidden states [tokens of the graph, hidden]."""
+        inputs), replays. -> hidden states [tokens of the graph, hidden]."""
         self.pad(layout.num_reqs, layout.num_tokens, key)
         self.runner.buffers.to_device("block_tables", layout.num_reqs, layout.max_blocks)
         if patch is not None:
             patch()
-        return self.run(key) if run else None
+        return self.run(key)
 
     def run(self, key: tuple[int, int]) -> torch.Tensor:
         """Replays the graph over the device buffers as they are."""

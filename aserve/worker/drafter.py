@@ -149,17 +149,12 @@ class ModelDrafter:
             rows.extend(j * source.shape[1] + column for j in range(s.num_new_tokens))
         return exits.view(-1, exits.shape[-1]), rows
 
-    def resume(self, sources: tuple[torch.Tensor, list[int]], input_ids, positions, meta, key) -> torch.Tensor:
-        """The target's forward from layer L over hidden states of the drafting (`sources`: resume_sources'): the
-        replay of resume_graphs' graph `key` (its inputs in the device buffers), else eagerly."""
+    def resume_rows(self, sources: tuple[torch.Tensor, list[int]], graph: bool) -> torch.Tensor:
+        """The step's hidden states at layer L (`sources`: resume_sources'), gathered on the device: into the input
+        buffer of resume_graphs (`graph`) or a new tensor."""
         exits, rows = sources
         index = list_to_device(rows, exits.device)
-        if key is not None:
-            torch.index_select(exits, 0, index, out=self.resume_in[: len(rows)])
-            return self.resume_graphs.run(key)
-        hidden = exits.index_select(0, index)
-        return self.model(input_ids, positions, self.runner.kv_caches, meta, start_layer=self.num_layers,
-                          start_hidden=hidden)  # fmt: skip
+        return torch.index_select(exits, 0, index, out=self.resume_in[: len(rows)] if graph else None)
 
     @torch.inference_mode()
     def propose(self, sampled, accepted: torch.Tensor, last: torch.Tensor):

@@ -408,17 +408,16 @@ class ModelRunner:
         if graphs is not None:
             key = graphs.key_for(layout.num_reqs, layout.num_tokens, layout.max_query_len)
         patch = None
-        if plan.inflight_dst or drafts:
+        if plan.inflight_dst or drafts or resume:
 
             def patch():
                 if plan.inflight_dst:
                     self._patch_inflight(plan.inflight_dst, plan.inflight_src, prev_tokens)
                 if drafts:
                     self._patch_drafts(drafts)
+                if resume and key is not None:  # the graph's input hidden states
+                    self.drafter.resume_rows(resume, graph=True)
 
-        if key is not None and resume is not None:
-            graphs.replay(layout, key, patch, run=False)
-            return self.drafter.resume(resume, None, None, None, key), None, key
         if key is not None:
             return graphs.replay(layout, key, patch), None, key
         meta = self._device_meta(layout)
@@ -427,9 +426,10 @@ class ModelRunner:
         positions = self.buffers.to_device("positions", layout.num_tokens)
         if patch is not None:
             patch()
-        if resume is not None:
-            return self.drafter.resume(resume, input_ids, positions, meta, None), meta, None
-        return self.model(input_ids, positions, self.kv_caches, meta), meta, None
+        resumed = {}
+        if resume:  # layer_skip: the layers after the draft's, from the drafting's hidden states
+            resumed = dict(start_layer=self.drafter.num_layers, start_hidden=self.drafter.resume_rows(resume, False))
+        return self.model(input_ids, positions, self.kv_caches, meta, **resumed), meta, None
 
     def _mirror(self, layout: StepLayout, meta: AttentionMetadata | None, key: tuple[int, int] | None) -> None:
         """A draft model computes its own KV for every token the target just computed: the same CUDA graph shape
