@@ -225,8 +225,9 @@ class ModelDrafter:
         greedy_t = None if all(greedy) else list_to_device(greedy, r.device)
         sampler = r.sampler
         chosen = torch.empty(k_max, n, dtype=torch.int64, device=r.device)
-        exits = torch.empty(passes, n, self.model.config.hidden_size, dtype=r.dtype, device=r.device) \
-            if self.resumes else None  # fmt: skip
+        # layer_skip: every pass's hidden states after the draft layers, which the verification resumes from
+        size = (passes, n, self.model.config.hidden_size)
+        exits = torch.empty(size, dtype=r.dtype, device=r.device) if self.resumes else None
         step_probs = []
         for j in range(passes):
             dev["positions"][:rows].copy_(stage[j, 0])
