@@ -103,6 +103,15 @@ class KVCacheManager:
         """Makes room for `num_new_tokens` more tokens after the computed ones (plus the prefix hits in
         `new_computed_blocks`, which the request takes references on). Returns the newly allocated blocks, or None
         when the pool cannot supply them — then nothing has changed but blocks behind a window given back."""
+        if not new_computed_blocks and self.sliding_window is None:
+            # A running request whose blocks already hold the new tokens (most decode steps): nothing to take.
+            blocks = self.req_to_blocks.get(request.request_id)
+            if blocks and len(blocks) * self.block_size >= (
+                request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+            ):
+                if request.hasher is not None:
+                    self._cache_full_blocks(request, blocks, 0, num_new_tokens)
+                return []
         new_computed_blocks = new_computed_blocks or []
         if self.blocks_needed(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens) > (
             self.pool.num_free_blocks
@@ -157,16 +166,20 @@ class KVCacheManager:
         self.req_to_block_ids.setdefault(request_id, []).extend(b.block_id for b in new_blocks)
 
         if request.hasher is not None:
-            # Register the blocks that become full of known tokens once this step is computed.
-            num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
-            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_blocks.get(request_id, 0)
-            if num_full > num_cached:
-                suffix = self.key_suffix
-                hashes = request.block_hashes[num_cached:num_full]
-                self.pool.cache_blocks(blocks[num_cached:num_full], [h + suffix for h in hashes] if suffix else hashes)
-                self.num_cached_blocks[request_id] = num_full
+            self._cache_full_blocks(request, blocks, num_hit_blocks, num_new_tokens)
         return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_hit_blocks: int,
+                           num_new_tokens: int) -> None:  # fmt: skip
+        """Registers the request's blocks that become full of known tokens once this step is computed."""
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full > num_cached:
+            suffix = self.key_suffix
+            hashes = request.block_hashes[num_cached:num_full]
+            self.pool.cache_blocks(blocks[num_cached:num_full], [h + suffix for h in hashes] if suffix else hashes)
+            self.num_cached_blocks[request.request_id] = num_full
 
     def _release_outside_window(self, request: Request, blocks: list[KVCacheBlock]) -> None:
         """Gives back the request's blocks wholly before the window of its next query (position

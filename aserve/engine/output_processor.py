@@ -66,7 +66,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(reason is not None for reason in self.finish_reasons)
+        return None not in self.finish_reasons
 
 
 @dataclass(slots=True)
@@ -234,40 +234,36 @@ class OutputProcessor:
         completions = []
         want_logprobs = state.params.logprobs is not None
         delta = state.output_kind is DELTA
+        finished_all = state.finished
         # a running request's cumulative output is a copy: the next step's must not change it
-        copy = state.output_kind is CUMULATIVE and not state.finished
+        copy = state.output_kind is CUMULATIVE and not finished_all
+        finish_reasons, sent_text, sent_tokens = state.finish_reasons, state.sent_text, state.sent_tokens
         for i, detok in enumerate(state.detokenizers):
-            finished = state.finish_reasons[i] is not None
+            finish_reason = finish_reasons[i]
+            finished = finish_reason is not None
             text_end = detok.streamable_len(finished)
-            n_tokens = len(state.token_ids[i])
+            seq_tokens = state.token_ids[i]
+            n_tokens = len(seq_tokens)
             if delta:
-                unchanged = text_end == state.sent_text[i] and n_tokens == state.sent_tokens[i]
-                if unchanged and (not finished or state.finish_sent[i]):
+                sent = sent_tokens[i]
+                if text_end == sent_text[i] and n_tokens == sent and (not finished or state.finish_sent[i]):
                     continue
-                text = detok.text[state.sent_text[i] : text_end]
-                token_ids = state.token_ids[i][state.sent_tokens[i] :]
-                logprobs = state.logprobs[i][state.sent_tokens[i] :] if want_logprobs else None
+                text = detok.text[sent_text[i] : text_end]
+                token_ids = seq_tokens[sent:]
+                logprobs = state.logprobs[i][sent:] if want_logprobs else None
             else:
-                text, token_ids = detok.text[:text_end], list(state.token_ids[i])
+                text, token_ids = detok.text[:text_end], list(seq_tokens)
                 logprobs = (list(state.logprobs[i]) if copy else state.logprobs[i]) if want_logprobs else None
-            state.sent_text[i], state.sent_tokens[i] = text_end, n_tokens
+            sent_text[i], sent_tokens[i] = text_end, n_tokens
             state.finish_sent[i] = finished
             cumulative = state.cumulative_logprobs[i] if want_logprobs else None  # of all its tokens (as vLLM)
-            completions.append(CompletionOutput(i, text, token_ids, cumulative, logprobs, state.finish_reasons[i],
+            completions.append(CompletionOutput(i, text, token_ids, cumulative, logprobs, finish_reason,
                                                 state.stop_reasons[i]))  # fmt: skip
         if not completions:
             return None
         prompt_logprobs = state.prompt_logprobs
-        if delta:  # a stream of deltas reports them once, with the first output that has them
+        if delta and prompt_logprobs is not None:  # a stream of deltas reports them once, with the first output
             prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
-            state.prompt_logprobs_sent = prompt_logprobs is not None
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=state.finished,
-            num_cached_tokens=state.num_cached_tokens,
-            error=state.error,
-            prompt_logprobs=prompt_logprobs,
-        )
+            state.prompt_logprobs_sent = True
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, prompt_logprobs, completions,
+                             finished_all, num_cached_tokens=state.num_cached_tokens, error=state.error)  # fmt: skip
