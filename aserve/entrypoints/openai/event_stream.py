@@ -25,6 +25,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
 
 from aserve.engine.async_engine import OutputSink, StreamGroup
@@ -108,6 +109,22 @@ class EventStream(OutputSink):
         self.flow = flow
         self.stalled_since: float | None = None  # when its requests were paused (the client not reading)
         self._poll: asyncio.TimerHandle | None = None
+        # A running choice's chunk as the bytes around its delta text, per choice index, where nothing else in the
+        # chunk changes between steps (no logprobs, token ids, tool or reasoning handling, prompt logprobs or usage
+        # so far); None: every chunk goes through chunk().
+        self.templates: dict[int, tuple[bytes, bytes] | None] | None = None if (
+            self.return_token_ids or self.report_prompt_logprobs or self.tools is not None or self.continuous_usage
+            or any(c.want_logprobs for c in choices)) else {}  # fmt: skip
+
+    def template(self, index: int) -> tuple[bytes, bytes] | None:
+        """The bytes of choice `index`'s running chunk before and after its delta text, cut from chunk()'s own bytes
+        for a marker text (None where the marker's encoding is not found exactly once)."""
+        marker = "\x00marker\x00"
+        probe = ChoiceState(index, None)
+        probe.delta_text = marker
+        parts = self.chunk(probe, final=False).split(msgspec.json.encode(marker))
+        self.templates[index] = template = (parts[0], parts[1]) if len(parts) == 2 else None
+        return template
 
     def chunk(self, choice: ChoiceState, **kw) -> bytes:
         body = self.chunk_body(choice, **kw)
@@ -166,7 +183,14 @@ class EventStream(OutputSink):
             if self.interval > 1 and choice.chunks_sent and choice.finish_reason is None and (
                     len(choice.delta_output_token_ids) < self.interval):  # fmt: skip
                 continue  # stream_interval: the tokens wait for the next ones (the first and last chunks do not)
-            parts.append(self.chunk(choice, final=False))
+            template = None
+            if self.templates is not None and choice.finish_reason is None:
+                template = self.templates[choice.index] if choice.index in self.templates else (
+                    self.template(choice.index))  # fmt: skip
+            if template is not None:
+                parts.append(template[0] + msgspec.json.encode(choice.delta_text) + template[1])
+            else:
+                parts.append(self.chunk(choice, final=False))
             choice.clear_delta()
             choice.chunks_sent += 1
         if self.group is not None and all(s.finished for s in self.group.streams):

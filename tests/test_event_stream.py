@@ -1,0 +1,58 @@
+"""A stream's running chunks written from per-choice byte templates (EventStream.templates) are byte for byte the
+chunks built whole (EventStream.chunk), for completions and chats, several choices, and texts that JSON escapes."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from aserve.entrypoints.openai.event_stream import EventStream, FlowControl
+from aserve.entrypoints.openai.responses import ChoiceState
+from aserve.outputs import CompletionOutput, RequestOutput
+
+TEXTS = ["Hello", ' "quoted"\n', "\\ back", "\x00marker\x00", "é ☃ 𝄞", "</script>", ""]
+
+
+def make_stream(chat: bool, n: int, include_usage: bool, templates: bool) -> EventStream:
+    req = SimpleNamespace(n=n, include_usage=include_usage, continuous_usage=False, return_token_ids=False,
+                          prompt_logprobs=None)  # fmt: skip
+    choices = [ChoiceState(i, None) for i in range(n)]
+    stream = EventStream(None, "tiny", req, "cmpl-1", 1700000000, choices, 3, chat, FlowControl(1 << 20, 5.0))
+    if not templates:
+        stream.templates = None
+    return stream
+
+
+def output(step: int, n: int, last: bool) -> RequestOutput:
+    outs = [
+        CompletionOutput(i, TEXTS[(step + i) % len(TEXTS)], [step], finish_reason="length" if last else None)
+        for i in range(n)
+    ]
+    return RequestOutput("r", None, [1, 2, 3], None, outs, last)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True], ids=["no-usage", "usage"])
+async def test_templated_chunks_are_the_chunks_built_whole(chat, include_usage):
+    n, steps = 2, len(TEXTS) + 1
+    fast, whole = (make_stream(chat, n, include_usage, templates) for templates in (True, False))
+    for step in range(steps):
+        item = (0, output(step, n, step == steps - 1))
+        data, ended = fast.events([item])
+        assert (data, ended) == whole.events([item])
+        choices = [json.loads(event[6:])["choices"][0] for event in data.split(b"\n\n") if event]
+        texts = [c["delta"]["content"] if chat else c["text"] for c in choices]
+        assert texts == [TEXTS[(step + i) % len(TEXTS)] for i in range(n)]
+    assert sorted(fast.templates) == [0, 1] and all(t is not None for t in fast.templates.values())
+
+
+async def test_streams_with_per_chunk_fields_build_every_chunk():
+    stream = make_stream(False, 1, True, True)
+    assert stream.templates == {}
+    req = SimpleNamespace(n=1, include_usage=True, continuous_usage=True, return_token_ids=False, prompt_logprobs=None)
+    usage_so_far = EventStream(None, "tiny", req, "cmpl-2", 0, [ChoiceState(0, None)], 3, False, FlowControl(1, 1.0))
+    with_logprobs = EventStream(None, "tiny", SimpleNamespace(**{**vars(req), "continuous_usage": False}), "cmpl-3", 0,
+                                [ChoiceState(0, 2)], 3, False, FlowControl(1, 1.0))  # fmt: skip
+    assert usage_so_far.templates is None and with_logprobs.templates is None
