@@ -60,7 +60,8 @@ async def test_streamed_deltas_equal_offline_output(engine, tiny_model):
 
 async def test_output_kind_cumulative_delta_final_only(engine):
     """vLLM's RequestOutputKind: CUMULATIVE (the default) gives the whole output so far each time, the last one the
-    final text; DELTA's pieces join to it; FINAL_ONLY gives that one output alone."""
+    final text; DELTA's pieces join to it (the prompt's logprobs in the first only); FINAL_ONLY gives that one output
+    alone."""
     base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     cumulative = await collect(engine, prompt(9), base, "cumulative")
     final = cumulative[-1].outputs[0]
@@ -69,9 +70,12 @@ async def test_output_kind_cumulative_delta_final_only(engine):
         a, b = before.outputs[0], after.outputs[0]
         assert b.text.startswith(a.text) and b.token_ids[: len(a.token_ids)] == a.token_ids
         assert len(b.token_ids) > len(a.token_ids)
-    deltas = await collect(engine, prompt(9), base.clone(output_kind=RequestOutputKind.DELTA), "delta")
+    deltas = await collect(engine, prompt(9), base.clone(output_kind=DELTA, prompt_logprobs=1), "delta")
     assert "".join(c.outputs[0].text for c in deltas) == final.text
     assert [t for c in deltas for t in c.outputs[0].token_ids] == final.token_ids
+    # a stream of deltas carries the prompt's logprobs once, with its first output (as vLLM's)
+    sent = [c.prompt_logprobs for c in deltas]
+    assert len(sent) > 2 and len(sent[0]) == 9 and sent[0][0] is None and all(p is None for p in sent[1:])
     only = await collect(engine, prompt(9), base.clone(output_kind=RequestOutputKind.FINAL_ONLY), "final")
     assert len(only) == 1 and only[0].finished
     assert (only[0].outputs[0].text, only[0].outputs[0].token_ids) == (final.text, final.token_ids)
