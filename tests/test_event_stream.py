@@ -1,5 +1,6 @@
 """A stream's running chunks written from per-choice byte templates (EventStream.templates) are byte for byte the
-chunks built whole (EventStream.chunk), for completions and chats, several choices, and texts that JSON escapes."""
+chunks built whole (EventStream.chunk), for completions and chats, several choices, and texts that JSON escapes;
+streams whose chunks carry per-chunk fields, or whose class builds its own chunks, build every chunk whole."""
 
 from __future__ import annotations
 
@@ -56,3 +57,11 @@ async def test_streams_with_per_chunk_fields_build_every_chunk():
     with_logprobs = EventStream(None, "tiny", SimpleNamespace(**{**vars(req), "continuous_usage": False}), "cmpl-3", 0,
                                 [ChoiceState(0, 2)], 3, False, FlowControl(1, 1.0))  # fmt: skip
     assert usage_so_far.templates is None and with_logprobs.templates is None
+
+    class Numbered(EventStream):  # a subclass's chunks may keep state (the Responses API numbers its events)
+        def chunk(self, choice, **kw):
+            return super().chunk(choice, **kw)
+
+    numbered = Numbered(None, "tiny", SimpleNamespace(**{**vars(req), "continuous_usage": False}), "cmpl-4", 0,
+                        [ChoiceState(0, None)], 3, False, FlowControl(1, 1.0))  # fmt: skip
+    assert numbered.templates is None

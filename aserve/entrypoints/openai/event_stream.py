@@ -68,6 +68,9 @@ class FlowControl:
     on_cut_off: Callable[[], None] | None = None
 
 
+_CHUNK_METHODS = ("chunk", "chunk_body", "with_usage")  # what builds a running choice's chunk
+
+
 def http_chunk(data: bytes) -> bytes:
     """`data` in HTTP/1.1 chunked framing (what aiohttp writes for a streamed response)."""
     return b"%x\r\n%b\r\n" % (len(data), data)
@@ -111,10 +114,12 @@ class EventStream(OutputSink):
         self._poll: asyncio.TimerHandle | None = None
         # A running choice's chunk as the bytes around its delta text, per choice index, where nothing else in the
         # chunk changes between steps (no logprobs, token ids, tool or reasoning handling, prompt logprobs or usage
-        # so far); None: every chunk goes through chunk().
+        # so far, and this class's own chunks: a subclass's may keep state, as the Responses API's sequence
+        # numbers); None: every chunk goes through chunk().
+        own_chunks = all(getattr(type(self), name) is getattr(EventStream, name) for name in _CHUNK_METHODS)
         self.templates: dict[int, tuple[bytes, bytes] | None] | None = None if (
-            self.return_token_ids or self.report_prompt_logprobs or self.tools is not None or self.continuous_usage
-            or any(c.want_logprobs for c in choices)) else {}  # fmt: skip
+            not own_chunks or self.return_token_ids or self.report_prompt_logprobs or self.tools is not None
+            or self.continuous_usage or any(c.want_logprobs for c in choices)) else {}  # fmt: skip
 
     def template(self, index: int) -> tuple[bytes, bytes] | None:
         """The bytes of choice `index`'s running chunk before and after its delta text, cut from chunk()'s own bytes
