@@ -12,7 +12,9 @@ the server starts.
 Online: `aserve serve` with the same engine flags and the same KV cache size, and an aiohttp client in this process:
 --streams workers pull the same prompts, each streaming POST /v1/completions; a warm-up pass (other prompts,
 max_tokens 4) first. Per request: TTFT (send -> first chunk carrying a token), TPOT ((e2e - TTFT) / (n_out - 1)),
-and every gap between token-carrying chunks (ITL). Output tokens come from the usage chunk.
+and every gap between token-carrying chunks (ITL). Output tokens come from the usage chunk. Both engines report
+when every request had its first token (offline: the last step that gave one; online: the last first chunk), which
+with every request sent at once splits a run into its prompts' phase and its decoding.
 --profile samples the server with py-spy during the (first) timed online pass and prints where its threads spend time.
 --passes N times N online passes on one server, each with its own prompts, and reports the median one;
 --interleave (where one machine holds both engines, e.g. CPU) also runs an offline pass on each pass's prompts right
@@ -88,11 +90,14 @@ def offline(ns: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     stats = llm.engine.stats
     steps0, tokens0 = stats.steps_total, stats.scheduled_tokens_total
+    first_marks = []  # when a step gave requests their first tokens
+    stats.add_listener(lambda step, _: first_marks.append(time.perf_counter()) if step.time_to_first_token else None)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = {"steps": stats.steps_total - steps0, "step_tokens": stats.scheduled_tokens_total - tokens0}
+    steps = {"steps": stats.steps_total - steps0, "step_tokens": stats.scheduled_tokens_total - tokens0,
+             "first_tokens_s": round(first_marks[-1] - t0, 3) if first_marks else None}  # fmt: skip
     core = llm.engine.core
     return {"vocab_size": vocab, "device": str(llm.engine.config.device), "output_tokens": n_out,
             "wall_s": round(elapsed, 3), "output_tok_s": round(n_out / elapsed, 1),
@@ -149,7 +154,7 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
         raise RuntimeError("stream ended without a token or without usage")
     ttft, e2e = first - t0, end - t0
     tpot = (e2e - ttft) / (n_out - 1) if n_out > 1 else None
-    return {"ttft": ttft, "e2e": e2e, "tpot": tpot, "gaps": gaps, "n_out": n_out, "chunks": chunks}
+    return {"ttft": ttft, "e2e": e2e, "tpot": tpot, "gaps": gaps, "n_out": n_out, "chunks": chunks, "first_at": first}
 
 
 STEP_METRIC = ("iteration_tokens_total",)
@@ -167,7 +172,7 @@ async def server_counts(session, url: str) -> dict[str, float]:
 
 async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams: int) -> tuple[list[dict], float, dict]:
     """-> (per-request results, wall seconds, the engine's steps, the tokens they computed and the streams paused
-    over the pass)."""
+    over the pass, and when the last request got its first token)."""
     import aiohttp
 
     results: list[dict] = []
@@ -185,7 +190,8 @@ async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams:
         await asyncio.gather(*(worker(session) for _ in range(streams)))
         elapsed = time.perf_counter() - t0
         after = await server_counts(session, url)
-    return results, elapsed, {k: int(after[k] - before[k]) for k in after}
+    counts = {k: int(after[k] - before[k]) for k in after}
+    return results, elapsed, {**counts, "first_tokens_s": round(max(r["first_at"] for r in results) - t0, 3)}
 
 
 def start_profiler(pid: int, out_dir: str, duration_s: int):
@@ -368,6 +374,8 @@ def print_table(off: dict, on: dict, ns: argparse.Namespace) -> None:
          f"tokens per step {off.get('step_tokens', 0) / max(off.get('steps', 0), 1):.1f} / "
          f"{on['step_tokens'] / max(on['steps'], 1):.1f}"),
         ("streams paused (flow control)", str(on["stream_pauses"]), "the client fell a step behind reading"),
+        ("every request's first token by (s), offline / online", f"{off.get('first_tokens_s', '-')} / "
+         f"{on['first_tokens_s']}", "with every request sent at once: the prompts' phase; the rest is decoding"),
     ]  # fmt: skip
     print("\n| metric | value | note |\n|---|---|---|")
     for row in rows:
