@@ -16,11 +16,12 @@ from aserve.outputs import CompletionOutput, RequestOutput
 TEXTS = ["Hello", ' "quoted"\n', "\\ back", "\x00marker\x00", "é ☃ 𝄞", "</script>", ""]
 
 
-def make_stream(chat: bool, n: int, include_usage: bool, templates: bool) -> EventStream:
-    req = SimpleNamespace(n=n, include_usage=include_usage, continuous_usage=False, return_token_ids=False,
+def make_stream(chat: bool, n: int, include_usage: bool, templates: bool = True, continuous_usage: bool = False,
+                num_top: int | None = None, cls: type[EventStream] = EventStream) -> EventStream:  # fmt: skip
+    req = SimpleNamespace(n=n, include_usage=include_usage, continuous_usage=continuous_usage, return_token_ids=False,
                           prompt_logprobs=None)  # fmt: skip
-    choices = [ChoiceState(i, None) for i in range(n)]
-    stream = EventStream(None, "tiny", req, "cmpl-1", 1700000000, choices, 3, chat, FlowControl(1 << 20, 5.0))
+    choices = [ChoiceState(i, num_top) for i in range(n)]
+    stream = cls(None, "tiny", req, "cmpl-1", 1700000000, choices, 3, chat, FlowControl(1 << 20, 5.0))
     if not templates:
         stream.templates = None
     return stream
@@ -50,18 +51,13 @@ async def test_templated_chunks_are_the_chunks_built_whole(chat, include_usage):
 
 
 async def test_streams_with_per_chunk_fields_build_every_chunk():
-    stream = make_stream(False, 1, True, True)
-    assert stream.templates == {}
-    req = SimpleNamespace(n=1, include_usage=True, continuous_usage=True, return_token_ids=False, prompt_logprobs=None)
-    usage_so_far = EventStream(None, "tiny", req, "cmpl-2", 0, [ChoiceState(0, None)], 3, False, FlowControl(1, 1.0))
-    with_logprobs = EventStream(None, "tiny", SimpleNamespace(**{**vars(req), "continuous_usage": False}), "cmpl-3", 0,
-                                [ChoiceState(0, 2)], 3, False, FlowControl(1, 1.0))  # fmt: skip
+    assert make_stream(False, 1, True).templates == {}
+    usage_so_far = make_stream(False, 1, True, continuous_usage=True)
+    with_logprobs = make_stream(False, 1, True, num_top=2)
     assert usage_so_far.templates is None and with_logprobs.templates is None
 
     class Numbered(EventStream):  # a subclass's chunks may keep state (the Responses API numbers its events)
         def chunk(self, choice, **kw):
             return super().chunk(choice, **kw)
 
-    numbered = Numbered(None, "tiny", SimpleNamespace(**{**vars(req), "continuous_usage": False}), "cmpl-4", 0,
-                        [ChoiceState(0, None)], 3, False, FlowControl(1, 1.0))  # fmt: skip
-    assert numbered.templates is None
+    assert make_stream(False, 1, True, cls=Numbered).templates is None

@@ -106,9 +106,7 @@ class KVCacheManager:
         if not new_computed_blocks and self.sliding_window is None:
             # A running request whose blocks already hold the new tokens (most decode steps): nothing to take.
             blocks = self.req_to_blocks.get(request.request_id)
-            if blocks and len(blocks) * self.block_size >= (
-                request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-            ):
+            if blocks and self._num_required(request, num_new_tokens, 0, num_lookahead_tokens) <= len(blocks):
                 if request.hasher is not None:
                     self._cache_full_blocks(request, blocks, 0, num_new_tokens)
                 return []

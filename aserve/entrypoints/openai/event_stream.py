@@ -122,8 +122,10 @@ class EventStream(OutputSink):
             or self.continuous_usage or any(c.want_logprobs for c in choices)) else {}  # fmt: skip
 
     def template(self, index: int) -> tuple[bytes, bytes] | None:
-        """The bytes of choice `index`'s running chunk before and after its delta text, cut from chunk()'s own bytes
-        for a marker text (None where the marker's encoding is not found exactly once)."""
+        """The bytes of choice `index`'s running chunk before and after its delta text, cut once from chunk()'s own
+        bytes for a marker text (None where the marker's encoding is not found exactly once)."""
+        if index in self.templates:
+            return self.templates[index]
         marker = "\x00marker\x00"
         probe = ChoiceState(index, None)
         probe.delta_text = marker
@@ -190,8 +192,7 @@ class EventStream(OutputSink):
                 continue  # stream_interval: the tokens wait for the next ones (the first and last chunks do not)
             template = None
             if self.templates is not None and choice.finish_reason is None:
-                template = self.templates[choice.index] if choice.index in self.templates else (
-                    self.template(choice.index))  # fmt: skip
+                template = self.template(choice.index)
             if template is not None:
                 parts.append(template[0] + msgspec.json.encode(choice.delta_text) + template[1])
             else:
