@@ -14,7 +14,8 @@ Online: `aserve serve` with the same engine flags and the same KV cache size, an
 max_tokens 4) first. Per request: TTFT (send -> first chunk carrying a token), TPOT ((e2e - TTFT) / (n_out - 1)),
 and every gap between token-carrying chunks (ITL). Output tokens come from the usage chunk. Both engines report
 when every request had its first token (offline: the last step that gave one; online: the last first chunk), which
-with every request sent at once splits a run into its prompts' phase and its decoding.
+with every request sent at once splits a run into its prompts' phase and its decoding, and the decoding phase's
+time per step (offline: between the ends of its steps; online: between a stream's chunks).
 --profile samples the server with py-spy during the (first) timed online pass and prints where its threads spend time.
 --passes N times N online passes on one server, each with its own prompts, and reports the median one;
 --interleave (where one machine holds both engines, e.g. CPU) also runs an offline pass on each pass's prompts right
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import json
 import os
 import random
@@ -90,14 +92,19 @@ def offline(ns: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     stats = llm.engine.stats
     steps0, tokens0 = stats.steps_total, stats.scheduled_tokens_total
-    first_marks = []  # when a step gave requests their first tokens
-    stats.add_listener(lambda step, _: first_marks.append(time.perf_counter()) if step.time_to_first_token else None)
+    marks = []  # (when each step ended, whether it gave requests their first tokens)
+    stats.add_listener(lambda step, _: marks.append((time.perf_counter(), bool(step.time_to_first_token))))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = {"steps": stats.steps_total - steps0, "step_tokens": stats.scheduled_tokens_total - tokens0,
-             "first_tokens_s": round(first_marks[-1] - t0, 3) if first_marks else None}  # fmt: skip
+    firsts = [at for at, first in marks if first]
+    steps = {"steps": stats.steps_total - steps0, "step_tokens": stats.scheduled_tokens_total - tokens0}
+    if firsts:
+        # The decoding phase's steps: those after the last one that gave a request its first token.
+        late = [at for at, _ in marks if at > firsts[-1]]
+        gaps = [b - a for a, b in itertools.pairwise(late)]
+        steps.update(first_tokens_s=round(firsts[-1] - t0, 3), decode_step=ms_stats(gaps))
     core = llm.engine.core
     return {"vocab_size": vocab, "device": str(llm.engine.config.device), "output_tokens": n_out,
             "wall_s": round(elapsed, 3), "output_tok_s": round(n_out / elapsed, 1),
@@ -123,7 +130,7 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     first = last = None
-    gaps, chunks, n_out = [], 0, None
+    gaps, gap_ends, chunks, n_out = [], [], 0, None
     t0 = time.perf_counter()
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -147,6 +154,7 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
                 first = now
             else:
                 gaps.append(now - last)
+                gap_ends.append(now)
             last = now
             chunks += 1
     end = time.perf_counter()
@@ -154,7 +162,8 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
         raise RuntimeError("stream ended without a token or without usage")
     ttft, e2e = first - t0, end - t0
     tpot = (e2e - ttft) / (n_out - 1) if n_out > 1 else None
-    return {"ttft": ttft, "e2e": e2e, "tpot": tpot, "gaps": gaps, "n_out": n_out, "chunks": chunks, "first_at": first}
+    return {"ttft": ttft, "e2e": e2e, "tpot": tpot, "gaps": gaps, "gap_ends": gap_ends, "n_out": n_out,
+            "chunks": chunks, "first_at": first}  # fmt: skip
 
 
 STEP_METRIC = ("iteration_tokens_total",)
@@ -191,7 +200,10 @@ async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams:
         elapsed = time.perf_counter() - t0
         after = await server_counts(session, url)
     counts = {k: int(after[k] - before[k]) for k in after}
-    return results, elapsed, {**counts, "first_tokens_s": round(max(r["first_at"] for r in results) - t0, 3)}
+    # The decoding phase: the gaps between a stream's chunks after every request had its first token.
+    last_first = max(r["first_at"] for r in results)
+    late = [g for r in results for g, end in zip(r["gaps"], r["gap_ends"]) if end - g >= last_first]
+    return results, elapsed, {**counts, "first_tokens_s": round(last_first - t0, 3), "decode_step": ms_stats(late)}
 
 
 def start_profiler(pid: int, out_dir: str, duration_s: int):
@@ -376,6 +388,10 @@ def print_table(off: dict, on: dict, ns: argparse.Namespace) -> None:
         ("streams paused (flow control)", str(on["stream_pauses"]), "the client fell a step behind reading"),
         ("every request's first token by (s), offline / online", f"{off.get('first_tokens_s', '-')} / "
          f"{on['first_tokens_s']}", "with every request sent at once: the prompts' phase; the rest is decoding"),
+        ("decoding phase: ms per step p50 / p99, offline / online",
+         f"{fmt(off.get('decode_step', {}), 'p50_ms')} / {fmt(off.get('decode_step', {}), 'p99_ms')}, "
+         f"{fmt(on['decode_step'], 'p50_ms')} / {fmt(on['decode_step'], 'p99_ms')}",
+         "after every first token: offline between steps' ends, online between a stream's chunks"),
     ]  # fmt: skip
     print("\n| metric | value | note |\n|---|---|---|")
     for row in rows:
