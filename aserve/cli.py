@@ -25,7 +25,7 @@ from aserve.entrypoints.openai.cli_args import (
     cors_options,
     set_log_levels,
 )
-from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket
+from aserve.entrypoints.openai.connections import ConnectionGuard, ConnectionLimits, listen_socket, start_listening
 from aserve.entrypoints.openai.run_batch import add_run_batch_args, run_batch
 from aserve.entrypoints.openai.serve_options import ServeOptions, add_serve_option_args
 from aserve.entrypoints.openai.server import SERVER_OPTIONS, STATE_KEY, build_app
@@ -140,9 +140,7 @@ async def _serve(
     guard = ConnectionGuard(runner.server, limits or ConnectionLimits())
     app[STATE_KEY].attach_connections(guard)
     tls = options.ssl_context
-    listener = await asyncio.get_running_loop().create_server(
-        guard.protocol_factory, sock=sock, ssl=tls, ssl_handshake_timeout=guard.limits.timeout_headers if tls else None
-    )
+    listener = await start_listening(guard.protocol_factory, sock, tls, guard.limits.timeout_headers if tls else None)
     logger.info("connections: at most %d open; timeouts: headers %g s, body %g s, keep-alive %g s", guard.limit,
                 guard.limits.timeout_headers, guard.limits.timeout_body, guard.limits.timeout_keep_alive)  # fmt: skip
     name = served_model_name if isinstance(served_model_name, str) else served_model_name[0]

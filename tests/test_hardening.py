@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -332,3 +333,25 @@ async def test_tokenizer_pool_caps_the_text_in_flight():
 
 def _refuse(num_chars: int) -> None:
     raise ParamError("messages", f"{num_chars} characters")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the listening socket's queue size from Linux's TCP_INFO")
+async def test_the_listening_socket_queues_a_burst_of_connections():
+    """The server's listening socket keeps its backlog once the event loop serves it (create_server listens again,
+    with 100 unless told): a burst of a few hundred new clients waits in the kernel's queue instead of having its
+    connections dropped and retried a second later."""
+    import socket
+    import struct
+
+    from aserve.entrypoints.openai.connections import LISTEN_BACKLOG, listen_socket, start_listening
+
+    sock = listen_socket("127.0.0.1", 0)
+    server = await start_listening(asyncio.Protocol, sock)
+    try:
+        # struct tcp_info: eight one-byte fields, then rto, ato, snd_mss, rcv_mss, unacked, sacked (u32 each); for a
+        # listening socket `sacked` is the queue's size (sk_max_ack_backlog).
+        max_backlog = struct.unpack_from("8B6I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104))[13]
+        with open("/proc/sys/net/core/somaxconn") as f:
+            assert max_backlog == min(LISTEN_BACKLOG, int(f.read())) > 100
+    finally:
+        server.close()

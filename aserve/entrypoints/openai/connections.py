@@ -367,6 +367,20 @@ def _decode(body: bytes | mmap.mmap, struct_type):
         raise APIError(400, "the request body is nested too deeply", code="json_too_deep") from e
 
 
+# The connections the kernel queues for accept(): a burst of hundreds of new clients is queued, not dropped (a client
+# whose connection is dropped retries after a second). create_server() listens again with its own default (100)
+# unless it is given this too.
+LISTEN_BACKLOG = socket.SOMAXCONN
+
+
+async def start_listening(protocol_factory, sock: socket.socket, ssl=None,
+                          ssl_handshake_timeout: float | None = None) -> asyncio.Server:  # fmt: skip
+    """The event loop's server on `sock` (from listen_socket), with LISTEN_BACKLOG kept."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(protocol_factory, sock=sock, backlog=LISTEN_BACKLOG, ssl=ssl,
+                                    ssl_handshake_timeout=ssl_handshake_timeout)  # fmt: skip
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """The server's listening socket, bound now (ValueError naming the address when it cannot be)."""
     try:
@@ -378,7 +392,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
