@@ -34,6 +34,7 @@ from aiohttp import web
 from aserve.config import EngineArgs
 from aserve.core.metrics import PeriodicLogger
 from aserve.engine.async_engine import AsyncEngine
+from aserve.entrypoints.openai.connections import LISTEN_BACKLOG
 from aserve.entrypoints.openai.server import SERVER_OPTIONS, build_app
 
 logger = logging.getLogger("aserve")
@@ -100,7 +101,7 @@ async def _run(app: web.Application, input_file: str, output_file: str, max_in_f
     await runner.setup()
     with tempfile.TemporaryDirectory(prefix="aserve-batch-") as directory:  # mode 0700: this user's only
         path = os.path.join(directory, "api.sock")
-        await web.UnixSite(runner, path).start()
+        await web.UnixSite(runner, path, backlog=LISTEN_BACKLOG).start()  # max_in_flight connections at once
         connector = aiohttp.UnixConnector(path=path, limit=max_in_flight)
         session = aiohttp.ClientSession("http://localhost", connector=connector,
                                         timeout=aiohttp.ClientTimeout(total=None))  # fmt: skip
