@@ -129,8 +129,7 @@ def run_offline_child(argv: list[str], log_path: str) -> dict:
 async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    first = last = None
-    gaps, gap_ends, chunks, n_out = [], [], 0, None
+    stamps, n_out = [], None  # when each chunk carrying tokens arrived
     t0 = time.perf_counter()
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -149,21 +148,13 @@ async def stream_one(session, url: str, prompt: list[int], max_tokens: int) -> d
                     raise RuntimeError(f"stream error: {obj['error']}")
                 n_out = obj["usage"]["completion_tokens"]
                 continue
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps.append(now - last)
-                gap_ends.append(now)
-            last = now
-            chunks += 1
+            stamps.append(time.perf_counter())
     end = time.perf_counter()
-    if first is None or n_out is None:
+    if not stamps or n_out is None:
         raise RuntimeError("stream ended without a token or without usage")
-    ttft, e2e = first - t0, end - t0
+    ttft, e2e = stamps[0] - t0, end - t0
     tpot = (e2e - ttft) / (n_out - 1) if n_out > 1 else None
-    return {"ttft": ttft, "e2e": e2e, "tpot": tpot, "gaps": gaps, "gap_ends": gap_ends, "n_out": n_out,
-            "chunks": chunks, "first_at": first}  # fmt: skip
+    return {"ttft": ttft, "e2e": e2e, "tpot": tpot, "stamps": stamps, "n_out": n_out}
 
 
 STEP_METRIC = ("iteration_tokens_total",)
@@ -201,8 +192,8 @@ async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams:
         after = await server_counts(session, url)
     counts = {k: int(after[k] - before[k]) for k in after}
     # The decoding phase: the gaps between a stream's chunks after every request had its first token.
-    last_first = max(r["first_at"] for r in results)
-    late = [g for r in results for g, end in zip(r["gaps"], r["gap_ends"]) if end - g >= last_first]
+    last_first = max(r["stamps"][0] for r in results)
+    late = [b - a for r in results for a, b in itertools.pairwise(r["stamps"]) if a >= last_first]
     return results, elapsed, {**counts, "first_tokens_s": round(last_first - t0, 3), "decode_step": ms_stats(late)}
 
 
@@ -342,11 +333,11 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
     _, results, elapsed, client_cpu, _, steps = sorted(passes, key=lambda x: x[0])[(len(passes) - 1) // 2]
     raw = passes[0][4]
     n_out = sum(r["n_out"] for r in results)
-    chunks = sum(r["chunks"] for r in results)
+    chunks = sum(len(r["stamps"]) for r in results)
     out = {"output_tokens": n_out, "wall_s": round(elapsed, 3), "output_tok_s": round(n_out / elapsed, 1),
            "ttft": ms_stats([r["ttft"] for r in results]),
            "tpot": ms_stats([r["tpot"] for r in results if r["tpot"] is not None]),
-           "itl": ms_stats([g for r in results for g in r["gaps"]]),
+           "itl": ms_stats([b - a for r in results for a, b in itertools.pairwise(r["stamps"])]),
            "e2e": ms_stats([r["e2e"] for r in results]),
            "tokens_per_chunk": round(n_out / max(chunks, 1), 3), "client_cpu_frac": round(client_cpu / elapsed, 3),
            "kv_cache_memory_gb": kv_gb, "pass_tok_s": [round(x, 1) for x in rates], **steps}  # fmt: skip
