@@ -340,7 +340,6 @@ async def test_the_listening_socket_queues_a_burst_of_connections():
     """The server's listening socket keeps its backlog once the event loop serves it (create_server listens again,
     with 100 unless told): a burst of a few hundred new clients waits in the kernel's queue instead of having its
     connections dropped and retried a second later."""
-    import socket
     import struct
 
     from aserve.entrypoints.openai.connections import LISTEN_BACKLOG, listen_socket, start_listening
