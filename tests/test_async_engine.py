@@ -3,6 +3,7 @@ event loop."""
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -212,4 +213,25 @@ async def test_a_paused_request_waits_and_resumes_with_the_same_tokens(engine, t
     offline = LLM(tiny_model, dtype="float32", enforce_eager=True).generate(prompts, params)
     assert tokens == [o.outputs[0].token_ids for o in offline]
     assert_all_blocks_free(engine.engine)
+    await engine.shutdown()
+
+
+async def test_a_burst_of_handlers_lets_the_steps_through(engine):
+    """Handlers that call yield_to_steps() before their intake (as the server's do) go behind the step coroutine
+    whenever a step's result waits for it: a burst of slow intakes, all ready at once, has steps run between them
+    instead of after the last."""
+    steps = []
+    engine.stats.add_listener(lambda step, totals: steps.append(step))
+    gen = engine.generate(prompt(5), SamplingParams(max_tokens=400, ignore_eos=True), "long")
+    await anext(gen)
+    seen = []
+
+    async def handler():
+        await engine.yield_to_steps()
+        seen.append(len(steps))
+        time.sleep(0.003)  # a request's intake, holding the event loop
+
+    await asyncio.gather(*(handler() for _ in range(40)))
+    await gen.aclose()
+    assert len(set(seen)) >= 5, seen  # without the yield: every handler before the next step (one value)
     await engine.shutdown()

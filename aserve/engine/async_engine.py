@@ -164,6 +164,9 @@ class AsyncEngine:
         self._closed_reason: str | None = None  # set by abort_all(): no new requests after a forced shutdown
         self.failure: BaseException | None = None  # what ended the step loop, if an error did
         self._failed: asyncio.Event | None = None
+        # A step call of the worker thread has returned and the step coroutine has not yet resumed with its result
+        # (set in the worker thread, cleared by the coroutine): see yield_to_steps().
+        self._result_waiting = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **serving) -> AsyncEngine:
@@ -446,6 +449,22 @@ class AsyncEngine:
 
     # -- the step loop ----------------------------------------------------------------------------------------
 
+    async def yield_to_steps(self) -> None:
+        """Returns once the step coroutine has taken the result of the worker's last step call. A request handler
+        calls it before its intake: a burst of new requests otherwise runs every handler's parsing and queuing
+        (~0.3 ms each) ahead of the step coroutine's next turn, which waits behind them in the event loop's ready
+        queue while the device idles. A handler that yields goes behind that turn (two loop iterations: the
+        executor's callback, then the coroutine's wake-up)."""
+        while self._result_waiting and self.is_running:
+            await asyncio.sleep(0)
+
+    def _in_worker(self, fn, arg):
+        """fn(arg) in the worker thread, marking its result as waiting for the step coroutine."""
+        try:
+            return fn(arg)
+        finally:
+            self._result_waiting = True
+
     async def _step_loop(self) -> None:
         """EngineCore's step with its model work in the worker thread (see aserve/engine/core.py).
 
@@ -469,11 +488,14 @@ class AsyncEngine:
                 held = []
                 await asyncio.sleep(0.001)
                 continue
+            run = self._in_worker
             if core.splits(work):
-                done = await loop.run_in_executor(executor, core.launch, work)
+                done = await loop.run_in_executor(executor, run, core.launch, work)
+                self._result_waiting = False
                 self._deliver(held)
-                done = await loop.run_in_executor(executor, core.wait_inflight, done)
+                done = await loop.run_in_executor(executor, run, core.wait_inflight, done)
             else:
                 self._deliver(held)
-                done = await loop.run_in_executor(executor, core.execute, work)
+                done = await loop.run_in_executor(executor, run, core.execute, work)
+            self._result_waiting = False
             held = engine.process(core.update(work, done))

@@ -355,6 +355,7 @@ async def _admit(request: web.Request, handler, state: ServerState):
     state.inflight += 1
     state.idle.clear()
     try:
+        await state.engine.yield_to_steps()
         return await _handle(request, handler, state)
     finally:
         state.inflight -= 1
