@@ -107,6 +107,7 @@ class EventStream(OutputSink):
         self.group: StreamGroup | None = None
         self.transport = None
         self.frame = http_chunk  # how a direct write frames its bytes (go_direct)
+        self.unsent = b""  # the response's headers, where they go out with the first direct write (go_direct)
         self.loop = asyncio.get_running_loop()
         self.done: asyncio.Future = self.loop.create_future()
         self.flow = flow
@@ -220,10 +221,11 @@ class EventStream(OutputSink):
             tail = sse(body) + tail
         return tail
 
-    def go_direct(self) -> None:
-        """From now on put() writes straight to the transport (aiohttp has sent the headers), in HTTP/1.1 chunked
-        framing or, for an HTTP/1.0 request, raw (as aiohttp frames each), with the connection's kernel send buffer
-        bounded by SEND_BUFFER."""
+    def go_direct(self, unsent: bytes = b"") -> None:
+        """From now on put() writes straight to the transport, in HTTP/1.1 chunked framing or, for an HTTP/1.0
+        request, raw (as aiohttp frames each), with the connection's kernel send buffer bounded by SEND_BUFFER.
+        unsent: the response's headers if aiohttp has not sent them; the first write carries them."""
+        self.unsent = unsent
         self.frame = http_chunk if self.request.version >= (1, 1) else raw
         self.transport = self.request.transport
         sock = self.transport.get_extra_info("socket")
@@ -243,7 +245,11 @@ class EventStream(OutputSink):
                 return self._end(False)
             unread = transport.get_write_buffer_size()  # what the client has not taken since the last step
             if data:
-                transport.write(self.frame(data))
+                transport.write(self.unsent + self.frame(data) if self.unsent else self.frame(data))
+                self.unsent = b""
+            elif ended and self.unsent:
+                transport.write(self.unsent)
+                self.unsent = b""
             if ended:
                 self._end(True)
             elif transport.get_write_buffer_size() > self.flow.buffer:
@@ -253,7 +259,7 @@ class EventStream(OutputSink):
         except Exception:  # a fault here ends this stream only (with an error event), never the step coroutine
             logger.exception("stream %s failed", self.request_id)
             with contextlib.suppress(Exception):
-                self.transport.write(self.frame(self.error_events("internal server error", 500)))
+                self.transport.write(self.unsent + self.frame(self.error_events("internal server error", 500)))
             self._end(True)
 
     def _pause(self) -> None:
@@ -294,20 +300,34 @@ class EventStream(OutputSink):
             self.flow.on_cut_off()
 
 
+def _unsent_headers(response: web.StreamResponse) -> bytes:
+    """The response's serialised headers if aiohttp still holds them (taken from it: the caller sends them), else
+    b"" (aiohttp has sent them, or keeps them differently)."""
+    writer = response._payload_writer
+    headers = getattr(writer, "_headers_buf", None)
+    if not headers or getattr(writer, "_headers_written", True):
+        return b""
+    writer._headers_buf, writer._headers_written = None, True
+    return bytes(headers)
+
+
 async def stream_response(request: web.Request, stream: EventStream, group: StreamGroup) -> web.StreamResponse:
     """Streams `group`'s outputs (added with `stream` as their sink) as SSE chunks, then the usage chunk (if asked
     for) and [DONE]."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    # aiohttp keeps the headers until the first write, which then carries them: one send instead of two.
+    response._send_headers_immediately = False
     stream.group = group
     try:
         await response.prepare(request)  # raises ConnectionError if the client has already hung up
-        # The first events go through aiohttp (they carry the headers); direct writes follow.
-        await response.write(stream.head())
+        head = stream.head()  # the first events go through aiohttp; direct writes follow
+        if head:
+            await response.write(head)
         direct = request.transport is not None
         ended = False
         while not ended:
             if direct and not stream.items:
-                stream.go_direct()
+                stream.go_direct(_unsent_headers(response))
                 break
             data, ended = stream.events(await stream.get_all())
             await response.write(data)
