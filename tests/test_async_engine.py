@@ -216,22 +216,37 @@ async def test_a_paused_request_waits_and_resumes_with_the_same_tokens(engine, t
     await engine.shutdown()
 
 
-async def test_a_burst_of_handlers_lets_the_steps_through(engine):
-    """Handlers that call yield_to_steps() before their intake (as the server's do) go behind the step coroutine
-    whenever a step's result waits for it: a burst of slow intakes, all ready at once, has steps run between them
-    instead of after the last."""
-    steps = []
+async def test_a_burst_of_intakes_lets_the_steps_through(engine):
+    """Handlers that call intake_turn() before their intake (as the server's do) wait while the worker launches a
+    step (async scheduling) and while a worker call's result waits for the step coroutine: a burst of slow intakes,
+    all ready at once, has steps run between them instead of after the last, and none runs during a launch."""
+    core, steps, launches = engine.engine.core, [], []
     engine.stats.add_listener(lambda step, totals: steps.append(step))
+    launch = core.launch
+
+    def timed_launch(work):
+        t0 = time.perf_counter()
+        try:
+            return launch(work)
+        finally:
+            launches.append((t0, time.perf_counter()))
+
+    core.launch = timed_launch
     gen = engine.generate(prompt(5), SamplingParams(max_tokens=400, ignore_eos=True), "long")
     await anext(gen)
-    seen = []
+    seen, intakes = [], []
 
-    async def handler():
-        await engine.yield_to_steps()
+    async def handler(arrival):
+        await asyncio.sleep(arrival)
+        await engine.intake_turn()
         seen.append(len(steps))
+        t0 = time.perf_counter()
         time.sleep(0.003)  # a request's intake, holding the event loop
+        intakes.append((t0, time.perf_counter()))
 
-    await asyncio.gather(*(handler() for _ in range(40)))
+    await asyncio.gather(*(handler(0.0 if i < 20 else (i - 20) * 0.002) for i in range(40)))  # a burst, then more
     await gen.aclose()
-    assert len(set(seen)) >= 5, seen  # without the yield: every handler before the next step (one value)
+    assert len(set(seen)) >= 5, seen  # without the gate: every intake before the next step (one value)
+    assert not [(a, b) for a, b in intakes for c, d in launches if a < d and c < b]
+    assert not core.async_scheduling or len(launches) >= 5
     await engine.shutdown()

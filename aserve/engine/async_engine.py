@@ -24,6 +24,7 @@ from aserve.config import EngineArgs
 from aserve.core.structured_output import compile_error
 from aserve.engine.config import EngineConfig
 from aserve.engine.errors import EngineClosedError, EngineDeadError, EngineOverloadedError
+from aserve.engine.intake_gate import IntakeGate
 from aserve.engine.llm_engine import (
     DEFAULT_MAX_PENDING_CHARS,
     DEFAULT_POOL_SIZE,
@@ -164,9 +165,7 @@ class AsyncEngine:
         self._closed_reason: str | None = None  # set by abort_all(): no new requests after a forced shutdown
         self.failure: BaseException | None = None  # what ended the step loop, if an error did
         self._failed: asyncio.Event | None = None
-        # A step call of the worker thread has returned and the step coroutine has not yet resumed with its result
-        # (set in the worker thread, cleared by the coroutine): see yield_to_steps().
-        self._result_waiting = False
+        self._gate: IntakeGate | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **serving) -> AsyncEngine:
@@ -239,7 +238,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._task is None:
-            self._wakeup, self._failed = asyncio.Event(), asyncio.Event()
+            self._wakeup, self._failed, self._gate = asyncio.Event(), asyncio.Event(), IntakeGate()
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._step_loop(), name="aserve-step-loop")
             self._task.add_done_callback(self._on_loop_exit)
@@ -249,6 +248,7 @@ class AsyncEngine:
                 workers.add_failure_listener(lambda: loop.call_soon_threadsafe(wakeup.set))
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
+        self._gate.retire()
         if task.cancelled():
             return
         error = task.exception()
@@ -449,21 +449,12 @@ class AsyncEngine:
 
     # -- the step loop ----------------------------------------------------------------------------------------
 
-    async def yield_to_steps(self) -> None:
-        """Returns once the step coroutine has taken the result of the worker's last step call. A request handler
-        calls it before its intake: a burst of new requests otherwise runs every handler's parsing and queuing
-        (~0.3 ms each) ahead of the step coroutine's next turn, which waits behind them in the event loop's ready
-        queue while the device idles. A handler that yields goes behind that turn (two loop iterations: the
-        executor's callback, then the coroutine's wake-up)."""
-        while self._result_waiting and self.is_running:
-            await asyncio.sleep(0)
-
-    def _in_worker(self, fn, arg):
-        """fn(arg) in the worker thread, marking its result as waiting for the step coroutine."""
-        try:
-            return fn(arg)
-        finally:
-            self._result_waiting = True
+    async def intake_turn(self) -> None:
+        """Returns when a new request's intake may run without holding up the step worker (intake_gate.py: not while
+        the worker launches a step, nor while its result waits for the step coroutine). The server's handlers call
+        it before their intake."""
+        if self.is_running:
+            await self._gate.wait()
 
     async def _step_loop(self) -> None:
         """EngineCore's step with its model work in the worker thread (see aserve/engine/core.py).
@@ -474,28 +465,35 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         engine, core, executor = self.engine, self.engine.core, self._executor
         held: list[RequestOutput] = []  # processed outputs not yet handed to their streams
+        gate = self._gate
+        run = gate.in_worker
         while True:
             core.check_workers()
             if not engine.has_unfinished_requests() or core.all_paused():
                 self._deliver(held)
                 held = []
                 self._wakeup.clear()
+                gate.open()
                 await self._wakeup.wait()
                 continue
             work = core.schedule()
             if work is None:
                 self._deliver(held)
                 held = []
+                gate.open()
                 await asyncio.sleep(0.001)
                 continue
-            run = self._in_worker
             if core.splits(work):
+                gate.close()
                 done = await loop.run_in_executor(executor, run, core.launch, work)
-                self._result_waiting = False
+                gate.open()  # intake runs while the device does
                 self._deliver(held)
                 done = await loop.run_in_executor(executor, run, core.wait_inflight, done)
+                gate.resumed()
             else:
                 self._deliver(held)
+                if core.launches_only(work):
+                    gate.close()
                 done = await loop.run_in_executor(executor, run, core.execute, work)
-            self._result_waiting = False
+                gate.open()
             held = engine.process(core.update(work, done))

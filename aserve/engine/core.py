@@ -361,6 +361,11 @@ class EngineCore:
         launch is queued on the device)."""
         return self.async_scheduling and not work.retry and work.sched is not None and self.inflight is not None
 
+    def launches_only(self, work: StepWork) -> bool:
+        """Does `execute(work)` only launch a step (async scheduling, nothing in flight), without waiting for the
+        device?"""
+        return self.async_scheduling and not work.retry and work.sched is not None and self.inflight is None
+
     def launch(self, work: StepWork) -> StepResult:
         """Async scheduling, the first half of `execute`: launches `work.sched` behind the step in flight."""
         done = StepResult()

@@ -355,7 +355,7 @@ async def _admit(request: web.Request, handler, state: ServerState):
     state.inflight += 1
     state.idle.clear()
     try:
-        await state.engine.yield_to_steps()
+        await state.engine.intake_turn()
         return await _handle(request, handler, state)
     finally:
         state.inflight -= 1
