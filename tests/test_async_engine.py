@@ -217,12 +217,38 @@ async def test_a_paused_request_waits_and_resumes_with_the_same_tokens(engine, t
 
 
 async def test_a_burst_of_intakes_lets_the_steps_through(engine):
-    """Handlers that call intake_turn() before their intake (as the server's do) wait while the worker launches a
-    step (async scheduling) and while a worker call's result waits for the step coroutine: a burst of slow intakes,
-    all ready at once, has steps run between them instead of after the last, and none runs during a launch."""
+    """Handlers that call intake_turn() before their intake (as the server's do) wait while a worker call's result
+    waits for the step coroutine: a burst of slow intakes, all ready at once, has steps run between them instead of
+    after the last."""
+    steps = []
+    engine.stats.add_listener(lambda step, totals: steps.append(step))
+    gen = engine.generate(prompt(5), SamplingParams(max_tokens=400, ignore_eos=True), "long")
+    await anext(gen)
+    seen = []
+
+    async def handler():
+        await engine.intake_turn()
+        seen.append(len(steps))
+        time.sleep(0.003)  # a request's intake, holding the event loop
+
+    await asyncio.gather(*(handler() for _ in range(40)))
+    await gen.aclose()
+    assert len(set(seen)) >= 5, seen  # without the gate: every intake before the next step (one value)
+    await engine.shutdown()
+
+
+async def test_intake_runs_while_the_device_does_and_never_during_a_launch(tiny_model):
+    """Where a launch queues device work (CUDA: waits_for_launch), the event loop's thread waits for each launch, and
+    intakes run while the worker waits for the device; here on the CPU with async scheduling, the device's wait
+    played by a sleep in wait_inflight."""
+    engine = AsyncEngine.from_engine_args(
+        EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_num_batched_tokens=32,
+                   async_scheduling=True)
+    )  # fmt: skip
+    engine.waits_for_launch = True
     core, steps, launches = engine.engine.core, [], []
     engine.stats.add_listener(lambda step, totals: steps.append(step))
-    launch = core.launch
+    launch, wait_inflight = core.launch, core.wait_inflight
 
     def timed_launch(work):
         t0 = time.perf_counter()
@@ -231,8 +257,12 @@ async def test_a_burst_of_intakes_lets_the_steps_through(engine):
         finally:
             launches.append((t0, time.perf_counter()))
 
-    core.launch = timed_launch
-    gen = engine.generate(prompt(5), SamplingParams(max_tokens=400, ignore_eos=True), "long")
+    def device_wait(done):
+        time.sleep(0.004)
+        return wait_inflight(done)
+
+    core.launch, core.wait_inflight = timed_launch, device_wait
+    gen = engine.generate(prompt(5), SamplingParams(max_tokens=200, ignore_eos=True), "long")
     await anext(gen)
     seen, intakes = [], []
 
@@ -241,12 +271,11 @@ async def test_a_burst_of_intakes_lets_the_steps_through(engine):
         await engine.intake_turn()
         seen.append(len(steps))
         t0 = time.perf_counter()
-        time.sleep(0.003)  # a request's intake, holding the event loop
+        time.sleep(0.002)  # a request's intake, holding the event loop
         intakes.append((t0, time.perf_counter()))
 
     await asyncio.gather(*(handler(0.0 if i < 20 else (i - 20) * 0.002) for i in range(40)))  # a burst, then more
     await gen.aclose()
-    assert len(set(seen)) >= 5, seen  # without the gate: every intake before the next step (one value)
-    assert not [(a, b) for a, b in intakes for c, d in launches if a < d and c < b]
-    assert not core.async_scheduling or len(launches) >= 5
+    assert len(set(seen)) >= 5, seen
+    assert len(launches) >= 5 and not [(a, b) for a, b in intakes for c, d in launches if a < d and c < b]
     await engine.shutdown()

@@ -1,5 +1,6 @@
-"""IntakeGate (aserve/engine/intake_gate.py): a request's intake waits while the step worker launches and while a
-worker call's result waits for the step coroutine; the coroutine's open() lets the waiting intakes through."""
+"""IntakeGate (aserve/engine/intake_gate.py): a request's intake waits while the device has finished the step the
+worker waits for and while a worker call's result waits for the step coroutine; the coroutine's open() lets the
+waiting intakes through."""
 
 import asyncio
 import threading
@@ -18,30 +19,26 @@ async def passes(gate: IntakeGate) -> bool:
     return False
 
 
-async def test_intake_waits_for_the_launch_and_for_a_waiting_result():
-    gate = IntakeGate()
-    assert await passes(gate)  # idle
-    gate.close()
+async def test_intake_waits_for_a_finished_device_step_and_a_waiting_result():
+    device = {"done": False}
+    gate = IntakeGate(lambda: device["done"])
+    assert await passes(gate)  # the device computes (or the engine idles)
+    device["done"] = True  # the worker is about to hand over the step's result
     waiting = asyncio.ensure_future(gate.wait())
     await asyncio.sleep(0)
     assert not waiting.done() and not await passes(gate)
-    # the launch returns in the worker thread: its result waits for the step coroutine
-    thread = threading.Thread(target=gate.in_worker, args=(lambda arg: arg, None))
-    thread.start()
-    thread.join()
-    gate.open()  # the coroutine resumed and the device runs: the waiting intake goes through
-    await asyncio.wait_for(waiting, 1)
-    thread = threading.Thread(target=gate.in_worker, args=(lambda arg: arg, None))  # the device step ends
-    thread.start()
-    thread.join()
+    worker = threading.Thread(target=gate.in_worker, args=(lambda: None,))  # the worker's call returns
+    worker.start()
+    worker.join()
+    device["done"] = False  # the step coroutine takes the result up and launches the next step
     assert gate.result_waiting and not await passes(gate)
-    gate.resumed()
+    gate.open()
+    await asyncio.wait_for(waiting, 1)
     assert await passes(gate)
 
 
 async def test_a_retired_gate_lets_every_intake_through():
-    gate = IntakeGate()
-    gate.close()
+    gate = IntakeGate(lambda: True)
     waiting = asyncio.ensure_future(gate.wait())
     await asyncio.sleep(0)
     gate.retire()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,6 +39,7 @@ from aserve.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from aserve.worker.profiler_hooks import require
 
 logger = logging.getLogger("aserve")
+LAUNCH_WAIT_S = 0.05  # the longest the event loop waits for a launch (one that compiles a kernel takes longer)
 
 
 class OutputSink:
@@ -166,6 +168,7 @@ class AsyncEngine:
         self.failure: BaseException | None = None  # what ended the step loop, if an error did
         self._failed: asyncio.Event | None = None
         self._gate: IntakeGate | None = None
+        self.waits_for_launch = engine.config.device.type == "cuda"  # (_step_loop; a CPU launch is the step itself)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **serving) -> AsyncEngine:
@@ -238,7 +241,8 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._task is None:
-            self._wakeup, self._failed, self._gate = asyncio.Event(), asyncio.Event(), IntakeGate()
+            self._wakeup, self._failed = asyncio.Event(), asyncio.Event()
+            self._gate = IntakeGate(self.engine.core.inflight_finished)
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._step_loop(), name="aserve-step-loop")
             self._task.add_done_callback(self._on_loop_exit)
@@ -451,8 +455,8 @@ class AsyncEngine:
 
     async def intake_turn(self) -> None:
         """Returns when a new request's intake may run without holding up the step worker (intake_gate.py: not while
-        the worker launches a step, nor while its result waits for the step coroutine). The server's handlers call
-        it before their intake."""
+        the worker waits for the GIL to hand over a step's result, nor while that result waits for the step
+        coroutine). The server's handlers call it before their intake."""
         if self.is_running:
             await self._gate.wait()
 
@@ -465,35 +469,31 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         engine, core, executor = self.engine, self.engine.core, self._executor
         held: list[RequestOutput] = []  # processed outputs not yet handed to their streams
-        gate = self._gate
-        run = gate.in_worker
+        gate, launched = self._gate, threading.Event()
         while True:
             core.check_workers()
             if not engine.has_unfinished_requests() or core.all_paused():
                 self._deliver(held)
                 held = []
                 self._wakeup.clear()
-                gate.open()
                 await self._wakeup.wait()
                 continue
             work = core.schedule()
             if work is None:
                 self._deliver(held)
                 held = []
-                gate.open()
                 await asyncio.sleep(0.001)
                 continue
-            if core.splits(work):
-                gate.close()
-                done = await loop.run_in_executor(executor, run, core.launch, work)
-                gate.open()  # intake runs while the device does
+            if self.waits_for_launch and core.launches(work):
+                # The loop's thread waits while the worker launches (intake_gate.py: the launch has the GIL to
+                # itself), for up to LAUNCH_WAIT_S; the previous step's outputs go out while the device runs this.
+                launched.clear()
+                call = executor.submit(gate.in_worker, core.execute, work, launched.set)
+                launched.wait(LAUNCH_WAIT_S)
                 self._deliver(held)
-                done = await loop.run_in_executor(executor, run, core.wait_inflight, done)
-                gate.resumed()
+                done = await asyncio.wrap_future(call)
             else:
                 self._deliver(held)
-                if core.launches_only(work):
-                    gate.close()
-                done = await loop.run_in_executor(executor, run, core.execute, work)
-                gate.open()
+                done = await loop.run_in_executor(executor, gate.in_worker, core.execute, work)
+            gate.open()
             held = engine.process(core.update(work, done))

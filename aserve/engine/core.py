@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -336,9 +337,10 @@ class EngineCore:
         if cost is not None and self.async_scheduling and self._update_seconds is not None:
             cost.observe_sync_overhead(self._update_seconds + schedule_seconds + self._launch_seconds)
 
-    def execute(self, work: StepWork) -> StepResult:
+    def execute(self, work: StepWork, launched: Callable[[], None] | None = None) -> StepResult:
         """Runs `work` on the model. Touches only the model and the KV tensors (AsyncEngine's worker thread runs it);
-        exceptions come back in the result."""
+        exceptions come back in the result. launched: called once a step is launched (see `launches`), before the
+        wait for the step in flight."""
         if work.retry:
             each = []
             for s in work.sched.scheduled:
@@ -353,18 +355,22 @@ class EngineCore:
                 return StepResult(result=self._execute_one_step(work.sched))
             except Exception as e:
                 return StepResult(error=e)
-        return self.wait_inflight(self.launch(work))
+        try:
+            done = self.launch(work)
+        finally:
+            if launched is not None:
+                launched()
+        return self.wait_inflight(done)
 
-    def splits(self, work: StepWork) -> bool:
-        """Does `execute(work)` both launch a step and wait for the one in flight? A front end may then run
-        `launch` and `wait_inflight` as two calls, and use the time between them (the host is free once the
-        launch is queued on the device)."""
-        return self.async_scheduling and not work.retry and work.sched is not None and self.inflight is not None
+    def launches(self, work: StepWork) -> bool:
+        """Does `execute(work)` launch a step without waiting for it (async scheduling), and then wait for the one in
+        flight, if any? It calls its `launched` in between."""
+        return self.async_scheduling and not work.retry and work.sched is not None
 
-    def launches_only(self, work: StepWork) -> bool:
-        """Does `execute(work)` only launch a step (async scheduling, nothing in flight), without waiting for the
-        device?"""
-        return self.async_scheduling and not work.retry and work.sched is not None and self.inflight is None
+    def inflight_finished(self) -> bool:
+        """Has the device finished the step in flight (its sampled tokens have reached the host)? False without one
+        in flight, and for one whose wait() waits for no device (PendingStep.finished)."""
+        return self.inflight is not None and self.inflight[1].finished()
 
     def launch(self, work: StepWork) -> StepResult:
         """Async scheduling, the first half of `execute`: launches `work.sched` behind the step in flight."""

@@ -65,6 +65,11 @@ class PendingStep:
         """Can a step launched behind this one read its sampled tokens on the device (or does it sample none)?"""
         return self.tokens is not None or not self.sampled
 
+    def finished(self) -> bool:
+        """Has the device finished sampling it? (False where wait() waits for no device: nothing sampled, or a
+        result computed at launch.)"""
+        return self._sample is not None and self._sample.finished()
+
     def wait(self) -> RunnerOutput:
         if self._result is None:
             self._result = RunnerOutput(self.sampled, self._sample.result())

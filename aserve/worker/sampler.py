@@ -94,6 +94,10 @@ class PendingSample:
         self.tokens = tokens
         self._requests, self._host, self._event = requests, host, event
 
+    def finished(self) -> bool:
+        """Have the host copies landed? (False without a device to wait for: on the CPU they are made at launch.)"""
+        return self._event is not None and self._event.query()
+
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()
