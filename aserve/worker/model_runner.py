@@ -68,7 +68,8 @@ class PendingStep:
     def finished(self) -> bool:
         """Has the device finished sampling it? (False where wait() waits for no device: nothing sampled, or a
         result computed at launch.)"""
-        return self._sample is not None and self._sample.finished()
+        sample = self._sample  # (read once: the worker thread's wait() drops it)
+        return sample is not None and sample.finished()
 
     def wait(self) -> RunnerOutput:
         if self._result is None:
