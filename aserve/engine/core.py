@@ -363,9 +363,9 @@ class EngineCore:
         return self.wait_inflight(done)
 
     def launches(self, work: StepWork) -> bool:
-        """Does `execute(work)` launch a step without waiting for it (async scheduling), and then wait for the one in
-        flight, if any? It calls its `launched` in between."""
-        return self.async_scheduling and not work.retry and work.sched is not None
+        """Does `execute(work)` launch a step without waiting for it (async scheduling, sampling on the device path),
+        and then wait for the one in flight, if any? It calls its `launched` in between."""
+        return self.async_scheduling and not work.retry and work.sched is not None and work.overlap
 
     def inflight_finished(self) -> bool:
         """Has the device finished the step in flight (its sampled tokens have reached the host)? False without one
