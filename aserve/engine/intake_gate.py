@@ -9,12 +9,13 @@ again, and may wait out the whole burst. (2026-12-06, the 2-core VM: a thread wo
 ran Python in 0.3 ms pieces took the GIL after 5.3 ms at the median -- the interpreter's switch interval -- and after
 251 ms at the median, 922 ms at most, when each piece also made a system call.)
 
-So the step coroutine launches with the event loop's thread waiting (AsyncEngine._step_loop: the launch has the GIL
-to itself, a few milliseconds), and a request's intake waits here while the device has finished the step the worker
-waits for and while a worker call's result waits for the step coroutine: the loop's thread then idles, the worker
-takes the GIL, and the step coroutine's turn comes before more intake. Intake runs while the device computes and
-while the engine idles. The worker marks its result as waiting (a plain attribute: all it touches from its own
-thread); the step coroutine opens the gate when it resumes.
+So on a GPU the step coroutine launches with the event loop's thread waiting (AsyncEngine._step_loop: the launch has
+the GIL to itself, a few milliseconds), and a request's intake waits here while the device has finished the step the
+worker waits for and while a worker call's result waits for the step coroutine (the step loop never idles with a
+step in flight, so the first cannot hold intake for long): the loop's thread then idles, the worker takes the GIL,
+and the step coroutine's turn comes before more intake. Intake runs while the device computes and while the engine
+idles. The worker marks its result as waiting (a plain attribute: all it touches from its own thread); the step
+coroutine opens the gate when it resumes.
 """
 
 from __future__ import annotations
