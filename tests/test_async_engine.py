@@ -279,3 +279,38 @@ async def test_intake_runs_while_the_device_does_and_never_during_a_launch(tiny_
     assert len(set(seen)) >= 5, seen
     assert len(launches) >= 5 and not [(a, b) for a, b in intakes for c, d in launches if a < d and c < b]
     await engine.shutdown()
+
+
+async def test_outputs_go_out_before_a_long_launch_and_after_a_short_one(tiny_model):
+    """Where the event loop waits for each launch (CUDA), the previous step's outputs are handed out after a decode
+    step's launch (graph replays: short) but before the launch of a step that computes a prompt's chunk (eager layers:
+    long), so that streams already decoding do not wait for it; here on the CPU with async scheduling."""
+    engine = AsyncEngine.from_engine_args(
+        EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_num_batched_tokens=32,
+                   async_scheduling=True)
+    )  # fmt: skip
+    engine.waits_for_launch = True
+    core, events = engine.engine.core, []
+    launch, deliver = core.launch, engine._deliver
+
+    def recorded_launch(work):
+        events.append(("launch", work.sched.computes_prompt))
+        return launch(work)
+
+    def recorded_deliver(outputs):
+        if outputs:
+            events.append(("deliver", None))
+        return deliver(outputs)
+
+    core.launch, engine._deliver = recorded_launch, recorded_deliver
+    gen = engine.generate(prompt(5), SamplingParams(max_tokens=120, ignore_eos=True), "long")
+    for _ in range(3):
+        await anext(gen)
+    later = [collect(engine, prompt(70, seed=i), SamplingParams(max_tokens=2), f"p{i}") for i in range(3)]
+    await asyncio.gather(*later)
+    await gen.aclose()
+    await engine.shutdown()
+    # each delivery right after a decode step's launch or right before a prompt chunk's (the last: when idle)
+    kinds = ["after" if events[j - 1] == ("launch", False) else "before" if events[j + 1] == ("launch", True) else None
+             for j, e in enumerate(events[:-1]) if e[0] == "deliver"]  # fmt: skip
+    assert None not in kinds and kinds.count("after") >= 5 and kinds.count("before") >= 3, events

@@ -424,8 +424,8 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)  # no-op if it already finished
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hands a step's outputs to their streams (one put each; a stream's consumer wakes once per step)."""
+    def _deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Hands a step's outputs to their streams (one put each; a stream's consumer wakes once per step) -> []."""
         streams = self._streams
         for out in outputs:
             stream = streams.get(out.request_id)
@@ -433,6 +433,7 @@ class AsyncEngine:
                 if out.finished:
                     del streams[out.request_id]
                 stream.deliver(out)
+        return []
 
     async def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (LLMEngine.reset_prefix_cache), on the event loop's thread, where steps are
@@ -463,9 +464,9 @@ class AsyncEngine:
     async def _step_loop(self) -> None:
         """EngineCore's step with its model work in the worker thread (see aserve/engine/core.py).
 
-        A step's outputs reach their streams while the worker runs the next step, not before it is launched: with
-        async scheduling the launch of step N+1 comes first (the device must not wait for the host), then step N's
-        outputs are handed out and the handlers write them while the worker waits for step N+1."""
+        A step's outputs reach their streams while the worker runs the next step: with async scheduling the launch of
+        step N+1 comes first (the device must not wait for the host) unless it is long (eager layers for a prompt),
+        then step N's outputs are handed out and the handlers write them while the worker waits for step N+1."""
         loop = asyncio.get_running_loop()
         engine, core, executor = self.engine, self.engine.core, self._executor
         held: list[RequestOutput] = []  # processed outputs not yet handed to their streams
@@ -473,20 +474,19 @@ class AsyncEngine:
         while True:
             core.check_workers()
             if not engine.has_unfinished_requests() or core.all_paused():
-                self._deliver(held)
-                held = []
+                held = self._deliver(held)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             work = core.schedule()
             if work is None:
-                self._deliver(held)
-                held = []
+                held = self._deliver(held)
                 await asyncio.sleep(0.001)
                 continue
             if self.waits_for_launch and core.launches(work):
-                # The loop's thread waits while the worker launches (intake_gate.py: the launch has the GIL to
-                # itself), for up to LAUNCH_WAIT_S; the previous step's outputs go out while the device runs this.
+                # The loop's thread waits while the worker launches (intake_gate.py: the GIL to itself), for up to
+                # LAUNCH_WAIT_S; the previous step's outputs go out after it, or before a long one (a prompt's chunk).
+                held = self._deliver(held) if work.sched.computes_prompt else held
                 launched.clear()
                 call = executor.submit(gate.in_worker, core.execute, work, launched.set)
                 launched.wait(LAUNCH_WAIT_S)
