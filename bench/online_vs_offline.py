@@ -92,14 +92,21 @@ def offline(ns: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     stats = llm.engine.stats
     steps0, tokens0 = stats.steps_total, stats.scheduled_tokens_total
-    marks = []  # (when each step ended, whether it gave requests their first tokens)
-    stats.add_listener(lambda step, _: marks.append((time.perf_counter(), bool(step.time_to_first_token))))
+    marks, tpot, itl = [], [], []  # (when each step ended, did it give first tokens); the engine's own latencies
+
+    def seen(step, _) -> None:
+        marks.append((time.perf_counter(), bool(step.time_to_first_token)))
+        tpot.extend(step.time_per_output_token)
+        itl.extend(step.inter_token_latency)
+
+    stats.add_listener(seen)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     firsts = [at for at, first in marks if first]
-    steps = {"steps": stats.steps_total - steps0, "step_tokens": stats.scheduled_tokens_total - tokens0}
+    steps = {"steps": stats.steps_total - steps0, "step_tokens": stats.scheduled_tokens_total - tokens0,
+             "tpot": ms_stats(tpot), "itl": ms_stats(itl)}  # fmt: skip
     if firsts:
         # The decoding phase's steps: those after the last one that gave a request its first token.
         late = [at for at, _ in marks if at > firsts[-1]]
@@ -369,9 +376,11 @@ def print_table(off: dict, on: dict, ns: argparse.Namespace) -> None:
                      f"median {on['paired_median']:.3f}"))  # fmt: skip
     rows += [
         ("TTFT p50 / p99 (ms)", f"{fmt(on['ttft'], 'p50_ms')} / {fmt(on['ttft'], 'p99_ms')}", ""),
-        ("TPOT p50 / p99 (ms)", f"{fmt(on['tpot'], 'p50_ms')} / {fmt(on['tpot'], 'p99_ms')}", ""),
+        ("TPOT p50 / p99 (ms)", f"{fmt(on['tpot'], 'p50_ms')} / {fmt(on['tpot'], 'p99_ms')}",
+         f"offline engine {fmt(off.get('tpot', {}), 'p50_ms')} / {fmt(off.get('tpot', {}), 'p99_ms')}"),
         ("ITL p50 / p99 (ms)", f"{fmt(on['itl'], 'p50_ms')} / {fmt(on['itl'], 'p99_ms')}",
-         f"{on['tokens_per_chunk']} tokens per chunk"),
+         f"{on['tokens_per_chunk']} tokens per chunk; offline engine {fmt(off.get('itl', {}), 'p50_ms')} / "
+         f"{fmt(off.get('itl', {}), 'p99_ms')}"),
         ("client CPU (of one core)", f"{on['client_cpu_frac']:.2f}", "near 1: the client bounds the online run"),
         ("engine steps, offline / online", f"{off.get('steps', '-')} / {on['steps']}",
          f"tokens per step {off.get('step_tokens', 0) / max(off.get('steps', 0), 1):.1f} / "
