@@ -294,7 +294,7 @@ async def test_outputs_go_out_before_a_long_launch_and_after_a_short_one(tiny_mo
     launch, deliver = core.launch, engine._deliver
 
     def recorded_launch(work):
-        events.append(("launch", work.sched.computes_prompt))
+        events.append(("launch", work.eager))
         return launch(work)
 
     def recorded_deliver(outputs):

@@ -62,12 +62,6 @@ class SchedulerOutput:
         return not self.scheduled
 
     @property
-    def computes_prompt(self) -> bool:
-        """Does a scheduled request compute more than one token (a prompt's chunk, a recomputation, drafts to verify)?
-        Such a step runs its layers eagerly: its launch is the long one."""
-        return any(s.num_new_tokens > 1 for s in self.scheduled)
-
-    @property
     def verifies(self) -> bool:
         """Does the step verify drafts (how many tokens it adds is known only once it ran)?"""
         return any(s.spec_token_ids for s in self.scheduled)

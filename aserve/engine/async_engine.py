@@ -486,7 +486,7 @@ class AsyncEngine:
             if self.waits_for_launch and core.launches(work):
                 # The loop's thread waits while the worker launches (intake_gate.py: the GIL to itself), for up to
                 # LAUNCH_WAIT_S; the previous step's outputs go out after it, or before a long one (a prompt's chunk).
-                held = self._deliver(held) if work.sched.computes_prompt else held
+                held = self._deliver(held) if work.eager else held
                 launched.clear()
                 call = executor.submit(gate.in_worker, core.execute, work, launched.set)
                 launched.wait(LAUNCH_WAIT_S)

@@ -67,6 +67,12 @@ class StepWork:
     overlap: bool = False  # async scheduling: launch without waiting, sampling on the device path
     retry: bool = False
 
+    @property
+    def eager(self) -> bool:
+        """Does a request compute more than one token (a prompt's chunk)? The step's layers then run eagerly: a long
+        launch, where a step of single tokens replays CUDA graphs."""
+        return self.sched is not None and any(s.num_new_tokens > 1 for s in self.sched.scheduled)
+
 
 @dataclass(slots=True)
 class StepResult:
