@@ -237,15 +237,21 @@ async def test_a_burst_of_intakes_lets_the_steps_through(engine):
     await engine.shutdown()
 
 
-async def test_intake_runs_while_the_device_does_and_never_during_a_launch(tiny_model):
-    """Where a launch queues device work (CUDA: waits_for_launch), the event loop's thread waits for each launch, and
-    intakes run while the worker waits for the device; here on the CPU with async scheduling, the device's wait
-    played by a sleep in wait_inflight."""
+def launch_waiting_engine(tiny_model):
+    """An engine with async scheduling whose event loop waits for each launch, as on CUDA (waits_for_launch)."""
     engine = AsyncEngine.from_engine_args(
         EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_num_batched_tokens=32,
                    async_scheduling=True)
     )  # fmt: skip
     engine.waits_for_launch = True
+    return engine
+
+
+async def test_intake_runs_while_the_device_does_and_never_during_a_launch(tiny_model):
+    """Where a launch queues device work (CUDA: waits_for_launch), the event loop's thread waits for each launch, and
+    intakes run while the worker waits for the device; here on the CPU with async scheduling, the device's wait
+    played by a sleep in wait_inflight."""
+    engine = launch_waiting_engine(tiny_model)
     core, steps, launches = engine.engine.core, [], []
     engine.stats.add_listener(lambda step, totals: steps.append(step))
     launch, wait_inflight = core.launch, core.wait_inflight
@@ -285,11 +291,7 @@ async def test_outputs_go_out_before_a_long_launch_and_after_a_short_one(tiny_mo
     """Where the event loop waits for each launch (CUDA), the previous step's outputs are handed out after a decode
     step's launch (graph replays: short) but before the launch of a step that computes a prompt's chunk (eager layers:
     long), so that streams already decoding do not wait for it; here on the CPU with async scheduling."""
-    engine = AsyncEngine.from_engine_args(
-        EngineArgs(model=tiny_model, dtype="float32", enforce_eager=True, max_num_batched_tokens=32,
-                   async_scheduling=True)
-    )  # fmt: skip
-    engine.waits_for_launch = True
+    engine = launch_waiting_engine(tiny_model)
     core, events = engine.engine.core, []
     launch, deliver = core.launch, engine._deliver
 
