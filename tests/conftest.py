@@ -10,6 +10,34 @@ sys.path.insert(0, os.path.dirname(__file__))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _row_invariant_interpreter_dot() -> None:
+    """The interpreter computes tl.dot with numpy's matmul, whose BLAS may sum a row's products in an order that
+    depends on the row's place in the tile (OpenBLAS's AVX2 sgemm, numpy 2.4: rows 6-11 of a 64-row tile differ in
+    the last bit from the same row at 0). A GPU's MMA sums every row and column of a tile alike, and the tests of
+    batch-invariant kernels rest on that; so here each output element is summed the same way wherever it sits in
+    the tile (numpy's einsum, without BLAS). 8-bit operands keep the interpreter's own dot."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = d.data.dtype
+        product = np.einsum("...ik,...kj->...ij", a.data.astype(out), b.data.astype(out), optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        _row_invariant_interpreter_dot()
+    except ImportError:  # no Triton: its tests skip
+        pass
+
 from tiny_models import make_tiny_model  # noqa: E402
 
 
