@@ -112,7 +112,14 @@ def main() -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--json", default=None, help="append the results as a JSON line to this file")
     p.add_argument("--kernels", action="store_true", help="GPU: each mode's batch-1 decode step by kernel")
+    p.add_argument("--matmul", default=None, help="GPU: deterministic mode's matmul configuration, a name of "
+                   "aserve/kernels/batch_invariant_matmul.py's CANDIDATES (default: its DEFAULT)")  # fmt: skip
     args = p.parse_args()
+    if args.matmul is not None:
+        from aserve.kernels import batch_invariant_matmul
+
+        assert args.matmul in batch_invariant_matmul.CANDIDATES, args.matmul
+        batch_invariant_matmul.DEFAULT = args.matmul
 
     model = args.model
     tmp = None

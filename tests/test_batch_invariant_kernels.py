@@ -109,6 +109,28 @@ def test_triton_matmul_is_row_invariant_and_close_to_torch(dtype, n, k, bias):
             assert torch.equal(bi_matmul.matmul(x[start : start + m], w, b), y[start : start + m]), (m, start)
 
 
+@pytest.mark.parametrize("dtype", [d for d in TRITON_DTYPES if d != torch.float32])
+def test_flat_two_k_ranges_are_row_invariant(monkeypatch, dtype):
+    """A 16-bit weight with fewer few-row tiles than SMs and K >= FLAT_SPLIT_MIN_K (lowered here): the flat_split
+    candidate's two K ranges, one program each up to 64 rows and one after the other in a program beyond, give
+    a row the same bits at every M and at every tile."""
+    monkeypatch.setattr(bi_matmul, "FLAT_SPLIT_MIN_K", 128)
+    n, k = 40, 200
+    cfg = bi_matmul.CANDIDATES["flat_split"](n, k, dtype)
+    assert (cfg["SPLIT_K"], cfg["K_SPLIT"]) == (2, 128)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(70, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    y = bi_matmul.matmul(x, w, b, cfg)
+    expected = x.float() @ w.float().T + b.float()
+    torch.testing.assert_close(y.float(), expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
+    for m in (1, 16, 17, 33, 64, 65):
+        for start in (0, 70 - m):
+            assert torch.equal(bi_matmul.matmul(x[start : start + m], w, b, cfg), y[start : start + m]), (m, start)
+    assert bi_matmul.differing_row_counts(w, cfg) == []
+
+
 # Small tiles and four K ranges of 64 so that the interpreter runs every launch mode quickly: "across" up to 32 rows
 # (3 output tiles, half of PROGRAMS), in-program from 33; K = 200 (K masked), 224 (last range short), 256 (even ranges).
 SPLIT_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, K_SPLIT=64, GROUP_M=8, num_warps=4, num_stages=2,
@@ -150,7 +172,7 @@ def test_triton_split_k_matmul_is_row_invariant(dtype, bias, k, batches):
 def test_split_configs_depend_on_the_weight_alone():
     """Llama-3-8B's linears: K ranges of whole BLOCK_K steps covering K, none empty; enough programs for one row."""
     for name, make in bi_matmul.CANDIDATES.items():
-        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (100, 72)):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (2048, 4096), (100, 72)):
             cfg = make(n, k, torch.bfloat16)
             assert cfg == make(n, k, torch.bfloat16) and cfg["K_SPLIT"] % cfg["BLOCK_K"] == 0, (name, n, k)
             assert (cfg["SPLIT_K"] - 1) * cfg["K_SPLIT"] < k <= cfg["SPLIT_K"] * cfg["K_SPLIT"], (name, n, k)
@@ -160,6 +182,15 @@ def test_split_configs_depend_on_the_weight_alone():
     # 16-bit weights: one K range, tiles by M; float32: the split configuration
     assert bi_matmul.config_for(6144, 4096, torch.bfloat16)["SPLIT_K"] == 1
     assert bi_matmul.config_for(6144, 4096, torch.float32) == bi_matmul.split_config(6144, 4096, torch.float32)
+    # flat_split, Qwen3-30B-A3B's o: 128 few-row tiles for 132 SMs, two K ranges; no tile past 128 x 128 (two
+    # accumulators); the others one range
+    assert bi_matmul.CANDIDATES["flat_split"](4096, 4096, torch.bfloat16) == bi_matmul.config_for(
+        4096, 4096, torch.bfloat16
+    )
+    o = bi_matmul.CANDIDATES["flat_split"](2048, 4096, torch.bfloat16)
+    assert (o["SPLIT_K"], o["K_SPLIT"]) == (2, 2048) and all(bm * bn <= 128 * 128 for _, bm, _, bn, _ in o["ROW_TILES"])
+    assert bi_matmul.use_across(o, 64, 2048, bi_matmul.row_tile(o, 64, 2048))
+    assert not bi_matmul.use_across(o, 65, 2048, bi_matmul.row_tile(o, 65, 2048))
     cfg = bi_matmul.config_for(4096, 4096, torch.bfloat16)
     tiles = [bi_matmul.row_tile(cfg, m, 4096) for m in (1, 17, 64, 128, 256, 384, 4096)]
     assert [(t["BLOCK_M"], t["BLOCK_N"], t["num_stages"]) for t in tiles] == [

@@ -10,8 +10,9 @@ summed by tl.dot in BLOCK_K steps into a float32 accumulator that starts at zero
 range order to a float32 total that starts at zero; the bias is added to the total, which is rounded to x's dtype
 once. Two configurations:
 
-    flat (DEFAULT, 16-bit weights)   SPLIT_K 1: one accumulator and one loop over K. The tile (BLOCK_M x BLOCK_N,
-                 warps, stages) is chosen by M from flat_row_tiles (made per N): 16 x 32 tiles for a few rows, so
+    flat (DEFAULT, 16-bit weights)   SPLIT_K 1: one accumulator and one loop over K ("flat_split": 2 for the
+                 few weights that flat_split names, computed as below). The tile (BLOCK_M x BLOCK_N,
+                 warps, stages) is chosen by M from flat_row_tiles (made per N): 16 x 16 tiles for a few rows, so
                  that enough programs stream the weight without split-K, one wave of deep-pipelined programs for
                  hundreds, up to 128 x 256 for thousands. That holds the order only where
                  tl.dot's sum of a row's K step does not depend on the tile around it (true of the H200's MMAs at
@@ -72,6 +73,12 @@ COMBINE_BLOCK = 1024
 # 2026-12-05, a sweep of BLOCK_N 16-64, 1-4 warps, 4-12 stages at 1-16 rows: Qwen3-30B-A3B's qkv + o + router 24.1 us
 # at one row against 27.1, Llama-3-8B's o 11.8 against 12.5, its qkv unchanged; the same bits at every tile).
 DEEP_STAGES_MAX_PROGRAMS = 264
+# A weight whose 16 x 16 few-row tiles give fewer programs than the GPU has SMs (Qwen3-30B-A3B's o, [2048, 4096]: 128
+# on the H200's 132) may wait, at a few rows, on each program's chain of K / 16 dependent MMAs rather than on memory.
+# The "flat_split" candidate sums such a weight of at least this many columns in two K ranges (SPLIT_K 2, at every M),
+# each range by one program up to ACROSS_MAX_ROWS rows ("across"): chains half as long and twice as many, for one
+# more launch (the combine) and, from 65 rows, two accumulators a program (tiles of at most 128 x 128).
+FLAT_SPLIT_MIN_K = 4096
 FLAT_FEW_TILES = ((1, 16, 1, 16, 8), (17, 32, 4, 32, 8), (33, 64, 4, 32, 6))
 FLAT_MID_TILES = ((128, 256), (128, 128), (128, 64), (64, 64))
 FLAT_MID_ROWS = 65
@@ -157,15 +164,40 @@ def _with_row_tiles(base, row_tiles: tuple, n: int, k: int, dtype: torch.dtype |
     return dict(base(n, k, dtype), ROW_TILES=row_tiles)
 
 
-def flat_config(n: int, k: int, dtype: torch.dtype | None = None, row_tiles: tuple | None = None) -> dict:
-    """One K range (SPLIT_K 1: one float32 accumulator, one loop over K in BLOCK_K 64 steps) and the tile chosen by
-    M from row_tiles (default flat_row_tiles for n and this GPU; float32: the split configuration instead, whose tiles
-    keep its two accumulators in registers)."""
+def flat_split(n: int, k: int, sms: int) -> int:
+    """SPLIT_K of the "flat_split" candidate: 2 for a weight of at least FLAT_SPLIT_MIN_K columns whose few-row
+    tiles give fewer programs than the GPU has SMs, else 1 (the comment above FLAT_SPLIT_MIN_K)."""
+    few_programs = triton.cdiv(n, FLAT_FEW_TILES[0][3])
+    return 2 if k >= FLAT_SPLIT_MIN_K and few_programs < sms else 1
+
+
+def _two_accumulators(row_tiles: tuple, smem: int) -> tuple:
+    """row_tiles with BLOCK_N cut to 128 where the tile is larger than 128 x 128 (a float32 total beside each K
+    range's accumulator must stay in registers), stages refitted."""
+    out = []
+    for m0, bm, warps, bn, stages in row_tiles:
+        if bm * bn > 128 * 128:
+            bn = 128
+            stages = _fitting(bm, bn, stages, smem)
+        out.append((m0, bm, warps, bn, stages))
+    return tuple(out)
+
+
+def flat_config(n: int, k: int, dtype: torch.dtype | None = None, row_tiles: tuple | None = None,
+                split_k: bool = False) -> dict:  # fmt: skip
+    """One K range (SPLIT_K 1: one float32 accumulator, one loop over K in BLOCK_K 64 steps; split_k: flat_split's
+    ranges) and the tile chosen by M from row_tiles (default flat_row_tiles for n and this GPU; float32: the split
+    configuration instead, whose tiles keep its two accumulators in registers)."""
     if dtype == torch.float32:
         return split_config(n, k, dtype)
-    k_split = triton.cdiv(k, 64) * 64
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, K_SPLIT=k_split, GROUP_M=8, num_warps=4,
-                num_stages=4, PROGRAMS=0, ROW_TILES=row_tiles or flat_row_tiles(n, *device_limits()))  # fmt: skip
+    sms, smem = device_limits()
+    split = flat_split(n, k, sms) if split_k else 1
+    k_split = triton.cdiv(triton.cdiv(k, 64), split) * 64
+    tiles = row_tiles or flat_row_tiles(n, sms, smem)
+    if split > 1:
+        tiles = _two_accumulators(tiles, smem)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, K_SPLIT=k_split, GROUP_M=8, num_warps=4,
+                num_stages=4, PROGRAMS=TARGET_PROGRAMS if split > 1 else 0, ROW_TILES=tiles)  # fmt: skip
 
 
 CANDIDATES = {
@@ -178,6 +210,7 @@ CANDIDATES = {
     "split128_m16": functools.partial(_with_row_tiles, split_config, ((1, 16, 4), (17, 64, 4))),
     "split128_m128": functools.partial(_with_row_tiles, split_config, ((128, 128, 8),)),
     "flat": flat_config,
+    "flat_split": functools.partial(flat_config, split_k=True),
 }
 DEFAULT = "flat"
 
