@@ -15,7 +15,9 @@ max_tokens 4) first. Per request: TTFT (send -> first chunk carrying a token), T
 and every gap between token-carrying chunks (ITL). Output tokens come from the usage chunk. Both engines report
 when every request had its first token (offline: the last step that gave one; online: the last first chunk), which
 with every request sent at once splits a run into its prompts' phase and its decoding, and the decoding phase's
-time per step (offline: between the ends of its steps; online: between a stream's chunks).
+time per step (offline: between the ends of its steps; online: between a stream's chunks). The gaps are also split
+by whether prompts were computed during them (offline: the step gave a request its first token; online: another
+request's first chunk came during the gap), with each kind's share.
 --profile samples the server with py-spy during the (first) timed online pass and prints where its threads spend time.
 --passes N times N online passes on one server, each with its own prompts, and reports the median one;
 --interleave (where one machine holds both engines, e.g. CPU) also runs an offline pass on each pass's prompts right
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import collections
 import itertools
 import json
@@ -93,11 +96,13 @@ def offline(ns: argparse.Namespace) -> dict:
     stats = llm.engine.stats
     steps0, tokens0 = stats.steps_total, stats.scheduled_tokens_total
     marks, tpot, itl = [], [], []  # (when each step ended, did it give first tokens); the engine's own latencies
+    itl_by_kind = ([], [])  # the engine's inter-token latencies in steps that gave no first token / gave some
 
     def seen(step, _) -> None:
         marks.append((time.perf_counter(), bool(step.time_to_first_token)))
         tpot.extend(step.time_per_output_token)
         itl.extend(step.inter_token_latency)
+        itl_by_kind[bool(step.time_to_first_token)].extend(step.inter_token_latency)
 
     stats.add_listener(seen)
     t0 = time.perf_counter()
@@ -106,7 +111,8 @@ def offline(ns: argparse.Namespace) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     firsts = [at for at, first in marks if first]
     steps = {"steps": stats.steps_total - steps0, "step_tokens": stats.scheduled_tokens_total - tokens0,
-             "tpot": ms_stats(tpot), "itl": ms_stats(itl)}  # fmt: skip
+             "tpot": ms_stats(tpot), "itl": ms_stats(itl), "itl_decode_only": ms_stats(itl_by_kind[0]),
+             "itl_with_first_tokens": ms_stats(itl_by_kind[1])}  # fmt: skip
     if firsts:
         # The decoding phase's steps: those after the last one that gave a request its first token.
         late = [at for at, _ in marks if at > firsts[-1]]
@@ -201,7 +207,22 @@ async def run_pass(url: str, prompts: list[list[int]], max_tokens: int, streams:
     # The decoding phase: the gaps between a stream's chunks after every request had its first token.
     last_first = max(r["stamps"][0] for r in results)
     late = [b - a for r in results for a, b in itertools.pairwise(r["stamps"]) if a >= last_first]
-    return results, elapsed, {**counts, "first_tokens_s": round(last_first - t0, 3), "decode_step": ms_stats(late)}
+    plain, with_firsts = split_gaps(results)
+    gaps = {"itl_decode_only": ms_stats(plain), "itl_with_first_tokens": ms_stats(with_firsts)}
+    return results, elapsed, {**counts, "first_tokens_s": round(last_first - t0, 3), "decode_step": ms_stats(late),
+                              **gaps}  # fmt: skip
+
+
+def split_gaps(results: list[dict], slack_s: float = 0.002) -> tuple[list[float], list[float]]:
+    """A pass's gaps between a stream's chunks: (those over which no other request got its first token, those over
+    which one did, or did within slack_s after: one step's chunks reach the streams a little apart)."""
+    firsts = sorted(r["stamps"][0] for r in results)
+    out: tuple[list[float], list[float]] = ([], [])
+    for r in results:
+        for a, b in itertools.pairwise(r["stamps"]):
+            i = bisect.bisect_right(firsts, a)
+            out[i < len(firsts) and firsts[i] <= b + slack_s].append(b - a)
+    return out
 
 
 def start_profiler(pid: int, out_dir: str, duration_s: int):
@@ -364,6 +385,12 @@ def print_table(off: dict, on: dict, ns: argparse.Namespace) -> None:
     def fmt(stats: dict, key: str) -> str:
         return f"{stats[key]:.2f}" if key in stats else "-"
 
+    def gap_stats(result: dict, key: str) -> str:
+        kinds = [result.get(k, {}).get("count", 0) for k in ("itl_decode_only", "itl_with_first_tokens")]
+        stats = result.get(key, {})
+        share = f" ({stats['count'] / sum(kinds):.1%})" if stats.get("count") else ""
+        return f"{fmt(stats, 'p50_ms')} / {fmt(stats, 'p99_ms')}{share}"
+
     rows = [
         ("offline output tok/s", f"{off['output_tok_s']:.1f}", f"{off['wall_s']:.2f} s, {off['output_tokens']} tokens"),
         ("online output tok/s", f"{on['output_tok_s']:.1f}", f"{on['wall_s']:.2f} s, {on['output_tokens']} tokens"),
@@ -381,6 +408,11 @@ def print_table(off: dict, on: dict, ns: argparse.Namespace) -> None:
         ("ITL p50 / p99 (ms)", f"{fmt(on['itl'], 'p50_ms')} / {fmt(on['itl'], 'p99_ms')}",
          f"{on['tokens_per_chunk']} tokens per chunk; offline engine {fmt(off.get('itl', {}), 'p50_ms')} / "
          f"{fmt(off.get('itl', {}), 'p99_ms')}"),
+        ("ITL p50 / p99 (ms) over steps without / with first tokens, offline engine",
+         f"{gap_stats(off, 'itl_decode_only')}, {gap_stats(off, 'itl_with_first_tokens')}",
+         "with: a step that also computed prompts (a share of the gaps)"),
+        ("the same, online", f"{gap_stats(on, 'itl_decode_only')}, {gap_stats(on, 'itl_with_first_tokens')}",
+         "with: another request's first token came during the gap"),
         ("client CPU (of one core)", f"{on['client_cpu_frac']:.2f}", "near 1: the client bounds the online run"),
         ("engine steps, offline / online", f"{off.get('steps', '-')} / {on['steps']}",
          f"tokens per step {off.get('step_tokens', 0) / max(off.get('steps', 0), 1):.1f} / "
