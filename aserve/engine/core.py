@@ -69,8 +69,9 @@ class StepWork:
 
     @property
     def eager(self) -> bool:
-        """Does a request compute more than one token (a prompt's chunk)? The step's layers then run eagerly: a long
-        launch, where a step of single tokens replays CUDA graphs."""
+        """Does a request compute more than one token (a prompt's chunk, a recomputation, or drafts to verify)? A
+        prompt's chunk runs the layers eagerly: a long launch, where a step of single tokens replays CUDA graphs. A
+        verification step counts too, though with CUDA graphs it replays one (of up to 1 + drafts tokens a request)."""
         return self.sched is not None and any(s.num_new_tokens > 1 for s in self.sched.scheduled)
 
 
