@@ -24,7 +24,12 @@ picks the kernel for the weight's device and dtype, once:
     CPU, bf16       oneDNN on a copy of the weight prepacked for its blocked (AMX) layout: 1.3-2x F.linear, which
                     reorders the weight on every call. One-row inputs (batch-1 decode) run a GEMV on the plain
                     weight instead, which streams it faster: the C GEMV of aserve/kernels/cpu.py where it applies,
-                    else torch.mv (ASERVE_CPU_MV=0: oneDNN for them too).
+                    else torch.mv (ASERVE_CPU_MV=0: oneDNN for them too). Where oneDNN cannot prepack (CPUs without
+                    AVX-512 BW/VL/DQ or AVX-NE-CONVERT): as CPU, fp16.
+    CPU, fp16       (without AMX-FP16) torch's 16-bit GEMM there runs one row at a time (512 rows: 8x float32's
+                    time), so inputs of WIDEN_MIN_ROWS or more rows run float32 GEMMs over slices of the weight
+                    widened into a scratch buffer of WIDEN_CHUNK elements a thread (the slice stays in cache for the
+                    GEMM that reads it); fewer rows F.linear, which streams the 16-bit weight once a row.
     CUDA, 16-bit    one-row inputs through the Triton GEMV (aserve/kernels/gemv.py), faster than cuBLAS at M = 1,
                     which also takes a Llama MLP's SiLU·mul in its prologue (apply_silu_mul_in); ASERVE_GEMV=0:
                     cuBLAS for them too.
@@ -38,6 +43,7 @@ None) and `silu_mul_in_max_rows` (1 where apply_silu_mul_in applies, else 0).
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,6 +100,35 @@ def _f_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
+WIDEN_MIN_ROWS = 8  # fewer rows: F.linear's 16-bit path is as fast (measured on AVX2 for SmolLM2's shapes)
+WIDEN_CHUNK = 1 << 20  # float32 elements of the weight widened at a time
+_widen_scratch = threading.local()
+
+
+def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A 16-bit weight on a CPU without a native 16-bit GEMM: see the module's docstring."""
+    w, bias = layer.weight, layer.bias
+    n, k = w.shape
+    rows = x.numel() // k
+    if rows < WIDEN_MIN_ROWS:
+        return F.linear(x, w, bias)
+    x32 = x.reshape(rows, k).float()
+    y = torch.empty(rows, n, dtype=x.dtype)
+    step = max(1, WIDEN_CHUNK // k)
+    scratch = getattr(_widen_scratch, "buffer", None)
+    if scratch is None or scratch.numel() < step * k:
+        scratch = _widen_scratch.buffer = torch.empty(step * k)
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        w32 = scratch[: (end - start) * k].view(end - start, k)
+        w32.copy_(w[start:end])
+        part = torch.mm(x32, w32.t())
+        if bias is not None:
+            part += bias[start:end]
+        y[:, start:end] = part
+    return y.view(*x.shape[:-1], n)
+
+
 def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
 
@@ -134,7 +169,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self._reset(layer)
         w = layer.weight
         if w.is_cpu and w.dtype == torch.bfloat16:
-            self.use_onednn(layer)
+            self.use_onednn(layer) or self.use_widened(layer)
+        elif w.is_cpu and w.dtype == torch.float16 and not torch.cpu._is_amx_fp16_supported():
+            self.use_widened(layer)
         elif w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and envs.ASERVE_GEMV:
             self.use_triton_gemv(layer)
 
@@ -150,6 +187,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.cpu_gemv = cpu.gemv_supports(layer.weight)
         layer.row_gemv = cpu.gemv if layer.cpu_gemv else torch.mv
         layer.kernel = _onednn_rows_gemv if envs.ASERVE_CPU_MV else _onednn
+        return True
+
+    def use_widened(self, layer: nn.Module) -> bool:
+        """CPU, 16-bit, no native 16-bit GEMM: inputs of WIDEN_MIN_ROWS or more rows through float32 GEMMs."""
+        layer.kernel = _widened
         return True
 
     def use_triton_gemv(self, layer: nn.Module, config: dict | None = None, silu_config: dict | None = None) -> bool:
