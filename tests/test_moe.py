@@ -82,6 +82,8 @@ CONFIGS = {
     "default": None,
     "small-tiles": dict(BLOCK_M=16, gate_up=tiles(16, 16, 1), down=tiles(16, 32, 1)),
     "grouped": dict(BLOCK_M=32, gate_up=tiles(32, 32, 4), down=tiles(16, 16, 2)),
+    # blocks of few routed rows through a half- or quarter-height tile
+    "shrunk": dict(BLOCK_M=64, gate_up={**tiles(32, 32, 4), "SHRINK": 2}, down={**tiles(16, 16, 2), "SHRINK": 1}),
 }
 
 

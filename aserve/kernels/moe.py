@@ -202,22 +202,37 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_
                          WEIGHTED: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr,
                          IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+                         GROUP_M: tl.constexpr, SHRINK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """c[slot, n] = a[slot // ROW_DIV] . b[expert, n] for the BLOCK_M slots of one block (one expert) and BLOCK_N
     outputs. GATED: b holds [gate (N rows) | up (N rows)] and c is silu(gate) * up; WEIGHTED: c times the slot's
     routing weight; B_SCALED: b is e4m3 and each accumulator column times its row's scale b_scale[expert, n]
     (float32, [E, rows of b]) before the epilogue, b's tiles converted to a's dtype as they load unless A_SCALED:
     a is e4m3 too (FP8 MMAs) and each accumulator row times its a row's scale a_scale[slot // ROW_DIV]. Float32
-    accumulators; padding rows read row 0 and are never stored."""
+    accumulators; padding rows read row 0 and are never stored. SHRINK (0-2): a block whose routed rows (first in
+    the block, padding after them) fit a half / quarter of it runs a tile of that height instead (an expert's last
+    block is mostly padding)."""
     pdl.gdc_sync(USE_PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), N, num_blocks, GROUP_M, BLOCK_N)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert >= NUM_EXPERTS:
         return
-    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    _gemm_tile(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, expert, slots, pid_n, num_slots, N, K,
-               stride_a, stride_be, stride_bn, stride_c, stride_se, ROW_DIV, GATED, WEIGHTED, A_SCALED, B_SCALED, IEEE,
-               EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    first = sorted_slots_ptr + pid_m * BLOCK_M
+    slots = tl.load(first + tl.arange(0, BLOCK_M))
+    rows = tl.sum((slots < num_slots).to(tl.int32), 0) if SHRINK > 0 else BLOCK_M
+    if SHRINK > 1 and rows <= BLOCK_M // 4:
+        _gemm_tile(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, expert,
+                   tl.load(first + tl.arange(0, BLOCK_M // 4)), pid_n, num_slots, N, K, stride_a, stride_be, stride_bn,
+                   stride_c, stride_se, ROW_DIV, GATED, WEIGHTED, A_SCALED, B_SCALED, IEEE, EVEN_K, BLOCK_M // 4,
+                   BLOCK_N, BLOCK_K)  # fmt: skip
+    elif SHRINK > 0 and rows <= BLOCK_M // 2:
+        _gemm_tile(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, expert,
+                   tl.load(first + tl.arange(0, BLOCK_M // 2)), pid_n, num_slots, N, K, stride_a, stride_be, stride_bn,
+                   stride_c, stride_se, ROW_DIV, GATED, WEIGHTED, A_SCALED, B_SCALED, IEEE, EVEN_K, BLOCK_M // 2,
+                   BLOCK_N, BLOCK_K)  # fmt: skip
+    else:
+        _gemm_tile(a_ptr, b_ptr, c_ptr, weights_ptr, a_scale_ptr, b_scale_ptr, expert, slots, pid_n, num_slots, N, K,
+                   stride_a, stride_be, stride_bn, stride_c, stride_se, ROW_DIV, GATED, WEIGHTED, A_SCALED, B_SCALED,
+                   IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -302,7 +317,7 @@ def grouped_gemm(a, b, out, sorted_slots, block_experts, block_m: int, config: d
         assert b.dtype == torch.float8_e4m3fn and b_scale.shape == b.shape[:2] and b_scale.stride(-1) == 1
     if a_scale is not None:
         assert b_scale is not None and a.dtype == torch.float8_e4m3fn and a_scale.shape == (a.shape[0],)
-    cfg = _gemm_config(config, n, k, a_scale is not None)
+    cfg = {"SHRINK": 0, **_gemm_config(config, n, k, a_scale is not None)}
     num_blocks = block_experts.numel()
     assert sorted_slots.numel() == num_blocks * block_m, "route_and_align ran with another BLOCK_M"
     grid = (num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)

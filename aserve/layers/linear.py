@@ -117,7 +117,8 @@ def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     step = max(1, WIDEN_CHUNK // k)
     scratch = getattr(_widen_scratch, "buffer", None)
     if scratch is None or scratch.numel() < step * k:
-        scratch = _widen_scratch.buffer = torch.empty(step * k)
+        with torch.inference_mode(False):  # a normal tensor: written in and outside inference mode
+            scratch = _widen_scratch.buffer = torch.empty(step * k)
     for start in range(0, n, step):
         end = min(n, start + step)
         w32 = scratch[: (end - start) * k].view(end - start, k)
