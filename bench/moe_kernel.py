@@ -2,20 +2,18 @@
 
     python bench/moe_kernel.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--tokens 2048] [--tune] [--fp8]
 
-For each of `--tokens` (comma-separated) tokens: the two grouped GEMMs (gate/up with SiLU·mul, down with the
-routing weights) against cuBLAS doing the same FLOPs as two dense bf16 matmuls (every routed row through one weight:
-[T k, H] x [H, 2 I] and [T k, I] x [I, H]); the ratio is the grouped GEMMs' share of the dense rate (issue 27's
-target: >= 60 % at 2,048 tokens). Also the routing (route_and_align), the whole layer (fused_moe: routing, GEMMs, the
-sum over top_k), its error against the per-expert torch path, and batch-1 decode (one token: its top_k experts'
-weights read, against copy bandwidth); the GEMMs again with SHRINK 1 and 2 (blocks of few routed rows through
-half- or quarter-height tiles). `--tune` times a grid of launch configurations at both sizes first and uses
-the best. `--fp8`: the experts in e4m3 with row scales (`--quantization fp8`'s experts:
-aserve/layers/quantization/fp8_moe.py), the activations rounded to e4m3 per row past fp8_gemv.MAX_ROWS tokens (FP8
-MMAs), 16-bit below; the error is then against the per-expert path on the dequantised experts. Where torch._grouped_mm
-runs bf16 experts (aserve/kernels/moe_grouped_mm.py available), the same for its path: its two GEMMs, the routing
-and sort, the whole layer.
-Prints a table.
-"""
+For each of `--tokens` (comma-separated) tokens: the two grouped GEMMs (gate/up with SiLU·mul, down with the routing
+weights) against cuBLAS doing the same FLOPs as two dense bf16 matmuls (every routed row through one weight: [T k,
+H] x [H, 2 I] and [T k, I] x [I, H]); the ratio is the grouped GEMMs' share of the dense rate (issue 27's target: >=
+60 % at 2,048 tokens). Also the routing (route_and_align), the whole layer (fused_moe: routing, GEMMs, the sum over
+top_k), its error against the per-expert torch path, and batch-1 decode (one token: its top_k experts' weights read,
+against copy bandwidth); the GEMMs again with SHRINK 1 and 2 (blocks of few routed rows through half- or
+quarter-height tiles) and with GROUP_M 1 (programs in row-block order). `--tune` times a grid of launch
+configurations at both sizes first and uses the best. `--fp8`: the experts in e4m3 with row scales (`--quantization
+fp8`'s experts: aserve/layers/quantization/fp8_moe.py), the activations rounded to e4m3 per row past
+fp8_gemv.MAX_ROWS tokens (FP8 MMAs), 16-bit below; the error is then against the per-expert path on the dequantised
+experts. Where torch._grouped_mm runs bf16 experts (aserve/kernels/moe_grouped_mm.py available), the same for its
+path: its two GEMMs, the routing and sort, the whole layer. Prints a table."""
 
 from __future__ import annotations
 
@@ -171,11 +169,12 @@ def main() -> None:
                 )
             rate = 100 * sum(dense_ms) / (up_ms + down_ms)
             rows[f"{tokens} tok: grouped / dense rate"] = f"{rate:.0f} % (target >= 60 %)"
-            for shrink in (1, 2):  # blocks of few routed rows through shorter tiles (moe.py's SHRINK)
-                shrunk = {**cfg, **{w: {**cfg[w], "SHRINK": shrink} for w in ("gate_up", "down")}}
+            # blocks of few routed rows through shorter tiles (moe.py's SHRINK); programs in row-block order
+            for variant in ({"SHRINK": 1}, {"SHRINK": 2}, {"GROUP_M": 1}, {"GROUP_M": 1, "SHRINK": 2}):
+                shrunk = {**cfg, **{w: {**cfg[w], **variant} for w in ("gate_up", "down")}}
                 ms = [bench_ms(lambda: gemms[w](shrunk[w])) for w in ("gate_up", "down")]
                 same = torch.equal(moe.fused_moe(x, logits, w13, w2, top_k, renormalize, shrunk, *scales).float(), got)
-                rows[f"{tokens} tok: gate_up / down with SHRINK {shrink}"] = (
+                rows[f"{tokens} tok: gate_up / down with {variant}"] = (
                     f"{ms[0] * 1e3:.1f} / {ms[1] * 1e3:.1f} us, {100 * sum(dense_ms) / sum(ms):.0f} % of the dense "
                     f"rate, output {'the same' if same else 'DIFFERENT'}"
                 )
