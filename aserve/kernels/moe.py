@@ -41,8 +41,12 @@ LARGE_CONFIG = dict(BLOCK_M=64, gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
 # 128-row blocks and 8-warp tiles: each GEMM tuned on its own at 2,048 tokens, 559 us for the two against
 # LARGE_CONFIG's 619 on an H200 (2026-12-03), 610 against 685 on an H100 (2026-12-06). FP8 experts keep LARGE_CONFIG
 # (their tiles were not swept).
-MANY_CONFIG = dict(BLOCK_M=128, gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-                   down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4))  # fmt: skip
+# SHRINK 1: an expert's last block, mostly padding where its rows are a little over a multiple of 128, runs a 64-row
+# tile when its rows fit: the two GEMMs 352.8 + 200.5 us against 376.4 + 235.6 at 2,048 tokens on an H100, the same
+# bits (bench/moe_kernel.py, 2026-12-07).
+MANY_CONFIG = dict(BLOCK_M=128,
+                   gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, SHRINK=1),
+                   down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, SHRINK=1))  # fmt: skip
 MANY_SLOTS_PER_EXPERT = 128
 
 
@@ -293,6 +297,7 @@ def routed_gate_up(x, router_logits, w13, act, top_k: int, renormalize: bool, bl
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and act.stride(-1) == 1 and act.shape == (t * top_k, n)
     num_blocks, block_experts, sorted_slots, weights, ids = moe_align.routing_buffers(t, e, top_k, block_m, x.device)
     cfg = _gemm_config(config, n, k, False)
+    cfg.pop("SHRINK", None)  # (its blocks hold a few slots: the grouped GEMM's full height)
     _routed_gate_up_kernel[(num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)](
         router_logits, weights, ids, sorted_slots, block_experts, x, w13, act,
         w13_scale if w13_scale is not None else act, t, e, router_logits.stride(0), n, k, num_blocks, x.stride(0),
