@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from aserve.engine.async_engine import OutputSink, StreamGroup
+from aserve.engine.streams import OutputSink, StreamGroup
 from aserve.entrypoints.openai.prompt_scoring import add_prompt_logprobs
 from aserve.entrypoints.openai.responses import (
     DONE,

@@ -14,8 +14,9 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from aserve.engine.async_engine import AsyncEngine, OutputSink, StreamGroup
+from aserve.engine.async_engine import AsyncEngine
 from aserve.engine.errors import EngineDeadError, EngineOverloadedError
+from aserve.engine.streams import OutputSink, StreamGroup
 from aserve.entrypoints.openai import cors
 from aserve.entrypoints.openai.beam_request import beam_response
 from aserve.entrypoints.openai.connections import MAX_BODY_BYTES
@@ -358,6 +359,7 @@ async def _admit(request: web.Request, handler, state: ServerState):
         await state.engine.intake_turn()
         return await _handle(request, handler, state)
     finally:
+        state.engine.intake_ended()
         state.inflight -= 1
         if state.inflight == 0:
             state.idle.set()
