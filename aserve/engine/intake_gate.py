@@ -36,7 +36,7 @@ import contextvars
 from collections.abc import Callable
 
 ARRIVALS_QUIET_S = 0.003  # a burst has ended when no request's intake has begun for this long
-ARRIVALS_WAIT_S = 0.02  # the longest the engine, woken from idle, waits for a burst
+ARRIVALS_WAIT_S = 0.02  # the longest a step that starts a batch afresh waits for a burst
 
 # The arrival of the request whose handler runs in this context: [counted], shared with the tasks it starts
 _ARRIVAL: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("aserve_arrival", default=None)
