@@ -72,7 +72,7 @@ class IntakeGate:
             self.arriving -= 1
 
     async def settle(self) -> None:
-        """Returns once no request is arriving and none has begun to for ARRIVALS_QUIET_S, or after ARRIVALS_WAIT_S."""
+        """Returns once no request is arriving and none has arrived for ARRIVALS_QUIET_S, or after ARRIVALS_WAIT_S."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         end = now + ARRIVALS_WAIT_S
