@@ -4,6 +4,8 @@
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
+#include <stdlib.h>
+
 #define GR_BLOCK 16  /* bf16: output channels per packed block */
 #define GR_MR 6      /* x rows per tile */
 
@@ -28,8 +30,117 @@ static inline int32_t x_pair(const uint16_t *x, int64_t p, int64_t K) {
     return v;
 }
 
-#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
-/* Portable order (no AVX-512 BF16). bf16: per output, the two products of each k pair added in turn, pair after pair.
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_GR_AVX2 1
+#define GR_MR_AVX2 4  /* bf16: x rows per tile (8 accumulators of 8 lanes, 4 widened weight vectors) */
+
+/* AVX2 + FMA (no AVX-512 BF16). bf16: x widened to float32 rows first (xf, stride 2 * pairs, a zero past an odd K);
+   per output one FMA chain over k in order (k = 2 p, then 2 p + 1, pair after pair) over the same packed weight, a
+   32-byte load holding one k pair of 8 outputs, widened in registers (the low half of each 32-bit word is k = 2 p). */
+template <int MR>
+static inline __attribute__((always_inline)) void tile_bf16_avx2(const float *xf, int64_t xf_stride,
+                                                                 const uint16_t *wp, int64_t pairs, uint16_t *y,
+                                                                 int64_t y_stride, int lanes) {
+    __m256 a[MR][2];
+    for (int i = 0; i < MR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wp + p * 2 * GR_BLOCK));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wp + p * 2 * GR_BLOCK + GR_BLOCK));
+        const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+        const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+        const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+        const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+        #pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            const __m256 xe = _mm256_broadcast_ss(xf + i * xf_stride + 2 * p);
+            const __m256 xo = _mm256_broadcast_ss(xf + i * xf_stride + 2 * p + 1);
+            a[i][0] = _mm256_fmadd_ps(even0, xe, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(even1, xe, a[i][1]);
+            a[i][0] = _mm256_fmadd_ps(odd0, xo, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(odd1, xo, a[i][1]);
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        float out[GR_BLOCK];
+        _mm256_storeu_ps(out, a[i][0]);
+        _mm256_storeu_ps(out + 8, a[i][1]);
+        for (int j = 0; j < lanes; j++) y[i * y_stride + j] = f32_to_bf16(out[j]);
+    }
+}
+
+static void rows_bf16_avx2(const float *xf, int64_t xf_stride, const uint16_t *wp, int64_t pairs, uint16_t *y,
+                           int64_t y_stride, int64_t m0, int64_t m_end, int lanes) {
+    int64_t m = m0;
+    for (; m + GR_MR_AVX2 <= m_end; m += GR_MR_AVX2)
+        tile_bf16_avx2<GR_MR_AVX2>(xf + m * xf_stride, xf_stride, wp, pairs, y + m * y_stride, y_stride, lanes);
+    switch (m_end - m) {
+        case 3: tile_bf16_avx2<3>(xf + m * xf_stride, xf_stride, wp, pairs, y + m * y_stride, y_stride, lanes); break;
+        case 2: tile_bf16_avx2<2>(xf + m * xf_stride, xf_stride, wp, pairs, y + m * y_stride, y_stride, lanes); break;
+        case 1: tile_bf16_avx2<1>(xf + m * xf_stride, xf_stride, wp, pairs, y + m * y_stride, y_stride, lanes); break;
+    }
+}
+
+/* float32: per output 16 partial sums over k = j mod 16 (two 8-lane FMA chains over chunks of 16 k's, the last
+   chunk's missing k's loaded as zeros), added in the portable loops' tree. Tiles of 2 x rows by NR outputs. */
+static inline float sum16_tree(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);                                                    /* j += j + 8 */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));     /* j += j + 4 */
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                    /* j += j + 2 */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));                                  /* j += j + 1 */
+}
+
+template <int MR, int NR>
+static inline __attribute__((always_inline)) void tile_f32_avx2(const float *x, int64_t x_stride, const float *w,
+                                                                int64_t K, float *y, int64_t y_stride) {
+    __m256 a[MR][NR][2];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) a[i][j][0] = a[i][j][1] = _mm256_setzero_ps();
+    const int64_t C = (K + 15) / 16, rest = K - 16 * (C - 1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rest), lane);
+    const __m256i mask_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rest - 8), lane);
+    for (int64_t c = 0; c < C; c++) {
+        const bool whole = c < C - 1 || rest == 16;
+        __m256 w0[NR], w1[NR];
+        for (int j = 0; j < NR; j++) {
+            const float *wc = w + j * K + 16 * c;
+            w0[j] = whole ? _mm256_loadu_ps(wc) : _mm256_maskload_ps(wc, mask_lo);
+            w1[j] = whole ? _mm256_loadu_ps(wc + 8) : _mm256_maskload_ps(wc + 8, mask_hi);
+        }
+        for (int i = 0; i < MR; i++) {
+            const float *xc = x + i * x_stride + 16 * c;
+            const __m256 x0 = whole ? _mm256_loadu_ps(xc) : _mm256_maskload_ps(xc, mask_lo);
+            const __m256 x1 = whole ? _mm256_loadu_ps(xc + 8) : _mm256_maskload_ps(xc + 8, mask_hi);
+            for (int j = 0; j < NR; j++) {
+                a[i][j][0] = _mm256_fmadd_ps(w0[j], x0, a[i][j][0]);
+                a[i][j][1] = _mm256_fmadd_ps(w1[j], x1, a[i][j][1]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) y[i * y_stride + j] = sum16_tree(a[i][j][0], a[i][j][1]);
+}
+
+static void rows_f32_avx2(const float *W, const float *x, float *y, int64_t m0, int64_t m_end, int64_t n0,
+                          int64_t nr, int64_t K, int64_t x_stride, int64_t y_stride) {
+    for (int64_t n = n0; n < n0 + nr; n += 2) {
+        const float *w = W + n * K;
+        const bool two = n + 1 < n0 + nr;
+        int64_t m = m0;
+        for (; m + 2 <= m_end; m += 2) {
+            if (two) tile_f32_avx2<2, 2>(x + m * x_stride, x_stride, w, K, y + m * y_stride + n, y_stride);
+            else tile_f32_avx2<2, 1>(x + m * x_stride, x_stride, w, K, y + m * y_stride + n, y_stride);
+        }
+        if (m < m_end) {
+            if (two) tile_f32_avx2<1, 2>(x + m * x_stride, x_stride, w, K, y + m * y_stride + n, y_stride);
+            else tile_f32_avx2<1, 1>(x + m * x_stride, x_stride, w, K, y + m * y_stride + n, y_stride);
+        }
+    }
+}
+#elif !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
+/* Portable order (no AVX-512 BF16, no AVX2). bf16: per output, the two products of each k pair added in turn, pair after pair.
    float32: 16 partial sums over k = j mod 16, added in a fixed tree. */
 static float dot_portable_bf16(const uint16_t *Wp, const uint16_t *x, int64_t n, int64_t K) {
     const int64_t pairs = (K + 1) / 2, b = n / GR_BLOCK, j = n % GR_BLOCK;
@@ -214,6 +325,37 @@ int gemm_rows(const void *W, const void *x, void *y, int64_t M, int64_t N, int64
             const int64_t n0 = b * GR_BLOCK, nr = N - n0 < GR_BLOCK ? N - n0 : GR_BLOCK;
             const int64_t m_end = (s + 1) * slab < M ? (s + 1) * slab : M;
             rows_f32((const float *)W, (const float *)x, (float *)y, s * slab, m_end, n0, nr, K, x_stride, y_stride);
+        }
+    return 0;
+#elif defined(HAVE_GR_AVX2)
+    /* Work items: (slab of x rows, block of 16 output channels), as above. bf16: x widened to float32 first. */
+    const int64_t slabs = (M + 47) / 48, slab = (M + slabs - 1) / slabs, blocks = (N + GR_BLOCK - 1) / GR_BLOCK;
+    if (bf16) {
+        const int64_t pairs = (K + 1) / 2, xf_stride = 2 * pairs;
+        float *xf = (float *)malloc(sizeof(float) * M * xf_stride);
+        if (!xf) return -2;
+        for (int64_t m = 0; m < M; m++) {
+            const uint16_t *xr = (const uint16_t *)x + m * x_stride;
+            for (int64_t k = 0; k < xf_stride; k++) xf[m * xf_stride + k] = k < K ? bf16_to_f32(xr[k]) : 0.0f;
+        }
+        #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
+        for (int64_t s = 0; s < slabs; s++)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t m0 = s * slab, m_end = m0 + slab < M ? m0 + slab : M, n0 = b * GR_BLOCK;
+                const int lanes = (int)(N - n0 < GR_BLOCK ? N - n0 : GR_BLOCK);
+                rows_bf16_avx2(xf, xf_stride, (const uint16_t *)W + n0 * pairs * 2, pairs, (uint16_t *)y + n0,
+                               y_stride, m0, m_end, lanes);
+            }
+        free(xf);
+        return 0;
+    }
+    #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
+    for (int64_t s = 0; s < slabs; s++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * GR_BLOCK, nr = N - n0 < GR_BLOCK ? N - n0 : GR_BLOCK;
+            const int64_t m_end = (s + 1) * slab < M ? (s + 1) * slab : M;
+            rows_f32_avx2((const float *)W, (const float *)x, (float *)y, s * slab, m_end, n0, nr, K, x_stride,
+                          y_stride);
         }
     return 0;
 #else

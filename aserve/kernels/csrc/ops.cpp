@@ -119,8 +119,9 @@ at::Tensor gemm_rows(const at::Tensor &prepared, const at::Tensor &x_, int64_t n
     }
     const at::Tensor x = x_.stride(1) == 1 ? x_ : x_.contiguous();
     at::Tensor y = at::empty({x.size(0), n}, x.options());
-    ::gemm_rows(prepared.data_ptr(), x.data_ptr(), y.data_ptr(), x.size(0), n, k, x.stride(0), n, is_bf16(x),
-                at::get_num_threads());
+    const int status = ::gemm_rows(prepared.data_ptr(), x.data_ptr(), y.data_ptr(), x.size(0), n, k, x.stride(0), n,
+                                   is_bf16(x), at::get_num_threads());
+    TORCH_CHECK(status == 0, "gemm_rows: no memory for the widened rows");
     return y;
 }
 
