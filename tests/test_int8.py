@@ -67,9 +67,14 @@ def test_cpu_kernel_matches_reference(m, n, k, dtype, generic):
 
 
 @needs_c_kernels
-def test_cpu_linear_runs_the_kernel_for_few_rows_and_onednn_for_more():
+@pytest.mark.parametrize("native_16_bit_gemm", [True, False])
+def test_cpu_linear_runs_the_kernel_for_few_rows_and_a_gemm_for_more(monkeypatch, native_16_bit_gemm):
+    """More than CPU_KERNEL_MAX_ROWS rows: q widened to bf16 through oneDNN's GEMM where the CPU has a bf16 one, else
+    float32 GEMMs over q's slices (linear.widens)."""
+    monkeypatch.setattr(int8_method, "widens", lambda dtype: not native_16_bit_gemm)
     layer = int8_linear_layer(bias=True, dtype=torch.bfloat16)
     assert layer.weight.dtype == torch.int8 and layer.cpu_gemv and layer.kernel is int8_method._cpu
+    assert layer.many_rows is (int8_method._widened if native_16_bit_gemm else int8_method._float32)
     for rows in (1, int8_method.CPU_KERNEL_MAX_ROWS, int8_method.CPU_KERNEL_MAX_ROWS + 3):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         want = int8_linear(x, layer.weight, layer.weight_scale, layer.bias)

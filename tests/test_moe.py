@@ -13,6 +13,7 @@ from tiny_models import hf_greedy
 
 from aserve import LLM, SamplingParams
 from aserve.kernels import moe, moe_align, moe_decode, moe_routing, reference
+from aserve.layers.elementwise import silu_and_mul
 from aserve.layers.moe import FusedMoE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,6 +241,49 @@ def test_one_token_on_cpu_runs_its_experts_as_gemvs(monkeypatch):
             without = layer(xs)
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(out, without, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_experts_widen_where_the_cpu_has_no_16_bit_gemm(monkeypatch, dtype):
+    """Where linear.widens says the CPU has no native 16-bit GEMM, the experts' projections over WIDEN_MIN_ROWS+ rows
+    are float32 GEMMs of the 16-bit values (each projection's output rounded once), and experts with fewer rows
+    F.linear; where it has one, F.linear throughout."""
+    from aserve.layers import linear
+    from aserve.layers import moe as moe_layer
+
+    for native in (True, False):
+        monkeypatch.setattr(moe_layer, "widens", lambda dt: not native)
+        x, w13, w2, _ = random_moe(20, 6, 64, 32, seed=21)
+        layer = FusedMoE(6, 2, 64, 32, renormalize=True).to(dtype)
+        with torch.no_grad():
+            layer.w13.copy_(w13)
+            layer.w2.copy_(w2)
+            layer.gate.weight.copy_(torch.randn(6, 64, generator=torch.Generator().manual_seed(22)))
+        layer.process_weights_after_loading()
+        layer.expert_gemv = False
+        assert layer.expert_linear is (torch.nn.functional.linear if native else linear.widened_linear)
+    counts = []
+    widened = linear.widened_linear
+    monkeypatch.setattr(layer, "expert_linear", lambda x, w: counts.append(x.shape[0]) or widened(x, w))
+    xs = x.to(dtype)
+    with torch.no_grad():
+        out = layer(xs)
+        weights, ids = reference.select_experts(layer.gate(xs), 2, True)
+    assert min(counts) < linear.WIDEN_MIN_ROWS <= max(counts)  # both paths ran (20 tokens x top-2 over 6 experts)
+    want = torch.zeros(20, 64, dtype=dtype)
+    for e in range(6):
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        if not len(rows):
+            continue
+        if len(rows) < linear.WIDEN_MIN_ROWS:
+            h = torch.nn.functional.linear(xs[rows], layer.w13[e])
+            h = torch.nn.functional.linear(silu_and_mul(h), layer.w2[e])
+        else:
+            h = (xs[rows].float() @ layer.w13[e].float().t()).to(dtype)
+            h = (silu_and_mul(h).float() @ layer.w2[e].float().t()).to(dtype)
+        want.index_add_(0, rows, (h * weights[rows, slot, None]).to(dtype))
+    torch.testing.assert_close(out, want)
 
 
 def prompts(seed=0, lens=(3, 17, 33, 50)):

@@ -137,7 +137,6 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
     @staticmethod
     def _reset(layer: nn.Module) -> None:
         UnquantizedLinearMethod._reset(layer)
-        layer.rows_packed = False
         layer.bi_matmul = layer.bi_config = None
 
     def process_weights_after_loading(self, layer):

@@ -25,7 +25,9 @@ picks the kernel for the weight's device and dtype, once:
                     reorders the weight on every call. One-row inputs (batch-1 decode) run a GEMV on the plain
                     weight instead, which streams it faster: the C GEMV of aserve/kernels/cpu.py where it applies,
                     else torch.mv (ASERVE_CPU_MV=0: oneDNN for them too). Where oneDNN cannot prepack (CPUs without
-                    AVX-512 BW/VL/DQ or AVX-NE-CONVERT): as CPU, fp16.
+                    AVX-512 BW/VL/DQ or AVX-NE-CONVERT): up to ROWS_PACKED_MAX rows the C kernel gemm_rows of
+                    aserve/kernels/cpu.py over a packed copy of the weight (AVX2: the weight widened in registers,
+                    streamed once per tile of rows; 2-6x the paths below at 1-64 rows), more as CPU, fp16.
     CPU, fp16       (without AMX-FP16) torch's 16-bit GEMM there runs one row at a time (512 rows: 8x float32's
                     time), so inputs of WIDEN_MIN_ROWS or more rows run float32 GEMMs over slices of the weight
                     widened into a scratch buffer of WIDEN_CHUNK elements a thread (the slice stays in cache for the
@@ -35,7 +37,8 @@ picks the kernel for the weight's device and dtype, once:
                     cuBLAS for them too.
     otherwise       F.linear.
 
-What it sets on the layer: `kernel` (the function apply runs), `packed_weight` (the oneDNN copy or None),
+What it sets on the layer: `kernel` (the function apply runs), `packed_weight` (the oneDNN or gemm_rows copy or
+None), `rows_packed` (packed_weight is gemm_rows': the CPU one-token forward may run it),
 `cpu_gemv` (the C GEMV reads this weight), `row_gemv` (the CPU one-row GEMV: cpu.gemv or torch.mv),
 `triton_gemv` / `gemv_config` / `gemv_silu_config` (aserve/kernels/gemv.py's gemv and its launch configurations, or
 None) and `silu_mul_in_max_rows` (1 where apply_silu_mul_in applies, else 0).
@@ -43,6 +46,7 @@ None) and `silu_mul_in_max_rows` (1 where apply_silu_mul_in applies, else 0).
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -107,10 +111,18 @@ _widen_scratch = threading.local()
 
 def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A 16-bit weight on a CPU without a native 16-bit GEMM: see the module's docstring."""
-    w, bias = layer.weight, layer.bias
+    return widened_linear(x, layer.weight, layer.bias)
+
+
+def widened_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """F.linear(x, w, bias) for a 16-bit CPU weight: inputs of WIDEN_MIN_ROWS or more rows as float32 GEMMs over
+    slices of w widened into this thread's scratch, fewer rows F.linear (the module's docstring; also the CPU
+    mixture-of-experts kernel's, aserve/layers/moe.py). `scale` [N] float32: w is int8 and each output's sum is
+    multiplied by its scale before the bias (aserve/layers/quantization/int8.py; then every row count widens)."""
     n, k = w.shape
     rows = x.numel() // k
-    if rows < WIDEN_MIN_ROWS:
+    if rows < WIDEN_MIN_ROWS and scale is None:
         return F.linear(x, w, bias)
     x32 = x.reshape(rows, k).float()
     y = torch.empty(rows, n, dtype=x.dtype)
@@ -124,9 +136,44 @@ def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         w32 = scratch[: (end - start) * k].view(end - start, k)
         w32.copy_(w[start:end])
         part = torch.mm(x32, w32.t())
+        if scale is not None:
+            part *= scale[start:end]
         if bias is not None:
             part += bias[start:end]
         y[:, start:end] = part
+    return y.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def widens(dtype: torch.dtype) -> bool:
+    """Whether CPU weights of `dtype` take the widened GEMM here: 16-bit ones with no native 16-bit GEMM on this CPU
+    (bf16: oneDNN cannot prepack a weight; fp16: no AMX-FP16)."""
+    if dtype == torch.float16:
+        return not torch.cpu._is_amx_fp16_supported()
+    if dtype != torch.bfloat16:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return True
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except (RuntimeError, AttributeError):
+        return True
+    return False
+
+
+ROWS_PACKED_MAX = 128  # more rows: the widened float32 GEMM is as fast (AVX2, SmolLM2's shapes, 2026-12-07)
+
+
+def _rows_packed_widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """bf16 on a CPU without a native bf16 GEMM: gemm_rows over the packed copy up to ROWS_PACKED_MAX rows (the
+    weight streamed once per tile of rows, widened in registers), more rows the widened float32 GEMM."""
+    n, k = layer.weight.shape
+    rows = x.numel() // k
+    if rows > ROWS_PACKED_MAX:
+        return widened_linear(x, layer.weight, layer.bias)
+    y = cpu.gemm_rows(layer.packed_weight, x.reshape(rows, k), n)
+    if layer.bias is not None:
+        y += layer.bias
     return y.view(*x.shape[:-1], n)
 
 
@@ -159,7 +206,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def _reset(layer: nn.Module) -> None:
         layer.kernel = _f_linear
         layer.packed_weight = layer.row_gemv = None
-        layer.cpu_gemv = False
+        layer.cpu_gemv = layer.rows_packed = False
         layer.triton_gemv = layer.gemv_config = layer.gemv_silu_config = None
         layer.silu_mul_in_max_rows = 0
 
@@ -191,8 +238,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return True
 
     def use_widened(self, layer: nn.Module) -> bool:
-        """CPU, 16-bit, no native 16-bit GEMM: inputs of WIDEN_MIN_ROWS or more rows through float32 GEMMs."""
+        """CPU, 16-bit, no native 16-bit GEMM: inputs of WIDEN_MIN_ROWS or more rows through float32 GEMMs; bf16
+        weights where the C kernels are built: up to ROWS_PACKED_MAX rows through gemm_rows over a packed copy
+        (`rows_packed`: the CPU one-token forward runs it too)."""
         layer.kernel = _widened
+        if layer.weight.dtype == torch.bfloat16 and cpu.gemm_rows_supports(layer.weight):
+            layer.packed_weight = cpu.gemm_rows_prepare(layer.weight.detach())
+            layer.kernel, layer.rows_packed = _rows_packed_widened, True
         return True
 
     def use_triton_gemv(self, layer: nn.Module, config: dict | None = None, silu_config: dict | None = None) -> bool:

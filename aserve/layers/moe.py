@@ -22,7 +22,8 @@ The kernel is chosen once, in process_weights_after_loading, by the weights' dev
                 aserve/kernels/moe_int4.py (the quantisation method's use_triton picks them)
     otherwise   per-expert matmuls: the tokens routed to each expert gathered, through its two projections, added
                 back weighted (in expert order, as transformers adds them); one token with bf16 experts on a CPU
-                with the C GEMV (aserve/kernels/cpu.py): its experts' projections as GEMVs
+                with the C GEMV (aserve/kernels/cpu.py): its experts' projections as GEMVs; 16-bit experts on a
+                CPU without a native 16-bit GEMM: the linear layers' widened float32 GEMMs (linear.py widens)
 
 unless the block was given a `kernel_method` when the model was built (deterministic mode: aserve/layers/
 batch_invariant.py), whose process_weights_after_loading(layer) picks the kernel instead.
@@ -39,15 +40,15 @@ from torch import nn
 
 from aserve.kernels import cpu, reference
 from aserve.layers.elementwise import silu_and_mul
-from aserve.layers.linear import Linear
+from aserve.layers.linear import Linear, widened_linear, widens
 
 if TYPE_CHECKING:  # (the quantisation configs import this module's UnquantizedMoEMethod)
     from aserve.layers.quantization.base import QuantizationConfig
 
 
 def per_expert_matmuls(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel: for each expert with tokens, its two projections over those tokens' rows (an expert with one
-    row, where `expert_gemv`: the C GEMV, as the linear layers run one row)."""
+    """The CPU kernel: for each expert with tokens, its two projections over those tokens' rows through
+    `expert_linear` (an expert with one row, where `expert_gemv`: the C GEMV, as the linear layers run one row)."""
     weights, ids = reference.select_experts(router_logits, layer.top_k, layer.renormalize)
     out = torch.zeros_like(x)
     if layer.expert_gemv and x.shape[0] == 1:  # decode: no grouping needed
@@ -64,7 +65,8 @@ def per_expert_matmuls(layer: FusedMoE, x: torch.Tensor, router_logits: torch.Te
         if layer.expert_gemv and counts[expert] == 1:
             h = _expert_gemv(layer, expert, x[tokens[0]])[None]
         else:
-            h = F.linear(silu_and_mul(F.linear(x[tokens], layer.w13[expert])), layer.w2[expert])
+            linear = layer.expert_linear
+            h = linear(silu_and_mul(linear(x[tokens], layer.w13[expert])), layer.w2[expert])
         out.index_add_(0, tokens, (h * weights.view(-1)[expert_slots, None]).to(out.dtype))
     return out
 
@@ -147,6 +149,7 @@ class FusedMoE(nn.Module):
         self.quant_method.create_weights(self, hidden_size)
         self.kernel = per_expert_matmuls
         self.expert_gemv = False  # one-token steps on CPU through the C GEMV (bf16 experts, AVX512-BF16)
+        self.expert_linear = F.linear  # per_expert_matmuls' projections (16-bit experts widened where linear.widens)
         self.triton_moe = self.moe_config = None
         self.kernel_method = None  # set on the meta-device model to pick the kernel in its place (module docstring)
 
@@ -185,6 +188,7 @@ class FusedMoE(nn.Module):
         self.kernel, self.triton_moe, self.moe_config = per_expert_matmuls, None, None
         self.quant_method.process_weights_after_loading(self)
         self.expert_gemv = cpu.gemv_supports(self.w13[0]) and cpu.gemv_supports(self.w2[0])
+        self.expert_linear = widened_linear if self.w13.is_cpu and widens(self.w13.dtype) else F.linear
         if self.kernel_method is not None:
             self.kernel_method.process_weights_after_loading(self)
         elif self.w13.is_cuda:

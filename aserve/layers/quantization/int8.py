@@ -11,7 +11,9 @@ half the weight bytes of bf16. The kernel is chosen once the weights are in (pro
     CPU     up to CPU_KERNEL_MAX_ROWS rows, gemm_int8 of aserve/kernels/cpu.py (C: the int8 weights streamed once per
             call); batch-1 decode also runs it inside the CPU one-token forward (aserve/models/cpu_one_token.py).
             More rows (prefill, large decode batches), where the arithmetic outweighs the weight bytes: q widened to
-            the model's dtype and oneDNN's matmul, each output scaled after.
+            the model's dtype and oneDNN's matmul, each output scaled after; on CPUs without a native GEMM for the
+            model's 16-bit dtype (linear.py's widens), float32 GEMMs over slices of q widened into a scratch buffer,
+            scaled and biased before one rounding.
     CUDA    aserve/kernels/int8.py: the int8 GEMV at one row (with a Llama MLP's SiLU·mul in the down projection's
             prologue), its tl.dot GEMM for more, dequantise + cuBLAS for many
     else    the CPU without the C kernels (or K > 16384): the many-row path at every M; other devices: the
@@ -33,7 +35,7 @@ from torch import nn
 
 from aserve.kernels import cpu
 from aserve.kernels.int8_reference import int8_linear
-from aserve.layers.linear import UnquantizedLinearMethod
+from aserve.layers.linear import UnquantizedLinearMethod, widened_linear, widens
 from aserve.layers.quantization.base import QuantizationConfig
 
 INT8_MAX = 127
@@ -60,10 +62,16 @@ def _widened(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias
 
 
+def _float32(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """CPUs without a native GEMM for x's 16-bit dtype (linear.widens): float32 GEMMs over slices of q widened into
+    a scratch buffer, scaled and biased in float32, rounded once."""
+    return widened_linear(x, layer.weight, layer.bias, layer.weight_scale)
+
+
 def _cpu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """gemm_int8 up to CPU_KERNEL_MAX_ROWS rows; more: _widened."""
+    """gemm_int8 up to CPU_KERNEL_MAX_ROWS rows; more: layer.many_rows (_widened, or _float32)."""
     if x.shape[0] > CPU_KERNEL_MAX_ROWS:
-        return _widened(layer, x)
+        return layer.many_rows(layer, x)
     y = cpu.gemm_int8(layer.weight, layer.weight_scale, x)
     return y if layer.bias is None else y + layer.bias
 
@@ -78,17 +86,20 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer):
         w = layer.weight
         if w.dtype != torch.int8:
+            layer.compute_dtype = w.dtype  # the activations' (the checkpoint's) dtype
             q, scale = quantize_per_channel(w.detach())
             layer.weight = nn.Parameter(q, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         # (an int8 weight: quantised already, and this runs again whenever the weights change)
         self._reset(layer)
         layer.kernel = _reference
+        widen = layer.weight.is_cpu and widens(getattr(layer, "compute_dtype", torch.bfloat16))
+        layer.many_rows = _float32 if widen else _widened
         if layer.weight.is_cpu and cpu.gemm_int8_supports(layer.weight):
             layer.kernel = _cpu
             layer.cpu_gemv = True  # the one-token forward may call gemm_int8 on it
         elif layer.weight.is_cpu:
-            layer.kernel = _widened
+            layer.kernel = layer.many_rows
         elif layer.weight.is_cuda:
             self.use_triton(layer)
 
