@@ -1,6 +1,7 @@
 """Deterministic mode's GPU matmul (aserve/kernels/batch_invariant_matmul.py): every candidate configuration checked
 for bitwise row invariance and timed against cuBLAS on Llama-3-8B's linear shapes (bf16; --shapes also Qwen3-30B-A3B's
-attention and router linears, moe_qkv,moe_o,moe_router), in one command (under 4 minutes on an H200):
+attention and router linears, moe_qkv,moe_o,moe_router, and the two models' lm_heads, head,moe_head), in one command
+(under 4 minutes on an H200):
 
     PYTHONPATH=. python bench/batch_invariant_matmul.py [--candidates old,split128] [--shapes ...] [--json FILE]
 
@@ -36,8 +37,10 @@ from aserve.kernels import batch_invariant_matmul as bim
 from aserve.kernels import pdl
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "moe_qkv": (5120, 2048), "moe_o": (2048, 4096), "moe_router": (128, 2048)}  # fmt: skip
+          "moe_qkv": (5120, 2048), "moe_o": (2048, 4096), "moe_router": (128, 2048),
+          "head": (128256, 4096), "moe_head": (151936, 2048)}  # fmt: skip
 LLAMA = "qkv,o,gate_up,down"  # Llama-3-8B's linears; moe_*: Qwen3-30B-A3B's (its experts are aserve/kernels/moe.py's)
+# head, moe_head: Llama-3-8B's and Qwen3-30B-A3B's lm_head (run outside the decode CUDA graph, on the sampling rows)
 CHECK_ROWS = (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 256, 512)
 POOL = 512
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -17,7 +17,8 @@ runs); on a GPU the engines run one after the other. Also checks that the determ
 for the offline workload run alone and beside the decode request's prompt. Prints a table; --json appends the results
 as a JSON line to a file. --kernels (GPU): also each mode's batch-1 decode step by kernel (the one-token CUDA graph's
 replay under torch.profiler: us per step and launches per step; ASERVE_PDL=0 for each kernel's own time rather than
-one that includes its wait for the kernel before).
+one that includes its wait for the kernel before), and every kernel of a batch-1 generate per output token (with
+what runs outside the graph: the final norm, lm_head and sampling).
 """
 
 from __future__ import annotations
@@ -86,6 +87,15 @@ class Engine:
         graph = self.llm.engine.core.runner.graphs.graphs[(1, 1)][0]
         return bench_ms(graph.replay), kernel_times(graph.replay)
 
+    def token_kernels(self) -> list:
+        """kernel_times of a batch-1 generate of --decode-tokens tokens, per output token: the decode graph's kernels
+        and what runs outside it (the final norm, lm_head, sampling), the prompt's forward spread over the tokens."""
+        from kernel_profile import kernel_times
+
+        n = self.args.decode_tokens
+        return [(name, us / n, count / n) for name, us, count in
+                kernel_times(lambda: self._generate(self.decode_prompt, n), calls=2)]  # fmt: skip
+
     def invariant(self) -> bool:
         """The offline workload's tokens: the same alone and with the decode prompt in the batch."""
         n = self.args.output_len
@@ -142,7 +152,7 @@ def main() -> None:
             if mode == "deterministic":
                 invariant = engine.invariant()
             if args.kernels:
-                kernels[mode] = engine.step_kernels()
+                kernels[mode] = (*engine.step_kernels(), engine.token_kernels())
             del engine
             gc.collect()
             torch.cuda.empty_cache()
@@ -162,10 +172,14 @@ def main() -> None:
         print(f"| {mode} | {r['offline']:.1f} | {r['offline'] / base['offline']:.3f} | {r['decode']:.3f} | "
               f"{r['decode'] / base['decode']:.3f} |")  # fmt: skip
     print(f"\ndeterministic: offline tokens alone == beside another request: {invariant}")
-    for mode, (replay_ms, rows) in kernels.items():
+    for mode, (replay_ms, rows, token_rows) in kernels.items():
         print(f"\n{mode}: one replay of the batch-1 decode graph {replay_ms:.3f} ms; by kernel (us a step, launches):")
         for name, us, count in rows[:16]:
             print(f"  {us:8.1f}  x{count:<6g} {name[:100]}")
+        total = sum(us for _, us, _ in token_rows)
+        print(f"{mode}: a batch-1 generate's kernels per output token, {total:.1f} us in all (us, launches):")
+        for name, us, count in token_rows[:24]:
+            print(f"  {us:8.1f}  x{count:<6.3g} {name[:100]}")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"args": vars(args), "device": device, "results": results, "invariant": invariant,
