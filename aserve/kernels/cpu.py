@@ -41,7 +41,7 @@ batch (oneDNN and MKL pick other kernels, and so other sums, by M; the GEMV abov
   _mm512_reduce_add_ps.
   With AVX2 and FMA but no AVX512-BF16: x widened to float32 rows first; bf16, per output one FMA chain over k in
   order over the same packed weight (a 32-byte load is a k pair of 8 outputs, widened in registers), tiles of 4 x
-  rows by 16 outputs; float32, per output 16 partial sums (two 8-lane FMA chains) added in a fixed tree. Normal mode
+  rows by 16 outputs and, for the rows left over (decode's one row), one row by 64 outputs; float32, per output 16 partial sums (two 8-lane FMA chains) added in a fixed tree. Normal mode
   runs this kernel too for bf16 weights of up to linear.ROWS_PACKED_MAX rows on CPUs without a native bf16 GEMM
   (aserve/layers/linear.py). Without either: portable loops, the same orders. Reference: torch.nn.functional.linear
   (same products, summed in another order).
@@ -53,8 +53,9 @@ streamed once per call, half the bytes of bf16 (batch-1 decode is bound by them)
 torch's threads, each block's rows prefetched 4 blocks ahead; with AVX-512, 16 weights at a time widened to float32
 (vpmovsxbd, vcvtdq2ps) and multiplied into x (held as float32 on the thread's stack, 16384 / K rows per pass, so
 a block's weights come from memory once per pass), four weight rows against up to four x rows at a time (each weight
-vector widened once for the four x rows, each x vector loaded once for the four weight rows); elsewhere portable loops
-the compiler vectorises. K <= 16384 (`gemm_int8_supports`).
+vector widened once for the four x rows, each x vector loaded once for the four weight rows); with AVX2 and FMA, 8
+at a time, four weight rows against two x rows or eight against a last single row (K % 8 == 0); elsewhere portable
+loops the compiler vectorises. K <= 16384 (`gemm_int8_supports`).
 
 Decode attention (csrc/attention.cpp): one query token per request, reading the paged KV cache in place, where the
 torch backend gathers every request's blocks into a padded copy for SDPA (K/V read, written and read again; SDPA's

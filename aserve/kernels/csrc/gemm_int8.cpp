@@ -64,8 +64,57 @@ static void block_fast(const int8_t *W, const float *scale, const float *xf, int
     const __m512 sc = _mm512_loadu_ps(scale + n0);
     for (int j = 0; j < MB; j++) _mm512_storeu_ps(s[j], _mm512_mul_ps(hsum16(acc[j]), sc));
 }
+#define HAVE_AVX2_I8 0
 #else
 #define HAVE_AVX512 0
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_I8 1
+
+static inline __m256 w8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+
+static inline float hsum8(__m256 v) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+/* AVX2: rows w .. w + (R - 1) K against MB rows of xf (row stride K), K % 8 == 0: s[j][r + i] = the dot product
+   of weight row i with x row j, times its scale. 8-lane partial sums, each weight vector widened once for the MB x
+   rows; R x MB = 8 independent FMA chains. */
+template <int R, int MB>
+static inline void dot_avx2(const int8_t *w, const float *scale, int64_t K, const float *xf, float (*s)[I8_BLOCK],
+                            int r) {
+    __m256 a[R][MB];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < MB; j++) a[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv[MB];
+        for (int j = 0; j < MB; j++) xv[j] = _mm256_loadu_ps(xf + j * K + k);
+        for (int i = 0; i < R; i++) {
+            const __m256 wv = w8(w + i * K + k);
+            for (int j = 0; j < MB; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < MB; j++) s[j][r + i] = hsum8(a[i][j]) * scale[i];
+}
+
+/* A whole block of 16 outputs for mb <= 4 x rows: two x rows by four weight rows at a time, a last single x row
+   by eight weight rows. */
+static void block_avx2(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t K, int64_t mb,
+                       float (*s)[I8_BLOCK]) {
+    int64_t j = 0;
+    for (; j + 2 <= mb; j += 2)
+        for (int r = 0; r < I8_BLOCK; r += 4) dot_avx2<4, 2>(W + (n0 + r) * K, scale + n0 + r, K, xf + j * K, s + j, r);
+    if (j < mb)
+        for (int r = 0; r < I8_BLOCK; r += 8) dot_avx2<8, 1>(W + (n0 + r) * K, scale + n0 + r, K, xf + j * K, s + j, r);
+}
+#else
+#define HAVE_AVX2_I8 0
+#endif
 #endif
 
 #define I8_MB 4  /* rows of x per block pass */
@@ -84,6 +133,12 @@ static void block_outputs(const int8_t *W, const float *scale, const float *xf, 
         }
     }
 #endif
+#if HAVE_AVX2_I8
+    if (fast && rows == I8_BLOCK) {
+        block_avx2(W, scale, xf, n0, K, mb, s);
+        return;
+    }
+#endif
     (void)fast;
     for (int64_t j = 0; j < mb; j++)
         for (int64_t r = 0; r < rows; r++) s[j][r] = dot_generic(W + (n0 + r) * K, xf + j * K, K) * scale[n0 + r];
@@ -92,7 +147,7 @@ static void block_outputs(const int8_t *W, const float *scale, const float *xf, 
 int gemm_int8(const int8_t *W, const float *scale, const void *x, void *y, int64_t M, int64_t N, int64_t K,
               int64_t x_stride, int64_t y_stride, int bf16, int nt, int force_generic) {
     if (K <= 0 || K > I8_MAX_K) return -1;
-    const int fast = HAVE_AVX512 && !force_generic && K % 16 == 0;
+    const int fast = !force_generic && ((HAVE_AVX512 && K % 16 == 0) || (HAVE_AVX2_I8 && K % 8 == 0));
     const int64_t rows_per_pass = I8_XF / K;  /* x rows converted to float32 at once */
     const int64_t blocks = (N + I8_BLOCK - 1) / I8_BLOCK;
     const size_t elem = bf16 ? 2 : 4;

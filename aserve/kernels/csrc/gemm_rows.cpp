@@ -33,52 +33,72 @@ static inline int32_t x_pair(const uint16_t *x, int64_t p, int64_t K) {
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_GR_AVX2 1
-#define GR_MR_AVX2 4  /* bf16: x rows per tile (8 accumulators of 8 lanes, 4 widened weight vectors) */
+#define GR_MR_AVX2 4     /* bf16: x rows per tile (8 accumulators of 8 lanes, 4 widened weight vectors) */
+#define GR_GROUP_AVX2 4  /* bf16: packed blocks per work item */
 
 /* AVX2 + FMA (no AVX-512 BF16). bf16: x widened to float32 rows first (xf, stride 2 * pairs, a zero past an odd K);
    per output one FMA chain over k in order (k = 2 p, then 2 p + 1, pair after pair) over the same packed weight, a
    32-byte load holding one k pair of 8 outputs, widened in registers (the low half of each 32-bit word is k = 2 p). */
-template <int MR>
+template <int MR, int NB>
 static inline __attribute__((always_inline)) void tile_bf16_avx2(const float *xf, int64_t xf_stride,
                                                                  const uint16_t *wp, int64_t pairs, uint16_t *y,
                                                                  int64_t y_stride, int lanes) {
-    __m256 a[MR][2];
-    for (int i = 0; i < MR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    __m256 a[MR][NB][2];
+    for (int i = 0; i < MR; i++)
+        for (int b = 0; b < NB; b++) a[i][b][0] = a[i][b][1] = _mm256_setzero_ps();
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    const int64_t block = pairs * 2 * GR_BLOCK;  /* elements of one packed block */
     for (int64_t p = 0; p < pairs; p++) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(wp + p * 2 * GR_BLOCK));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wp + p * 2 * GR_BLOCK + GR_BLOCK));
-        const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
-        const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
-        const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
-        const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
         #pragma GCC unroll 4
-        for (int i = 0; i < MR; i++) {
-            const __m256 xe = _mm256_broadcast_ss(xf + i * xf_stride + 2 * p);
-            const __m256 xo = _mm256_broadcast_ss(xf + i * xf_stride + 2 * p + 1);
-            a[i][0] = _mm256_fmadd_ps(even0, xe, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(even1, xe, a[i][1]);
-            a[i][0] = _mm256_fmadd_ps(odd0, xo, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(odd1, xo, a[i][1]);
+        for (int b = 0; b < NB; b++) {
+            const uint16_t *w = wp + b * block + p * 2 * GR_BLOCK;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)w);
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + GR_BLOCK));
+            const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+            const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+            const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+            const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+            #pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) {
+                const __m256 xe = _mm256_broadcast_ss(xf + i * xf_stride + 2 * p);
+                const __m256 xo = _mm256_broadcast_ss(xf + i * xf_stride + 2 * p + 1);
+                a[i][b][0] = _mm256_fmadd_ps(even0, xe, a[i][b][0]);
+                a[i][b][1] = _mm256_fmadd_ps(even1, xe, a[i][b][1]);
+                a[i][b][0] = _mm256_fmadd_ps(odd0, xo, a[i][b][0]);
+                a[i][b][1] = _mm256_fmadd_ps(odd1, xo, a[i][b][1]);
+            }
         }
     }
-    for (int i = 0; i < MR; i++) {
-        float out[GR_BLOCK];
-        _mm256_storeu_ps(out, a[i][0]);
-        _mm256_storeu_ps(out + 8, a[i][1]);
-        for (int j = 0; j < lanes; j++) y[i * y_stride + j] = f32_to_bf16(out[j]);
-    }
+    for (int i = 0; i < MR; i++)
+        for (int b = 0; b < NB; b++) {
+            float out[GR_BLOCK];
+            _mm256_storeu_ps(out, a[i][b][0]);
+            _mm256_storeu_ps(out + 8, a[i][b][1]);
+            const int n = b == NB - 1 ? lanes : GR_BLOCK;
+            for (int j = 0; j < n; j++) y[i * y_stride + b * GR_BLOCK + j] = f32_to_bf16(out[j]);
+        }
 }
 
+/* Rows [m0, m_end) against nb <= GR_GROUP_AVX2 blocks: tiles of 4 rows by one block (8 accumulators), the last
+   rows one at a time against all nb blocks (8 accumulators at nb = 4: decode's one row keeps as many FMA chains
+   in flight). Every output's chain is the same whichever tile computes it. */
 static void rows_bf16_avx2(const float *xf, int64_t xf_stride, const uint16_t *wp, int64_t pairs, uint16_t *y,
-                           int64_t y_stride, int64_t m0, int64_t m_end, int lanes) {
+                           int64_t y_stride, int64_t m0, int64_t m_end, int nb, int lanes) {
+    const int64_t block = pairs * 2 * GR_BLOCK;
     int64_t m = m0;
     for (; m + GR_MR_AVX2 <= m_end; m += GR_MR_AVX2)
-        tile_bf16_avx2<GR_MR_AVX2>(xf + m * xf_stride, xf_stride, wp, pairs, y + m * y_stride, y_stride, lanes);
-    switch (m_end - m) {
-        case 3: tile_bf16_avx2<3>(xf + m * xf_stride, xf_stride, wp, pairs, y + m * y_stride, y_stride, lanes); break;
-        case 2: tile_bf16_avx2<2>(xf + m * xf_stride, xf_stride, wp, pairs, y + m * y_stride, y_stride, lanes); break;
-        case 1: tile_bf16_avx2<1>(xf + m * xf_stride, xf_stride, wp, pairs, y + m * y_stride, y_stride, lanes); break;
+        for (int b = 0; b < nb; b++)
+            tile_bf16_avx2<GR_MR_AVX2, 1>(xf + m * xf_stride, xf_stride, wp + b * block, pairs,
+                                          y + m * y_stride + b * GR_BLOCK, y_stride, b == nb - 1 ? lanes : GR_BLOCK);
+    for (; m < m_end; m++) {
+        const float *xr = xf + m * xf_stride;
+        uint16_t *yr = y + m * y_stride;
+        switch (nb) {
+            case 4: tile_bf16_avx2<1, 4>(xr, xf_stride, wp, pairs, yr, y_stride, lanes); break;
+            case 3: tile_bf16_avx2<1, 3>(xr, xf_stride, wp, pairs, yr, y_stride, lanes); break;
+            case 2: tile_bf16_avx2<1, 2>(xr, xf_stride, wp, pairs, yr, y_stride, lanes); break;
+            default: tile_bf16_avx2<1, 1>(xr, xf_stride, wp, pairs, yr, y_stride, lanes); break;
+        }
     }
 }
 
@@ -328,10 +348,10 @@ int gemm_rows(const void *W, const void *x, void *y, int64_t M, int64_t N, int64
         }
     return 0;
 #elif defined(HAVE_GR_AVX2)
-    /* Work items: (slab of x rows, block of 16 output channels), as above. bf16: x widened to float32 first. */
+    /* Work items: (slab of x rows, group of output channels), as above. bf16: x widened to float32 first. */
     const int64_t slabs = (M + 47) / 48, slab = (M + slabs - 1) / slabs, blocks = (N + GR_BLOCK - 1) / GR_BLOCK;
     if (bf16) {
-        const int64_t pairs = (K + 1) / 2, xf_stride = 2 * pairs;
+        const int64_t pairs = (K + 1) / 2, xf_stride = 2 * pairs, groups = (blocks + GR_GROUP_AVX2 - 1) / GR_GROUP_AVX2;
         float *xf = (float *)malloc(sizeof(float) * M * xf_stride);
         if (!xf) return -2;
         for (int64_t m = 0; m < M; m++) {
@@ -340,11 +360,13 @@ int gemm_rows(const void *W, const void *x, void *y, int64_t M, int64_t N, int64
         }
         #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
         for (int64_t s = 0; s < slabs; s++)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t m0 = s * slab, m_end = m0 + slab < M ? m0 + slab : M, n0 = b * GR_BLOCK;
-                const int lanes = (int)(N - n0 < GR_BLOCK ? N - n0 : GR_BLOCK);
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t m0 = s * slab, m_end = m0 + slab < M ? m0 + slab : M, b0 = g * GR_GROUP_AVX2;
+                const int nb = (int)(blocks - b0 < GR_GROUP_AVX2 ? blocks - b0 : GR_GROUP_AVX2);
+                const int64_t n0 = b0 * GR_BLOCK, last = n0 + (nb - 1) * GR_BLOCK;
+                const int lanes = (int)(N - last < GR_BLOCK ? N - last : GR_BLOCK);  /* outputs in the last block */
                 rows_bf16_avx2(xf, xf_stride, (const uint16_t *)W + n0 * pairs * 2, pairs, (uint16_t *)y + n0,
-                               y_stride, m0, m_end, lanes);
+                               y_stride, m0, m_end, nb, lanes);
             }
         free(xf);
         return 0;
