@@ -183,15 +183,23 @@ def test_decode_kernels_serve_few_slots_per_expert():
     assert moe_decode.use_decode(1, 2, 8) and not moe_decode.use_decode(2, 2, 8)  # Mixtral: one token
 
 
+def top2_block(w13, w2, renormalize: bool, gate_seed: int, **to) -> FusedMoE:
+    """A FusedMoE block (top 2) holding w13 / w2 and a random router, moved `.to(**to)`."""
+    experts, hidden = w13.shape[0], w13.shape[2]
+    layer = FusedMoE(experts, 2, hidden, w2.shape[2], renormalize=renormalize).to(**to)
+    with torch.no_grad():
+        layer.w13.copy_(w13)
+        layer.w2.copy_(w2)
+        layer.gate.weight.copy_(torch.randn(experts, hidden, generator=torch.Generator().manual_seed(gate_seed)))
+    return layer
+
+
 def random_layer():
     """-> (x [23, 32], w13, w2, a FusedMoE block of 8 experts (top 2, not renormalised) holding them and a random
     router)."""
     x, w13, w2, _ = random_moe(23, 8, 32, 16, seed=3)
-    layer = FusedMoE(8, 2, 32, 16, renormalize=False).to(DEVICE)
+    layer = top2_block(w13, w2, False, 4, device=DEVICE)
     with torch.no_grad():
-        layer.w13.copy_(w13)
-        layer.w2.copy_(w2)
-        layer.gate.weight.copy_(torch.randn(8, 32, generator=torch.Generator().manual_seed(4)))
         layer.gate.process_weights_after_loading()
     return x, w13, w2, layer
 
@@ -215,11 +223,7 @@ def test_one_token_on_cpu_runs_its_experts_as_gemvs(monkeypatch):
     from aserve.kernels import cpu
 
     x, w13, w2, _ = random_moe(5, 8, 64, 32, seed=12)
-    layer = FusedMoE(8, 2, 64, 32, renormalize=True).to(torch.bfloat16)
-    with torch.no_grad():
-        layer.w13.copy_(w13)
-        layer.w2.copy_(w2)
-        layer.gate.weight.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(13)))
+    layer = top2_block(w13, w2, True, 13, dtype=torch.bfloat16)
     layer.process_weights_after_loading()
     if not cpu.gemv_supports(layer.w13[0]):
         pytest.skip("no C GEMV on this CPU (AVX512-BF16)")
@@ -255,11 +259,7 @@ def test_16_bit_experts_widen_where_the_cpu_has_no_16_bit_gemm(monkeypatch, dtyp
     for native in (True, False):
         monkeypatch.setattr(moe_layer, "widens", lambda dt: not native)
         x, w13, w2, _ = random_moe(20, 6, 64, 32, seed=21)
-        layer = FusedMoE(6, 2, 64, 32, renormalize=True).to(dtype)
-        with torch.no_grad():
-            layer.w13.copy_(w13)
-            layer.w2.copy_(w2)
-            layer.gate.weight.copy_(torch.randn(6, 64, generator=torch.Generator().manual_seed(22)))
+        layer = top2_block(w13, w2, True, 22, dtype=dtype)
         layer.process_weights_after_loading()
         layer.expert_gemv = False
         assert layer.expert_linear is (torch.nn.functional.linear if native else linear.widened_linear)

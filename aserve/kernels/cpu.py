@@ -41,10 +41,10 @@ batch (oneDNN and MKL pick other kernels, and so other sums, by M; the GEMV abov
   _mm512_reduce_add_ps.
   With AVX2 and FMA but no AVX512-BF16: x widened to float32 rows first; bf16, per output one FMA chain over k in
   order over the same packed weight (a 32-byte load is a k pair of 8 outputs, widened in registers), tiles of 4 x
-  rows by 16 outputs and, for the rows left over (decode's one row), one row by 64 outputs; float32, per output 16 partial sums (two 8-lane FMA chains) added in a fixed tree. Normal mode
-  runs this kernel too for bf16 weights of up to linear.ROWS_PACKED_MAX rows on CPUs without a native bf16 GEMM
-  (aserve/layers/linear.py). Without either: portable loops, the same orders. Reference: torch.nn.functional.linear
-  (same products, summed in another order).
+  rows by 16 outputs and, for the rows left over (decode's one row), one row by 64 outputs; float32, per output 16
+  partial sums (two 8-lane FMA chains) added in a fixed tree. Normal mode runs this kernel too for bf16 weights of up
+  to linear.ROWS_PACKED_MAX rows on CPUs without a native bf16 GEMM (aserve/layers/linear.py). Without either:
+  portable loops, the same orders. Reference: torch.nn.functional.linear (same products, summed in another order).
 
 INT8 weight-only products (csrc/gemm_int8.cpp), the CPU side of `--quantization int8`: y [M, N] = (x [M, K] W^T) *
 scale, W int8 [N, K] row-major with one float32 scale per output channel, x and y bf16 or float32, float32 sums;
