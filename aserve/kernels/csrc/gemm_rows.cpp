@@ -143,8 +143,8 @@ static inline __attribute__((always_inline)) void tile_f32_avx2(const float *x, 
         for (int j = 0; j < NR; j++) y[i * y_stride + j] = sum16_tree(a[i][j][0], a[i][j][1]);
 }
 
-static void rows_f32_avx2(const float *W, const float *x, float *y, int64_t m0, int64_t m_end, int64_t n0,
-                          int64_t nr, int64_t K, int64_t x_stride, int64_t y_stride) {
+static void rows_f32(const float *W, const float *x, float *y, int64_t m0, int64_t m_end, int64_t n0, int64_t nr,
+                     int64_t K, int64_t x_stride, int64_t y_stride) {
     for (int64_t n = n0; n < n0 + nr; n += 2) {
         const float *w = W + n * K;
         const bool two = n + 1 < n0 + nr;
@@ -159,6 +159,32 @@ static void rows_f32_avx2(const float *W, const float *x, float *y, int64_t m0, 
         }
     }
 }
+
+/* bf16 work items: (slab of x rows, group of GR_GROUP_AVX2 blocks); x widened to float32 first. */
+static int gemm_rows_bf16(const void *W, const void *x, void *y, int64_t M, int64_t N, int64_t K,
+                          int64_t x_stride, int64_t y_stride, int64_t slabs, int64_t slab, int nt, int par) {
+    const int64_t blocks = (N + GR_BLOCK - 1) / GR_BLOCK, pairs = (K + 1) / 2, xf_stride = 2 * pairs;
+    const int64_t groups = (blocks + GR_GROUP_AVX2 - 1) / GR_GROUP_AVX2;
+    float *xf = (float *)malloc(sizeof(float) * M * xf_stride);
+    if (!xf) return -2;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xr = (const uint16_t *)x + m * x_stride;
+        for (int64_t k = 0; k < xf_stride; k++) xf[m * xf_stride + k] = k < K ? bf16_to_f32(xr[k]) : 0.0f;
+    }
+    #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
+    for (int64_t s = 0; s < slabs; s++)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t m0 = s * slab, m_end = m0 + slab < M ? m0 + slab : M, b0 = g * GR_GROUP_AVX2;
+            const int nb = (int)(blocks - b0 < GR_GROUP_AVX2 ? blocks - b0 : GR_GROUP_AVX2);
+            const int64_t n0 = b0 * GR_BLOCK, last = n0 + (nb - 1) * GR_BLOCK;
+            const int lanes = (int)(N - last < GR_BLOCK ? N - last : GR_BLOCK);  /* outputs in the last block */
+            rows_bf16_avx2(xf, xf_stride, (const uint16_t *)W + n0 * pairs * 2, pairs, (uint16_t *)y + n0,
+                           y_stride, m0, m_end, nb, lanes);
+        }
+    free(xf);
+    return 0;
+}
+
 #elif !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__))
 /* Portable order (no AVX-512 BF16, no AVX2). bf16: per output, the two products of each k pair added in turn, pair after pair.
    float32: 16 partial sums over k = j mod 16, added in a fixed tree. */
@@ -305,6 +331,29 @@ static void rows_f32(const float *W, const float *x, float *y, int64_t m0, int64
     for (; m + GR_MR <= m_end; m += GR_MR) block_f32<GR_MR>(W, x, y, m, n0, nr, K, x_stride, y_stride);
     for (; m < m_end; m++) block_f32<1>(W, x, y, m, n0, nr, K, x_stride, y_stride);
 }
+
+/* bf16 work items: (slab of x rows, group of 4 or 2 blocks: narrower groups for few rows, more items). */
+static int gemm_rows_bf16(const void *W, const void *x, void *y, int64_t M, int64_t N, int64_t K,
+                          int64_t x_stride, int64_t y_stride, int64_t slabs, int64_t slab, int nt, int par) {
+    const int nv = M >= GR_MR && (N + 63) / 64 * slabs >= 16 ? 4 : 2;  /* enough items for the threads */
+    const int64_t width = nv * GR_BLOCK, groups = (N + width - 1) / width, pairs = (K + 1) / 2;
+    #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
+    for (int64_t s = 0; s < slabs; s++)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t m0 = s * slab, m_end = m0 + slab < M ? m0 + slab : M, n0 = g * width;
+            const int64_t blocks = (N - n0 + GR_BLOCK - 1) / GR_BLOCK < nv ? (N - n0 + GR_BLOCK - 1) / GR_BLOCK : nv;
+            const int lanes = (int)(N - n0 - (blocks - 1) * GR_BLOCK);  /* outputs in the last block */
+            const uint16_t *wp = (const uint16_t *)W + n0 * pairs * 2, *xs = (const uint16_t *)x;
+            uint16_t *ys = (uint16_t *)y + n0;
+            switch (blocks) {
+                case 4: rows_bf16<4>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
+                case 3: rows_bf16<3>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
+                case 2: rows_bf16<2>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
+                default: rows_bf16<1>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
+            }
+        }
+    return 0;
+}
 #endif
 
 int gemm_rows(const void *W, const void *x, void *y, int64_t M, int64_t N, int64_t K, int64_t x_stride,
@@ -313,31 +362,11 @@ int gemm_rows(const void *W, const void *x, void *y, int64_t M, int64_t N, int64
     /* Small products (under ~1M multiply-adds and a weight under 64K elements: a few microseconds) on one thread: a
        parallel region costs more there. (Few rows stream the weight: worth the threads from 64K elements.) */
     const int par = M * N * K >= (1 << 20) || N * K >= (1 << 16);
-#ifdef HAVE_GR_AVX512
+#if defined(HAVE_GR_AVX512) || defined(HAVE_GR_AVX2)
     /* Work items: (slab of x rows, group of output channels), each sweeping its slab in tiles over its group's
-       weights; slabs of equal size, so that the threads' shares are. How the work is cut changes no sum. Few rows
-       (decode batches): narrower groups, more items. */
+       weights; slabs of equal size, so that the threads' shares are. How the work is cut changes no sum. */
     const int64_t slabs = (M + 47) / 48, slab = (M + slabs - 1) / slabs;  /* <= 48 rows each, as even as can be */
-    if (bf16) {
-        const int nv = M >= GR_MR && (N + 63) / 64 * slabs >= 16 ? 4 : 2;  /* enough items for the threads */
-        const int64_t width = nv * GR_BLOCK, groups = (N + width - 1) / width, pairs = (K + 1) / 2;
-        #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
-        for (int64_t s = 0; s < slabs; s++)
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t m0 = s * slab, m_end = m0 + slab < M ? m0 + slab : M, n0 = g * width;
-                const int64_t blocks = (N - n0 + GR_BLOCK - 1) / GR_BLOCK < nv ? (N - n0 + GR_BLOCK - 1) / GR_BLOCK : nv;
-                const int lanes = (int)(N - n0 - (blocks - 1) * GR_BLOCK);  /* outputs in the last block */
-                const uint16_t *wp = (const uint16_t *)W + n0 * pairs * 2, *xs = (const uint16_t *)x;
-                uint16_t *ys = (uint16_t *)y + n0;
-                switch (blocks) {
-                    case 4: rows_bf16<4>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
-                    case 3: rows_bf16<3>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
-                    case 2: rows_bf16<2>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
-                    default: rows_bf16<1>(xs, x_stride, wp, K, ys, y_stride, m0, m_end, lanes); break;
-                }
-            }
-        return 0;
-    }
+    if (bf16) return gemm_rows_bf16(W, x, y, M, N, K, x_stride, y_stride, slabs, slab, nt, par);
     const int64_t blocks = (N + GR_BLOCK - 1) / GR_BLOCK;
     #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
     for (int64_t s = 0; s < slabs; s++)
@@ -345,39 +374,6 @@ int gemm_rows(const void *W, const void *x, void *y, int64_t M, int64_t N, int64
             const int64_t n0 = b * GR_BLOCK, nr = N - n0 < GR_BLOCK ? N - n0 : GR_BLOCK;
             const int64_t m_end = (s + 1) * slab < M ? (s + 1) * slab : M;
             rows_f32((const float *)W, (const float *)x, (float *)y, s * slab, m_end, n0, nr, K, x_stride, y_stride);
-        }
-    return 0;
-#elif defined(HAVE_GR_AVX2)
-    /* Work items: (slab of x rows, group of output channels), as above. bf16: x widened to float32 first. */
-    const int64_t slabs = (M + 47) / 48, slab = (M + slabs - 1) / slabs, blocks = (N + GR_BLOCK - 1) / GR_BLOCK;
-    if (bf16) {
-        const int64_t pairs = (K + 1) / 2, xf_stride = 2 * pairs, groups = (blocks + GR_GROUP_AVX2 - 1) / GR_GROUP_AVX2;
-        float *xf = (float *)malloc(sizeof(float) * M * xf_stride);
-        if (!xf) return -2;
-        for (int64_t m = 0; m < M; m++) {
-            const uint16_t *xr = (const uint16_t *)x + m * x_stride;
-            for (int64_t k = 0; k < xf_stride; k++) xf[m * xf_stride + k] = k < K ? bf16_to_f32(xr[k]) : 0.0f;
-        }
-        #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
-        for (int64_t s = 0; s < slabs; s++)
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t m0 = s * slab, m_end = m0 + slab < M ? m0 + slab : M, b0 = g * GR_GROUP_AVX2;
-                const int nb = (int)(blocks - b0 < GR_GROUP_AVX2 ? blocks - b0 : GR_GROUP_AVX2);
-                const int64_t n0 = b0 * GR_BLOCK, last = n0 + (nb - 1) * GR_BLOCK;
-                const int lanes = (int)(N - last < GR_BLOCK ? N - last : GR_BLOCK);  /* outputs in the last block */
-                rows_bf16_avx2(xf, xf_stride, (const uint16_t *)W + n0 * pairs * 2, pairs, (uint16_t *)y + n0,
-                               y_stride, m0, m_end, nb, lanes);
-            }
-        free(xf);
-        return 0;
-    }
-    #pragma omp parallel for schedule(static) collapse(2) num_threads(nt) if(par)
-    for (int64_t s = 0; s < slabs; s++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = b * GR_BLOCK, nr = N - n0 < GR_BLOCK ? N - n0 : GR_BLOCK;
-            const int64_t m_end = (s + 1) * slab < M ? (s + 1) * slab : M;
-            rows_f32_avx2((const float *)W, (const float *)x, (float *)y, s * slab, m_end, n0, nr, K, x_stride,
-                          y_stride);
         }
     return 0;
 #else
