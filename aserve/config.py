@@ -55,6 +55,9 @@ class EngineArgs:
     # A prompt longer than this computes at most this many tokens per step (0: as many as the budget leaves), so a
     # long prompt joining running decodes lengthens their steps less (vLLM's flag)
     long_prefill_token_threshold: int = 0
+    # A step that decodes takes only the prompt tokens that keep it within this many times a decode step's time
+    # (aserve/core/prompt_cap.py); 0: no cap but the budget
+    max_decode_slowdown: float = 0.0
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float | None = None  # KV budget; default on CPU: 2 GiB (capped to what can be used)
@@ -186,6 +189,8 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_decode_slowdown != 0 and not self.max_decode_slowdown > 1:
+            raise ValueError(f"max_decode_slowdown must be 0 (off) or > 1, got {self.max_decode_slowdown}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "dummy"):

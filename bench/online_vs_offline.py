@@ -1,8 +1,9 @@
 """What the OpenAI server costs over the offline engine on the same workload, in one command:
 
     python bench/online_vs_offline.py [--model M] [--load-format dummy] [--dtype D] [--streams 64] [--requests 256]
-        [--input-len 256] [--output-len 128] [--max-num-seqs 256] [--long-prefill-token-threshold N] [--profile]
-        [--passes N] [--interleave] [--offline-from JSON]
+        [--input-len 256] [--output-len 128] [--max-num-seqs 256] [--max-num-batched-tokens N]
+        [--long-prefill-token-threshold N] [--max-decode-slowdown R] [--profile] [--passes N] [--interleave]
+        [--offline-from JSON]
         [--json PATH] [--server-arg '...']
 
 Offline: `LLM.generate` of --requests random token-id prompts (seeded; ids in [100, vocab_size - 100)), max_tokens
@@ -74,8 +75,9 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
               enforce_eager=ns.enforce_eager)  # fmt: skip
     if ns.kv_cache_memory_gb is not None:
         kw["kv_cache_memory_gb"] = ns.kv_cache_memory_gb
-    if ns.long_prefill_token_threshold:
-        kw["long_prefill_token_threshold"] = ns.long_prefill_token_threshold
+    for name in ("long_prefill_token_threshold", "max_num_batched_tokens", "max_decode_slowdown"):
+        if getattr(ns, name):
+            kw[name] = getattr(ns, name)
     return kw
 
 
@@ -313,12 +315,10 @@ def online(ns: argparse.Namespace, off: dict, tmp: str) -> dict:
         run = asyncio.run
     # The offline engine's KV cache size, exactly (bytes / 2^30 is exact in a float, and repr round-trips).
     kv_gb = ns.kv_cache_memory_gb if ns.kv_cache_memory_gb is not None else off["kv_cache_bytes"] / (1 << 30)
-    flags = (["--model", ns.model] if ns.model else []) + [
-        "--dtype", ns.dtype, "--load-format", ns.load_format, "--max-model-len", str(ns.max_model_len),
-        "--kv-cache-memory-gb", repr(kv_gb), "--max-num-seqs", str(ns.max_num_seqs), "--no-debug-invariants",
-    ]  # fmt: skip
-    flags += ["--enforce-eager"] if ns.enforce_eager else []
-    flags += ["--long-prefill-token-threshold", str(ns.long_prefill_token_threshold)]
+    flags = (["--model", ns.model] if ns.model else []) + ["--no-debug-invariants"]
+    for name, value in {**engine_kwargs(ns), "kv_cache_memory_gb": kv_gb}.items():
+        flag, text = "--" + name.replace("_", "-"), value if isinstance(value, str) else repr(value)  # exact floats
+        flags += ([flag] if value else []) if isinstance(value, bool) else [flag, text]
     flags += [x for arg in ns.server_arg for x in shlex.split(arg)]
     log_path = os.path.join(tmp, "server.log")
     try:
@@ -444,6 +444,10 @@ def main() -> None:
     kv_help = "both engines' KV budget (default: the offline engine's own; the server gets the same)"
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help=kv_help)
     p.add_argument("--enforce-eager", action="store_true", help="both engines: no CUDA graphs / CPU compile")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="both engines: the most tokens in one step (0: the engine's default)")  # fmt: skip
+    p.add_argument("--max-decode-slowdown", type=float, default=0.0,
+                   help="both engines: cap prompt tokens beside decodes (0: off)")  # fmt: skip
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="both engines: at most this many prompt tokens of a request per step (0: no cap)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)

@@ -4,8 +4,9 @@ Each step: running requests first (in arrival order), then waiting ones FCFS, ea
 `num_tokens - num_computed_tokens` tokens from the shared budget (plus, with async scheduling, the token a step still
 running will sample: see `Request.num_inflight`). A prompt longer than what is left (or than
 `long_prefill_token_threshold`, when set) is chunked; the rest comes in later steps, mixed with other requests'
-decodes. When the pool runs out of blocks, the newest running
-request is preempted: its blocks are freed and it is recomputed later (prefix caching usually makes that cheap).
+decodes. With a prompt cap (`--max-decode-slowdown`), a step that decodes takes only so many prompt tokens.
+When the pool runs out of blocks, the newest running request is preempted: its blocks are freed and it is
+recomputed later (prefix caching usually makes that cheap).
 A waiting request with structured output is skipped until its grammar is compiled (vLLM's WAITING_FOR_FSM); one
 whose grammar failed to compile ends with an error (its output waits in `take_outputs()`).
 A paused request (`set_paused`: the server's stream for it stopped being read) is not scheduled, running or waiting,
@@ -24,10 +25,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from aserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from aserve.core.kv_cache_manager import InvariantError, KVCacheManager
+from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.metrics import EngineStats
 from aserve.core.outputs import NO_ALLOWED_TOKEN, EngineCoreOutput, RunnerOutput
 from aserve.core.request import Request, RequestStatus
+from aserve.core.scheduler_invariants import check_queues
 from aserve.spec.ngram import FollowIndex, propose_ngram
 
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or infinity) for this request"
@@ -83,8 +85,10 @@ class Scheduler:
         vocab_size: int | None = None,
         stats: EngineStats | None = None,
         long_prefill_token_threshold: int = 0,
+        prompt_cap=None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.prompt_cap = prompt_cap  # PromptCap: prompt tokens beside decodes (aserve/core/prompt_cap.py), or None
         # A request computes at most this many tokens per step (0: no limit but the budget)
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.spec_policy = spec_policy  # None: no speculative decoding
@@ -160,6 +164,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         if self.spec_policy is not None:
             self.spec_policy.begin_step()
+        # Prompt chunks and recomputation beside decodes, where capped (aserve/core/prompt_cap.py); None: no cap
+        prompt_budget = self.prompt_cap.step_budget(self.running, self._length_reached) if self.prompt_cap else None
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -171,7 +177,12 @@ class Scheduler:
             num_new = (
                 request.num_tokens + request.num_inflight + len(request.spec_token_ids) - request.num_computed_tokens
             )
-            num_new = min(self._chunk(num_new), budget, self.max_model_len - request.num_computed_tokens)
+            capped = prompt_budget is not None and num_new > 1 + len(request.spec_token_ids)  # prompt work, capped
+            if capped and prompt_budget == 0:
+                i += 1  # no prompt tokens left in this step
+                continue
+            step_budget = min(budget, prompt_budget) if capped else budget
+            num_new = min(self._chunk(num_new), step_budget, self.max_model_len - request.num_computed_tokens)
             assert num_new > 0, f"{request} has nothing to compute"
             k_next, lookahead = self._drafts_next(request, num_new)
             while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
@@ -184,11 +195,15 @@ class Scheduler:
                 break  # preempted itself: everything after it already was
             self._schedule(out, request, num_new, k_next)
             budget -= num_new
+            if capped:
+                prompt_budget -= num_new
             i += 1
 
         now = time.monotonic()
         skipped: list[Request] = []  # paused, or waiting for their grammar: skipped, keeping their place in the queue
         # Admitting new work right after a preemption would just preempt again.
+        if prompt_budget is not None:
+            budget = min(budget, prompt_budget)  # all a waiting request computes is prompt work
         while not out.preempted and self.waiting and budget > 0:
             request = self.waiting[0]
             if request.paused:
@@ -476,22 +491,5 @@ class Scheduler:
                 self.kv.forget_uncomputed(s.request, s.num_computed_tokens)
 
     def check_invariants(self) -> None:
-        """For `debug_invariants`: raises InvariantError unless the queues hold each live request exactly once, with
-        a status matching its queue, and the KV manager's invariants hold for them."""
-        live = list(self.running) + list(self.waiting)
-        ids = [r.request_id for r in live]
-        if len(set(ids)) != len(ids):
-            raise InvariantError(f"a request is queued twice: running {self.running}, waiting {list(self.waiting)}")
-        if set(ids) != set(self.requests) or any(self.requests[r.request_id] is not r for r in live):
-            raise InvariantError(f"the queues ({sorted(ids)}) and the live requests ({sorted(self.requests)}) differ")
-        for r in self.running:
-            if r.status != RequestStatus.RUNNING:
-                raise InvariantError(f"{r} is in the running queue")
-        for r in self.waiting:
-            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                raise InvariantError(f"{r} is in the waiting queue")
-            if r.status == RequestStatus.PREEMPTED and r.num_computed_tokens != 0:
-                raise InvariantError(f"{r} was preempted but counts computed tokens")
-        if len(self.running) > self.max_num_seqs:
-            raise InvariantError(f"{len(self.running)} requests running, more than max_num_seqs {self.max_num_seqs}")
-        self.kv.check_invariants(live)
+        """For `debug_invariants`: raises InvariantError where the queues or the KV manager are inconsistent."""
+        check_queues(self)

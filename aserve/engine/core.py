@@ -38,6 +38,7 @@ from aserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from aserve.core.kv_cache_manager import KVCacheManager, cdiv
 from aserve.core.metrics import EngineStats
 from aserve.core.outputs import EngineCoreOutput, RunnerOutput
+from aserve.core.prompt_cap import PromptCap
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.core.structured_output import StructuredOutputManager
@@ -167,6 +168,7 @@ class EngineCore:
             config.vocab_size,
             self.stats,
             args.long_prefill_token_threshold,
+            self._prompt_cap(),
         )
         self.async_scheduling = config.async_scheduling
         self.inflight: tuple[SchedulerOutput, PendingStep] | None = None  # the launched step not yet updated from
@@ -232,6 +234,20 @@ class EngineCore:
             cost = StepCostModel(self.runner.measure_step_times(), drafter.cost_fraction if drafter else 0.0)
             logger.info("Speculation cost model (step seconds by tokens): %s", dict(zip(cost.sizes, cost.times)))
         return SpecPolicy(cfg, cost, overlap=self.config.async_scheduling)
+
+    def _prompt_cap(self) -> PromptCap | None:
+        """--max-decode-slowdown: the prompt cap, on the speculation policy's step-time model if it has one."""
+        ratio = self.config.args.max_decode_slowdown
+        if not ratio:
+            return None
+        cost = self.spec_policy.cost if self.spec_policy is not None else None
+        if cost is None:
+            cost = StepCostModel(self.runner.measure_step_times())
+            logger.info("Prompt cap's step-time model (seconds by tokens): %s", dict(zip(cost.sizes, cost.times)))
+        cap = PromptCap(cost, ratio, self.config.max_num_batched_tokens)
+        sizes = [d for d in (1, 16, 64, 256) if d <= self.config.args.max_num_seqs]
+        logger.info("Prompt tokens a step may take beside D decodes, by D: %s", {d: cap(d) for d in sizes})
+        return cap
 
     def _num_kv_blocks(self) -> int:
         args, config = self.config.args, self.config
