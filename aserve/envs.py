@@ -28,6 +28,8 @@ defaults are what aserve runs. A switch "turned off" is set to 0.
                           (aserve/kernels/gemv.py) instead of cuBLAS. Default on.
     ASERVE_PDL            GPU (Hopper and newer): programmatic dependent launch of aserve's Triton kernels
                           (aserve/kernels/pdl.py). Default on.
+    ASERVE_PIECEWISE_GRAPHS  GPU: steps with prompts of up to 1,024 tokens replay CUDA graphs in pieces around
+                          attention (aserve/worker/piecewise_graphs.py) instead of an eager forward. Default on.
     ASERVE_STREAM_BUFFER  the server: how many bytes of events may wait for a streaming client that stopped reading
                           (its TCP window full) before its requests are ended and its connection closed
                           (aserve/entrypoints/openai/event_stream.py). Default 4 MiB.
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     ASERVE_CPU_MALLOC: bool
     ASERVE_GEMV: bool
     ASERVE_PDL: bool
+    ASERVE_PIECEWISE_GRAPHS: bool
     ASERVE_STREAM_BUFFER: int
     ASERVE_STREAM_STALL_TIMEOUT: float
     VLLM_SERVER_DEV_MODE: bool
@@ -90,6 +93,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "ASERVE_CPU_MALLOC": _switch("ASERVE_CPU_MALLOC"),
     "ASERVE_GEMV": _switch("ASERVE_GEMV"),
     "ASERVE_PDL": _switch("ASERVE_PDL"),
+    "ASERVE_PIECEWISE_GRAPHS": _switch("ASERVE_PIECEWISE_GRAPHS"),
     "ASERVE_STREAM_BUFFER": lambda: int(os.environ.get("ASERVE_STREAM_BUFFER", str(4 << 20))),
     "ASERVE_STREAM_STALL_TIMEOUT": lambda: float(os.environ.get("ASERVE_STREAM_STALL_TIMEOUT", "60")),
     "VLLM_SERVER_DEV_MODE": lambda: os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"),

@@ -14,7 +14,7 @@ from aserve.models import model_path
 from aserve.worker import host_memory
 
 SWITCHES = ["ASERVE_CPU_KERNELS", "ASERVE_CPU_AMX", "ASERVE_CPU_MV", "ASERVE_CPU_ONE_TOKEN", "ASERVE_CPU_MALLOC",
-            "ASERVE_GEMV", "ASERVE_PDL"]  # fmt: skip
+            "ASERVE_GEMV", "ASERVE_PDL", "ASERVE_PIECEWISE_GRAPHS"]  # fmt: skip
 HAS_C_GEMV = cpu.gemv_supports(torch.empty(1, 32, dtype=torch.bfloat16))
 
 

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from aserve import envs
 from aserve.core.kv_cache_groups import plan_kv_groups
 from aserve.core.kv_cache_manager import cdiv
 from aserve.core.outputs import RunnerOutput, SamplerOutput
@@ -40,6 +41,8 @@ from aserve.worker.batch_invariant_sampler import BatchInvariantSampler
 from aserve.worker.cuda_graphs import StepGraphs
 from aserve.worker.draft_tokens import DraftTokens
 from aserve.worker.host_batch import fill_host
+from aserve.worker.input_buffers import InputBuffers
+from aserve.worker.piecewise_graphs import PiecewiseGraphs
 from aserve.worker.profiler_hooks import Profiler, ProfilerSettings
 from aserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logits_rows
 from aserve.worker.sampler import PendingSample, Sampler, list_to_device
@@ -98,52 +101,6 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtyp
     return torch.zeros((slots, 2, num_blocks, block_size, heads, head_dim), dtype=dtype, device=device)
 
 
-class InputBuffers:
-    """Host tensors for the largest step (max_num_batched_tokens tokens, max_num_seqs requests), filled by prefix each
-    step and copied to device tensors of stable addresses. Slots and block tables have one row per group of layers
-    (aserve/core/kv_cache_groups.py)."""
-
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device,
-                 num_groups: int = 1) -> None:  # fmt: skip
-        pin = device.type == "cuda"
-
-        def host_set() -> dict[str, torch.Tensor]:
-            def host(*shape, dtype):
-                return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
-
-            return {
-                "input_ids": host(max_tokens, dtype=torch.int64),
-                "positions": host(max_tokens, dtype=torch.int64),
-                "slot_mapping": host(num_groups, max_tokens, dtype=torch.int64),
-                "query_start_loc": host(max_reqs + 1, dtype=torch.int32),
-                "seq_lens": host(max_reqs, dtype=torch.int32),
-                "block_tables": host(num_groups, max_reqs, max_blocks, dtype=torch.int32),
-                "logits_indices": host(max_tokens, dtype=torch.int64),
-            }
-
-        # Two host sets on a GPU (flip() between async steps); on the CPU the "device" tensors are the host ones.
-        self._sets = [host_set(), host_set()] if pin else [host_set()]
-        self._np = [{k: v.numpy() for k, v in hs.items()} for hs in self._sets]
-        self._current = 0
-        self.host, self.np = self._sets[0], self._np[0]
-        self.device = {k: v.to(device) for k, v in self.host.items()} if device.type != "cpu" else self.host
-
-    def flip(self) -> None:
-        """Switches to the other host set: the copies of the step just launched may still read this one."""
-        self._current = (self._current + 1) % len(self._sets)
-        self.host, self.np = self._sets[self._current], self._np[self._current]
-
-    def to_device(self, name: str, n: int, cols: int | None = None) -> torch.Tensor:
-        src, dst = self.host[name], self.device[name]
-        if cols is not None:
-            src, dst = src[..., :n, :cols], dst[..., :n, :cols]
-        else:
-            src, dst = src[..., :n], dst[..., :n]
-        if dst is not src:
-            dst.copy_(src, non_blocking=True)
-        return dst
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -192,6 +149,7 @@ class ModelRunner:
         # engine's worker thread, never on the event loop).
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs: StepGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # mixed steps' graphs (aserve/worker/piecewise_graphs.py)
         self.drafter = None  # a model-based speculative proposer (aserve.worker.drafter), set by the engine
 
         t0 = time.perf_counter()
@@ -249,6 +207,11 @@ class ModelRunner:
 
         self.graphs = StepGraphs(self, forward, self.backend, self.max_num_seqs, max_query_len)
         pool = self.graphs.capture()
+        # Mixed steps in pieces around attention; not where a drafter reads the forward's layers (layer_skip, a
+        # draft model's mirror) or in deterministic mode (its batch-invariant layers stay eager there)
+        if self.drafter is None and not self.deterministic and envs.ASERVE_PIECEWISE_GRAPHS:
+            self.piecewise = PiecewiseGraphs(self, forward, self.backend, self.max_num_batched_tokens)
+            self.piecewise.capture(pool, self.graphs.idle_inputs)
         if self.drafter is not None:
             self.drafter.capture_cuda_graphs(pool)
 
@@ -428,6 +391,9 @@ class ModelRunner:
             return graphs.replay(layout, key, patch), None, key
         meta = self._device_meta(layout)
         self.backend.prepare_groups(meta, self.block_size)
+        bucket = self.piecewise.bucket_for(layout) if self.piecewise is not None and not resume else None
+        if bucket is not None:
+            return self.piecewise.replay(layout.num_tokens, bucket, meta, patch), meta, None
         input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
         positions = self.buffers.to_device("positions", layout.num_tokens)
         if patch is not None:

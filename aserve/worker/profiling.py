@@ -12,6 +12,7 @@ import torch
 
 from aserve.core.kv_cache_manager import cdiv
 from aserve.layers.attention.backend import AttentionMetadata, split_groups
+from aserve.worker.step_plan import StepLayout
 
 logger = logging.getLogger("aserve")
 
@@ -85,16 +86,25 @@ def measure_step_times(runner, reps: int = 3) -> dict[int, float]:
     """Seconds per step by number of tokens (1, 2, 4, ... up to the budget): the seed of the speculation
     policy's cost model (which then learns from real steps). A step of n tokens is timed as one n-token request;
     the fastest of `reps` runs, after a warm-up run (kernel selection, compilation). Sizes that CUDA graphs cover
-    are timed as the steps run them: a decode graph's replay and the logits of its rows."""
+    are timed as the steps run them: a decode graph's replay and the logits of its rows, or a prompt's pieces
+    (aserve/worker/piecewise_graphs.py) and its last row's logits."""
     sizes = [1 << i for i in range(12) if (1 << i) <= min(runner.max_num_batched_tokens, runner.max_model_len, 1024)]
     graphs = runner.graphs
     if graphs is not None:
         graphs.idle_inputs((graphs.buckets[-1], graphs.buckets[-1]))  # decode rows that write nothing
     out = {}
+    pieces = runner.piecewise
     for n in sizes:
         key = graphs.key_for(n, n, 1) if graphs is not None else None
+        bucket = pieces.bucket_for(StepLayout(1, n, max_query_len=n)) if pieces is not None else None
         if key is not None:
             step = lambda key=key, n=n: runner.model.compute_logits(graphs.run(key)[:n])  # noqa: E731
+        elif bucket is not None:  # a prompt of n tokens replays its bucket's pieces (one request, writing nothing)
+            graphs.idle_inputs((1, bucket))
+            pieces.pad_requests(1, bucket)
+            meta = pieces.capture_meta(bucket)
+            runner.backend.prepare_groups(meta, runner.block_size)
+            step = lambda b=bucket, m=meta: runner.model.compute_logits(pieces.run(b, b, m)[b - 1 :])  # noqa: E731
         else:
             step = lambda n=n: synthetic_step(runner, [n])  # noqa: E731
         step()
