@@ -8,9 +8,9 @@ requests takes about twice as long as one of 64, so it can carry more prompt tok
 is therefore a ratio of step times. Prompt tokens add their compute to the decode step they join (measured on an
 H100, Llama-3-8B shape: 64 decodes 7.9 ms, with 512 prompt tokens 19.4 ms, ~22 us a token: the decodes' reads
 hide none of it), so a step with D decode tokens takes at most P = (ratio - 1) * T(D) / c prompt tokens, T the
-step-time model (tokens -> seconds: start-up timings, refined by measured steps; aserve/spec/policy.py
-StepCostModel) and c its cost per token at its largest sizes. Steps without decodes are not capped (a prompt
-arriving at an idle engine gets the whole budget).
+step-time model (tokens -> seconds: aserve/spec/policy.py StepCostModel, from start-up timings, refined by measured
+decode steps where adaptive speculation shares it) and c its cost per token at its largest sizes. Steps without
+decodes are not capped (a prompt arriving at an idle engine gets the whole budget).
 """
 
 from __future__ import annotations
