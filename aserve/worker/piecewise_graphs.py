@@ -10,13 +10,15 @@ with the step's own metadata, piece 1, ... The pieces share one memory pool (wit
 replayed in the order they were captured.
 
 Padding: tokens past the step's are token 0 at position 0 with slot -1 (the cache write in the pieces skips them);
-attention runs on the step's own tokens and writes their rows of the piece's static output (the padding rows keep
-what they held: the rows are independent until the logits, which read only real rows).
+attention runs on the step's own tokens and writes their rows of its output buffer (the padding rows keep what they
+held: the rows are independent until the logits, which read only real rows).
 
-During capture the backend's `attend` / `forward` are replaced on the instance by a stand-in that ends the graph
-being captured, records the call (its static q / k / v, the layer's cache and parameters, which group's metadata
-it read) and begins the next graph; the stand-in returns the static output without computing attention. The
-graphs capture rotary and the cache write as a step with multi-token queries does (the attention backend's
+During capture the backend's `attend` / `forward` are replaced on the instance by a stand-in that copies q / k / v
+into buffers shared by every layer and bucket (inside the piece), ends the graph being captured, records the call
+(those buffers, the layer's cache and parameters, which group's metadata it read), begins the next graph and
+returns the shared output buffer without computing attention. Holding no tensor of the graphs' own, the pieces
+leave the pool's memory free for each other: its size is one bucket's activations, not one per layer and bucket.
+The graphs capture rotary and the cache write as a step with multi-token queries does (the attention backend's
 `reads_new_kv`), so only steps whose longest query has more than one token replay them.
 """
 
@@ -48,7 +50,7 @@ class _Call:
     kv_cache: torch.Tensor
     group: int  # 0: the step's metadata, g > 0: meta.groups[g - 1]
     params: object
-    out: torch.Tensor  # the static output the next piece reads
+    out: torch.Tensor  # the output the next piece reads
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class PiecewiseGraphs:
         self.buckets = [t for t in TOKEN_BUCKETS if t <= max_tokens]
         self.pieces: dict[int, _Pieces] = {}
         self._open: torch.cuda.CUDAGraph | None = None  # the graph being captured
+        self._buffers: dict[tuple, torch.Tensor] = {}  # attention's inputs and output, shared (_static)
 
     def bucket_for(self, layout) -> int | None:
         """The token bucket a step (its StepLayout) replays, or None: it runs eagerly."""
@@ -140,22 +143,34 @@ class PiecewiseGraphs:
         pieces.graphs.append(self._open)
         self._open.capture_begin(pool=pool)
 
+    def _static(self, name: str, x: torch.Tensor, t: int) -> torch.Tensor:
+        """The first t rows of the buffer `name` of x's row shape and dtype, made on first use (the warm-up of the
+        largest bucket: outside any graph) for the most tokens a bucket holds."""
+        key = (name, tuple(x.shape[1:]), x.dtype)
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros(self.buckets[-1], *x.shape[1:], dtype=x.dtype, device=x.device)
+        return self._buffers[key][:t]
+
     @contextlib.contextmanager
     def _stand_in(self, meta: AttentionMetadata, capturing: tuple[_Pieces, object] | None):
-        """The backend's attend / forward replaced, on the instance, by the capture's stand-in."""
+        """The backend's attend / forward replaced, on the instance, by the capture's stand-in. Its q / k / v are
+        copied, in the piece, into buffers every layer and bucket shares, and attention's output is such a buffer
+        too: the graphs' own tensors are not held, so the pool's memory serves every piece and bucket (a replay runs
+        one layer's attention between its two pieces, in stream order)."""
         backend = self.backend
         metas = [meta, *meta.groups]
 
         def stand_in(method):
             def call(q, k, v, kv_cache, step_meta, params=None):
-                if capturing is not None:
-                    self._open.capture_end()
-                # Zeros for the warm-up; allocated outside the graphs, which read it: a replay's attention writes it
-                out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+                t = q.shape[0]
+                args = [self._static(name, x, t).copy_(x) if x is not None else None
+                        for name, x in (("q", q), ("k", k), ("v", v))]  # fmt: skip
+                out = self._static("out", q, t)
                 if capturing is not None:
                     pieces, pool = capturing
+                    self._open.capture_end()
                     group = next(i for i, m in enumerate(metas) if m is step_meta)
-                    pieces.calls.append(_Call(method, q, k, v, kv_cache, group, params, out))
+                    pieces.calls.append(_Call(method, *args, kv_cache, group, params, out))
                     self._begin(pieces, pool)
                 return out
 
