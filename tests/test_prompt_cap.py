@@ -2,6 +2,8 @@
 only that many prompt tokens beside decodes (and the whole budget without them), and the flag through the offline
 API and the command line."""
 
+from types import SimpleNamespace
+
 import pytest
 from test_scheduler import BS, req, run_step, summary
 
@@ -32,17 +34,17 @@ class LinearCost:
 def test_cap_is_the_slowdown_in_prompt_tokens():
     """P = (ratio - 1) * T(D) / (cost per token at the largest sizes), within [MIN_PROMPT_TOKENS, budget - D]."""
     cost = LinearCost(base=200)
-    assert PromptCap(cost, 2.0, 8192)(64) == 264  # T(64) = 264 tokens' cost
-    assert PromptCap(cost, 2.0, 8192)(256) == 456  # a larger batch's slower step carries more
-    assert PromptCap(cost, 1.5, 8192)(64) == 132
-    assert PromptCap(cost, 3.0, 8192)(64) == 528
-    assert PromptCap(cost, 2.0, 300)(64) == 236  # never past what the step's budget leaves
-    assert PromptCap(LinearCost(base=0), 1.01, 8192)(1) == MIN_PROMPT_TOKENS  # prompts always progress
+    assert PromptCap(cost, 2.0, 8192, 256)(64) == 264  # T(64) = 264 tokens' cost
+    assert PromptCap(cost, 2.0, 8192, 256)(256) == 456  # a larger batch's slower step carries more
+    assert PromptCap(cost, 1.5, 8192, 256)(64) == 132
+    assert PromptCap(cost, 3.0, 8192, 256)(64) == 528
+    assert PromptCap(cost, 2.0, 300, 256)(64) == 236  # never past what the step's budget leaves
+    assert PromptCap(LinearCost(base=0), 1.01, 8192, 256)(1) == MIN_PROMPT_TOKENS  # prompts always progress
 
 
 def test_cap_follows_the_cost_model():
     cost = LinearCost(base=200)
-    cap = PromptCap(cost, 2.0, 8192)
+    cap = PromptCap(cost, 2.0, 8192, 256)
     assert cap(64) == 264
     cost.set(base=400)  # decode steps measured slower: the same slowdown allows more prompt tokens
     assert cap(64) == 464
@@ -50,8 +52,21 @@ def test_cap_follows_the_cost_model():
     assert cap(64) == 464
 
 
+def test_the_cap_follows_the_batch_of_live_requests():
+    """Beside one decode, the cap is that of the batch the live requests make (at most max_num_seqs): it does not
+    shrink while prompts are admitted."""
+    cap = PromptCap(LinearCost(base=100), 2.0, 8192, 8)  # cap(B) = 100 + B
+    decoding = SimpleNamespace(num_tokens=10, num_inflight=0, num_computed_tokens=9, paused=False, spec_token_ids=[])
+    prompting = SimpleNamespace(num_tokens=50, num_inflight=0, num_computed_tokens=0, paused=False, spec_token_ids=[])
+    never = lambda request, extra: False  # noqa: E731
+    assert cap.step_budget([decoding, prompting], never, 2) == 102
+    assert cap.step_budget([decoding, prompting], never, 30) == 108  # 30 live, but a step holds at most 8
+    assert cap.step_budget([decoding] * 3, never, 2) == 103  # at least the step's own decodes
+    assert cap.step_budget([prompting], never, 5) is None  # nothing decodes: no cap
+
+
 def make_capped(base: int, budget: int = 64, threshold: int = 0) -> Scheduler:
-    cap = PromptCap(LinearCost(base), 2.0, budget)  # cap(D) = base + D
+    cap = PromptCap(LinearCost(base), 2.0, budget, 8)  # cap(B) = base + B
     return Scheduler(KVCacheManager(64, BS), 8, budget, 128, long_prefill_token_threshold=threshold, prompt_cap=cap)
 
 
@@ -60,9 +75,9 @@ def test_prompt_tokens_beside_decodes_are_capped():
     sched.add_request(req("a", range(6)))
     assert summary(run_step(sched)) == [("a", 0, 6, [0, 1])]  # nothing decodes: the whole budget
     sched.add_request(req("long", range(100, 140)))
-    # "a" decodes: 25 prompt tokens (cap(1)) where the budget would give all 40
-    assert summary(run_step(sched)) == [("a", 6, 1, [0, 1]), ("long", 0, 25, [2, 3, 4, 5, 6, 7, 8])]
-    assert summary(run_step(sched)) == [("a", 7, 1, [0, 1]), ("long", 25, 15, [2, 3, 4, 5, 6, 7, 8, 9, 10, 11])]
+    # "a" decodes: 26 prompt tokens (cap(2): two live requests) where the budget would give all 40
+    assert summary(run_step(sched)) == [("a", 6, 1, [0, 1]), ("long", 0, 26, [2, 3, 4, 5, 6, 7, 8])]
+    assert summary(run_step(sched)) == [("a", 7, 1, [0, 1]), ("long", 26, 14, [2, 3, 4, 5, 6, 7, 8, 9, 10, 11])]
     assert summary(run_step(sched)) == [("a", 8, 1, [0, 1, 12]), ("long", 40, 1, [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13])]
 
 
@@ -72,7 +87,7 @@ def test_a_prompt_ahead_of_decodes_in_the_running_queue_leaves_them_their_step()
     sched.add_request(req("long", range(100, 160)))
     sched.add_request(req("b", range(4)))
     assert summary(run_step(sched)) == [("long", 0, 20, [0, 1, 2, 3, 4]), ("b", 0, 4, [5])]
-    assert summary(run_step(sched)) == [("long", 20, 17, [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]), ("b", 4, 1, [5, 11])]
+    assert summary(run_step(sched)) == [("long", 20, 18, [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]), ("b", 4, 1, [5, 11])]
 
 
 def test_uncapped_scheduler_gives_prompts_the_budget():
@@ -99,17 +114,18 @@ def test_max_decode_slowdown_through_the_engine(tiny_model):
     cap, schedule, steps = scheduler.prompt_cap, scheduler.schedule, []
 
     def recorded():
+        live = len(scheduler.requests)
         out = schedule()
         decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.num_computed_tokens > 0)
-        steps.append((decodes, sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)))
+        steps.append((decodes, sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1), live))
         return out
 
     scheduler.schedule = recorded
     assert [o.outputs[0].token_ids for o in capped.generate(prompts, params)] == want
-    assert steps[0] == (0, 64)  # nothing decoding yet: the whole budget
-    beside = [(d, p) for d, p in steps if d and p]
-    assert beside and all(p <= cap(d) for d, p in beside)
-    assert any(p < 64 - d for d, p in beside)  # the cap, not the budget, bounded some of them
+    assert steps[0] == (0, 64, 4)  # nothing decoding yet: the whole budget
+    beside = [(d, p, live) for d, p, live in steps if d and p]
+    assert beside and all(p <= cap(max(d, live)) for d, p, live in beside)
+    assert any(p < 64 - d for d, p, _ in beside)  # the cap, not the budget, bounded some of them
     for bad in (1.0, 0.5, -2.0):
         with pytest.raises(ValueError, match="max_decode_slowdown"):
             LLM(tiny_model, max_decode_slowdown=bad)

@@ -165,7 +165,8 @@ class Scheduler:
         if self.spec_policy is not None:
             self.spec_policy.begin_step()
         # Prompt chunks and recomputation beside decodes, where capped (aserve/core/prompt_cap.py); None: no cap
-        prompt_budget = self.prompt_cap.step_budget(self.running, self._length_reached) if self.prompt_cap else None
+        prompt_cap, live = self.prompt_cap, len(self.requests)
+        prompt_budget = prompt_cap.step_budget(self.running, self._length_reached, live) if prompt_cap else None
 
         i = 0
         while i < len(self.running) and budget > 0:

@@ -244,9 +244,10 @@ class EngineCore:
         if cost is None:
             cost = StepCostModel(self.runner.measure_step_times())
             logger.info("Prompt cap's step-time model (seconds by tokens): %s", dict(zip(cost.sizes, cost.times)))
-        cap = PromptCap(cost, ratio, self.config.max_num_batched_tokens)
-        sizes = [d for d in (1, 16, 64, 256) if d <= self.config.args.max_num_seqs]
-        logger.info("Prompt tokens a step may take beside D decodes, by D: %s", {d: cap(d) for d in sizes})
+        cap = PromptCap(cost, ratio, self.config.max_num_batched_tokens, self.config.args.max_num_seqs)
+        sizes = [b for b in (1, 16, 64, 256) if b <= self.config.args.max_num_seqs]
+        logger.info("Prompt tokens a step that decodes may take, by the batch B of live requests: %s",
+                    {b: cap(b) for b in sizes})  # fmt: skip
         return cap
 
     def _num_kv_blocks(self) -> int:
