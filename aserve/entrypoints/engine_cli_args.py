@@ -55,9 +55,9 @@ _HELP = {
     "long_prefill_token_threshold": "at most this many of a prompt's tokens per step (0: what the token budget "
     "leaves): a long prompt joining running decodes lengthens their steps, and so their inter-token latency, less",
     "max_decode_slowdown": "a step that decodes takes only the prompt tokens that keep it within this many times "
-    "a decode-only step's time (a step-time model measured at start-up), bounding the inter-token latency that "
-    "prompts add, at some cost in time to first token under load (e.g. 2; 0: off, prompts take what the budget "
-    "leaves)",
+    "the decode step of the live requests' batch (a step-time model measured at start-up), bounding the "
+    "inter-token latency that prompts add, at some cost in time to first token under load (e.g. 2; 0: off, "
+    "prompts take what the budget leaves)",
     "tensor_parallel_size": "split the model across this many GPUs (processes on CPU), Megatron-style; also -tp",
     "quantization": "awq / gptq / compressed-tensors / fp8: require a checkpoint so quantised (detected from the "
     "checkpoint either way); fp8 / int8 on a 16-bit checkpoint: quantise its linear weights at load to FP8 e4m3 / int8 "
