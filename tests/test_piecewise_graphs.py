@@ -59,7 +59,7 @@ def test_stand_in_through_a_model_forward(tiny_model):
     pieces = PiecewiseGraphs(runner, None, runner.backend, max_tokens=64)
     dev = runner.buffers.device
     dev["input_ids"][:32], dev["positions"][:32] = 5, torch.arange(32)
-    pieces.pad_requests(1, 32)
+    pieces.pad(1, 32, 32)
     meta = pieces.capture_meta(32)
     with pieces._stand_in(meta, None):
         hidden = runner.model(dev["input_ids"][:32], dev["positions"][:32], runner.kv_caches, meta)

@@ -48,6 +48,23 @@ def capture_sizes(cuda_graph_sizes: list[int] | None, limit: int) -> list[int]:
     return sorted({min(b, limit) for b in sizes})
 
 
+def pad_inputs(buffers, num_reqs: int, num_tokens: int, key: tuple[int, int]) -> None:
+    """Pads a step in the host buffers (InputBuffers) to (requests, tokens) = key and copies it to the device: tokens
+    past the step's are token 0 at position 0 with slot -1, requests past its own are empty, at the end of its
+    tokens."""
+    host = buffers.np
+    b, t = key
+    host["input_ids"][num_tokens:t] = 0
+    host["positions"][num_tokens:t] = 0
+    host["slot_mapping"][:, num_tokens:t] = -1
+    host["seq_lens"][num_reqs:b] = 0
+    host["query_start_loc"][num_reqs + 1 : b + 1] = num_tokens
+    for name in ("input_ids", "positions", "slot_mapping"):
+        buffers.to_device(name, t)
+    buffers.to_device("seq_lens", b)
+    buffers.to_device("query_start_loc", b + 1)
+
+
 class StepGraphs:
     """The graphs of one model forward (`forward(input_ids, positions, meta) -> hidden`, attention through
     `backend`) over the runner's device buffers. max_query_len > 1: verification graphs too, for queries of up to
@@ -147,25 +164,10 @@ class StepGraphs:
         r.buffers.to_device("query_start_loc", b + 1)
         r.buffers.to_device("block_tables", b, r.max_blocks_per_seq)
 
-    def pad(self, num_reqs: int, num_tokens: int, key: tuple[int, int]) -> None:
-        """Pads the step in the host buffers to the graph's requests and tokens and copies it to the device."""
-        r = self.runner
-        host = r.buffers.np
-        b, t = key
-        host["input_ids"][num_tokens:t] = 0
-        host["positions"][num_tokens:t] = 0
-        host["slot_mapping"][:, num_tokens:t] = -1
-        host["seq_lens"][num_reqs:b] = 0
-        host["query_start_loc"][num_reqs + 1 : b + 1] = num_tokens
-        for name in ("input_ids", "positions", "slot_mapping"):
-            r.buffers.to_device(name, t)
-        r.buffers.to_device("seq_lens", b)
-        r.buffers.to_device("query_start_loc", b + 1)
-
     def replay(self, layout, key: tuple[int, int], patch=None) -> torch.Tensor:
         """Pads the step (host buffers) to the graph's shape, copies, runs `patch` (device-side fix-ups of the
         inputs), replays. -> hidden states [tokens of the graph, hidden]."""
-        self.pad(layout.num_reqs, layout.num_tokens, key)
+        pad_inputs(self.runner.buffers, layout.num_reqs, layout.num_tokens, key)
         self.runner.buffers.to_device("block_tables", layout.num_reqs, layout.max_blocks)
         if patch is not None:
             patch()

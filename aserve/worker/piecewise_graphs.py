@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aserve.layers.attention.backend import AttentionMetadata, split_groups
+from aserve.worker.cuda_graphs import pad_inputs
 
 logger = logging.getLogger("aserve")
 
@@ -76,8 +77,8 @@ class PiecewiseGraphs:
         return next(t for t in self.buckets if t >= layout.num_tokens)
 
     def capture_meta(self, t: int) -> AttentionMetadata:
-        """One request of t tokens in block 0, every slot -1 (idle_inputs((1, t)) and pad_requests(1, t) fill the
-        buffers). Its request arrays span every request a step may hold, padded (pad_requests): a model that reads
+        """One request of t tokens in block 0, every slot -1 (idle_inputs((1, t)) and pad(1, t, t) fill the
+        buffers). Its request arrays span every request a step may hold, padded (pad): a model that reads
         them on the device outside attention (models/phi3.py's LongRoPE) sees each replay's own."""
         dev, n = self.runner.buffers.device, self.runner.max_num_seqs
         meta = AttentionMetadata(
@@ -88,14 +89,9 @@ class PiecewiseGraphs:
         )  # fmt: skip
         return split_groups(meta)
 
-    def pad_requests(self, num_reqs: int, num_tokens: int) -> None:
-        """Requests past the step's: empty, at the end of its tokens (host buffers, copied)."""
-        r = self.runner
-        host, n = r.buffers.np, r.max_num_seqs
-        host["seq_lens"][num_reqs:n] = 0
-        host["query_start_loc"][num_reqs + 1 : n + 1] = num_tokens
-        r.buffers.to_device("seq_lens", n)
-        r.buffers.to_device("query_start_loc", n + 1)
+    def pad(self, num_reqs: int, num_tokens: int, t: int) -> None:
+        """Pads a step to bucket t's tokens and to every request a step may hold (host buffers, copied)."""
+        pad_inputs(self.runner.buffers, num_reqs, num_tokens, (self.runner.max_num_seqs, t))
 
     @torch.inference_mode()
     def capture(self, pool, idle_inputs) -> None:
@@ -123,7 +119,7 @@ class PiecewiseGraphs:
     def _capture(self, t: int, pool, idle_inputs) -> _Pieces:
         dev = self.runner.buffers.device
         idle_inputs((1, t))
-        self.pad_requests(1, t)
+        self.pad(1, t, t)
         meta = self.capture_meta(t)
         args = (dev["input_ids"][:t], dev["positions"][:t], meta)
         with self._stand_in(meta, None):
@@ -186,14 +182,7 @@ class PiecewiseGraphs:
         """Pads the step's tokens and requests (host buffers) to bucket t and copies them, runs `patch` (device-side
         fix-ups of the inputs), then the pieces with attention on `meta` (the step's own, prepared) between them.
         -> hidden states [t, hidden]."""
-        r = self.runner
-        self.pad_requests(meta.num_reqs, num_tokens)
-        host = r.buffers.np
-        host["input_ids"][num_tokens:t] = 0
-        host["positions"][num_tokens:t] = 0
-        host["slot_mapping"][:, num_tokens:t] = -1
-        for name in ("input_ids", "positions", "slot_mapping"):
-            r.buffers.to_device(name, t)
+        self.pad(meta.num_reqs, num_tokens, t)
         if patch is not None:
             patch()
         return self.run(t, num_tokens, meta)

@@ -101,7 +101,7 @@ def measure_step_times(runner, reps: int = 3) -> dict[int, float]:
             step = lambda key=key, n=n: runner.model.compute_logits(graphs.run(key)[:n])  # noqa: E731
         elif bucket is not None:  # a prompt of n tokens replays its bucket's pieces (one request, writing nothing)
             graphs.idle_inputs((1, bucket))
-            pieces.pad_requests(1, bucket)
+            pieces.pad(1, bucket, bucket)
             meta = pieces.capture_meta(bucket)
             runner.backend.prepare_groups(meta, runner.block_size)
             step = lambda b=bucket, m=meta: runner.model.compute_logits(pieces.run(b, b, m)[b - 1 :])  # noqa: E731
