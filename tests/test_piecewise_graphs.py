@@ -28,19 +28,14 @@ def test_which_steps_replay_which_bucket():
     assert pieces.bucket_for(StepLayout(1, 97, max_query_len=97)) is None  # past the largest bucket: eager
 
 
-def test_replay_pads_the_steps_tokens_and_requests():
+def test_pad_fills_the_steps_tokens_and_requests_to_the_bucket():
     runner = fake_runner()
     host = runner.buffers.np
     host["input_ids"][:40], host["positions"][:40], host["slot_mapping"][:, :40] = 9, 9, 9  # an earlier step's
     host["query_start_loc"][:5], host["seq_lens"][:4] = 99, 77
     host["input_ids"][:20], host["slot_mapping"][:, :20] = 7, 5  # this step: 2 requests, 20 tokens
     host["query_start_loc"][:3], host["seq_lens"][:2] = [0, 12, 20], [12, 30]
-    pieces = PiecewiseGraphs(runner, None, None, max_tokens=64)
-    calls, patched = [], []
-    pieces.run = lambda t, n, meta: calls.append((t, n, meta)) or "hidden"
-    meta = SimpleNamespace(num_reqs=2, groups=())
-    assert pieces.replay(20, 32, meta, patch=lambda: patched.append(True)) == "hidden"
-    assert calls == [(32, 20, meta)] and patched == [True]
+    PiecewiseGraphs(runner, None, None, max_tokens=64).pad(2, 20, 32)
     assert (host["input_ids"][:20] == 7).all() and (host["slot_mapping"][:, :20] == 5).all()
     # the padding: token 0 at position 0, writing nothing; up to the bucket only
     assert (host["input_ids"][20:32] == 0).all() and (host["positions"][20:32] == 0).all()

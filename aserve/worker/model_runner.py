@@ -389,11 +389,15 @@ class ModelRunner:
 
         if key is not None:
             return graphs.replay(layout, key, patch), None, key
-        meta = self._device_meta(layout)
-        self.backend.prepare_groups(meta, self.block_size)
         bucket = self.piecewise.bucket_for(layout) if self.piecewise is not None and not resume else None
+        if bucket is not None:  # the padding copies the step's tokens and request arrays
+            self.piecewise.pad(layout.num_reqs, layout.num_tokens, bucket)
+        meta = self._device_meta(layout, copied=bucket is not None)
+        self.backend.prepare_groups(meta, self.block_size)
         if bucket is not None:
-            return self.piecewise.replay(layout.num_tokens, bucket, meta, patch), meta, None
+            if patch is not None:
+                patch()
+            return self.piecewise.run(bucket, layout.num_tokens, meta), meta, None
         input_ids = self.buffers.to_device("input_ids", layout.num_tokens)
         positions = self.buffers.to_device("positions", layout.num_tokens)
         if patch is not None:
@@ -445,15 +449,19 @@ class ModelRunner:
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _device_meta(self, layout: StepLayout) -> AttentionMetadata:
+    def _device_meta(self, layout: StepLayout, copied: bool = False) -> AttentionMetadata:
+        """The step's attention metadata over the device buffers; copied: its slots and request arrays are already
+        there (the pieces' padding copied them), only the block tables are copied."""
         n, t = layout.num_reqs, layout.num_tokens
+        b = self.buffers
+        view = (lambda name, k: b.device[name][..., :k]) if copied else b.to_device
         meta = AttentionMetadata(
             num_tokens=t,
             num_decodes=layout.num_decodes,
-            slot_mapping=self.buffers.to_device("slot_mapping", t),
-            query_start_loc=self.buffers.to_device("query_start_loc", n + 1),
-            seq_lens=self.buffers.to_device("seq_lens", n),
-            block_tables=self.buffers.to_device("block_tables", n, layout.max_blocks),
+            slot_mapping=view("slot_mapping", t),
+            query_start_loc=view("query_start_loc", n + 1),
+            seq_lens=view("seq_lens", n),
+            block_tables=b.to_device("block_tables", n, layout.max_blocks),
             query_start_loc_cpu=layout.query_start,
             seq_lens_cpu=layout.seq_lens,
             max_seq_len=max(layout.seq_lens),

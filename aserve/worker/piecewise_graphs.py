@@ -7,7 +7,8 @@ part of the forward whose launch depends on the step's requests (their query ran
 depends only on the number of tokens. So, for each token bucket T, the forward is captured as graphs that end and
 begin at every attention call (vLLM's piecewise CUDA graphs): a replay runs piece 0, attention of layer 0 eagerly
 with the step's own metadata, piece 1, ... The pieces share one memory pool (with the decode graphs) and are
-replayed in the order they were captured.
+replayed in the order they were captured; the runner pads a step's inputs to its bucket (pad), patches them and
+runs the pieces (run).
 
 Padding: tokens past the step's are token 0 at position 0 with slot -1 (the cache write in the pieces skips them);
 attention runs on the step's own tokens and writes their rows of its output buffer (the padding rows keep what they
@@ -178,17 +179,9 @@ class PiecewiseGraphs:
         finally:
             del backend.attend, backend.forward
 
-    def replay(self, num_tokens: int, t: int, meta: AttentionMetadata, patch=None) -> torch.Tensor:
-        """Pads the step's tokens and requests (host buffers) to bucket t and copies them, runs `patch` (device-side
-        fix-ups of the inputs), then the pieces with attention on `meta` (the step's own, prepared) between them.
-        -> hidden states [t, hidden]."""
-        self.pad(meta.num_reqs, num_tokens, t)
-        if patch is not None:
-            patch()
-        return self.run(t, num_tokens, meta)
-
     def run(self, t: int, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
-        """The pieces of bucket t over the device buffers as they are, attention on `meta`."""
+        """The pieces of bucket t over the device buffers as they are (the step padded to t: pad), attention on
+        `meta` (the step's own, prepared). -> hidden states [t, hidden]."""
         pieces = self.pieces[t]
         metas = [meta, *meta.groups]
         n = num_tokens
