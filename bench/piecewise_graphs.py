@@ -1,6 +1,7 @@
 """Piecewise CUDA graphs of steps with prompts (aserve/worker/piecewise_graphs.py) on a GPU, in one command:
 
-    python bench/piecewise_graphs.py [--variants gqa,qwen3,gemma3,qwen3_moe,phi3] [--arch llama3-8b] [--budget 128]
+    python bench/piecewise_graphs.py [--sections parity,host] [--variants gqa,qwen3,gemma3,qwen3_moe,phi3]
+                                     [--arch llama3-8b] [--budget 128]
 
 parity  each tiny random family of tests/tiny_models.py in float32: 12 prompts of 3-200 tokens, a 96-token step
         budget and 4 sequences (steps that mix prompt chunks with decodes), 24 greedy tokens with logprobs, eager
@@ -108,6 +109,7 @@ def run_child(args: list[str], env: dict | None = None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default="parity,host")
     p.add_argument("--variants", default="gqa,qwen3,gemma3,qwen3_moe,phi3")
     p.add_argument("--arch", default="llama3-8b")
     p.add_argument("--budget", type=int, default=128, help="the host section's step budget (max_num_batched_tokens)")
@@ -119,11 +121,11 @@ def main() -> None:
         result = parity_child(arg, root) if kind == "parity" else host_child(ns.arch, ns.budget, root)
         print(MARK + json.dumps(result), flush=True)
         return
-    rows = []
-    for variant in ns.variants.split(","):
+    rows, sections = [], ns.sections.split(",")
+    for variant in ns.variants.split(",") if "parity" in sections else ():
         rows.append((f"parity {variant}", run_child(["--child", "parity", variant])))
         print(rows[-1], flush=True)
-    for mode, env in (("pieces", {}), ("eager", {"ASERVE_PIECEWISE_GRAPHS": "0"})):
+    for mode, env in (("pieces", {}), ("eager", {"ASERVE_PIECEWISE_GRAPHS": "0"})) if "host" in sections else ():
         rows.append((f"host {mode}", run_child(["--arch", ns.arch, "--budget", str(ns.budget), "--child", "host", mode],
                                               env)))  # fmt: skip
         print(rows[-1], flush=True)
