@@ -5,7 +5,6 @@
 #define I8_XF 16384        /* a thread's float32 copy of x rows (64 KB on its stack): 16384 / K rows per pass */
 #define I8_MAX_K I8_XF
 #define I8_BLOCK 16        /* output rows per work item */
-#define I8_PREFETCH 4      /* how far ahead (in blocks) the weight rows are prefetched */
 
 static void row_to_f32(const void *x, int bf16, int64_t K, float *out) {
     if (bf16) {
@@ -36,31 +35,34 @@ static inline __m512 w16(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
 
-/* Rows w, w + K, w + 2K, w + 3K against MB rows of xf (row stride K): acc[j][r + i] = 16-lane partial sums of row i
-   with x row j; K % 16 == 0. Each weight vector is widened once for all MB rows of x, each x vector loaded once for
-   the four weight rows: 4 x MB independent FMA chains. */
+/* Weight rows are read one after another, each from start to end: one sequential stream per thread, which the
+   hardware prefetcher keeps up with (rows read side by side, several streams at a stride of K, streamed at a third
+   of the rate on a Zen 4 core; software prefetches ahead of the stream slowed it too). Each 16-weight vector is widened once for the MB rows of x; with one x row, two
+   accumulators per row (16-lane partial sums of alternate 16-weight steps), with more, one per x row. */
 template <int MB>
-static inline void dot4(const int8_t *w, int64_t K, const float *xf, __m512 (*acc)[I8_BLOCK], int r) {
-    __m512 a[4][MB];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < MB; j++) a[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __m512 wv[4];
-        for (int i = 0; i < 4; i++) wv[i] = w16(w + i * K + k);
-        for (int j = 0; j < MB; j++) {
-            const __m512 xv = _mm512_loadu_ps(xf + j * K + k);
-            for (int i = 0; i < 4; i++) a[i][j] = _mm512_fmadd_ps(wv[i], xv, a[i][j]);
+static inline void row_fast(const int8_t *w, int64_t K, const float *xf, __m512 (*acc)[I8_BLOCK], int r) {
+    constexpr int U = MB == 1 ? 2 : 1;
+    __m512 a[U][MB];
+    for (int u = 0; u < U; u++)
+        for (int j = 0; j < MB; j++) a[u][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U)
+        for (int u = 0; u < U; u++) {
+            const __m512 wv = w16(w + k + 16 * u);
+            for (int j = 0; j < MB; j++) a[u][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + j * K + k + 16 * u), a[u][j]);
         }
+    for (; k < K; k += 16) {
+        const __m512 wv = w16(w + k);
+        for (int j = 0; j < MB; j++) a[0][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + j * K + k), a[0][j]);
     }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < MB; j++) acc[j][r + i] = a[i][j];
+    for (int j = 0; j < MB; j++) acc[j][r] = U == 1 ? a[0][j] : _mm512_add_ps(a[0][j], a[U - 1][j]);
 }
 
 template <int MB>
 static void block_fast(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t K,
                        float (*s)[I8_BLOCK]) {
     __m512 acc[MB][I8_BLOCK];
-    for (int r = 0; r < I8_BLOCK; r += 4) dot4<MB>(W + (n0 + r) * K, K, xf, acc, r);
+    for (int r = 0; r < I8_BLOCK; r++) row_fast<MB>(W + (n0 + r) * K, K, xf, acc, r);
     const __m512 sc = _mm512_loadu_ps(scale + n0);
     for (int j = 0; j < MB; j++) _mm512_storeu_ps(s[j], _mm512_mul_ps(hsum16(acc[j]), sc));
 }
@@ -81,36 +83,44 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-/* AVX2: rows w .. w + (R - 1) K against MB rows of xf (row stride K), K % 8 == 0: s[j][r + i] = the dot product
-   of weight row i with x row j, times its scale. 8-lane partial sums, each weight vector widened once for the MB x
-   rows; R x MB = 8 independent FMA chains. */
-template <int R, int MB>
-static inline void dot_avx2(const int8_t *w, const float *scale, int64_t K, const float *xf, float (*s)[I8_BLOCK],
-                            int r) {
-    __m256 a[R][MB];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < MB; j++) a[i][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv[MB];
-        for (int j = 0; j < MB; j++) xv[j] = _mm256_loadu_ps(xf + j * K + k);
-        for (int i = 0; i < R; i++) {
-            const __m256 wv = w8(w + i * K + k);
-            for (int j = 0; j < MB; j++) a[i][j] = _mm256_fmadd_ps(wv, xv[j], a[i][j]);
+/* AVX2: weight row w against MB rows of xf (row stride K), K % 8 == 0, read as the AVX-512 path reads it (one row
+   after another): s[j][r] = the dot product with x row j, times the row's scale. 8-lane partial sums; U
+   accumulators per x row, so that MB x U FMA chains are in flight. */
+template <int MB>
+static inline void row_avx2(const int8_t *w, float scale, int64_t K, const float *xf, float (*s)[I8_BLOCK], int r) {
+    constexpr int U = MB == 1 ? 4 : MB == 2 ? 2 : 1;
+    __m256 a[U][MB];
+    for (int u = 0; u < U; u++)
+        for (int j = 0; j < MB; j++) a[u][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 * U <= K; k += 8 * U)
+        for (int u = 0; u < U; u++) {
+            const __m256 wv = w8(w + k + 8 * u);
+            for (int j = 0; j < MB; j++) a[u][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + j * K + k + 8 * u), a[u][j]);
         }
+    for (; k < K; k += 8) {
+        const __m256 wv = w8(w + k);
+        for (int j = 0; j < MB; j++) a[0][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + j * K + k), a[0][j]);
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < MB; j++) s[j][r + i] = hsum8(a[i][j]) * scale[i];
+    for (int j = 0; j < MB; j++) {
+        __m256 t = a[0][j];
+        for (int u = 1; u < U; u++) t = _mm256_add_ps(t, a[u][j]);
+        s[j][r] = hsum8(t) * scale;
+    }
 }
 
-/* A whole block of 16 outputs for mb <= 4 x rows: two x rows by four weight rows at a time, a last single x row
-   by eight weight rows. */
+/* A whole block of 16 outputs for mb <= 4 x rows, one weight row at a time. */
 static void block_avx2(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t K, int64_t mb,
                        float (*s)[I8_BLOCK]) {
-    int64_t j = 0;
-    for (; j + 2 <= mb; j += 2)
-        for (int r = 0; r < I8_BLOCK; r += 4) dot_avx2<4, 2>(W + (n0 + r) * K, scale + n0 + r, K, xf + j * K, s + j, r);
-    if (j < mb)
-        for (int r = 0; r < I8_BLOCK; r += 8) dot_avx2<8, 1>(W + (n0 + r) * K, scale + n0 + r, K, xf + j * K, s + j, r);
+    for (int r = 0; r < I8_BLOCK; r++) {
+        const int8_t *w = W + (n0 + r) * K;
+        switch (mb) {
+            case 1: row_avx2<1>(w, scale[n0 + r], K, xf, s, r); break;
+            case 2: row_avx2<2>(w, scale[n0 + r], K, xf, s, r); break;
+            case 3: row_avx2<3>(w, scale[n0 + r], K, xf, s, r); break;
+            default: row_avx2<4>(w, scale[n0 + r], K, xf, s, r); break;
+        }
+    }
 }
 #else
 #define HAVE_AVX2_I8 0
@@ -161,10 +171,6 @@ int gemm_int8(const int8_t *W, const float *scale, const void *x, void *y, int64
             #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t n0 = b * I8_BLOCK, rows = N - n0 < I8_BLOCK ? N - n0 : I8_BLOCK;
-                if (b + I8_PREFETCH < blocks) {
-                    const char *ahead = (const char *)(W + (n0 + I8_PREFETCH * I8_BLOCK) * K);
-                    for (int64_t p = 0; p < I8_BLOCK * K; p += 64) __builtin_prefetch(ahead + p, 0, 3);
-                }
                 for (int64_t i = 0; i < mn; i += I8_MB) {
                     const int64_t mb = mn - i < I8_MB ? mn - i : I8_MB;
                     float s[I8_MB][I8_BLOCK];
