@@ -5,6 +5,7 @@
     python bench/offline_throughput.py --latency --input-len 128 --output-len 256     # batch 1, ms/token
     python bench/offline_throughput.py --latency --quantization int8                  # int8 weights (at load)
     python bench/offline_throughput.py --latency --kv-cache-dtype fp8                 # FP8 KV cache
+    python bench/offline_throughput.py --latency --quantization int8 --quantize-lm-head  # and an int8 lm_head
 
 Prompts are random token ids (seeded), EOS is ignored, so every request produces exactly --output-len tokens.
 Model load and a small warm-up are excluded from the timings. Prints a table; --json appends a JSON line to a file.
@@ -37,6 +38,8 @@ def run_aserve(args, prompts):
         kw["quantization"] = args.quantization
     if args.kv_cache_dtype != "auto":
         kw["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantize_lm_head:
+        kw["quantize_lm_head"] = True
     llm = LLM(args.model, **kw)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = make_prompts(2, 16, llm.engine.config.vocab_size, args.seed + 1)
@@ -112,6 +115,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--quantization", default=None, help="aserve: e.g. int8 or fp8 (quantised at load)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="aserve: the lm_head quantised too")
     p.add_argument("--kv-cache-dtype", default="auto", help="aserve: auto or fp8 (the KV cache's element type)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="transformers static batch size")
     p.add_argument("--seed", type=int, default=0)
