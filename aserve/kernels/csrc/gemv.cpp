@@ -6,7 +6,6 @@
 #include <immintrin.h>
 
 #define MAX_C 512           /* K <= 16384 */
-#define PREFETCH_BLOCKS 4   /* how far ahead (in blocks of 16 rows) the weight is prefetched */
 
 /* One row's dot product with x (two accumulators: the dependency chain of vdpbf16ps, not the loads, would bound a
    single one at K = 576). */
@@ -21,7 +20,9 @@ static inline __m512 row_dot(const uint16_t *w, const __m512bh *xv, int64_t C) {
     return _mm512_add_ps(a, b);
 }
 
-/* y [N] = W [N, K] x [K], all bf16; K % 32 == 0. Returns 0, or -1 for a K it does not take. */
+/* y [N] = W [N, K] x [K], all bf16; K % 32 == 0. Returns 0, or -1 for a K it does not take. Rows are read in order,
+   one sequential stream per thread, with no software prefetch: the hardware prefetcher keeps up with the stream,
+   and prefetches issued ahead of it slowed it by a third (docs/benchmarks.md, "CPU", 2026-12-07). */
 int gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, int64_t N, int64_t K, int nt) {
     const int64_t C = K / 32, blocks = N / 16;
     if (K % 32 != 0 || C > MAX_C) return -1;
@@ -32,13 +33,7 @@ int gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, int64_t N, int6
         #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < blocks; b++) {
             __m512 acc[16];
-            for (int j = 0; j < 16; j++) {
-                const uint16_t *w = W + (b * 16 + j) * K;
-                if (b + PREFETCH_BLOCKS < blocks)
-                    for (int64_t p = 0; p < 2 * K; p += 64)
-                        _mm_prefetch((const char *)(w + PREFETCH_BLOCKS * 16 * K) + p, _MM_HINT_T0);
-                acc[j] = row_dot(w, xv, C);
-            }
+            for (int j = 0; j < 16; j++) acc[j] = row_dot(W + (b * 16 + j) * K, xv, C);
             float s[16];
             _mm512_storeu_ps(s, hsum16(acc));
             for (int j = 0; j < 16; j++) y[b * 16 + j] = f32_to_bf16(s[j]);
