@@ -37,8 +37,9 @@ static inline __m512 w16(const int8_t *w) {
 
 /* Weight rows are read one after another, each from start to end: one sequential stream per thread, which the
    hardware prefetcher keeps up with (rows read side by side, several streams at a stride of K, streamed at a third
-   of the rate on a Zen 4 core; software prefetches ahead of the stream slowed it too). Each 16-weight vector is widened once for the MB rows of x; with one x row, two
-   accumulators per row (16-lane partial sums of alternate 16-weight steps), with more, one per x row. */
+   of the rate on a Zen 4 core; software prefetches ahead of the stream slowed it too). Each 16-weight vector is
+   widened once for the MB rows of x; with one x row, two accumulators per row (16-lane partial sums of alternate
+   16-weight steps), with more, one per x row. */
 template <int MB>
 static inline void row_fast(const int8_t *w, int64_t K, const float *xf, __m512 (*acc)[I8_BLOCK], int r) {
     constexpr int U = MB == 1 ? 2 : 1;
