@@ -50,7 +50,8 @@ static inline void row_fast(const int8_t *w, int64_t K, const float *xf, __m512 
     for (; k + 16 * U <= K; k += 16 * U)
         for (int u = 0; u < U; u++) {
             const __m512 wv = w16(w + k + 16 * u);
-            for (int j = 0; j < MB; j++) a[u][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + j * K + k + 16 * u), a[u][j]);
+            for (int j = 0; j < MB; j++)
+                a[u][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + j * K + k + 16 * u), a[u][j]);
         }
     for (; k < K; k += 16) {
         const __m512 wv = w16(w + k);
@@ -97,7 +98,8 @@ static inline void row_avx2(const int8_t *w, float scale, int64_t K, const float
     for (; k + 8 * U <= K; k += 8 * U)
         for (int u = 0; u < U; u++) {
             const __m256 wv = w8(w + k + 8 * u);
-            for (int j = 0; j < MB; j++) a[u][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + j * K + k + 8 * u), a[u][j]);
+            for (int j = 0; j < MB; j++)
+                a[u][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + j * K + k + 8 * u), a[u][j]);
         }
     for (; k < K; k += 8) {
         const __m256 wv = w8(w + k);
