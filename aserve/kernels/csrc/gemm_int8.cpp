@@ -57,12 +57,16 @@ static inline void row_fast(const int8_t *w, int64_t K, const float *xf, __m512 
         const __m512 wv = w16(w + k);
         for (int j = 0; j < MB; j++) a[0][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + j * K + k), a[0][j]);
     }
-    for (int j = 0; j < MB; j++) acc[j][r] = U == 1 ? a[0][j] : _mm512_add_ps(a[0][j], a[U - 1][j]);
+    for (int j = 0; j < MB; j++) {
+        __m512 t = a[0][j];
+        for (int u = 1; u < U; u++) t = _mm512_add_ps(t, a[u][j]);
+        acc[j][r] = t;
+    }
 }
 
 template <int MB>
-static void block_fast(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t K,
-                       float (*s)[I8_BLOCK]) {
+static void block_vec(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t K,
+                      float (*s)[I8_BLOCK]) {
     __m512 acc[MB][I8_BLOCK];
     for (int r = 0; r < I8_BLOCK; r++) row_fast<MB>(W + (n0 + r) * K, K, xf, acc, r);
     const __m512 sc = _mm512_loadu_ps(scale + n0);
@@ -112,18 +116,11 @@ static inline void row_avx2(const int8_t *w, float scale, int64_t K, const float
     }
 }
 
-/* A whole block of 16 outputs for mb <= 4 x rows, one weight row at a time. */
-static void block_avx2(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t K, int64_t mb,
-                       float (*s)[I8_BLOCK]) {
-    for (int r = 0; r < I8_BLOCK; r++) {
-        const int8_t *w = W + (n0 + r) * K;
-        switch (mb) {
-            case 1: row_avx2<1>(w, scale[n0 + r], K, xf, s, r); break;
-            case 2: row_avx2<2>(w, scale[n0 + r], K, xf, s, r); break;
-            case 3: row_avx2<3>(w, scale[n0 + r], K, xf, s, r); break;
-            default: row_avx2<4>(w, scale[n0 + r], K, xf, s, r); break;
-        }
-    }
+/* A whole block of 16 outputs for MB x rows, one weight row at a time. */
+template <int MB>
+static void block_vec(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t K,
+                      float (*s)[I8_BLOCK]) {
+    for (int r = 0; r < I8_BLOCK; r++) row_avx2<MB>(W + (n0 + r) * K, scale[n0 + r], K, xf, s, r);
 }
 #else
 #define HAVE_AVX2_I8 0
@@ -136,20 +133,14 @@ static void block_avx2(const int8_t *W, const float *scale, const float *xf, int
    scale. */
 static void block_outputs(const int8_t *W, const float *scale, const float *xf, int64_t n0, int64_t rows, int64_t K,
                           int64_t mb, int fast, float (*s)[I8_BLOCK]) {
-#if HAVE_AVX512
-    if (fast && rows == I8_BLOCK) {
+#if HAVE_AVX512 || HAVE_AVX2_I8
+    if (fast && rows == I8_BLOCK) {  /* block_vec: the AVX-512 or the AVX2 one, whichever this build has */
         switch (mb) {
-            case 1: block_fast<1>(W, scale, xf, n0, K, s); return;
-            case 2: block_fast<2>(W, scale, xf, n0, K, s); return;
-            case 3: block_fast<3>(W, scale, xf, n0, K, s); return;
-            default: block_fast<4>(W, scale, xf, n0, K, s); return;
+            case 1: block_vec<1>(W, scale, xf, n0, K, s); return;
+            case 2: block_vec<2>(W, scale, xf, n0, K, s); return;
+            case 3: block_vec<3>(W, scale, xf, n0, K, s); return;
+            default: block_vec<4>(W, scale, xf, n0, K, s); return;
         }
-    }
-#endif
-#if HAVE_AVX2_I8
-    if (fast && rows == I8_BLOCK) {
-        block_avx2(W, scale, xf, n0, K, mb, s);
-        return;
     }
 #endif
     (void)fast;
