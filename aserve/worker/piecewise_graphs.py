@@ -90,6 +90,13 @@ class PiecewiseGraphs:
         )  # fmt: skip
         return split_groups(meta)
 
+    def idle_meta(self, t: int, idle_inputs) -> AttentionMetadata:
+        """The device buffers filled with one request of t tokens that writes nothing (idle_inputs, then padded to
+        bucket t) -> its metadata (capture_meta): what a capture, or a timing of bucket t's pieces, runs on."""
+        idle_inputs((1, t))
+        self.pad(1, t, t)
+        return self.capture_meta(t)
+
     def pad(self, num_reqs: int, num_tokens: int, t: int) -> None:
         """Pads a step to bucket t's tokens and to every request a step may hold (host buffers, copied)."""
         pad_inputs(self.runner.buffers, num_reqs, num_tokens, (self.runner.max_num_seqs, t))
@@ -119,9 +126,7 @@ class PiecewiseGraphs:
 
     def _capture(self, t: int, pool, idle_inputs) -> _Pieces:
         dev = self.runner.buffers.device
-        idle_inputs((1, t))
-        self.pad(1, t, t)
-        meta = self.capture_meta(t)
+        meta = self.idle_meta(t, idle_inputs)
         args = (dev["input_ids"][:t], dev["positions"][:t], meta)
         with self._stand_in(meta, None):
             self.forward(*args)  # warm-up: kernel compilation and autotuning stay out of the graphs

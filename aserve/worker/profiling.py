@@ -100,9 +100,7 @@ def measure_step_times(runner, reps: int = 3) -> dict[int, float]:
         if key is not None:
             step = lambda key=key, n=n: runner.model.compute_logits(graphs.run(key)[:n])  # noqa: E731
         elif bucket is not None:  # a prompt of n tokens replays its bucket's pieces (one request, writing nothing)
-            graphs.idle_inputs((1, bucket))
-            pieces.pad(1, bucket, bucket)
-            meta = pieces.capture_meta(bucket)
+            meta = pieces.idle_meta(bucket, graphs.idle_inputs)
             runner.backend.prepare_groups(meta, runner.block_size)
             step = lambda b=bucket, m=meta: runner.model.compute_logits(pieces.run(b, b, m)[b - 1 :])  # noqa: E731
         else:
