@@ -111,12 +111,12 @@ def baseline_kernel(rev: str):
 
 
 def raw_call(lib, q, kv, meta, out):
-    """paged_decode_attention through a library's C entry point (bf16, the SIMD path)."""
+    """paged_decode_attention through a library's C entry point (bf16, the SIMD path; no window, no soft-capping)."""
     n, num_heads, head_dim = q.shape
     lib.paged_decode_attention(
         q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(),
         out.data_ptr(), n, num_heads, kv.shape[3], head_dim, kv.shape[2], meta.block_tables.stride(0), q.stride(0),
-        out.stride(0), head_dim**-0.5, 1, torch.get_num_threads(), 0,
+        out.stride(0), head_dim**-0.5, 1, torch.get_num_threads(), 0, 0, 0.0,
     )  # fmt: skip
 
 

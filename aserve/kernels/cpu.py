@@ -23,8 +23,8 @@ accumulation, y rounded to bf16; reference torch.mv (same products, summed in an
   At batch 1 every linear streams its whole weight, so the step is bound by memory: torch.mv reaches ~9-12 GB/s on the
   2-core development VM over a model's cold weights, this kernel ~15-18 GB/s (rows in blocks of 16 over torch's
   threads, vdpbf16ps pair dot products against x held in registers, one transpose-and-add tree per 16 row sums, rows
-  4 blocks ahead prefetched). Needs AVX512-BF16 (Sapphire Rapids and newer), K % 32 == 0 and K <= MAX_GEMV_K (x is
-  held as up to 512 vectors of 32 bf16 on each thread's stack; `gemv_supports`).
+  read one after another with no software prefetch). Needs AVX512-BF16 (Sapphire Rapids and newer), K % 32 == 0
+  and K <= MAX_GEMV_K (x is held as up to 512 vectors of 32 bf16 on each thread's stack; `gemv_supports`).
 
 Batch-invariant product (csrc/gemm_rows.cpp), what deterministic mode runs every linear layer with (aserve/layers/
 batch_invariant.py): y [M, N] = x [M, K] W^T, x and W bf16 or float32, float32 sums whose order depends on K alone,
@@ -50,28 +50,29 @@ INT8 weight-only products (csrc/gemm_int8.cpp), the CPU side of `--quantization 
 scale, W int8 [N, K] row-major with one float32 scale per output channel, x and y bf16 or float32, float32 sums;
 reference aserve/kernels/int8_reference.py int8_linear (same products, summed in another order). The weight is
 streamed once per call, half the bytes of bf16 (batch-1 decode is bound by them): 16 output rows per work item over
-torch's threads, each block's rows prefetched 4 blocks ahead; with AVX-512, 16 weights at a time widened to float32
-(vpmovsxbd, vcvtdq2ps) and multiplied into x (held as float32 on the thread's stack, 16384 / K rows per pass, so
-a block's weights come from memory once per pass), four weight rows against up to four x rows at a time (each weight
-vector widened once for the four x rows, each x vector loaded once for the four weight rows); with AVX2 and FMA, 8
-at a time, four weight rows against two x rows or eight against a last single row (K % 8 == 0); elsewhere portable
-loops the compiler vectorises. K <= 16384 (`gemm_int8_supports`).
+torch's threads, the rows read one after another (one sequential stream per thread, no software prefetch: rows
+read side by side streamed at a third of the rate on a Zen 4 core); with AVX-512, 16 weights at a time widened to
+float32 (vpmovsxbd, vcvtdq2ps) and multiplied into x (held as float32 on the thread's stack, 16384 / K rows per pass,
+so a block's weights come from memory once per pass), each weight vector widened once for up to four x rows (one x
+row: two accumulators a weight row); with AVX2 and FMA, 8 at a time, with 4 / 2 / 1 accumulators an x row for 1 / 2
+/ more x rows (K % 8 == 0); elsewhere portable loops the compiler vectorises. K <= 16384 (`gemm_int8_supports`).
 
 Decode attention (csrc/attention.cpp): one query token per request, reading the paged KV cache in place, where the
 torch backend gathers every request's blocks into a padded copy for SDPA (K/V read, written and read again; SDPA's
 CPU kernel is slow at one query token). Reference: aserve/kernels/reference.py paged_attention.
 
   One work item per (request, KV head) over torch's OpenMP threads (a request's KV heads handed out together, so one
-  core reads all of its cache lines): scores = q . K[t] * scale for the G query heads sharing the KV head, block by
-  block through the block table; p = exp(scores - max) with a vectorisable exp2 polynomial; out = sum_t p[t] V[t] / l.
-  float32 and bfloat16 (round to nearest even on the way out). With AVX512-BF16, bf16 takes a vectorised path (q . k
-  as vdpbf16ps over 16 tokens at a time, P @ V with two tokens' V rows interleaved, P rounded to bf16 once as flash
-  attention rounds it); head_dim 64 / 128 with 1, 2, 3, 4 or 8 query heads per KV head get loops with G and D fixed at
-  compile time. With AMX (ASERVE_CPU_AMX=0: off), both products run on tiles where head_dim <= 128 (P @ V: <= 64),
-  summed in another order than vdpbf16ps (float32 rounding differences). The coming blocks' K/V rows are prefetched
-  32-64 tokens ahead; prefetch_rows must be always inlined (out of line, GCC dropped the prefetches: ~40 % slower with
-  the cache in DRAM, the engine's case). On the 2-core development VM, 30 layer caches of 64 requests x 320 tokens
-  (SmolLM2 heads): 1.07-1.18 ms per call with AMX, 1.35 without (docs/benchmarks.md).
+  core reads all of its cache lines, once there are requests for every thread; with fewer, as in batch-1 decode, one
+  head at a time, so every thread takes heads): scores = q . K[t] * scale for the G query heads sharing the KV head,
+  block by block through the block table; p = exp(scores - max) with a vectorisable exp2 polynomial; out = sum_t p[t]
+  V[t] / l. float32 and bfloat16 (round to nearest even on the way out). With AVX512-BF16, bf16 takes a vectorised
+  path (q . k as vdpbf16ps over 16 tokens at a time, P @ V with two tokens' V rows interleaved, P rounded to bf16 once
+  as flash attention rounds it); head_dim 64 / 128 with 1, 2, 3, 4 or 8 query heads per KV head get loops with G and D
+  fixed at compile time. With AMX (ASERVE_CPU_AMX=0: off), both products run on tiles where head_dim <= 128
+  (P @ V: <= 64), summed in another order than vdpbf16ps (float32 rounding differences). The coming blocks' K/V rows are
+  prefetched 32-64 tokens ahead; prefetch_rows must be always inlined (out of line, GCC dropped the prefetches: ~40 %
+  slower with the cache in DRAM, the engine's case). On the 2-core development VM, 30 layer caches of 64 requests x
+  320 tokens (SmolLM2 heads): 1.07-1.18 ms per call with AMX, 1.35 without (docs/benchmarks.md).
 
   FP8 caches (`--kv-cache-dtype fp8`, csrc/attention_fp8.cpp): float8_e4m3fn pages with per-tensor k_scale / v_scale,
   float32 or bfloat16 queries, the same work items, window and softcap; k_scale folds into the softmax scale, v_scale

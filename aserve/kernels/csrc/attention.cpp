@@ -262,7 +262,7 @@ static inline __attribute__((always_inline)) void attend_item_bf16_avx512(
 
 /* All work items with constant G and C (GG, CC), or with runtime ones (GG, CC = G, C). */
 #define FAST_ITEMS(GG, CC)                                                                                         \
-    _Pragma("omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)")                           \
+    _Pragma("omp parallel for schedule(dynamic, chunk) num_threads(num_threads)")                                  \
     for (int64_t item = 0; item < items; item++)                                                                  \
         attend_item_bf16_avx512((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,         \
                                 block_tables, seq_lens, (uint16_t *)out, item, num_kv_heads, GG, CC, block_size,   \
@@ -306,7 +306,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     const int64_t G = num_heads / num_kv_heads, D = head_dim;
     const float cap = softcap * 1.4426950408889634f;  /* scores are kept in log2 units */
     if (D > MAX_D || G > MAX_G) return -1;
-    const int64_t items = num_seqs * num_kv_heads;
+    const int64_t items = num_seqs * num_kv_heads, chunk = heads_chunk(num_seqs, num_kv_heads, num_threads);
 #ifdef HAVE_AVX512_BF16
     if (is_bf16 && D % 32 == 0 && G <= FAST_MAX_G && block_size % 16 == 0 && !force_generic) {
         const int64_t C = D / 32;
@@ -336,7 +336,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         return 0;
     }
 #endif
-    #pragma omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)
+    #pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         if (D == 64)
             attend_item(q, k_cache, v_cache, block_tables, seq_lens, out, item, num_kv_heads, G, 64, block_size,

@@ -33,6 +33,12 @@ static inline float exp2_neg(float x) {
 #define MAX_D 256
 #define MAX_G 32
 
+/* The work items' chunk for the threads' dynamic schedule: a request's KV heads together (one chunk each) once
+   there are requests for every thread; fewer (batch-1 decode): one head a chunk, so every thread takes heads. */
+static inline int64_t heads_chunk(int64_t num_seqs, int64_t num_kv_heads, int num_threads) {
+    return num_seqs >= num_threads ? num_kv_heads : 1;
+}
+
 /* A work item's keys, with a sliding window: the query (the request's last token, position full_len - 1) sees
    keys full_len - window .. full_len - 1. The item's loops run over the request's blocks from the one holding the
    first of them (blocks wholly before the window are never read): `bt` and `len` below describe the request from

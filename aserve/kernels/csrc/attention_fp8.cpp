@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void attend_item_fp8_avx512(
 
 /* All work items with constant G and C (GG, CC), or with runtime ones (GG, CC = G, C). */
 #define FP8_FAST_ITEMS(GG, CC)                                                                                     \
-    _Pragma("omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)")                           \
+    _Pragma("omp parallel for schedule(dynamic, chunk) num_threads(num_threads)")                                  \
     for (int64_t item = 0; item < items; item++)                                                                  \
         attend_item_fp8_avx512(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, block_tables, seq_lens, out, \
                                item, num_kv_heads, GG, CC, block_size, bt_stride, q_stride, out_stride, qk_scale,  \
@@ -242,7 +242,7 @@ int paged_decode_attention_fp8(const void *q, const void *k_cache, const void *v
     const float cap = softcap * 1.4426950408889634f;  /* scores are kept in log2 units */
     const float qk_scale = scale * k_scale * 1.4426950408889634f;
     if (D > MAX_D || G > MAX_G) return -1;
-    const int64_t items = num_seqs * num_kv_heads;
+    const int64_t items = num_seqs * num_kv_heads, chunk = heads_chunk(num_seqs, num_kv_heads, num_threads);
 #ifdef HAVE_AVX512_FP8
     if (D % 16 == 0 && G <= FP8_FAST_MAX_G && block_size % 16 == 0 && !force_generic) {
         const int64_t C = D / 16;
@@ -269,7 +269,7 @@ int paged_decode_attention_fp8(const void *q, const void *k_cache, const void *v
 #endif
     const float *lut = fp8_values();
     const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
-    #pragma omp parallel for schedule(dynamic, num_kv_heads) num_threads(num_threads)
+    #pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         if (D == 64)
             attend_item_fp8(q, kc, vc, block_tables, seq_lens, out, item, num_kv_heads, G, 64, block_size, bt_stride,
