@@ -6,9 +6,13 @@
     python bench/offline_throughput.py --latency --quantization int8                  # int8 weights (at load)
     python bench/offline_throughput.py --latency --kv-cache-dtype fp8                 # FP8 KV cache
     python bench/offline_throughput.py --latency --quantization int8 --quantize-lm-head  # and an int8 lm_head
+    python bench/offline_throughput.py --latency --quantization none,int8 --iters 9   # both, rounds alternating
 
 Prompts are random token ids (seeded), EOS is ignored, so every request produces exactly --output-len tokens.
 Model load and a small warm-up are excluded from the timings. Prints a table; --json appends a JSON line to a file.
+With --latency, --quantization may name several methods (comma-separated, `none` for the unquantised model): one
+engine each in the same process, measured in alternating rounds (a shared machine's drift then hits every method
+alike), each method's medians reported with its speed-up over the first.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import json
 import random
 import statistics
 import time
+
+VOCAB_PROBE = 40000  # prompt ids are drawn below this (and the model's vocabulary)
 
 
 def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -101,6 +107,53 @@ def run_transformers(args, prompts):
     return model, timed, ttft
 
 
+def latency(args, runner, result: dict) -> list[tuple]:
+    """Batch 1: for each method of --quantization, the medians of --iters rounds (methods alternating within a round,
+    fresh prompts every measurement so no prefix cache helps) -> the table's rows; `result` gets the first method's
+    numbers (and, with several, each method's)."""
+    import copy
+
+    methods = (args.quantization or "none").split(",")
+    engines = []
+    for method in methods:
+        margs = copy.copy(args)
+        margs.quantization = None if method == "none" else method
+        engines.append(runner(margs, None))
+    e2e, first = [[] for _ in methods], [[] for _ in methods]
+    for i in range(args.iters):
+        for j, (_, timed, ttft) in enumerate(engines):
+            seed = args.seed + 1000 * i + 10 * j
+            e2e[j].append(timed(make_prompts(1, args.input_len, VOCAB_PROBE, seed)))
+            first[j].append(ttft(make_prompts(1, args.input_len, VOCAB_PROBE, seed + 7)))
+    per_method = []
+    for j, method in enumerate(methods):
+        e2e_s, ttft_s = statistics.median(e2e[j]), statistics.median(first[j])
+        per_method.append(dict(
+            quantization=method,
+            e2e_s=round(e2e_s, 3),
+            ttft_ms=round(ttft_s * 1e3, 1),
+            ms_per_token=round(e2e_s * 1e3 / args.output_len, 2),
+            decode_ms_per_token=round((e2e_s - ttft_s) * 1e3 / (args.output_len - 1), 2),
+            decode_rounds_ms=[round((a - b) * 1e3 / (args.output_len - 1), 2) for a, b in zip(e2e[j], first[j])],
+        ))  # fmt: skip
+    result.update(mode="latency", **{k: v for k, v in per_method[0].items() if k != "quantization"})
+    if len(methods) > 1:
+        result["methods"] = per_method
+    rows = [
+        ("e2e (s)", *(m["e2e_s"] for m in per_method)),
+        ("TTFT (ms)", *(m["ttft_ms"] for m in per_method)),
+        ("ms / output token (e2e / n)", *(m["ms_per_token"] for m in per_method)),
+        ("decode ms / token ((e2e - TTFT) / (n - 1))", *(m["decode_ms_per_token"] for m in per_method)),
+    ]
+    if len(methods) > 1:
+        base = per_method[0]["decode_ms_per_token"]
+        speedups = (f"{base / m['decode_ms_per_token']:.2f}x" for m in per_method)
+        rows.append(("decode speed-up over the first", *speedups))
+        rounds = (" / ".join(map(str, m["decode_rounds_ms"])) for m in per_method)
+        rows.append(("decode ms / token, each round", *rounds))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
@@ -125,7 +178,6 @@ def main() -> None:
     import torch
 
     runner = run_aserve if args.backend == "aserve" else run_transformers
-    vocab_probe = 40000
     result = {
         "backend": args.backend,
         "dtype": args.dtype,
@@ -134,27 +186,9 @@ def main() -> None:
         "output_len": args.output_len,
     }
     if args.latency:
-        prompts = make_prompts(args.iters, args.input_len, vocab_probe, args.seed)
-        _, timed, ttft = runner(args, prompts)
-        # Fresh prompts for every measurement, so the prefix cache cannot help.
-        e2e = [timed([p]) for p in prompts]
-        first = [ttft([q]) for q in make_prompts(args.iters, args.input_len, vocab_probe, args.seed + 7)]
-        e2e_s, ttft_s = statistics.median(e2e), statistics.median(first)
-        result.update(
-            mode="latency",
-            e2e_s=round(e2e_s, 3),
-            ttft_ms=round(ttft_s * 1e3, 1),
-            ms_per_token=round(e2e_s * 1e3 / args.output_len, 2),
-            decode_ms_per_token=round((e2e_s - ttft_s) * 1e3 / (args.output_len - 1), 2),
-        )
-        rows = [
-            ("e2e (s)", result["e2e_s"]),
-            ("TTFT (ms)", result["ttft_ms"]),
-            ("ms / output token (e2e / n)", result["ms_per_token"]),
-            ("decode ms / token ((e2e - TTFT) / (n - 1))", result["decode_ms_per_token"]),
-        ]
+        rows = latency(args, runner, result)
     else:
-        prompts = make_prompts(args.num_requests, args.input_len, vocab_probe, args.seed)
+        prompts = make_prompts(args.num_requests, args.input_len, VOCAB_PROBE, args.seed)
         _, timed, _ = runner(args, prompts)
         elapsed = timed(prompts)
         n_out = args.num_requests * args.output_len
@@ -177,9 +211,10 @@ def main() -> None:
         else f"{args.num_requests} req x {args.input_len} in / {args.output_len} out"
     )
     print(f"\n{title} ({args.dtype}, {result['threads']} threads)")
-    print("| metric | value |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+    methods = [m["quantization"] for m in result.get("methods", [])]
+    print("| metric | " + (" | ".join(methods) if methods else "value") + " |\n|---|" + "---|" * max(1, len(methods)))
+    for name, *values in rows:
+        print(f"| {name} | " + " | ".join(map(str, values)) + " |")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
