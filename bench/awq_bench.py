@@ -401,7 +401,8 @@ def silu(root: str) -> None:
 
 def decode_profile(llm, name: str, steps: int = 64) -> None:
     """GPU time per decode step by kernel (torch.profiler over a batch-1 request of `steps` tokens): where the step
-    goes besides the quantised linears."""
+    goes besides the quantised linears. (With programmatic dependent launch a kernel's time includes its wait for the
+    one before: ASERVE_PDL=0 for each kernel's own.)"""
     from torch.profiler import ProfilerActivity, profile
 
     from aserve import SamplingParams
@@ -428,9 +429,10 @@ def decode_ms_per_token(model_dir: str, profile: bool = False, quantize_lm_head:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_bytes += sum(t.numel() * t.element_size() for m in model.modules()
                         for t in (getattr(m, "repacked", None) or ())[:2])  # AWQ: the repacked copy  # fmt: skip
+    name = os.path.basename(os.path.dirname(model_dir)) + ("_head" if quantize_lm_head else "")
     if profile:
-        decode_profile(llm, os.path.basename(os.path.dirname(model_dir)))
-    record(f"decode_weights_{os.path.basename(os.path.dirname(model_dir))}", round(weight_bytes / 1e9, 2), "GB")
+        decode_profile(llm, name)
+    record(f"decode_weights_{name}", round(weight_bytes / 1e9, 2), "GB")
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -456,7 +458,7 @@ def decode(root: str) -> None:
     record("decode_b1_bf16", round(bf16, 3), "ms/token")
     int4 = decode_ms_per_token(awq_dir, profile=True)
     record("decode_b1_awq_int4", round(int4, 3), "ms/token", f"({bf16 / int4:.2f}x bf16; target >= 3x)")
-    head = decode_ms_per_token(awq_dir, quantize_lm_head=True)
+    head = decode_ms_per_token(awq_dir, profile=True, quantize_lm_head=True)
     record("decode_b1_awq_int4_int4_head", round(head, 3), "ms/token", f"({bf16 / head:.2f}x bf16; --quantize-lm-head)")
 
 
