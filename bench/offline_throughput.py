@@ -32,7 +32,7 @@ def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[i
     return [[rng.randrange(100, hi) for _ in range(input_len)] for _ in range(num)]
 
 
-def run_aserve(args, prompts):
+def run_aserve(args):
     from aserve import LLM, SamplingParams
 
     kw = dict(dtype=args.dtype, seed=args.seed, load_format=args.load_format)
@@ -64,10 +64,10 @@ def run_aserve(args, prompts):
         llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(max_tokens=1, ignore_eos=True))
         return time.perf_counter() - t0
 
-    return llm.engine, timed, ttft
+    return timed, ttft
 
 
-def run_transformers(args, prompts):
+def run_transformers(args):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +104,7 @@ def run_transformers(args, prompts):
         generate(batch, 1)
         return time.perf_counter() - t0
 
-    return model, timed, ttft
+    return timed, ttft
 
 
 def latency(args, runner, result: dict) -> list[tuple]:
@@ -118,10 +118,10 @@ def latency(args, runner, result: dict) -> list[tuple]:
     for method in methods:
         margs = copy.copy(args)
         margs.quantization = None if method == "none" else method
-        engines.append(runner(margs, None))
+        engines.append(runner(margs))
     e2e, first = [[] for _ in methods], [[] for _ in methods]
     for i in range(args.iters):
-        for j, (_, timed, ttft) in enumerate(engines):
+        for j, (timed, ttft) in enumerate(engines):
             seed = args.seed + 1000 * i + 10 * j
             e2e[j].append(timed(make_prompts(1, args.input_len, VOCAB_PROBE, seed)))
             first[j].append(ttft(make_prompts(1, args.input_len, VOCAB_PROBE, seed + 7)))
@@ -189,7 +189,7 @@ def main() -> None:
         rows = latency(args, runner, result)
     else:
         prompts = make_prompts(args.num_requests, args.input_len, VOCAB_PROBE, args.seed)
-        _, timed, _ = runner(args, prompts)
+        timed, _ = runner(args)
         elapsed = timed(prompts)
         n_out = args.num_requests * args.output_len
         n_in = args.num_requests * args.input_len
